@@ -1,0 +1,321 @@
+//! The communicator contract shared by every backend (in-process threads today; MPI and NCCL later)
+//! and by the engine that calls it.
+//!
+//! Buffers are passed **by value** and handed back by [`CommHandle::wait`]: the collective runs on a
+//! per-rank communication thread while the caller computes, and ownership makes that overlap safe
+//! without lifetimes or locks. No collective allocates a result: the caller provides every output
+//! buffer up front (llm.c style), so steady-state training allocates nothing here.
+
+use half::{bf16, f16};
+use std::fmt;
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// Element type of a communication buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    BF16,
+    F16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::BF16 | DType::F16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An owned, typed communication buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Buffer {
+    pub fn zeros(dtype: DType, len: usize) -> Buffer {
+        match dtype {
+            DType::F32 => Buffer::F32(vec![0.0; len]),
+            DType::BF16 => Buffer::BF16(vec![bf16::ZERO; len]),
+            DType::F16 => Buffer::F16(vec![f16::ZERO; len]),
+        }
+    }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::BF16(_) => DType::BF16,
+            Buffer::F16(_) => DType::F16,
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::BF16(v) => v.len(),
+            Buffer::F16(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+    /// The f32 vector inside, or `None` for a 16-bit buffer.
+    pub fn into_f32(self) -> Option<Vec<f32>> {
+        match self {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
+        match self {
+            Buffer::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    /// Element `i` widened to f32 (for tests and small reads; not for hot loops).
+    pub fn get_f32(&self, i: usize) -> f32 {
+        match self {
+            Buffer::F32(v) => v[i],
+            Buffer::BF16(v) => v[i].to_f32(),
+            Buffer::F16(v) => v[i].to_f32(),
+        }
+    }
+}
+
+/// Reduction applied by `all_reduce` and `reduce_scatter`. 16-bit inputs are accumulated in f32 and
+/// rounded once (round to nearest even) at the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the world size.
+    Avg,
+    Max,
+}
+
+/// The kinds of collective, used to key traffic counters and traces.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveKind {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Barrier,
+}
+
+impl CollectiveKind {
+    pub const ALL: [CollectiveKind; 5] = [
+        CollectiveKind::AllReduce,
+        CollectiveKind::ReduceScatter,
+        CollectiveKind::AllGather,
+        CollectiveKind::Broadcast,
+        CollectiveKind::Barrier,
+    ];
+    /// The snake_case name used in traces, metrics and JSON (`all_reduce`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Barrier => "barrier",
+        }
+    }
+}
+
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The half-open element range `[start, end)` of a buffer of `len` elements that rank `rank` of
+/// `world` owns in `reduce_scatter` and contributes in `all_gather`. Contiguous, in rank order; the
+/// first `len % world` ranks get one element more (as `torch.tensor_split`). The engine pads its flat
+/// buffers to a multiple of the world size, so there every shard is equal.
+pub fn shard_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
+    assert!(world > 0 && rank < world, "rank {rank} out of world {world}");
+    let base = len / world;
+    let extra = len % world;
+    let start = rank * base + rank.min(extra);
+    let size = base + usize::from(rank < extra);
+    start..start + size
+}
+
+/// Bytes sent and received per collective kind, counted by the ring-algorithm formulas (so numbers
+/// are comparable across backends): for a full buffer of B bytes, reduce-scatter and all-gather move
+/// B minus this rank's shard each way, all-reduce twice that, broadcast B (received by non-roots,
+/// sent by the root to each of the other ranks), barrier nothing.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TrafficCounters {
+    /// Indexed by `CollectiveKind as usize`.
+    pub sent_bytes: [u64; 5],
+    pub recv_bytes: [u64; 5],
+    pub calls: [u64; 5],
+}
+
+impl TrafficCounters {
+    pub fn sent(&self, kind: CollectiveKind) -> u64 {
+        self.sent_bytes[kind as usize]
+    }
+    pub fn recv(&self, kind: CollectiveKind) -> u64 {
+        self.recv_bytes[kind as usize]
+    }
+    pub fn calls(&self, kind: CollectiveKind) -> u64 {
+        self.calls[kind as usize]
+    }
+    pub fn total_sent(&self) -> u64 {
+        self.sent_bytes.iter().sum()
+    }
+    pub fn total_recv(&self) -> u64 {
+        self.recv_bytes.iter().sum()
+    }
+    /// `self - earlier`: the traffic between two snapshots (for per-step numbers).
+    pub fn since(&self, earlier: &TrafficCounters) -> TrafficCounters {
+        let mut d = TrafficCounters::default();
+        for i in 0..5 {
+            d.sent_bytes[i] = self.sent_bytes[i] - earlier.sent_bytes[i];
+            d.recv_bytes[i] = self.recv_bytes[i] - earlier.recv_bytes[i];
+            d.calls[i] = self.calls[i] - earlier.calls[i];
+        }
+        d
+    }
+}
+
+/// Why a collective failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommError {
+    #[error(
+        "collective timed out: {op} (sequence #{seq}) on rank {rank} waited {waited:?}; \
+         ranks that arrived: {arrived:?}; ranks that did not: {missing:?}. \
+         Raise the timeout with ZERODP_TIMEOUT=<seconds> or --timeout if this is expected"
+    )]
+    Timeout {
+        op: CollectiveKind,
+        seq: u64,
+        rank: usize,
+        waited: Duration,
+        arrived: Vec<usize>,
+        missing: Vec<usize>,
+    },
+    #[error("rank {failed_rank} failed ({reason}); rank {rank} stopped at {op} (sequence #{seq})")]
+    PeerFailed {
+        rank: usize,
+        failed_rank: usize,
+        reason: String,
+        op: CollectiveKind,
+        seq: u64,
+    },
+    #[error(
+        "collective mismatch at sequence #{seq}: rank {rank} called {mine} but rank {other_rank} \
+         called {theirs}; every rank must issue the same collectives, with the same sizes and dtypes, \
+         in the same order"
+    )]
+    Mismatch {
+        seq: u64,
+        rank: usize,
+        mine: String,
+        other_rank: usize,
+        theirs: String,
+    },
+    #[error("invalid collective call on rank {rank}: {what}")]
+    InvalidArgument { rank: usize, what: String },
+    #[error("communicator shut down: {0}")]
+    Closed(String),
+}
+
+/// The result of a finished collective: the caller's buffers handed back in the order they were
+/// given (`all_reduce`/`broadcast`: `[buf]`; `reduce_scatter`/`all_gather`: `[input, output]`;
+/// `barrier`: `[]`).
+pub type Completion = Result<Vec<Buffer>, CommError>;
+
+/// A collective in flight. Dropping a handle without waiting is allowed (the buffers are dropped when
+/// the collective finishes) but loses its error.
+#[must_use = "a collective's result and buffers come back through wait()"]
+pub struct CommHandle {
+    rx: mpsc::Receiver<Completion>,
+}
+
+impl CommHandle {
+    /// A handle and the sender that completes it (used by backends).
+    pub fn channel() -> (mpsc::Sender<Completion>, CommHandle) {
+        let (tx, rx) = mpsc::channel();
+        (tx, CommHandle { rx })
+    }
+    /// A handle that is already complete (used by backends for trivial cases and errors).
+    pub fn ready(result: Completion) -> CommHandle {
+        let (tx, h) = CommHandle::channel();
+        let _ = tx.send(result);
+        h
+    }
+    /// Block until the collective finishes; returns the buffers.
+    pub fn wait(self) -> Completion {
+        self.rx
+            .recv()
+            .unwrap_or_else(|_| Err(CommError::Closed("communication thread exited".into())))
+    }
+    /// For single-buffer collectives (`all_reduce`, `broadcast`).
+    pub fn wait_one(self) -> Result<Buffer, CommError> {
+        let mut v = self.wait()?;
+        Ok(v.swap_remove(0))
+    }
+    /// For two-buffer collectives (`reduce_scatter`, `all_gather`): `(input, output)`.
+    pub fn wait_pair(self) -> Result<(Buffer, Buffer), CommError> {
+        let mut v = self.wait()?;
+        let output = v.pop().expect("two buffers");
+        let input = v.pop().expect("two buffers");
+        Ok((input, output))
+    }
+}
+
+/// A group of ranks that run collectives together. Every call is enqueued on this rank's
+/// communication thread in issue order and returns at once; all ranks must issue the same sequence
+/// of collectives (same kinds, lengths and dtypes).
+///
+/// Shapes: for a full buffer of `len` elements, rank `r` owns `shard_range(len, world, r)`.
+/// * `all_reduce(buf)`: every rank ends with the reduction of all ranks' `buf`.
+/// * `reduce_scatter(input, output)`: `input.len() == len`, `output.len()` == this rank's shard;
+///   `output` receives the reduction of every rank's shard `r` of `input`.
+/// * `all_gather(input, output)`: `input` is this rank's shard, `output.len() == len`.
+/// * `broadcast(buf, root)`: every rank ends with root's `buf`.
+///
+/// Results are deterministic: bit-identical on every rank and every run for the same inputs.
+pub trait Communicator: Send + Sync {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> CommHandle;
+    fn reduce_scatter(&self, input: Buffer, output: Buffer, op: ReduceOp) -> CommHandle;
+    fn all_gather(&self, input: Buffer, output: Buffer) -> CommHandle;
+    fn broadcast(&self, buf: Buffer, root: usize) -> CommHandle;
+    fn barrier(&self) -> CommHandle;
+    /// Cumulative traffic of this rank since the communicator was created.
+    fn traffic(&self) -> TrafficCounters;
+}

@@ -1,0 +1,1 @@
+//! DeepSpeed JSON config in, validated settings out.

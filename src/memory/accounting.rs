@@ -1,0 +1,1 @@
+//! Byte accounting per kind: parameters, gradients, master weights, optimizer states, buffers.

@@ -1,0 +1,155 @@
+//! The contract between the engine and a model: an ordered list of **units** (FSDP's word: a block
+//! whose parameters are gathered, used and released together) plus a loss computed by the last unit.
+//!
+//! The engine owns every parameter and gradient as flat `f32` buffers, one per unit, laid out as the
+//! concatenation of the unit's [`ParamSpec`]s in order (row-major, no padding; the engine adds the
+//! padding it needs for sharding). A model never keeps parameters between calls: each call gets the
+//! gathered flat parameters it needs as slices, which is what lets stage 3 release them afterwards.
+
+/// One parameter tensor inside a unit's flat buffer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ParamSpec {
+    /// Full name, for example `h.0.attn.c_attn.weight` (names follow the safetensors layout the
+    /// model documents).
+    pub name: String,
+    pub shape: Vec<usize>,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// One unit: its own parameters and the other units whose parameters it also reads.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitSpec {
+    pub name: String,
+    pub params: Vec<ParamSpec>,
+    /// Units (by index) whose parameters this unit reads too: tied weights, such as a GPT's LM head
+    /// that reuses the token embedding of unit 0. Stage 3 gathers them before this unit runs, and the
+    /// gradient contributions of every use are summed into the owner's gradient before it is reduced.
+    pub uses: Vec<usize>,
+}
+
+impl UnitSpec {
+    /// Number of parameter elements this unit owns.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+    /// Element offset of each parameter inside the unit's flat buffer.
+    pub fn offsets(&self) -> Vec<usize> {
+        let mut off = 0;
+        self.params
+            .iter()
+            .map(|p| {
+                let o = off;
+                off += p.numel();
+                o
+            })
+            .collect()
+    }
+}
+
+/// The whole model's layout: units in forward order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSpec {
+    pub units: Vec<UnitSpec>,
+}
+
+impl ModelSpec {
+    /// Ψ: the number of parameters (tied parameters counted once).
+    pub fn num_params(&self) -> usize {
+        self.units.iter().map(UnitSpec::numel).sum()
+    }
+    /// The largest unit, in elements (what one stage-3 gather must hold).
+    pub fn largest_unit(&self) -> usize {
+        self.units.iter().map(UnitSpec::numel).max().unwrap_or(0)
+    }
+}
+
+/// One micro-batch of token windows: `batch_size` rows of `seq_len` tokens, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub batch_size: usize,
+    pub seq_len: usize,
+}
+
+/// Whether a forward must be differentiable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardMode {
+    /// Keep what backward needs in [`UnitForward::saved`].
+    Train,
+    /// No graph; `saved` is `None`. Used by stage 3 and activation checkpointing in the forward
+    /// pass (the unit is run again in `Train` mode during backward), and by evaluation.
+    NoGrad,
+}
+
+/// What a unit's forward returns.
+pub struct UnitForward<A, S> {
+    /// The activation passed to the next unit; `None` from the last unit.
+    pub output: Option<A>,
+    /// The mean loss over the micro-batch's tokens; `Some` only from the last unit.
+    pub loss: Option<f32>,
+    /// What backward needs; `Some` only in [`ForwardMode::Train`].
+    pub saved: Option<S>,
+}
+
+/// Errors from a model's compute.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("unit {unit}: {message}")]
+    Compute { unit: String, message: String },
+    #[error("unit {unit}: expected {expected} parameter slices of lengths {lengths:?}, got {got:?}")]
+    ParamShape {
+        unit: String,
+        expected: usize,
+        lengths: Vec<usize>,
+        got: Vec<usize>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A model the engine can train unit by unit.
+///
+/// `params` and `grads` in every call hold one slice per parameter group the unit reads: first the
+/// unit's own flat buffer, then the flat buffer of each unit in [`UnitSpec::uses`], in that order.
+pub trait UnitModel: Send + Sync {
+    /// An activation flowing between units (cheap to clone).
+    type Act: Clone + Send;
+    /// What a unit keeps from its forward for its backward.
+    type Saved: Send;
+
+    fn spec(&self) -> &ModelSpec;
+
+    /// Deterministic initial values of unit `unit`'s own flat parameters (length `spec().units[unit]
+    /// .numel()`), a function of `seed` alone, so that every rank and every world size starts equal.
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]);
+
+    /// Run unit `unit`. `input` is `None` for the first unit (which reads `batch.tokens`); the last
+    /// unit reads `batch.targets` and returns the loss.
+    fn forward(
+        &self,
+        unit: usize,
+        params: &[&[f32]],
+        input: Option<&Self::Act>,
+        batch: &Batch,
+        mode: ForwardMode,
+    ) -> Result<UnitForward<Self::Act, Self::Saved>, ModelError>;
+
+    /// Backward of unit `unit` from what its `Train` forward saved. `grad_output` is the gradient of
+    /// the objective with respect to the unit's output (`None` for the last unit, whose objective is
+    /// `loss * loss_weight`). Adds (`+=`) the parameter gradients into `grads` and returns the
+    /// gradient with respect to the unit's input (`None` for the first unit).
+    fn backward(
+        &self,
+        unit: usize,
+        saved: Self::Saved,
+        grad_output: Option<&Self::Act>,
+        loss_weight: f32,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Self::Act>, ModelError>;
+}

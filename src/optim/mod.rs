@@ -1,0 +1,1 @@
+//! Optimizers over flat shards and learning-rate schedulers.

@@ -1,0 +1,1 @@
+//! The ZeRO engine: flat buffers, partitions, stages 0-3.
