@@ -729,10 +729,14 @@ fn scheduler(
                 }
                 _ => None,
             };
-            if first + second.unwrap_or(first) == 0 {
+            if first == 0 {
+                let m = p
+                    .get("cycle_first_step_size")
+                    .map(|m| &m.node)
+                    .unwrap_or(p.node);
                 return Err(ConfigError::OutOfRange {
-                    at: r.at("scheduler.params", p.node),
-                    message: "cycle_first_step_size and cycle_second_step_size cannot both be 0"
+                    at: r.at("scheduler.params.cycle_first_step_size", m),
+                    message: "cycle_first_step_size must be at least 1 (DeepSpeed divides by it)"
                         .into(),
                 });
             }
