@@ -42,6 +42,9 @@ fn a_missing_rank_times_out_every_waiting_rank_with_the_full_story() {
         Ok(())
     }));
     assert_eq!(errs.len(), 4, "{errs:?}");
+    // The first rank to reach its deadline fails the world; the others stop with it, a little short
+    // of their own deadlines.
+    let mut longest = Duration::ZERO;
     for (rank, e) in &errs {
         match e {
             CommError::Timeout {
@@ -58,7 +61,7 @@ fn a_missing_rank_times_out_every_waiting_rank_with_the_full_story() {
                 assert_eq!(arrived, &vec![0, 1, 2]);
                 assert_eq!(missing, &vec![3]);
                 if *rank != 3 {
-                    assert!(*waited >= timeout, "rank {rank} waited only {waited:?}");
+                    longest = longest.max(*waited);
                 }
                 let msg = e.to_string();
                 assert!(msg.contains("all_reduce") && msg.contains("#1"), "{msg}");
@@ -66,6 +69,10 @@ fn a_missing_rank_times_out_every_waiting_rank_with_the_full_story() {
             other => panic!("rank {rank}: expected a timeout, got {other}"),
         }
     }
+    assert!(
+        longest >= timeout,
+        "no rank waited the timeout: {longest:?}"
+    );
 }
 
 #[test]
