@@ -1,2 +1,5 @@
 //! Optimizers over flat shards and learning-rate schedulers.
+
+pub mod adam;
+pub mod kernels;
 pub mod scheduler;
