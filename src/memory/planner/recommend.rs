@@ -2,7 +2,7 @@
 //! what to change in the given config. "The choice between ZeRO stages is about capacity, not speed."
 
 use super::size::{format_gb, format_seconds};
-use super::{PlanInput, PlanOption, ZeroChoice};
+use super::{Offload, PlanInput, PlanOption, ZeroChoice};
 
 /// The chosen option (none when nothing fits) and the reasons, one sentence each.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -51,35 +51,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                     best.predicted_comm_s / best.predicted_compute_s
                 ));
             }
-            if let Some(alt) = ranked
-                .iter()
-                .skip_while(|o| o.label != best.label)
-                .skip(1)
-                .filter(|o| o.fits && o.predicted_step_s < 0.95 * best.predicted_step_s)
-                .min_by(|a, b| a.predicted_step_s.total_cmp(&b.predicted_step_s))
-            {
-                reasons.push(format!(
-                    "{} also fits and is predicted faster on this cluster ({} vs {} per step): {}",
-                    alt.label,
-                    format_seconds(alt.predicted_step_s),
-                    format_seconds(best.predicted_step_s),
-                    "offloading costs more than sharding over this network; prefer it if speed matters more than headroom"
-                ));
-            } else if best.offload_optimizer == super::Offload::None {
-                if let Some(slower) = ranked
-                    .iter()
-                    .skip_while(|o| o.label != best.label)
-                    .skip(1)
-                    .find(|o| o.fits && o.predicted_step_s > 1.2 * best.predicted_step_s)
-                {
-                    reasons.push(format!(
-                        "higher options only cost time here: {} is predicted at {} per step vs {}",
-                        slower.label,
-                        format_seconds(slower.predicted_step_s),
-                        format_seconds(best.predicted_step_s)
-                    ));
-                }
-            }
+            reasons.extend(network_comparisons(best, &ranked));
         }
         None => {
             reasons.push(format!(
@@ -104,7 +76,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 }
             }
             if let Some(s3) = options.iter().find(|o| {
-                o.choice() == ZeroChoice::new(3, super::Offload::None, super::Offload::None)
+                o.choice() == ZeroChoice::new(3, Offload::None, Offload::None)
             }) {
                 let b = &s3.bytes_per_device;
                 let rest = b.total - b.model_states;
@@ -131,6 +103,44 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
         reasons,
         config_advice: config_advice(input, options, chosen),
     }
+}
+
+/// What the network and the host links do to the alternatives that also fit.
+fn network_comparisons(best: &PlanOption, ranked: &[&PlanOption]) -> Vec<String> {
+    let mut out = Vec::new();
+    let later = || ranked.iter().skip_while(|o| o.label != best.label).skip(1).filter(|o| o.fits);
+    if best.stage < 3 {
+        if let Some(s3) = later().find(|o| o.stage == 3 && o.offload_optimizer == Offload::None) {
+            out.push(format!(
+                "stage 3 also fits ({} per device) but would move {} instead of {} per step, gathering every unit twice per micro-step: {} vs {} of communication on this network",
+                format_gb(s3.bytes_per_device.total),
+                format_gb(s3.comm_bytes_per_step),
+                format_gb(best.comm_bytes_per_step),
+                format_seconds(s3.predicted_comm_s),
+                format_seconds(best.predicted_comm_s)
+            ));
+        }
+    }
+    if best.offload_optimizer == Offload::None {
+        if let Some(off) = later().find(|o| o.offload_optimizer != Offload::None) {
+            out.push(format!(
+                "offloading ({}) would free device memory but add {} per step of host copies and host-side Adam",
+                off.label,
+                format_seconds(off.offload.predicted_s)
+            ));
+        }
+    } else if let Some(alt) = later()
+        .filter(|o| o.predicted_step_s < 0.95 * best.predicted_step_s)
+        .min_by(|a, b| a.predicted_step_s.total_cmp(&b.predicted_step_s))
+    {
+        out.push(format!(
+            "{} also fits and is predicted faster on this cluster ({} vs {} per step): offloading costs more than sharding over this network; prefer it if speed matters more than headroom",
+            alt.label,
+            format_seconds(alt.predicted_step_s),
+            format_seconds(best.predicted_step_s)
+        ));
+    }
+    out
 }
 
 fn host_note(o: &PlanOption) -> String {
@@ -255,7 +265,6 @@ fn config_advice(
 }
 
 fn offload_keys(c: ZeroChoice) -> String {
-    use super::Offload;
     let mut s = String::new();
     s.push_str(&format!(
         ", offload_optimizer.device = {}",
