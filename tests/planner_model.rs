@@ -2,8 +2,8 @@
 //! estimators and the classic worked examples.
 
 use zerodp::memory::planner::{
-    engine_buffer_bytes, interconnect, model_state_bytes, plan, plan_option, BufferOverrides, Cluster, Collective,
-    HostLinks, ModelSize, Offload, PlanInput, Precision, ZeroChoice,
+    engine_buffer_bytes, interconnect, model_state_bytes, plan, plan_option, BufferOverrides,
+    Cluster, Collective, HostLinks, ModelSize, Offload, PlanInput, Precision, ZeroChoice,
 };
 
 const GIB: u64 = 1 << 30;
@@ -48,15 +48,31 @@ fn gb1(bytes: u64) -> f64 {
 fn paper_table_psi_7_5b_on_64_devices() {
     let psi = 7_500_000_000;
     let got: Vec<f64> = (0..=3)
-        .map(|s| gb1(model_state_bytes(none(s), Precision::Bf16, psi, 64).0.model_states))
+        .map(|s| {
+            gb1(model_state_bytes(none(s), Precision::Bf16, psi, 64)
+                .0
+                .model_states)
+        })
         .collect();
     assert_eq!(got, vec![120.0, 31.4, 16.6, 1.9]);
     // The formulas themselves: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N (Ψ/N = 117,187,500 exactly).
     let shard = psi / 64;
     let exact: Vec<u64> = (0..=3)
-        .map(|s| model_state_bytes(none(s), Precision::Bf16, psi, 64).0.model_states)
+        .map(|s| {
+            model_state_bytes(none(s), Precision::Bf16, psi, 64)
+                .0
+                .model_states
+        })
         .collect();
-    assert_eq!(exact, vec![16 * psi, 4 * psi + 12 * shard, 2 * psi + 14 * shard, 16 * shard]);
+    assert_eq!(
+        exact,
+        vec![
+            16 * psi,
+            4 * psi + 12 * shard,
+            2 * psi + 14 * shard,
+            16 * shard
+        ]
+    );
 }
 
 #[test]
@@ -79,16 +95,28 @@ fn psi_terms_match_deepspeed_estimators() {
     let host_per_node = |c: ZeroChoice| model_state_bytes(c, Precision::Fp16, psi, g).1.host * gpn;
     let dev = |c: ZeroChoice| model_state_bytes(c, Precision::Fp16, psi, g).0.model_states;
     // zero2, offload_optimizer=cpu: per GPU 2Ψ.
-    assert_eq!(dev(ZeroChoice::new(2, Offload::Cpu, Offload::None)), 2 * psi);
+    assert_eq!(
+        dev(ZeroChoice::new(2, Offload::Cpu, Offload::None)),
+        2 * psi
+    );
     // zero2, none: DeepSpeed's 2Ψ + 18Ψ/G counts a transient fp32 gradient partition (4Ψ/G) on top of
     // the paper's 2Ψ + 14Ψ/G.
     assert_eq!(dev(none(2)) + 4 * shard, 2 * psi + 18 * shard);
     // zero3 cpu/cpu (zero_init): per GPU 4L only, per CPU 18Ψ/nodes.
     assert_eq!(dev(ZeroChoice::new(3, Offload::Cpu, Offload::Cpu)), 0);
-    assert_eq!(host_per_node(ZeroChoice::new(3, Offload::Cpu, Offload::Cpu)), 18 * psi / nodes);
+    assert_eq!(
+        host_per_node(ZeroChoice::new(3, Offload::Cpu, Offload::Cpu)),
+        18 * psi / nodes
+    );
     // zero3 none/cpu: per GPU 4L + 2Ψ/G, per CPU 16Ψ/nodes.
-    assert_eq!(dev(ZeroChoice::new(3, Offload::Cpu, Offload::None)), 2 * shard);
-    assert_eq!(host_per_node(ZeroChoice::new(3, Offload::Cpu, Offload::None)), 16 * psi / nodes);
+    assert_eq!(
+        dev(ZeroChoice::new(3, Offload::Cpu, Offload::None)),
+        2 * shard
+    );
+    assert_eq!(
+        host_per_node(ZeroChoice::new(3, Offload::Cpu, Offload::None)),
+        16 * psi / nodes
+    );
     // zero3 none/none: per GPU 4L + 18Ψ/G = 2 (16-bit params) + 4 (fp32 grads) + 12: DeepSpeed keeps
     // an fp32 gradient partition where the paper counts a 16-bit one, 2Ψ/G more.
     assert_eq!(dev(none(3)) + 2 * shard, 18 * shard);
@@ -100,13 +128,20 @@ fn seventy_billion_in_plain_dp_needs_over_a_terabyte() {
     let (d, _) = model_state_bytes(none(0), Precision::Bf16, psi, 8);
     assert_eq!(d.model_states, 1_120_000_000_000);
     assert!(d.model_states > 1_000_000_000_000);
-    let o = plan_option(&input(psi, 1_000_000_000, cluster(1, 8, 80_000_000_000, "ib-ndr")), none(0));
+    let o = plan_option(
+        &input(psi, 1_000_000_000, cluster(1, 8, 80_000_000_000, "ib-ndr")),
+        none(0),
+    );
     assert!(!o.fits);
 }
 
 #[test]
 fn seventy_billion_on_eight_80gb_devices() {
-    let inp = input(70_000_000_000, 1_000_000_000, cluster(1, 8, 80_000_000_000, "ib-ndr"));
+    let inp = input(
+        70_000_000_000,
+        1_000_000_000,
+        cluster(1, 8, 80_000_000_000, "ib-ndr"),
+    );
     let p = plan(&inp).unwrap();
     let fits = |c: ZeroChoice| p.options.iter().find(|o| o.choice() == c).unwrap().fits;
     use Offload::*;
@@ -119,7 +154,11 @@ fn seventy_billion_on_eight_80gb_devices() {
     assert!(!fits(ZeroChoice::new(2, Cpu, None)));
     // Stage 3 with the optimizer on the host: 2Ψ/8 = 17.5 GB of params + buffers on the device,
     // 16Ψ = 1120 GB on the 2 TiB host.
-    for c in [ZeroChoice::new(3, Cpu, None), ZeroChoice::new(3, Cpu, Cpu), ZeroChoice::new(3, Nvme, Nvme)] {
+    for c in [
+        ZeroChoice::new(3, Cpu, None),
+        ZeroChoice::new(3, Cpu, Cpu),
+        ZeroChoice::new(3, Nvme, Nvme),
+    ] {
         assert!(fits(c), "{} should fit", c.label());
     }
     let lowest = p
@@ -131,20 +170,36 @@ fn seventy_billion_on_eight_80gb_devices() {
     assert_eq!(p.recommendation.choice, Some(lowest.choice()));
     assert_eq!(p.recommendation.choice, Some(ZeroChoice::new(3, Cpu, None)));
     assert!(p.recommendation.reasons[0].contains("stage 3 +opt cpu"));
-    assert!(p.recommendation.reasons.iter().any(|r| r.starts_with("stage 3 needs")));
+    assert!(p
+        .recommendation
+        .reasons
+        .iter()
+        .any(|r| r.starts_with("stage 3 needs")));
 
     // With 1 TiB of host memory, CPU offload of 1120 GB no longer fits the host: NVMe is next.
     let mut small_host = inp.clone();
     small_host.cluster.host_memory = 1 << 40;
     let p = plan(&small_host).unwrap();
-    let s3cpu = p.options.iter().find(|o| o.choice() == ZeroChoice::new(3, Cpu, None)).unwrap();
+    let s3cpu = p
+        .options
+        .iter()
+        .find(|o| o.choice() == ZeroChoice::new(3, Cpu, None))
+        .unwrap();
     assert!(s3cpu.fits_device && !s3cpu.fits_host);
-    assert_eq!(p.recommendation.choice, Some(ZeroChoice::new(3, Nvme, None)));
+    assert_eq!(
+        p.recommendation.choice,
+        Some(ZeroChoice::new(3, Nvme, None))
+    );
 }
 
 #[test]
 fn nothing_fits_says_so_and_how_many_devices_would() {
-    let p = plan(&input(70_000_000_000, 1_000_000_000, cluster(1, 1, 80 * GIB, "ib-ndr"))).unwrap();
+    let p = plan(&input(
+        70_000_000_000,
+        1_000_000_000,
+        cluster(1, 1, 80 * GIB, "ib-ndr"),
+    ))
+    .unwrap();
     // One device: stage 3 shards nothing, but offloading everything still fits...
     assert!(p.recommendation.choice.is_some());
     let mut tiny = input(70_000_000_000, 1_000_000_000, cluster(1, 1, GIB, "ib-ndr"));
@@ -167,16 +222,33 @@ fn traffic_per_step_follows_2psi_and_3psi() {
     assert_eq!(per_dev(1), two_psi);
     assert_eq!(per_dev(2), two_psi);
     assert_eq!(per_dev(3), three_psi);
-    let ops: Vec<Collective> = plan_option(&inp, none(3)).collectives.iter().map(|c| c.op).collect();
-    assert_eq!(ops, vec![Collective::AllGather, Collective::AllGather, Collective::ReduceScatter]);
-    assert_eq!(plan_option(&inp, none(0)).collectives[0].op, Collective::AllReduce);
+    let ops: Vec<Collective> = plan_option(&inp, none(3))
+        .collectives
+        .iter()
+        .map(|c| c.op)
+        .collect();
+    assert_eq!(
+        ops,
+        vec![
+            Collective::AllGather,
+            Collective::AllGather,
+            Collective::ReduceScatter
+        ]
+    );
+    assert_eq!(
+        plan_option(&inp, none(0)).collectives[0].op,
+        Collective::AllReduce
+    );
     // fp32 doubles the bytes; gradient accumulation repeats stage 3's gathers every micro-step.
     let mut fp32 = inp.clone();
     fp32.precision = Precision::Fp32;
     assert_eq!(plan_option(&fp32, none(2)).comm_bytes_per_step, 2 * two_psi);
     let mut gas = inp.clone();
     gas.grad_accum = 4;
-    assert_eq!(plan_option(&gas, none(3)).comm_bytes_per_step, 4 * three_psi);
+    assert_eq!(
+        plan_option(&gas, none(3)).comm_bytes_per_step,
+        4 * three_psi
+    );
     assert_eq!(plan_option(&gas, none(1)).comm_bytes_per_step, two_psi);
 }
 
@@ -185,7 +257,11 @@ fn comm_time_is_monotone_and_hierarchical_wins_small_messages() {
     let c = cluster(8, 8, 80 * GIB, "ib-ndr");
     let mut last = 0.0;
     for bytes in [1e3, 1e5, 1e7, 1e9, 1e11] {
-        for op in [Collective::AllReduce, Collective::ReduceScatter, Collective::AllGather] {
+        for op in [
+            Collective::AllReduce,
+            Collective::ReduceScatter,
+            Collective::AllGather,
+        ] {
             assert!(c.ring_time(op, bytes) > 0.0 && c.hierarchical_time(op, bytes) > 0.0);
         }
         let (t, _) = c.collective_time(Collective::AllReduce, bytes, 1);
@@ -193,9 +269,13 @@ fn comm_time_is_monotone_and_hierarchical_wins_small_messages() {
         last = t;
     }
     // Latency-bound: 63 inter-node steps on a flat ring vs 7 + 7 on the hierarchy.
-    assert!(c.hierarchical_time(Collective::AllGather, 1e4) < c.ring_time(Collective::AllGather, 1e4));
+    assert!(
+        c.hierarchical_time(Collective::AllGather, 1e4) < c.ring_time(Collective::AllGather, 1e4)
+    );
     // Bandwidth-bound: the hierarchy pays both the intra- and the inter-node bandwidth terms.
-    assert!(c.ring_time(Collective::AllGather, 1e11) < c.hierarchical_time(Collective::AllGather, 1e11));
+    assert!(
+        c.ring_time(Collective::AllGather, 1e11) < c.hierarchical_time(Collective::AllGather, 1e11)
+    );
     // An all-reduce costs about two all-gathers of the same size.
     let ar = c.ring_time(Collective::AllReduce, 1e10);
     let ag = c.ring_time(Collective::AllGather, 1e10);
@@ -208,7 +288,11 @@ fn comm_time_is_monotone_and_hierarchical_wins_small_messages() {
 
 #[test]
 fn slow_networks_make_stage_3_communication_dominate() {
-    let fast = input(7_500_000_000, 200_000_000, cluster(8, 8, 80 * GIB, "ib-ndr"));
+    let fast = input(
+        7_500_000_000,
+        200_000_000,
+        cluster(8, 8, 80 * GIB, "ib-ndr"),
+    );
     let mut slow = fast.clone();
     slow.cluster.inter = interconnect("eth-100g").unwrap();
     let f = plan_option(&fast, none(3));
@@ -216,7 +300,9 @@ fn slow_networks_make_stage_3_communication_dominate() {
     assert_eq!(f.comm_bytes_per_step, s.comm_bytes_per_step);
     assert!(s.predicted_comm_s > 10.0 * f.predicted_comm_s);
     assert!(s.predicted_comm_s > s.predicted_compute_s);
-    assert!(plan_option(&slow, none(3)).predicted_comm_s > plan_option(&slow, none(2)).predicted_comm_s);
+    assert!(
+        plan_option(&slow, none(3)).predicted_comm_s > plan_option(&slow, none(2)).predicted_comm_s
+    );
 }
 
 #[test]
@@ -233,13 +319,20 @@ fn compute_time_is_6_psi_tokens_and_8_with_checkpointing() {
 
 #[test]
 fn buffers_follow_the_engine_rules_in_the_options() {
-    let inp = input(7_500_000_000, 200_000_000, cluster(8, 8, 80 * GIB, "ib-ndr"));
+    let inp = input(
+        7_500_000_000,
+        200_000_000,
+        cluster(8, 8, 80 * GIB, "ib-ndr"),
+    );
     let s3 = plan_option(&inp, none(3));
     // DeepSpeed defaults at stage 3: 5e8-element buckets, overlap on (two), max live 1e9.
     assert_eq!(s3.bytes_per_device.reduce_buckets, 2 * 500_000_000 * 2);
     assert_eq!(s3.bytes_per_device.gather_pool, 1_000_000_000 * 2);
     let b = engine_buffer_bytes(3, Precision::Bf16, &inp.model, &s3.buffer_settings);
-    assert_eq!(b.reduce_buckets + b.gather_pool + b.persistent_params, s3.buffer_bytes());
+    assert_eq!(
+        b.reduce_buckets + b.gather_pool + b.persistent_params,
+        s3.buffer_bytes()
+    );
     let s2 = plan_option(&inp, none(2));
     assert_eq!(s2.bytes_per_device.reduce_buckets, 500_000_000 * 2);
     assert_eq!(s2.bytes_per_device.gather_pool, 0);
@@ -252,7 +345,11 @@ fn buffers_follow_the_engine_rules_in_the_options() {
 
 #[test]
 fn config_advice_names_a_bucket_size_that_breaks_the_budget() {
-    let mut inp = input(7_500_000_000, 200_000_000, cluster(8, 8, 16_000_000_000, "ib-ndr"));
+    let mut inp = input(
+        7_500_000_000,
+        200_000_000,
+        cluster(8, 8, 16_000_000_000, "ib-ndr"),
+    );
     inp.configured = Some(none(3));
     inp.buffers = BufferOverrides {
         reduce_bucket_size: Some(5_000_000_000),
@@ -266,7 +363,8 @@ fn config_advice_names_a_bucket_size_that_breaks_the_budget() {
     let advice = p.recommendation.config_advice.join("\n");
     assert!(advice.contains("reduce_bucket_size"), "{advice}");
     // The bound it gives makes the option fit.
-    let bound = (16_000_000_000 - (s3.bytes_per_device.total - s3.bytes_per_device.reduce_buckets)) / 4;
+    let bound =
+        (16_000_000_000 - (s3.bytes_per_device.total - s3.bytes_per_device.reduce_buckets)) / 4;
     let mut fixed = inp.clone();
     fixed.buffers.reduce_bucket_size = Some(bound);
     assert!(plan_option(&fixed, none(3)).fits);

@@ -9,9 +9,16 @@ use zerodp::memory::planner::{
     ModelSize, Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
 };
 
+/// `zerodp plan`'s flags, boxed so that the subcommand enum stays small.
 #[derive(clap::Args, Debug)]
 #[command(after_help = interconnect_help())]
 pub struct PlanArgs {
+    #[command(flatten)]
+    pub flags: Box<PlanFlags>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PlanFlags {
     /// Parameter count Ψ: 7.5e9, 70B, 350M.
     #[arg(long, value_name = "COUNT", conflicts_with_all = ["preset", "layers"])]
     pub params: Option<String>,
@@ -114,6 +121,7 @@ fn interconnect_help() -> String {
 }
 
 pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
+    let args = args.flags;
     let input = build_input(&args)?;
     let plan = planner::plan(&input)?;
     if let Some(path) = &args.chart {
@@ -132,7 +140,7 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
 }
 
 /// Flags and config into the planner's input.
-pub fn build_input(args: &PlanArgs) -> anyhow::Result<PlanInput> {
+pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
     let keys = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -239,7 +247,7 @@ pub fn build_input(args: &PlanArgs) -> anyhow::Result<PlanInput> {
 }
 
 /// Nodes and devices per node from whichever of --nodes, --devices, --devices-per-node were given.
-fn layout(args: &PlanArgs) -> anyhow::Result<(u64, u64)> {
+fn layout(args: &PlanFlags) -> anyhow::Result<(u64, u64)> {
     let positive = |v: Option<u64>, flag: &str| -> anyhow::Result<Option<u64>> {
         match v {
             Some(0) => anyhow::bail!("{flag} must be at least 1"),

@@ -81,9 +81,11 @@ impl ConfigKeys {
             k.buffers.overlap_comm = match z.get("overlap_comm") {
                 None | Some(Value::Null) => None,
                 Some(Value::Bool(b)) => Some(*b),
-                Some(other) => return Err(PlanError::Config(format!(
+                Some(other) => {
+                    return Err(PlanError::Config(format!(
                     "{source}: zero_optimization.overlap_comm must be true or false, found {other}"
-                ))),
+                )))
+                }
             };
             k.buffers.max_live_parameters = count(
                 get(&["stage3_max_live_parameters", "max_live_parameters"]),

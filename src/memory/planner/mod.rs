@@ -111,6 +111,8 @@ pub struct PlanOption {
     pub predicted_compute_s: f64,
     /// compute + communication + offload, with no overlap: an upper bound on a step.
     pub predicted_step_s: f64,
+    /// True for the option the recommendation picks (set by [`plan`]).
+    pub recommended: bool,
 }
 
 impl PlanOption {
@@ -209,6 +211,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         predicted_comm_s: comm_s,
         predicted_compute_s: compute_s,
         predicted_step_s: compute_s + comm_s + offload.predicted_s,
+        recommended: false,
     }
 }
 
@@ -260,13 +263,14 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             "--device-memory must be more than 0 (for example 80GiB)".into(),
         ));
     }
-    if !(c.device_flops > 0.0) {
+    if !positive(c.device_flops) {
         return Err(PlanError::Input(
             "--flops must be more than 0 (for example 4e14)".into(),
         ));
     }
     for (what, link) in [("intra-node", c.intra), ("inter-node", c.inter)] {
-        if !(link.bandwidth > 0.0) || !(link.latency >= 0.0) {
+        let latency_ok = link.latency.is_finite() && link.latency >= 0.0;
+        if !(positive(link.bandwidth) && latency_ok) {
             return Err(PlanError::Input(format!(
                 "the {what} link needs a positive bandwidth and a non-negative latency"
             )));
@@ -286,6 +290,11 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
         }
     }
     Ok(())
+}
+
+/// A finite number above zero (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
 }
 
 fn notes(input: &PlanInput) -> Vec<String> {

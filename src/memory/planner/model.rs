@@ -133,9 +133,11 @@ impl ModelSize {
             return Err(PlanError::Input("--params must be at least 1".into()));
         }
         let (largest, estimated) = match largest_unit {
-            Some(l) if l > params => return Err(PlanError::Input(format!(
+            Some(l) if l > params => {
+                return Err(PlanError::Input(format!(
                 "--largest-unit {l} is larger than --params {params}; a unit is part of the model"
-            ))),
+            )))
+            }
             Some(l) => (l, false),
             None => {
                 let w = (128.0 * params as f64 / 12.0).cbrt();

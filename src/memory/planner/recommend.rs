@@ -75,9 +75,10 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                     }
                 }
             }
-            if let Some(s3) = options.iter().find(|o| {
-                o.choice() == ZeroChoice::new(3, Offload::None, Offload::None)
-            }) {
+            if let Some(s3) = options
+                .iter()
+                .find(|o| o.choice() == ZeroChoice::new(3, Offload::None, Offload::None))
+            {
                 let b = &s3.bytes_per_device;
                 let rest = b.total - b.model_states;
                 if rest < mem {
@@ -108,7 +109,13 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
 /// What the network and the host links do to the alternatives that also fit.
 fn network_comparisons(best: &PlanOption, ranked: &[&PlanOption]) -> Vec<String> {
     let mut out = Vec::new();
-    let later = || ranked.iter().skip_while(|o| o.label != best.label).skip(1).filter(|o| o.fits);
+    let later = || {
+        ranked
+            .iter()
+            .skip_while(|o| o.label != best.label)
+            .skip(1)
+            .filter(|o| o.fits)
+    };
     if best.stage < 3 {
         if let Some(s3) = later().find(|o| o.stage == 3 && o.offload_optimizer == Offload::None) {
             out.push(format!(
