@@ -235,11 +235,14 @@ pub fn compute_seconds(input: &PlanInput) -> f64 {
 /// Evaluates every choice ([`ZeroChoice::all`]) and recommends one.
 pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     validate(input)?;
-    let options: Vec<PlanOption> = ZeroChoice::all()
+    let mut options: Vec<PlanOption> = ZeroChoice::all()
         .into_iter()
         .map(|c| plan_option(input, c))
         .collect();
     let recommendation = recommend(input, &options);
+    for o in &mut options {
+        o.recommended = recommendation.choice == Some(o.choice());
+    }
     Ok(Plan {
         params: input.model.params,
         world_size: input.cluster.world_size(),
