@@ -369,3 +369,52 @@ fn config_advice_names_a_bucket_size_that_breaks_the_budget() {
     fixed.buffers.reduce_bucket_size = Some(bound);
     assert!(plan_option(&fixed, none(3)).fits);
 }
+
+#[test]
+fn the_engine_path_uses_its_own_unit_layout() {
+    use zerodp::model::{ModelSpec, ParamSpec, UnitSpec};
+    let unit = |name: &str, shapes: &[&[usize]]| UnitSpec {
+        name: name.into(),
+        params: shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| ParamSpec {
+                name: format!("{name}.{i}"),
+                shape: s.to_vec(),
+            })
+            .collect(),
+        uses: Vec::new(),
+    };
+    let spec = ModelSpec {
+        units: vec![
+            unit("wte", &[&[1000, 64], &[128, 64]]),
+            unit("h.0", &[&[64, 192], &[192], &[64, 64]]),
+            unit("h.1", &[&[64, 192], &[192], &[64, 64]]),
+            unit("ln_f", &[&[64], &[64]]),
+        ],
+    };
+    let model = ModelSize::from_model_spec(&spec, None);
+    assert_eq!(model.params, spec.num_params() as u64);
+    assert_eq!(model.largest_unit, 1128 * 64);
+    let mut inp = input(1, 1, cluster(1, 4, 80 * GIB, "ib-ndr"));
+    inp.model = model;
+    inp.precision = Precision::Fp32;
+    inp.buffers = BufferOverrides {
+        reduce_bucket_size: Some(10_000),
+        overlap_comm: Some(false),
+        max_live_parameters: Some(0),
+        param_persistence_threshold: Some(20_000),
+    };
+    let o = plan_option(&inp, none(3));
+    let psi = spec.num_params() as u64;
+    // f32 bucket of 10k elements; pool = the largest unit; h.0, h.1 and ln_f (≤ 20k) stay gathered.
+    assert_eq!(o.bytes_per_device.reduce_buckets, 40_000);
+    assert_eq!(o.bytes_per_device.gather_pool, 1128 * 64 * 4);
+    let persistent = 2 * (64 * 192 + 192 + 64 * 64) + 128;
+    assert_eq!(o.bytes_per_device.persistent_params, persistent * 4);
+    // Gathers skip the persistent units; their params are all-gathered once after the step.
+    let n = 4;
+    let expect = (2 * (psi - persistent) + psi + persistent) * 4 * (n - 1) / n;
+    assert_eq!(o.comm_bytes_per_step, expect);
+    assert_eq!(o.collectives[0].calls, 1);
+}
