@@ -1,1 +1,2 @@
 //! Optimizers over flat shards and learning-rate schedulers.
+pub mod scheduler;
