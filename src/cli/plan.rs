@@ -1,8 +1,433 @@
-//! `zerodp plan` (being built; see the issue tracker).
+//! `zerodp plan`: memory per device and per node, traffic and predicted times for every ZeRO stage
+//! and offload choice, and a recommendation, before a run. The numbers come from
+//! [`zerodp::memory::planner::plan`]; this file only turns flags into a [`PlanInput`] and prints.
+
+use anyhow::Context;
+use zerodp::memory::planner::{
+    self, format_gb, format_seconds, interconnect, memory_chart_svg, parse_bandwidth, parse_bytes,
+    parse_count, parse_latency, BufferOverrides, Cluster, ConfigKeys, GptShape, HostLinks,
+    ModelSize, Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
+};
+
+/// `zerodp plan`'s flags, boxed so that the subcommand enum stays small.
+#[derive(clap::Args, Debug)]
+#[command(after_help = interconnect_help())]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub flags: Box<PlanFlags>,
+}
 
 #[derive(clap::Args, Debug)]
-pub struct PlanArgs {}
+pub struct PlanFlags {
+    /// Parameter count Ψ: 7.5e9, 70B, 350M.
+    #[arg(long, value_name = "COUNT", conflicts_with_all = ["preset", "layers"])]
+    pub params: Option<String>,
+    /// Elements of the largest unit (one stage-3 gather); estimated from Ψ when left out.
+    #[arg(long, value_name = "COUNT", requires = "params")]
+    pub largest_unit: Option<String>,
+    /// A named GPT shape: gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-2.7b, gpt3-6.7b, gpt3-13b, gpt3-175b.
+    #[arg(long, value_name = "NAME", conflicts_with = "layers")]
+    pub preset: Option<String>,
+    /// GPT shape: transformer blocks.
+    #[arg(long, requires_all = ["width", "heads"])]
+    pub layers: Option<u64>,
+    /// GPT shape: model width.
+    #[arg(long, requires = "layers")]
+    pub width: Option<u64>,
+    /// GPT shape: attention heads.
+    #[arg(long, requires = "layers")]
+    pub heads: Option<u64>,
+    /// GPT shape: vocabulary size.
+    #[arg(long, default_value_t = 50257, requires = "layers")]
+    pub vocab: u64,
+    /// GPT shape: context length (positions).
+    #[arg(long, default_value_t = 1024, requires = "layers")]
+    pub context: u64,
 
-pub fn run(_args: PlanArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("this command is not built yet")
+    /// Nodes (machines).
+    #[arg(long)]
+    pub nodes: Option<u64>,
+    /// Devices in total.
+    #[arg(long)]
+    pub devices: Option<u64>,
+    /// Devices per node (default 8, or all devices when they fit one node).
+    #[arg(long)]
+    pub devices_per_node: Option<u64>,
+    /// Memory per device: 80GiB, 80GB, 40GiB.
+    #[arg(long, default_value = "80GiB")]
+    pub device_memory: String,
+    /// Host memory per node (default 2TiB, a DGX H100).
+    #[arg(long, default_value = "2TiB")]
+    pub host_memory: String,
+    /// Network between nodes (ib-hdr, ib-ndr, eth-100g, eth-200g, eth-400g) or, given nvlink or
+    /// pcie, the link inside a node.
+    #[arg(long, value_name = "PRESET")]
+    pub interconnect: Option<String>,
+    /// Link inside a node: nvlink or pcie.
+    #[arg(long, value_name = "PRESET", default_value = "nvlink")]
+    pub intra_node: String,
+    /// Overrides the intra-node bandwidth per device: 450GB/s, 2.4e11.
+    #[arg(long)]
+    pub intra_bandwidth: Option<String>,
+    /// Overrides the intra-node latency per ring step: 3us.
+    #[arg(long)]
+    pub intra_latency: Option<String>,
+    /// Overrides the network bandwidth per node (all NICs): 400GB/s, 3200Gbps.
+    #[arg(long)]
+    pub inter_bandwidth: Option<String>,
+    /// Overrides the network latency per ring step: 5us.
+    #[arg(long)]
+    pub inter_latency: Option<String>,
+    /// Sustained FLOP/s per device (default 4e14: H100 bf16 at ~40% of its 989 TFLOP/s dense peak;
+    /// 6e13 for fp32).
+    #[arg(long)]
+    pub flops: Option<f64>,
+
+    /// Sequences per device per micro-step (default: the config's, else 1).
+    #[arg(long)]
+    pub micro_batch: Option<u64>,
+    /// Tokens per sequence (default: the model's context, else 2048).
+    #[arg(long)]
+    pub seq_len: Option<u64>,
+    /// Micro-steps per optimizer step (default: the config's, else 1).
+    #[arg(long)]
+    pub grad_accum: Option<u64>,
+    /// bf16, fp16 or fp32 (default: the config's, else bf16).
+    #[arg(long, value_parser = ["bf16", "fp16", "fp32"])]
+    pub precision: Option<String>,
+    /// Plan with activation checkpointing (recompute in backward).
+    #[arg(long)]
+    pub activation_checkpointing: bool,
+    /// A DeepSpeed config: stage, offload, buckets, precision and batch are read from it, and the
+    /// recommendation says what to change in it.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<std::path::PathBuf>,
+
+    /// table (for people) or json (for machines).
+    #[arg(long, default_value = "table", value_parser = ["table", "json"])]
+    pub format: String,
+    /// Also write an SVG bar chart of memory per device by option.
+    #[arg(long, value_name = "FILE.svg")]
+    pub chart: Option<std::path::PathBuf>,
+}
+
+fn interconnect_help() -> String {
+    let mut s =
+        String::from("Interconnect presets (achievable bus bandwidth, latency per ring step):\n");
+    for (name, _, what) in INTERCONNECTS {
+        s.push_str(&format!("  {name:<9} {what}\n"));
+    }
+    s
+}
+
+pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
+    let args = args.flags;
+    let input = build_input(&args)?;
+    let plan = planner::plan(&input)?;
+    if let Some(path) = &args.chart {
+        std::fs::write(path, memory_chart_svg(&plan, input.cluster.device_memory))
+            .with_context(|| format!("writing the chart to {}", path.display()))?;
+    }
+    if args.format == "json" {
+        println!("{}", serde_json::to_string_pretty(&plan.options)?);
+    } else {
+        print!("{}", render_table(&input, &plan));
+        if let Some(path) = &args.chart {
+            println!("chart written to {}", path.display());
+        }
+    }
+    Ok(0)
+}
+
+/// Flags and config into the planner's input.
+pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
+    let keys = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            Some(ConfigKeys::from_json_str(
+                &text,
+                &path.display().to_string(),
+            )?)
+        }
+        None => None,
+    };
+    let model = if let Some(p) = &args.params {
+        let largest = args
+            .largest_unit
+            .as_deref()
+            .map(|l| parse_count(l, "--largest-unit"))
+            .transpose()?;
+        ModelSize::from_count(parse_count(p, "--params")?, largest)?
+    } else if let Some(name) = &args.preset {
+        ModelSize::from_gpt(GptShape::preset(name)?)?
+    } else if let (Some(layers), Some(width), Some(heads)) = (args.layers, args.width, args.heads) {
+        ModelSize::from_gpt(GptShape {
+            layers,
+            width,
+            heads,
+            vocab: args.vocab,
+            context: args.context,
+        })?
+    } else {
+        anyhow::bail!(
+            "no model given: pass --params 7.5e9 [--largest-unit N], --preset gpt2-xl, or --layers L --width W --heads H [--vocab V --context C]"
+        );
+    };
+    let precision = match args.precision.as_deref() {
+        Some("bf16") => Precision::Bf16,
+        Some("fp16") => Precision::Fp16,
+        Some("fp32") => Precision::Fp32,
+        _ => keys
+            .as_ref()
+            .and_then(|k| k.precision)
+            .unwrap_or(Precision::Bf16),
+    };
+    let (nodes, devices_per_node) = layout(args)?;
+    let mut intra = interconnect(&args.intra_node)?;
+    let mut inter = interconnect("ib-ndr")?;
+    if let Some(name) = &args.interconnect {
+        let link = interconnect(name)?;
+        if matches!(name.to_ascii_lowercase().as_str(), "nvlink" | "pcie") {
+            intra = link;
+        } else {
+            inter = link;
+        }
+    }
+    if let Some(b) = &args.intra_bandwidth {
+        intra.bandwidth = parse_bandwidth(b, "--intra-bandwidth")?;
+    }
+    if let Some(l) = &args.intra_latency {
+        intra.latency = parse_latency(l, "--intra-latency")?;
+    }
+    if let Some(b) = &args.inter_bandwidth {
+        inter.bandwidth = parse_bandwidth(b, "--inter-bandwidth")?;
+    }
+    if let Some(l) = &args.inter_latency {
+        inter.latency = parse_latency(l, "--inter-latency")?;
+    }
+    let default_flops = if precision == Precision::Fp32 {
+        60e12
+    } else {
+        400e12
+    };
+    let cluster = Cluster {
+        nodes,
+        devices_per_node,
+        device_memory: parse_bytes(&args.device_memory, "--device-memory")?,
+        host_memory: parse_bytes(&args.host_memory, "--host-memory")?,
+        intra,
+        inter,
+        host: HostLinks::default(),
+        device_flops: args.flops.unwrap_or(default_flops),
+    };
+    let seq_len = args
+        .seq_len
+        .unwrap_or_else(|| model.shape.map(|s| s.context).unwrap_or(2048));
+    Ok(PlanInput {
+        cluster,
+        precision,
+        micro_batch: args
+            .micro_batch
+            .or_else(|| keys.as_ref().and_then(|k| k.micro_batch))
+            .unwrap_or(1),
+        seq_len,
+        grad_accum: args
+            .grad_accum
+            .or_else(|| keys.as_ref().and_then(|k| k.grad_accum))
+            .unwrap_or(1),
+        activation_checkpointing: args.activation_checkpointing,
+        buffers: keys
+            .as_ref()
+            .map(|k| k.buffers)
+            .unwrap_or(BufferOverrides::default()),
+        configured: keys.as_ref().map(ConfigKeys::choice),
+        model,
+    })
+}
+
+/// Nodes and devices per node from whichever of --nodes, --devices, --devices-per-node were given.
+fn layout(args: &PlanFlags) -> anyhow::Result<(u64, u64)> {
+    let positive = |v: Option<u64>, flag: &str| -> anyhow::Result<Option<u64>> {
+        match v {
+            Some(0) => anyhow::bail!("{flag} must be at least 1"),
+            other => Ok(other),
+        }
+    };
+    let nodes = positive(args.nodes, "--nodes")?;
+    let devices = positive(args.devices, "--devices")?;
+    let per_node = positive(args.devices_per_node, "--devices-per-node")?;
+    Ok(match (nodes, devices, per_node) {
+        (Some(n), Some(d), Some(g)) if n * g != d => {
+            anyhow::bail!("--nodes {n} x --devices-per-node {g} is {}, not --devices {d}; give two of the three", n * g)
+        }
+        (Some(n), _, Some(g)) => (n, g),
+        (Some(n), Some(d), None) => {
+            if d % n != 0 {
+                anyhow::bail!(
+                    "--devices {d} does not split evenly over --nodes {n}; give --devices-per-node"
+                );
+            }
+            (n, d / n)
+        }
+        (None, Some(d), Some(g)) => {
+            if d % g != 0 {
+                anyhow::bail!("--devices {d} is not a multiple of --devices-per-node {g}");
+            }
+            (d / g, g)
+        }
+        (None, Some(d), None) if d <= 8 => (1, d),
+        (None, Some(d), None) => {
+            if d % 8 != 0 {
+                anyhow::bail!("--devices {d} is not a multiple of 8 devices per node; give --devices-per-node or --nodes");
+            }
+            (d / 8, 8)
+        }
+        (Some(n), None, None) => (n, 8),
+        (None, None, Some(g)) => (1, g),
+        (None, None, None) => (1, 8),
+    })
+}
+
+/// The human-readable report.
+pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
+    let c = &input.cluster;
+    let m = &input.model;
+    let mut out = String::new();
+    out.push_str(&format!(
+        "model: {:.4e} params ({}), largest unit {:.3e} elements{}\n",
+        m.params as f64,
+        plan.precision.name(),
+        m.largest_unit as f64,
+        m.shape
+            .map(|s| format!(
+                ", GPT {} layers x {} wide, {} heads, vocab {}, context {}",
+                s.layers, s.width, s.heads, s.vocab, s.context
+            ))
+            .unwrap_or_default()
+    ));
+    out.push_str(&format!(
+        "cluster: {} devices = {} node(s) x {}, {} per device, {} host per node; intra {:.0} GB/s {:.0} us, network {:.0} GB/s/node {:.0} us; {:.0} TFLOP/s per device\n",
+        c.world_size(),
+        c.nodes,
+        c.devices_per_node,
+        format_gb(c.device_memory),
+        format_gb(c.host_memory),
+        c.intra.bandwidth / 1e9,
+        c.intra.latency * 1e6,
+        c.inter.bandwidth / 1e9,
+        c.inter.latency * 1e6,
+        c.device_flops / 1e12
+    ));
+    out.push_str(&format!(
+        "step: micro-batch {} x seq {} x accumulation {} = {} tokens per device; activation checkpointing {}\n\n",
+        input.micro_batch,
+        input.seq_len,
+        input.grad_accum,
+        plan.tokens_per_step_per_device,
+        if input.activation_checkpointing { "on" } else { "off" }
+    ));
+    let header = [
+        "option",
+        "params",
+        "grads",
+        "master",
+        "m+v",
+        "states",
+        "buffers",
+        "activ.",
+        "total",
+        "fits",
+        "margin",
+        "host/node",
+        "comm/step",
+        "comm",
+        "compute",
+        "step",
+    ];
+    let rows: Vec<Vec<String>> = plan.options.iter().map(row).collect();
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in &rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| -> String {
+        let mut l = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i == 0 {
+                l.push_str(&format!("{cell:<w$}"));
+            } else {
+                l.push_str(&format!("  {cell:>w$}"));
+            }
+        }
+        l.trim_end().to_string() + "\n"
+    };
+    out.push_str(&line(header.iter().map(|s| s.to_string()).collect()));
+    out.push_str(&line(widths.iter().map(|w| "-".repeat(*w)).collect()));
+    for r in rows {
+        out.push_str(&line(r));
+    }
+    out.push('\n');
+    let rec = &plan.recommendation;
+    match &rec.label {
+        Some(l) => out.push_str(&format!("recommendation: {l}\n")),
+        None => out.push_str("recommendation: none fits\n"),
+    }
+    for r in &rec.reasons {
+        out.push_str(&format!("  - {r}\n"));
+    }
+    if !rec.config_advice.is_empty() {
+        out.push_str("config:\n");
+        for a in &rec.config_advice {
+            out.push_str(&format!("  - {a}\n"));
+        }
+    }
+    out.push_str("notes:\n");
+    for n in &plan.notes {
+        out.push_str(&format!("  - {n}\n"));
+    }
+    out
+}
+
+fn row(o: &PlanOption) -> Vec<String> {
+    let b = &o.bytes_per_device;
+    let margin = if o.device_margin_bytes >= 0 {
+        format_gb(o.device_margin_bytes as u64)
+    } else {
+        format!("-{}", format_gb(o.device_margin_bytes.unsigned_abs()))
+    };
+    let fits = match (o.fits_device, o.fits_host) {
+        (true, true) => "yes",
+        (false, _) => "no",
+        (true, false) => "no (host)",
+    };
+    vec![
+        o.label.clone(),
+        format_gb(b.params),
+        format_gb(b.grads),
+        format_gb(b.master),
+        format_gb(b.adam_m + b.adam_v),
+        format_gb(b.model_states),
+        format_gb(o.buffer_bytes()),
+        format_gb(b.activations),
+        format_gb(b.total),
+        fits.to_string(),
+        margin,
+        if o.bytes_per_node.host + o.bytes_per_node.nvme == 0 {
+            "-".to_string()
+        } else if o.bytes_per_node.nvme > 0 {
+            format!(
+                "{} +{} nvme",
+                format_gb(o.bytes_per_node.host),
+                format_gb(o.bytes_per_node.nvme)
+            )
+        } else {
+            format_gb(o.bytes_per_node.host)
+        },
+        format_gb(o.comm_bytes_per_step),
+        format_seconds(o.predicted_comm_s),
+        format_seconds(o.predicted_compute_s),
+        format_seconds(o.predicted_step_s),
+    ]
 }

@@ -1,0 +1,327 @@
+//! The planner: bytes per device and per node, traffic and predicted times per step, for every
+//! ZeRO stage and offload choice, and a recommendation, before a run.
+//!
+//! [`plan`] is a pure function of a [`PlanInput`]: the CLI builds the input from flags and a
+//! DeepSpeed config, and the engine can build it from its own model layout
+//! ([`ModelSize::from_model_spec`]) and settings, then call [`plan_option`] for its own choice.
+//!
+//! Model states follow the ZeRO paper (16Ψ bytes in mixed precision: 2Ψ 16-bit params, 2Ψ grads,
+//! 12Ψ fp32 master + Adam m and v; sharded by stage), buffers follow zerodp's engine rules
+//! ([`engine_buffer_bytes`]), activations a GPT shape ([`activation_bytes`]), traffic the paper's
+//! 2Ψ/3Ψ counts ([`collectives`]) timed by an alpha-beta model ([`Cluster`]), and compute the
+//! 6·Ψ·tokens rule (8·Ψ·tokens with activation checkpointing, which recomputes the forward).
+
+mod chart;
+mod cluster;
+mod deepspeed;
+mod memory;
+mod model;
+mod recommend;
+mod size;
+mod traffic;
+
+pub use chart::memory_chart_svg;
+pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
+pub use deepspeed::ConfigKeys;
+pub use memory::{
+    activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
+    BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
+};
+pub use model::{GptShape, ModelSize, GPT_PRESETS};
+pub use recommend::{recommend, Recommendation};
+pub use size::{
+    format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count, parse_latency,
+};
+pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffic};
+
+/// Errors from planner inputs.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("{0}")]
+    Input(String),
+    #[error("DeepSpeed config: {0}")]
+    Config(String),
+}
+
+/// Buffer knobs as a config states them; unset ones take DeepSpeed's default for each stage.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct BufferOverrides {
+    pub reduce_bucket_size: Option<u64>,
+    pub overlap_comm: Option<bool>,
+    pub max_live_parameters: Option<u64>,
+    pub param_persistence_threshold: Option<u64>,
+}
+
+impl BufferOverrides {
+    pub fn resolve(&self, stage: u8) -> BufferSettings {
+        let d = BufferSettings::deepspeed_defaults(stage);
+        BufferSettings {
+            reduce_bucket_size: self.reduce_bucket_size.unwrap_or(d.reduce_bucket_size),
+            overlap_comm: self.overlap_comm.unwrap_or(d.overlap_comm),
+            max_live_parameters: self.max_live_parameters.unwrap_or(d.max_live_parameters),
+            param_persistence_threshold: self
+                .param_persistence_threshold
+                .unwrap_or(d.param_persistence_threshold),
+        }
+    }
+}
+
+/// Everything the planner needs.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PlanInput {
+    pub model: ModelSize,
+    pub cluster: Cluster,
+    pub precision: Precision,
+    /// Sequences per device per micro-step.
+    pub micro_batch: u64,
+    pub seq_len: u64,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: u64,
+    pub activation_checkpointing: bool,
+    pub buffers: BufferOverrides,
+    /// The choice a DeepSpeed config makes, if one was given: the recommendation comments on it.
+    pub configured: Option<ZeroChoice>,
+}
+
+/// One stage and offload choice, evaluated.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct PlanOption {
+    pub label: String,
+    pub stage: u8,
+    pub offload_optimizer: Offload,
+    pub offload_param: Offload,
+    pub bytes_per_device: DeviceBytes,
+    /// Activation bytes with and without checkpointing (`None` without a GPT shape);
+    /// `bytes_per_device.activations` is the one the input selects.
+    pub activation_options: Option<Activations>,
+    pub buffer_settings: BufferSettings,
+    /// Host memory and NVMe per node for offloaded state.
+    pub bytes_per_node: OffBytes,
+    pub fits_device: bool,
+    pub fits_host: bool,
+    pub fits: bool,
+    /// Device memory minus total bytes per device (negative: over by that much).
+    pub device_margin_bytes: i64,
+    pub host_margin_bytes: i64,
+    pub collectives: Vec<CollectiveTraffic>,
+    /// Sum of the collectives' bytes per device per step.
+    pub comm_bytes_per_step: u64,
+    pub offload: OffloadTraffic,
+    pub predicted_comm_s: f64,
+    pub predicted_compute_s: f64,
+    /// compute + communication + offload, with no overlap: an upper bound on a step.
+    pub predicted_step_s: f64,
+    /// True for the option the recommendation picks (set by [`plan`]).
+    pub recommended: bool,
+}
+
+impl PlanOption {
+    pub fn choice(&self) -> ZeroChoice {
+        ZeroChoice::new(self.stage, self.offload_optimizer, self.offload_param)
+    }
+    /// Engine buffers: reduce buckets, gather pool, persistent params.
+    pub fn buffer_bytes(&self) -> u64 {
+        let b = &self.bytes_per_device;
+        b.reduce_buckets + b.gather_pool + b.persistent_params
+    }
+}
+
+/// The evaluated options, the recommendation and the assumptions the numbers rest on.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct Plan {
+    pub params: u64,
+    pub world_size: u64,
+    pub precision: Precision,
+    pub tokens_per_step_per_device: u64,
+    pub options: Vec<PlanOption>,
+    pub recommendation: Recommendation,
+    pub notes: Vec<String>,
+}
+
+/// Evaluates one choice. Pure: the engine calls this with its own numbers.
+pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
+    let c = &input.cluster;
+    let n = c.world_size();
+    let settings = input.buffers.resolve(choice.stage);
+    let (mut bytes, off_per_device) =
+        model_state_bytes(choice, input.precision, input.model.params, n);
+    let buffers = engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings);
+    bytes.reduce_buckets = buffers.reduce_buckets;
+    bytes.gather_pool = buffers.gather_pool;
+    bytes.persistent_params = buffers.persistent_params;
+    let activation_options = input
+        .model
+        .shape
+        .map(|s| activation_bytes(&s, input.micro_batch, input.seq_len, input.precision));
+    bytes.activations = activation_options
+        .map(|a| {
+            if input.activation_checkpointing {
+                a.checkpointed
+            } else {
+                a.full
+            }
+        })
+        .unwrap_or(0);
+    bytes.total = bytes.model_states
+        + bytes.reduce_buckets
+        + bytes.gather_pool
+        + bytes.persistent_params
+        + bytes.activations;
+    let per_node = OffBytes {
+        host: off_per_device.host * c.devices_per_node,
+        nvme: off_per_device.nvme * c.devices_per_node,
+    };
+    let device_margin = c.device_memory as i64 - bytes.total as i64;
+    let host_margin = c.host_memory as i64 - per_node.host as i64;
+    let colls = collectives(
+        choice,
+        input.precision,
+        &input.model,
+        &settings,
+        input.grad_accum,
+        c,
+    );
+    let comm_bytes: u64 = colls.iter().map(|t| t.bytes_per_device).sum();
+    let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
+    let offload = offload_traffic(
+        choice,
+        input.precision,
+        input.model.params,
+        input.grad_accum,
+        c,
+    );
+    let compute_s = compute_seconds(input);
+    PlanOption {
+        label: choice.label(),
+        stage: choice.stage,
+        offload_optimizer: choice.offload_optimizer,
+        offload_param: choice.offload_param,
+        bytes_per_device: bytes,
+        activation_options,
+        buffer_settings: settings,
+        bytes_per_node: per_node,
+        fits_device: device_margin >= 0,
+        fits_host: host_margin >= 0,
+        fits: device_margin >= 0 && host_margin >= 0,
+        device_margin_bytes: device_margin,
+        host_margin_bytes: host_margin,
+        collectives: colls,
+        comm_bytes_per_step: comm_bytes,
+        offload,
+        predicted_comm_s: comm_s,
+        predicted_compute_s: compute_s,
+        predicted_step_s: compute_s + comm_s + offload.predicted_s,
+        recommended: false,
+    }
+}
+
+/// Tokens each device processes per optimizer step.
+pub fn tokens_per_step(input: &PlanInput) -> u64 {
+    input.micro_batch * input.seq_len * input.grad_accum.max(1)
+}
+
+/// 6·Ψ·tokens FLOPs (forward 2, backward 4), 8·Ψ·tokens with activation checkpointing (the forward
+/// again), at the cluster's sustained FLOP rate; attention's s² term is left out.
+pub fn compute_seconds(input: &PlanInput) -> f64 {
+    let per_token = if input.activation_checkpointing {
+        8.0
+    } else {
+        6.0
+    };
+    per_token * input.model.params as f64 * tokens_per_step(input) as f64
+        / input.cluster.device_flops
+}
+
+/// Evaluates every choice ([`ZeroChoice::all`]) and recommends one.
+pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
+    validate(input)?;
+    let mut options: Vec<PlanOption> = ZeroChoice::all()
+        .into_iter()
+        .map(|c| plan_option(input, c))
+        .collect();
+    let recommendation = recommend(input, &options);
+    for o in &mut options {
+        o.recommended = recommendation.choice == Some(o.choice());
+    }
+    Ok(Plan {
+        params: input.model.params,
+        world_size: input.cluster.world_size(),
+        precision: input.precision,
+        tokens_per_step_per_device: tokens_per_step(input),
+        notes: notes(input),
+        options,
+        recommendation,
+    })
+}
+
+fn validate(input: &PlanInput) -> Result<(), PlanError> {
+    let c = &input.cluster;
+    if c.nodes == 0 || c.devices_per_node == 0 {
+        return Err(PlanError::Input(
+            "the cluster needs at least one node with one device".into(),
+        ));
+    }
+    if c.device_memory == 0 {
+        return Err(PlanError::Input(
+            "--device-memory must be more than 0 (for example 80GiB)".into(),
+        ));
+    }
+    if !positive(c.device_flops) {
+        return Err(PlanError::Input(
+            "--flops must be more than 0 (for example 4e14)".into(),
+        ));
+    }
+    for (what, link) in [("intra-node", c.intra), ("inter-node", c.inter)] {
+        let latency_ok = link.latency.is_finite() && link.latency >= 0.0;
+        if !(positive(link.bandwidth) && latency_ok) {
+            return Err(PlanError::Input(format!(
+                "the {what} link needs a positive bandwidth and a non-negative latency"
+            )));
+        }
+    }
+    if input.micro_batch == 0 || input.seq_len == 0 {
+        return Err(PlanError::Input(
+            "--micro-batch and --seq-len must be at least 1".into(),
+        ));
+    }
+    if let Some(s) = input.model.shape {
+        if input.seq_len > s.context {
+            return Err(PlanError::Input(format!(
+                "--seq-len {} is longer than the model's context {}; lower it or raise --context",
+                input.seq_len, s.context
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A finite number above zero (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn notes(input: &PlanInput) -> Vec<String> {
+    let mut notes = vec![
+        "model states per the ZeRO paper (16 bytes/param in mixed precision, sharded by stage); GB = 1e9 bytes".to_string(),
+        "padding of each unit to a multiple of the world size is ignored (under world-size elements per unit)".to_string(),
+        "step time = compute + communication + offload with no overlap: an upper bound".to_string(),
+        format!(
+            "compute = {}·Ψ·tokens FLOPs at {:.0} TFLOP/s per device",
+            if input.activation_checkpointing { 8 } else { 6 },
+            input.cluster.device_flops / 1e12
+        ),
+    ];
+    if input.model.shape.is_none() {
+        notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());
+    }
+    if input.model.largest_unit_estimated {
+        notes.push(format!(
+            "largest unit estimated as one block of a GPT-3-shaped model ({} elements); give --largest-unit",
+            input.model.largest_unit
+        ));
+    }
+    if input.model.unit_numels.is_empty() {
+        notes.push("unit sizes unknown: no stage-3 persistent units assumed".into());
+    }
+    notes
+}

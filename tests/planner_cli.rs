@@ -1,0 +1,250 @@
+//! `zerodp plan` end to end: the simplest call, JSON keys, the SVG chart, a DeepSpeed config.
+
+use std::process::Command;
+
+fn zerodp(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .arg("plan")
+        .args(args)
+        .output()
+        .expect("run zerodp");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn simplest_call_prints_a_table_and_a_recommendation() {
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "7.5e9",
+        "--devices",
+        "64",
+        "--device-memory",
+        "80GiB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    for label in [
+        "stage 0",
+        "stage 1",
+        "stage 2",
+        "stage 3",
+        "stage 3 +opt cpu +param cpu",
+    ] {
+        assert!(out.contains(label), "{label} missing:\n{out}");
+    }
+    assert!(
+        out.contains("120 GB")
+            && out.contains("31.4 GB")
+            && out.contains("16.6 GB")
+            && out.contains("1.9 GB")
+    );
+    assert!(out.contains("recommendation: stage 1\n"), "{out}");
+}
+
+#[test]
+fn json_lists_every_option_with_the_required_keys() {
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "70B",
+        "--devices",
+        "8",
+        "--device-memory",
+        "80GB",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+    let options = v.as_array().expect("a list of options");
+    assert_eq!(options.len(), 11);
+    for o in options {
+        for key in [
+            "stage",
+            "offload_optimizer",
+            "offload_param",
+            "bytes_per_device",
+            "fits",
+            "comm_bytes_per_step",
+            "predicted_comm_s",
+            "predicted_compute_s",
+        ] {
+            assert!(o.get(key).is_some(), "{key} missing in {o}");
+        }
+        let b = &o["bytes_per_device"];
+        for kind in [
+            "params",
+            "grads",
+            "master",
+            "adam_m",
+            "adam_v",
+            "model_states",
+            "reduce_buckets",
+            "gather_pool",
+            "activations",
+            "total",
+        ] {
+            assert!(b[kind].is_u64(), "{kind} missing in {b}");
+        }
+    }
+    let s0 = &options[0];
+    assert_eq!(
+        (s0["stage"].as_u64(), s0["offload_optimizer"].as_str()),
+        (Some(0), Some("none"))
+    );
+    assert_eq!(
+        s0["bytes_per_device"]["model_states"].as_u64(),
+        Some(1_120_000_000_000)
+    );
+    assert_eq!(s0["fits"].as_bool(), Some(false));
+    let fitting: Vec<String> = options
+        .iter()
+        .filter(|o| o["fits"].as_bool() == Some(true))
+        .map(|o| {
+            format!(
+                "{}/{}/{}",
+                o["stage"],
+                o["offload_optimizer"].as_str().unwrap(),
+                o["offload_param"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(fitting[0], "3/cpu/none", "{fitting:?}");
+    let recommended: Vec<&serde_json::Value> = options
+        .iter()
+        .filter(|o| o["recommended"] == true)
+        .collect();
+    assert_eq!(recommended.len(), 1);
+    assert_eq!(recommended[0]["label"], "stage 3 +opt cpu");
+    assert!(fitting.iter().all(|f| f.starts_with("3/")), "{fitting:?}");
+}
+
+/// A minimal XML well-formedness check: tags nest and close, attributes are quoted, `&` starts an
+/// entity.
+fn assert_well_formed(svg: &str) {
+    let mut stack: Vec<String> = Vec::new();
+    let mut rest = svg;
+    while let Some(open) = rest.find('<') {
+        let text = &rest[..open];
+        for (i, _) in text.match_indices('&') {
+            let t = &text[i..];
+            assert!(t.find(';').is_some_and(|e| e < 10), "bare & in {t:.30}");
+        }
+        let close = rest[open..].find('>').expect("unclosed tag") + open;
+        let tag = &rest[open + 1..close];
+        assert_eq!(
+            tag.matches('"').count() % 2,
+            0,
+            "unbalanced quotes in <{tag}>"
+        );
+        if let Some(name) = tag.strip_prefix('/') {
+            assert_eq!(
+                stack.pop().as_deref(),
+                Some(name.trim()),
+                "mismatched </{name}>"
+            );
+        } else if !tag.ends_with('/') && !tag.starts_with('?') && !tag.starts_with('!') {
+            stack.push(tag.split_whitespace().next().unwrap().to_string());
+        }
+        rest = &rest[close + 1..];
+    }
+    assert!(stack.is_empty(), "unclosed: {stack:?}");
+}
+
+#[test]
+fn chart_is_well_formed_svg_with_the_stage_labels() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("mem.svg");
+    let (code, _, err) = zerodp(&[
+        "--preset",
+        "gpt2-xl",
+        "--devices",
+        "8",
+        "--device-memory",
+        "24GB",
+        "--micro-batch",
+        "8",
+        "--chart",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_well_formed(&svg);
+    for label in [
+        "stage 0",
+        "stage 1",
+        "stage 2",
+        "stage 3",
+        "device memory",
+        "activations",
+    ] {
+        assert!(svg.contains(label), "{label} missing");
+    }
+    assert!(svg.matches("<rect").count() > 30);
+}
+
+#[test]
+fn a_deepspeed_config_is_read_and_advised_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ds.json");
+    std::fs::write(
+        &path,
+        r#"{"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e9, "overlap_comm": true}}"#,
+    )
+    .unwrap();
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "7.5e9",
+        "--largest-unit",
+        "2e8",
+        "--devices",
+        "64",
+        "--device-memory",
+        "16GB",
+        "--config",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("micro-batch 2"), "{out}");
+    assert!(
+        out.contains("config:") && out.contains("set reduce_bucket_size to at most"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_input_says_what_and_how_to_fix() {
+    let (code, _, err) = zerodp(&[
+        "--params",
+        "7.5e9",
+        "--devices",
+        "64",
+        "--device-memory",
+        "80 parsecs",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("--device-memory") && err.contains("80GiB"),
+        "{err}"
+    );
+    let (code, _, err) = zerodp(&["--devices", "8"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--params"), "{err}");
+    let (code, _, err) = zerodp(&[
+        "--params",
+        "1e9",
+        "--devices",
+        "12",
+        "--interconnect",
+        "token-ring",
+    ]);
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("ib-ndr") || err.contains("multiple of 8"),
+        "{err}"
+    );
+}
