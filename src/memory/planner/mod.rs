@@ -22,7 +22,7 @@ mod traffic;
 
 pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
-pub use deepspeed::ConfigKeys;
+pub use deepspeed::{config_precision, ConfigKeys};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
@@ -39,8 +39,6 @@ pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffi
 pub enum PlanError {
     #[error("{0}")]
     Input(String),
-    #[error("DeepSpeed config: {0}")]
-    Config(String),
 }
 
 /// Buffer knobs as a config states them; unset ones take DeepSpeed's default for each stage.
