@@ -93,7 +93,7 @@ pub struct PlanOption {
     /// `bytes_per_device.activations` is the one the input selects.
     pub activation_options: Option<Activations>,
     pub buffer_settings: BufferSettings,
-    /// Host memory and NVMe per node for offloaded state.
+    /// Host memory and NVMe per node for offloaded state, by kind.
     pub bytes_per_node: OffBytes,
     pub fits_device: bool,
     pub fits_host: bool,
@@ -165,10 +165,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         + bytes.gather_pool
         + bytes.persistent_params
         + bytes.activations;
-    let per_node = OffBytes {
-        host: off_per_device.host * c.devices_per_node,
-        nvme: off_per_device.nvme * c.devices_per_node,
-    };
+    let per_node = off_per_device.times(c.devices_per_node);
     let device_margin = c.device_memory as i64 - bytes.total as i64;
     let host_margin = c.host_memory as i64 - per_node.host as i64;
     let colls = collectives(
