@@ -61,8 +61,8 @@ pub struct PlanFlags {
     /// Host memory per node (default 2TiB, a DGX H100).
     #[arg(long, default_value = "2TiB")]
     pub host_memory: String,
-    /// Network between nodes (ib-hdr, ib-ndr, eth-100g, eth-200g, eth-400g) or, given nvlink or
-    /// pcie, the link inside a node.
+    /// Network between nodes (ib-hdr, ib-ndr, eth-100g, eth-200g, eth-400g; default ib-ndr) or,
+    /// given nvlink or pcie, the link inside a node. Numbers: see the list below.
     #[arg(long, value_name = "PRESET")]
     pub interconnect: Option<String>,
     /// Link inside a node: nvlink or pcie.

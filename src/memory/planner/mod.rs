@@ -306,6 +306,14 @@ fn notes(input: &PlanInput) -> Vec<String> {
             input.cluster.device_flops / 1e12
         ),
     ];
+    let h = &input.cluster.host;
+    notes.push(format!(
+        "offload: device-host copies at {:.0} GB/s per device, NVMe at {:.0} GB/s per node, host Adam at {:.1e} params/s per node",
+        h.device_to_host / 1e9,
+        h.nvme / 1e9,
+        h.host_adam_params_per_s
+    ));
+    notes.push("communication: the faster of a flat ring and a hierarchical (intra-node, then inter-node) algorithm per collective, alpha-beta model".into());
     if input.model.shape.is_none() {
         notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());
     }
