@@ -5,10 +5,10 @@
 use anyhow::Context;
 use zerodp::config;
 use zerodp::memory::planner::{
-    self, config_precision, format_gb, format_seconds, interconnect, memory_chart_svg,
-    parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm, BufferOverrides, Cluster,
-    Collective, ConfigKeys, GptShape, HostLinks, ModelSize, Offload, Plan, PlanInput, PlanOption,
-    Precision, INTERCONNECTS,
+    self, config_precision, format_capacity, format_gb, format_seconds, interconnect,
+    memory_chart_svg, parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm,
+    BufferOverrides, Cluster, Collective, ConfigKeys, GptShape, HostLinks, ModelSize, Offload,
+    Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
 };
 
 /// `zerodp plan`'s flags, boxed so that the subcommand enum stays small.
@@ -341,8 +341,8 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
         c.world_size(),
         c.nodes,
         c.devices_per_node,
-        format_gb(c.device_memory),
-        format_gb(c.host_memory),
+        format_capacity(c.device_memory),
+        format_capacity(c.host_memory),
         c.intra.bandwidth / 1e9,
         c.intra.latency * 1e6,
         c.inter.bandwidth / 1e9,

@@ -30,7 +30,8 @@ pub use memory::{
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use recommend::{recommend, Recommendation};
 pub use size::{
-    format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count, parse_latency,
+    format_capacity, format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count,
+    parse_latency,
 };
 pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffic};
 

@@ -1,7 +1,7 @@
 //! The recommendation: the lowest stage that fits, what the network does to the alternatives, and
 //! what to change in the given config. "The choice between ZeRO stages is about capacity, not speed."
 
-use super::size::{format_gb, format_seconds};
+use super::size::{format_capacity, format_gb, format_seconds};
 use super::{Offload, PlanInput, PlanOption, ZeroChoice};
 
 /// The chosen option (none when nothing fits) and the reasons, one sentence each.
@@ -27,7 +27,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 "{} is the lowest option that fits: {} of {} per device ({} spare){}",
                 best.label,
                 format_gb(best.bytes_per_device.total),
-                format_gb(mem),
+                format_capacity(mem),
                 format_gb(best.device_margin_bytes as u64),
                 host_note(best)
             ));
@@ -57,7 +57,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
             reasons.push(format!(
                 "no stage or offload choice fits {} devices of {}",
                 input.cluster.world_size(),
-                format_gb(mem)
+                format_capacity(mem)
             ));
             if let Some(smallest) = options.iter().min_by_key(|o| o.bytes_per_device.total) {
                 reasons.push(why_not(smallest, mem, input.cluster.host_memory));
