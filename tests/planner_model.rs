@@ -108,6 +108,33 @@ fn psi_terms_match_deepspeed_estimators() {
         host_per_node(ZeroChoice::new(3, Offload::Cpu, Offload::Cpu)),
         18 * psi / nodes
     );
+    let off = model_state_bytes(
+        ZeroChoice::new(3, Offload::Cpu, Offload::Cpu),
+        Precision::Fp16,
+        psi,
+        g,
+    )
+    .1;
+    assert_eq!(
+        (
+            off.host_optimizer_states,
+            off.host_fp32_grads,
+            off.host_params,
+            off.nvme
+        ),
+        (12 * shard, 4 * shard, 2 * shard, 0)
+    );
+    let off = model_state_bytes(
+        ZeroChoice::new(3, Offload::Nvme, Offload::Nvme),
+        Precision::Fp16,
+        psi,
+        g,
+    )
+    .1;
+    assert_eq!(
+        (off.host, off.nvme_optimizer_states, off.nvme_params),
+        (4 * shard, 12 * shard, 2 * shard)
+    );
     // zero3 none/cpu: per GPU 4L + 2Ψ/G, per CPU 16Ψ/nodes.
     assert_eq!(
         dev(ZeroChoice::new(3, Offload::Cpu, Offload::None)),

@@ -3,10 +3,12 @@
 //! [`zerodp::memory::planner::plan`]; this file only turns flags into a [`PlanInput`] and prints.
 
 use anyhow::Context;
+use zerodp::config;
 use zerodp::memory::planner::{
-    self, format_gb, format_seconds, interconnect, memory_chart_svg, parse_bandwidth, parse_bytes,
-    parse_count, parse_latency, BufferOverrides, Cluster, ConfigKeys, GptShape, HostLinks,
-    ModelSize, Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
+    self, config_precision, format_capacity, format_gb, format_seconds, interconnect,
+    memory_chart_svg, parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm,
+    BufferOverrides, Cluster, Collective, ConfigKeys, GptShape, HostLinks, ModelSize, Offload,
+    Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
 };
 
 /// `zerodp plan`'s flags, boxed so that the subcommand enum stays small.
@@ -59,8 +61,8 @@ pub struct PlanFlags {
     /// Host memory per node (default 2TiB, a DGX H100).
     #[arg(long, default_value = "2TiB")]
     pub host_memory: String,
-    /// Network between nodes (ib-hdr, ib-ndr, eth-100g, eth-200g, eth-400g) or, given nvlink or
-    /// pcie, the link inside a node.
+    /// Network between nodes (ib-hdr, ib-ndr, eth-100g, eth-200g, eth-400g; default ib-ndr) or,
+    /// given nvlink or pcie, the link inside a node. Numbers: see the list below.
     #[arg(long, value_name = "PRESET")]
     pub interconnect: Option<String>,
     /// Link inside a node: nvlink or pcie.
@@ -141,17 +143,6 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
 
 /// Flags and config into the planner's input.
 pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
-    let keys = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading {}", path.display()))?;
-            Some(ConfigKeys::from_json_str(
-                &text,
-                &path.display().to_string(),
-            )?)
-        }
-        None => None,
-    };
     let model = if let Some(p) = &args.params {
         let largest = args
             .largest_unit
@@ -174,16 +165,26 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
             "no model given: pass --params 7.5e9 [--largest-unit N], --preset gpt2-xl, or --layers L --width W --heads H [--vocab V --context C]"
         );
     };
-    let precision = match args.precision.as_deref() {
-        Some("bf16") => Precision::Bf16,
-        Some("fp16") => Precision::Fp16,
-        Some("fp32") => Precision::Fp32,
-        _ => keys
-            .as_ref()
-            .and_then(|k| k.precision)
-            .unwrap_or(Precision::Bf16),
+    let cli_precision = match args.precision.as_deref() {
+        Some("bf16") => Some(Precision::Bf16),
+        Some("fp16") => Some(Precision::Fp16),
+        Some("fp32") => Some(Precision::Fp32),
+        _ => None,
     };
     let (nodes, devices_per_node) = layout(args)?;
+    let keys = match &args.config {
+        Some(path) => Some(load_config(
+            path,
+            args,
+            &model,
+            nodes * devices_per_node,
+            cli_precision,
+        )?),
+        None => None,
+    };
+    let precision = cli_precision
+        .or_else(|| keys.as_ref().map(|k| k.precision))
+        .unwrap_or(Precision::Bf16);
     let mut intra = interconnect(&args.intra_node)?;
     let mut inter = interconnect("ib-ndr")?;
     if let Some(name) = &args.interconnect {
@@ -229,12 +230,12 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
         precision,
         micro_batch: args
             .micro_batch
-            .or_else(|| keys.as_ref().and_then(|k| k.micro_batch))
+            .or_else(|| keys.as_ref().map(|k| k.micro_batch))
             .unwrap_or(1),
         seq_len,
         grad_accum: args
             .grad_accum
-            .or_else(|| keys.as_ref().and_then(|k| k.grad_accum))
+            .or_else(|| keys.as_ref().map(|k| k.grad_accum))
             .unwrap_or(1),
         activation_checkpointing: args.activation_checkpointing,
         buffers: keys
@@ -244,6 +245,35 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
         configured: keys.as_ref().map(ConfigKeys::choice),
         model,
     })
+}
+
+/// Resolves the DeepSpeed config with zerodp's config reader for this cluster's world size (its
+/// `"auto"` values filled from the flags as `train` would) and prints its warnings.
+fn load_config(
+    path: &std::path::Path,
+    args: &PlanFlags,
+    model: &ModelSize,
+    world_size: u64,
+    precision: Option<Precision>,
+) -> anyhow::Result<ConfigKeys> {
+    let ctx = config::ResolveContext {
+        world_size: world_size as usize,
+        world_size_source: "the planned cluster (--devices / --nodes)".into(),
+        micro_batch: args.micro_batch.map(|m| m as usize),
+        hidden_size: model.shape.map(|s| s.width as usize),
+        precision_override: precision.map(config_precision),
+        ..config::ResolveContext::default()
+    };
+    let loaded = config::load_file(path, &ctx).with_context(|| {
+        format!(
+            "resolving {} for {world_size} devices (--micro-batch fills a missing or \"auto\" micro-batch)",
+            path.display()
+        )
+    })?;
+    for w in &loaded.warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(ConfigKeys::from_settings(&loaded.settings))
 }
 
 /// Nodes and devices per node from whichever of --nodes, --devices, --devices-per-node were given.
@@ -311,8 +341,8 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
         c.world_size(),
         c.nodes,
         c.devices_per_node,
-        format_gb(c.device_memory),
-        format_gb(c.host_memory),
+        format_capacity(c.device_memory),
+        format_capacity(c.host_memory),
         c.intra.bandwidth / 1e9,
         c.intra.latency * 1e6,
         c.inter.bandwidth / 1e9,
@@ -368,6 +398,32 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
     for r in rows {
         out.push_str(&line(r));
     }
+    out.push_str("\ntraffic per device per step (offload rows move the same collectives):\n");
+    for o in plan
+        .options
+        .iter()
+        .filter(|o| o.offload_optimizer == Offload::None)
+    {
+        let parts: Vec<String> = o
+            .collectives
+            .iter()
+            .map(|t| {
+                format!(
+                    "{} {} {} in {} call(s), {} {}",
+                    collective_name(t.op),
+                    t.what,
+                    format_gb(t.bytes_per_device),
+                    t.calls,
+                    format_seconds(t.predicted_s),
+                    match t.algorithm {
+                        Algorithm::Ring => "ring",
+                        Algorithm::Hierarchical => "hierarchical",
+                    }
+                )
+            })
+            .collect();
+        out.push_str(&format!("  {}: {}\n", o.label, parts.join("; ")));
+    }
     out.push('\n');
     let rec = &plan.recommendation;
     match &rec.label {
@@ -388,6 +444,14 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
         out.push_str(&format!("  - {n}\n"));
     }
     out
+}
+
+fn collective_name(c: Collective) -> &'static str {
+    match c {
+        Collective::AllReduce => "all-reduce",
+        Collective::ReduceScatter => "reduce-scatter",
+        Collective::AllGather => "all-gather",
+    }
 }
 
 fn row(o: &PlanOption) -> Vec<String> {

@@ -1,7 +1,7 @@
 //! An SVG bar chart of memory per device by option, stacked by kind, with the device-memory line.
 //! Hand-written SVG: one `<rect>` per kind per bar, no dependency.
 
-use super::size::format_gb;
+use super::size::{format_capacity, format_gb};
 use super::Plan;
 use std::fmt::Write;
 
@@ -146,7 +146,7 @@ pub fn memory_chart_svg(plan: &Plan, device_memory: u64) -> String {
         LEFT + plot_w,
         LEFT + plot_w - 4.0,
         my - 6.0,
-        escape(&format_gb(device_memory))
+        escape(&format_capacity(device_memory))
     );
     let _ = writeln!(
         s,

@@ -1,125 +1,53 @@
-//! The few DeepSpeed config keys the planner reads, from the raw JSON. zerodp's full config parser
-//! (`zerodp::config`) was not available when the planner was written; this reads only what sizes
-//! memory and traffic, with DeepSpeed's key names and aliases, and treats `"auto"` as unset.
+//! The DeepSpeed config keys the planner reads, taken from zerodp's resolved config
+//! ([`crate::config::Settings`]): stage, offload devices, buffer knobs, precision and batch.
 
-use super::{BufferOverrides, Offload, PlanError, Precision, ZeroChoice};
-use serde_json::Value;
+use super::{BufferOverrides, Offload, Precision, ZeroChoice};
+use crate::config::{self, OffloadDevice, Settings};
 
-/// What a DeepSpeed config says about the planner's inputs; `None` where it says nothing.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+/// What a resolved DeepSpeed config says about the planner's inputs.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct ConfigKeys {
-    pub stage: Option<u8>,
-    pub offload_optimizer: Option<Offload>,
-    pub offload_param: Option<Offload>,
-    pub precision: Option<Precision>,
-    pub micro_batch: Option<u64>,
-    pub grad_accum: Option<u64>,
+    pub stage: u8,
+    pub offload_optimizer: Offload,
+    pub offload_param: Offload,
+    pub precision: Precision,
+    pub micro_batch: u64,
+    pub grad_accum: u64,
+    /// Every knob is set: the config's value or DeepSpeed's default for its stage.
     pub buffers: BufferOverrides,
 }
 
 impl ConfigKeys {
-    /// Reads the keys from a config's JSON text; `source` names the file in errors.
-    pub fn from_json_str(text: &str, source: &str) -> Result<ConfigKeys, PlanError> {
-        let v: Value = serde_json::from_str(text)
-            .map_err(|e| PlanError::Config(format!("{source}: not valid JSON: {e}")))?;
-        Self::from_value(&v, source)
+    pub fn from_settings(s: &Settings) -> ConfigKeys {
+        let z = &s.zero_optimization;
+        ConfigKeys {
+            stage: z.stage,
+            offload_optimizer: offload(z.offload_optimizer.device),
+            offload_param: offload(z.offload_param.device),
+            precision: precision(s.precision),
+            micro_batch: s.batch.micro_batch_per_gpu as u64,
+            grad_accum: s.batch.gradient_accumulation_steps as u64,
+            buffers: BufferOverrides {
+                reduce_bucket_size: Some(z.reduce_bucket_size),
+                overlap_comm: Some(z.overlap_comm),
+                max_live_parameters: Some(z.max_live_parameters),
+                param_persistence_threshold: Some(z.param_persistence_threshold),
+            },
+        }
     }
 
-    pub fn from_value(v: &Value, source: &str) -> Result<ConfigKeys, PlanError> {
-        let root = v.as_object().ok_or_else(|| {
-            PlanError::Config(format!("{source}: the top level must be a JSON object"))
-        })?;
-        let mut k = ConfigKeys::default();
-        let enabled = |section: &str| -> Result<bool, PlanError> {
-            match root.get(section).and_then(|s| s.get("enabled")) {
-                None | Some(Value::Null) => Ok(false),
-                Some(Value::Bool(b)) => Ok(*b),
-                Some(Value::String(s)) if s == "auto" => Ok(false),
-                Some(other) => Err(PlanError::Config(format!(
-                    "{source}: {section}.enabled must be true or false, found {other}"
-                ))),
-            }
-        };
-        let (bf16, fp16) = (enabled("bf16")? || enabled("bfloat16")?, enabled("fp16")?);
-        if bf16 && fp16 {
-            return Err(PlanError::Config(format!(
-                "{source}: both bf16.enabled and fp16.enabled are true; enable one"
-            )));
-        }
-        k.precision = Some(if bf16 {
-            Precision::Bf16
-        } else if fp16 {
-            Precision::Fp16
-        } else {
-            Precision::Fp32
-        });
-        k.micro_batch = count(
-            root.get("train_micro_batch_size_per_gpu"),
-            "train_micro_batch_size_per_gpu",
-            source,
-        )?;
-        k.grad_accum = count(
-            root.get("gradient_accumulation_steps"),
-            "gradient_accumulation_steps",
-            source,
-        )?;
-        if let Some(z) = root.get("zero_optimization") {
-            let z = z.as_object().ok_or_else(|| {
-                PlanError::Config(format!("{source}: zero_optimization must be an object"))
-            })?;
-            let get = |names: &[&str]| names.iter().find_map(|n| z.get(*n));
-            if let Some(s) = count(z.get("stage"), "zero_optimization.stage", source)? {
-                if s > 3 {
-                    return Err(PlanError::Config(format!(
-                        "{source}: zero_optimization.stage is {s}; it must be 0, 1, 2 or 3"
-                    )));
-                }
-                k.stage = Some(s as u8);
-            }
-            k.buffers.reduce_bucket_size =
-                count(z.get("reduce_bucket_size"), "reduce_bucket_size", source)?;
-            k.buffers.overlap_comm = match z.get("overlap_comm") {
-                None | Some(Value::Null) => None,
-                Some(Value::Bool(b)) => Some(*b),
-                Some(other) => {
-                    return Err(PlanError::Config(format!(
-                    "{source}: zero_optimization.overlap_comm must be true or false, found {other}"
-                )))
-                }
-            };
-            k.buffers.max_live_parameters = count(
-                get(&["stage3_max_live_parameters", "max_live_parameters"]),
-                "stage3_max_live_parameters",
-                source,
-            )?;
-            k.buffers.param_persistence_threshold = count(
-                get(&[
-                    "stage3_param_persistence_threshold",
-                    "param_persistence_threshold",
-                ]),
-                "stage3_param_persistence_threshold",
-                source,
-            )?;
-            k.offload_optimizer = offload(z.get("offload_optimizer"), "offload_optimizer", source)?;
-            if k.offload_optimizer.is_none() && z.get("cpu_offload") == Some(&Value::Bool(true)) {
-                k.offload_optimizer = Some(Offload::Cpu);
-            }
-            k.offload_param = offload(z.get("offload_param"), "offload_param", source)?;
-            if k.offload_param.is_none() && z.get("cpu_offload_param") == Some(&Value::Bool(true)) {
-                k.offload_param = Some(Offload::Cpu);
-            }
-        }
-        Ok(k)
-    }
-
-    /// The stage and offload choice the config makes (DeepSpeed ignores offload_param below stage 3).
+    /// The stage and offload choice the config makes (DeepSpeed ignores offload_param below
+    /// stage 3, and offload_optimizer at stage 0).
     pub fn choice(&self) -> ZeroChoice {
-        let stage = self.stage.unwrap_or(0);
         ZeroChoice::new(
-            stage,
-            self.offload_optimizer.unwrap_or(Offload::None),
-            if stage == 3 {
-                self.offload_param.unwrap_or(Offload::None)
+            self.stage,
+            if self.stage == 0 {
+                Offload::None
+            } else {
+                self.offload_optimizer
+            },
+            if self.stage == 3 {
+                self.offload_param
             } else {
                 Offload::None
             },
@@ -127,88 +55,72 @@ impl ConfigKeys {
     }
 }
 
-/// A non-negative integer that DeepSpeed configs often write as a float (`5e8`); `"auto"` is unset.
-fn count(v: Option<&Value>, key: &str, source: &str) -> Result<Option<u64>, PlanError> {
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) if s == "auto" => Ok(None),
-        Some(Value::Number(n)) => match n.as_u64() {
-            Some(u) => Ok(Some(u)),
-            None => match n.as_f64() {
-                Some(f) if f >= 0.0 && f.fract() == 0.0 && f < u64::MAX as f64 => {
-                    Ok(Some(f as u64))
-                }
-                _ => Err(PlanError::Config(format!(
-                    "{source}: {key} is {n}; it must be a whole number of at least 0"
-                ))),
-            },
-        },
-        Some(other) => Err(PlanError::Config(format!(
-            "{source}: {key} must be a number (or \"auto\"), found {other}"
-        ))),
+fn offload(d: OffloadDevice) -> Offload {
+    match d {
+        OffloadDevice::None => Offload::None,
+        OffloadDevice::Cpu => Offload::Cpu,
+        OffloadDevice::Nvme => Offload::Nvme,
     }
 }
 
-fn offload(v: Option<&Value>, key: &str, source: &str) -> Result<Option<Offload>, PlanError> {
-    let Some(section) = v else { return Ok(None) };
-    if section.is_null() {
-        return Ok(None);
+/// The config's compute precision as the planner's.
+pub fn precision(p: config::Precision) -> Precision {
+    match p {
+        config::Precision::Bf16 => Precision::Bf16,
+        config::Precision::Fp16 => Precision::Fp16,
+        config::Precision::Fp32 => Precision::Fp32,
     }
-    match section.get("device") {
-        None | Some(Value::Null) => Ok(Some(Offload::None)),
-        Some(Value::String(s)) => match s.as_str() {
-            "none" => Ok(Some(Offload::None)),
-            "cpu" => Ok(Some(Offload::Cpu)),
-            "nvme" => Ok(Some(Offload::Nvme)),
-            other => Err(PlanError::Config(format!(
-                "{source}: zero_optimization.{key}.device is {other:?}; use \"none\", \"cpu\" or \"nvme\""
-            ))),
-        },
-        Some(other) => Err(PlanError::Config(format!(
-            "{source}: zero_optimization.{key}.device must be a string, found {other}"
-        ))),
+}
+
+/// The planner's precision as the config's (for the config's `"auto"` precision).
+pub fn config_precision(p: Precision) -> config::Precision {
+    match p {
+        Precision::Bf16 => config::Precision::Bf16,
+        Precision::Fp16 => config::Precision::Fp16,
+        Precision::Fp32 => config::Precision::Fp32,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::ResolveContext;
+
+    fn keys(text: &str, world_size: usize) -> ConfigKeys {
+        let ctx = ResolveContext {
+            world_size,
+            ..ResolveContext::default()
+        };
+        ConfigKeys::from_settings(&config::load_str(text, "ds.json", &ctx).unwrap().settings)
+    }
 
     #[test]
-    fn reads_stage_offload_buckets_and_precision() {
-        let k = ConfigKeys::from_json_str(
-            r#"{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto",
-                "bf16": {"enabled": true},
-                "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e8, "overlap_comm": false,
-                  "stage3_max_live_parameters": 1e9, "offload_optimizer": {"device": "cpu"},
+    fn reads_stage_offload_buckets_precision_and_batch() {
+        let k = keys(
+            r#"{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": true},
+                "zero_optimization": {"stage": 3, "reduce_bucket_size": 5e7, "overlap_comm": false,
+                  "stage3_max_live_parameters": 1e8, "offload_optimizer": {"device": "cpu"},
                   "offload_param": {"device": "nvme", "nvme_path": "/x"}}}"#,
-            "ds.json",
-        )
-        .unwrap();
-        assert_eq!(k.precision, Some(Precision::Bf16));
-        assert_eq!((k.micro_batch, k.grad_accum), (Some(4), None));
-        assert_eq!(k.buffers.reduce_bucket_size, Some(500_000_000));
+            4,
+        );
+        assert_eq!(k.precision, Precision::Bf16);
+        assert_eq!((k.micro_batch, k.grad_accum), (4, 2));
+        assert_eq!(k.buffers.reduce_bucket_size, Some(50_000_000));
         assert_eq!(k.buffers.overlap_comm, Some(false));
+        assert_eq!(k.buffers.max_live_parameters, Some(100_000_000));
         assert_eq!(k.choice(), ZeroChoice::new(3, Offload::Cpu, Offload::Nvme));
     }
 
     #[test]
-    fn offload_param_is_ignored_below_stage_3_and_errors_name_the_key() {
-        let k = ConfigKeys::from_json_str(
-            r#"{"zero_optimization": {"stage": 2, "cpu_offload": true, "offload_param": {"device": "cpu"}}}"#,
-            "ds.json",
-        )
-        .unwrap();
-        assert_eq!(k.choice(), ZeroChoice::new(2, Offload::Cpu, Offload::None));
-        let e = ConfigKeys::from_json_str(
-            r#"{"zero_optimization": {"reduce_bucket_size": "big"}}"#,
-            "ds.json",
-        )
-        .unwrap_err()
-        .to_string();
-        assert!(
-            e.contains("ds.json") && e.contains("reduce_bucket_size"),
-            "{e}"
+    fn offload_param_is_ignored_below_stage_3() {
+        let k = keys(
+            r#"{"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2,
+                "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}"#,
+            1,
         );
+        assert_eq!(k.precision, Precision::Fp32);
+        assert_eq!(k.choice(), ZeroChoice::new(2, Offload::Cpu, Offload::None));
+        // DeepSpeed's default: overlap_comm off below stage 3.
+        assert_eq!(k.buffers.overlap_comm, Some(false));
     }
 }

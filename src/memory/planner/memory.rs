@@ -243,11 +243,36 @@ pub struct DeviceBytes {
     pub total: u64,
 }
 
-/// Bytes per node off the device: host memory and NVMe.
+/// Bytes off the device, by kind and tier: host memory and NVMe.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct OffBytes {
+    /// fp32 param copy, Adam m and v in host memory (optimizer offload to cpu).
+    pub host_optimizer_states: u64,
+    /// fp32 gradient partition the host-side Adam reads (any optimizer offload).
+    pub host_fp32_grads: u64,
+    /// 16-bit parameter shard in host memory (param offload to cpu).
+    pub host_params: u64,
+    /// fp32 param copy, m and v on NVMe (optimizer offload to nvme).
+    pub nvme_optimizer_states: u64,
+    /// 16-bit parameter shard on NVMe (param offload to nvme).
+    pub nvme_params: u64,
     pub host: u64,
     pub nvme: u64,
+}
+
+impl OffBytes {
+    /// Every kind times `k` (per device to per node), totals recomputed.
+    pub fn times(&self, k: u64) -> OffBytes {
+        OffBytes {
+            host_optimizer_states: self.host_optimizer_states * k,
+            host_fp32_grads: self.host_fp32_grads * k,
+            host_params: self.host_params * k,
+            nvme_optimizer_states: self.nvme_optimizer_states * k,
+            nvme_params: self.nvme_params * k,
+            host: self.host * k,
+            nvme: self.nvme * k,
+        }
+    }
 }
 
 /// The paper's model states for one choice on `n` devices, plus where offloaded state goes.
@@ -287,21 +312,22 @@ pub fn model_state_bytes(
         if choice.stage >= 2 {
             d.grads = 0;
         }
+        off_per_device.host_fp32_grads = fp32_grads;
         match choice.offload_optimizer {
-            Offload::Cpu => off_per_device.host += opt_states + fp32_grads,
-            _ => {
-                off_per_device.nvme += opt_states;
-                off_per_device.host += fp32_grads;
-            }
+            Offload::Cpu => off_per_device.host_optimizer_states = opt_states,
+            _ => off_per_device.nvme_optimizer_states = opt_states,
         }
     }
     if choice.stage == 3 && choice.offload_param != Offload::None {
         d.params = 0;
         match choice.offload_param {
-            Offload::Cpu => off_per_device.host += shard * p,
-            _ => off_per_device.nvme += shard * p,
+            Offload::Cpu => off_per_device.host_params = shard * p,
+            _ => off_per_device.nvme_params = shard * p,
         }
     }
+    let o = &mut off_per_device;
+    o.host = o.host_optimizer_states + o.host_fp32_grads + o.host_params;
+    o.nvme = o.nvme_optimizer_states + o.nvme_params;
     d.model_states = d.params + d.grads + d.master + d.adam_m + d.adam_v;
     (d, off_per_device)
 }

@@ -22,7 +22,7 @@ mod traffic;
 
 pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
-pub use deepspeed::ConfigKeys;
+pub use deepspeed::{config_precision, ConfigKeys};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
@@ -30,7 +30,8 @@ pub use memory::{
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use recommend::{recommend, Recommendation};
 pub use size::{
-    format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count, parse_latency,
+    format_capacity, format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count,
+    parse_latency,
 };
 pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffic};
 
@@ -39,8 +40,6 @@ pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffi
 pub enum PlanError {
     #[error("{0}")]
     Input(String),
-    #[error("DeepSpeed config: {0}")]
-    Config(String),
 }
 
 /// Buffer knobs as a config states them; unset ones take DeepSpeed's default for each stage.
@@ -95,7 +94,7 @@ pub struct PlanOption {
     /// `bytes_per_device.activations` is the one the input selects.
     pub activation_options: Option<Activations>,
     pub buffer_settings: BufferSettings,
-    /// Host memory and NVMe per node for offloaded state.
+    /// Host memory and NVMe per node for offloaded state, by kind.
     pub bytes_per_node: OffBytes,
     pub fits_device: bool,
     pub fits_host: bool,
@@ -167,10 +166,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         + bytes.gather_pool
         + bytes.persistent_params
         + bytes.activations;
-    let per_node = OffBytes {
-        host: off_per_device.host * c.devices_per_node,
-        nvme: off_per_device.nvme * c.devices_per_node,
-    };
+    let per_node = off_per_device.times(c.devices_per_node);
     let device_margin = c.device_memory as i64 - bytes.total as i64;
     let host_margin = c.host_memory as i64 - per_node.host as i64;
     let colls = collectives(
@@ -311,6 +307,14 @@ fn notes(input: &PlanInput) -> Vec<String> {
             input.cluster.device_flops / 1e12
         ),
     ];
+    let h = &input.cluster.host;
+    notes.push(format!(
+        "offload: device-host copies at {:.0} GB/s per device, NVMe at {:.0} GB/s per node, host Adam at {:.1e} params/s per node",
+        h.device_to_host / 1e9,
+        h.nvme / 1e9,
+        h.host_adam_params_per_s
+    ));
+    notes.push("communication: the faster of a flat ring and a hierarchical (intra-node, then inter-node) algorithm per collective, alpha-beta model".into());
     if input.model.shape.is_none() {
         notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());
     }

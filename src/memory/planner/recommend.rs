@@ -1,7 +1,7 @@
 //! The recommendation: the lowest stage that fits, what the network does to the alternatives, and
 //! what to change in the given config. "The choice between ZeRO stages is about capacity, not speed."
 
-use super::size::{format_gb, format_seconds};
+use super::size::{format_capacity, format_gb, format_seconds};
 use super::{Offload, PlanInput, PlanOption, ZeroChoice};
 
 /// The chosen option (none when nothing fits) and the reasons, one sentence each.
@@ -27,7 +27,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 "{} is the lowest option that fits: {} of {} per device ({} spare){}",
                 best.label,
                 format_gb(best.bytes_per_device.total),
-                format_gb(mem),
+                format_capacity(mem),
                 format_gb(best.device_margin_bytes as u64),
                 host_note(best)
             ));
@@ -57,7 +57,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
             reasons.push(format!(
                 "no stage or offload choice fits {} devices of {}",
                 input.cluster.world_size(),
-                format_gb(mem)
+                format_capacity(mem)
             ));
             if let Some(smallest) = options.iter().min_by_key(|o| o.bytes_per_device.total) {
                 reasons.push(why_not(smallest, mem, input.cluster.host_memory));
@@ -248,40 +248,50 @@ fn config_advice(
     if let Some(best) = chosen {
         if best.choice() != cfg {
             let rank = |c: ZeroChoice| c.preference_rank();
+            let change = changes(best.choice(), cfg);
             if rank(best.choice()) < rank(cfg) && o.fits {
-                advice.push(format!(
-                    "{} fits, so the config's {} buys headroom at the price of time ({} vs {} per step); set zero_optimization.stage = {}{}",
-                    best.label,
-                    o.label,
-                    format_seconds(best.predicted_step_s),
-                    format_seconds(o.predicted_step_s),
-                    best.stage,
-                    offload_keys(best.choice())
-                ));
+                if o.predicted_step_s <= 1.05 * best.predicted_step_s {
+                    advice.push(format!(
+                        "the config's {} fits and is predicted about as fast as {} ({} vs {} per step): fine as is, with more headroom",
+                        o.label,
+                        best.label,
+                        format_seconds(o.predicted_step_s),
+                        format_seconds(best.predicted_step_s)
+                    ));
+                } else {
+                    advice.push(format!(
+                        "{} fits, so the config's {} buys headroom at the price of time ({} vs {} per step); to go faster set {change}",
+                        best.label,
+                        o.label,
+                        format_seconds(o.predicted_step_s),
+                        format_seconds(best.predicted_step_s)
+                    ));
+                }
             } else if !o.fits {
-                advice.push(format!(
-                    "use {} instead: set zero_optimization.stage = {}{}",
-                    best.label,
-                    best.stage,
-                    offload_keys(best.choice())
-                ));
+                advice.push(format!("use {} instead: set {change}", best.label));
             }
         }
     }
     advice
 }
 
-fn offload_keys(c: ZeroChoice) -> String {
-    let mut s = String::new();
-    s.push_str(&format!(
-        ", offload_optimizer.device = {}",
-        c.offload_optimizer.name()
-    ));
-    if c.stage == 3 || c.offload_param != Offload::None {
-        s.push_str(&format!(
-            ", offload_param.device = {}",
-            c.offload_param.name()
+/// The config keys to change to go from `from` to `to`.
+fn changes(to: ZeroChoice, from: ZeroChoice) -> String {
+    let mut keys = Vec::new();
+    if to.stage != from.stage {
+        keys.push(format!("zero_optimization.stage = {}", to.stage));
+    }
+    if to.offload_optimizer != from.offload_optimizer {
+        keys.push(format!(
+            "zero_optimization.offload_optimizer.device = \"{}\"",
+            to.offload_optimizer.name()
         ));
     }
-    s
+    if to.offload_param != from.offload_param {
+        keys.push(format!(
+            "zero_optimization.offload_param.device = \"{}\"",
+            to.offload_param.name()
+        ));
+    }
+    keys.join(", ")
 }

@@ -109,6 +109,16 @@ pub fn format_gb(bytes: u64) -> String {
     }
 }
 
+/// A capacity as the user probably wrote it: `80 GiB (85.9 GB)` for whole GiB, else decimal GB.
+pub fn format_capacity(bytes: u64) -> String {
+    const GIB: u64 = 1 << 30;
+    if bytes >= GIB && bytes % GIB == 0 {
+        format!("{} GiB ({})", bytes / GIB, format_gb(bytes))
+    } else {
+        format_gb(bytes)
+    }
+}
+
 /// Seconds in the unit that keeps three significant digits readable.
 pub fn format_seconds(s: f64) -> String {
     if s >= 1.0 {
@@ -171,6 +181,12 @@ mod tests {
         assert_eq!(parse_bytes(" 512 MiB ", "x").unwrap(), 512 << 20);
         assert!(parse_bytes("80 parsecs", "x").is_err());
         assert!(parse_bytes("-5GB", "x").is_err());
+    }
+
+    #[test]
+    fn capacities_keep_the_binary_unit() {
+        assert_eq!(format_capacity(80 << 30), "80 GiB (85.9 GB)");
+        assert_eq!(format_capacity(80_000_000_000), "80.0 GB");
     }
 
     #[test]
