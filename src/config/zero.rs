@@ -322,7 +322,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         &rpath,
         obj.get("reduce_bucket_size"),
         z.reduce_bucket_size,
-        h.map(|h| h * h),
+        h.map(|h| h.saturating_mul(h)),
         hint_h,
         |r, p, n| r.node_u64(p, n),
     )?;
@@ -356,7 +356,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         obj,
         "prefetch_bucket_size",
         z.prefetch_bucket_size,
-        h.map(|h| (0.9 * (h * h) as f64) as u64),
+        h.map(|h| (0.9 * h.saturating_mul(h) as f64) as u64),
         hint_h,
     )?;
     z.param_persistence_threshold = u64_aliased(
@@ -364,7 +364,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         obj,
         "param_persistence_threshold",
         z.param_persistence_threshold,
-        h.map(|h| 10 * h),
+        h.map(|h| h.saturating_mul(10)),
         hint_h,
     )?;
     z.model_persistence_threshold = u64_aliased(
