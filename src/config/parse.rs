@@ -163,7 +163,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
         ));
     }
     Ok(Settings {
-        zero_optimization: zero,
+        zero,
         batch,
         precision,
         fp16,

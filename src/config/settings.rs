@@ -447,7 +447,9 @@ pub struct ActivationCheckpointingSettings {
 /// Everything a DeepSpeed config resolves to.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Settings {
-    pub zero_optimization: ZeroSettings,
+    /// `zero_optimization`.
+    #[serde(rename = "zero_optimization")]
+    pub zero: ZeroSettings,
     #[serde(flatten)]
     pub batch: BatchSettings,
     pub precision: Precision,
