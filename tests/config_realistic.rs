@@ -948,3 +948,23 @@ fn comms_logger_checkpoint_and_activation_checkpointing() {
     );
     assert!(e.to_string().contains("did you mean \"verbose\"?"), "{e}");
 }
+
+#[test]
+fn keys_from_newer_deepspeed_are_accepted_and_reported_as_ignored() {
+    let l = ok(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
+            "stage3_allgather_sequential": true, "enable_sanity_checks": false,
+            "leaf_module": {"classes": []}}}"#,
+        &ctx(1),
+    );
+    assert!(has_warning(
+        &l,
+        "zero_optimization.stage3_allgather_sequential"
+    ));
+    assert!(has_warning(&l, "zero_optimization.leaf_module"));
+    let e = err(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage3_partition_stream_chunk_size": -4}}"#,
+        &ctx(1),
+    );
+    assert!(e.to_string().contains("negative"), "{e}");
+}

@@ -413,7 +413,7 @@ fn optimizer(r: &mut Reader<'_>, m: &Member) -> Result<OptimizerSettings, Config
         p.get("lr"),
         s.lr,
         lr_auto,
-        "pass the learning rate on the command line or write a number",
+        "write a number (a command that takes a learning rate fills it)",
         |r, p, n| r.nonneg_f64(p, n),
     )?;
     s.betas = r.read(
@@ -610,8 +610,8 @@ fn scheduler(
     }
     let lr_auto = r.ctx.lr;
     let steps_auto = r.ctx.total_steps.map(|s| s as u64);
-    let lr_hint = "pass the learning rate on the command line or write a number";
-    let steps_hint = "pass the number of training steps on the command line or write a number";
+    let lr_hint = "write a number (a command that takes a learning rate fills it)";
+    let steps_hint = "write a number (a command that takes the number of steps fills it)";
     let f = |r: &mut Reader<'_>, key: &str, default: f64, auto: Option<f64>, hint: &str| {
         let path = join(p.path, key);
         r.read(&path, p.get(key), default, auto, hint, |r, q, n| {

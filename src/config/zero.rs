@@ -56,6 +56,16 @@ const ZERO_KEYS: &[&str] = &[
     "pipeline_loading_checkpoint",
     "override_module_apply",
     "log_trace_cache_warnings",
+    // Newer DeepSpeed releases (after the 2025 snapshot our defaults follow): accepted and type
+    // checked, listed in the "ignored" warning.
+    "allgather_sequential",
+    "stage3_allgather_sequential",
+    "partition_stream_chunk_size",
+    "stage3_partition_stream_chunk_size",
+    "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory",
+    "zenflow",
+    "leaf_module",
 ];
 
 /// Keys that act only at stage 3 (the stage-3 coordinator, partitioned parameters, its optimizer
@@ -455,9 +465,50 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     z.override_module_apply = r.bool_or(obj, "override_module_apply", z.override_module_apply)?;
     z.log_trace_cache_warnings = r.bool_or(obj, "log_trace_cache_warnings", false)?;
 
+    newer_keys(r, obj)?;
     offloads(r, obj, &mut z)?;
     stage_warnings(r, obj, &z);
     Ok(z)
+}
+
+/// Keys from DeepSpeed releases newer than the one our defaults follow: checked for type, then
+/// reported as ignored.
+fn newer_keys(r: &mut Reader<'_>, obj: Obj<'_>) -> Result<(), ConfigError> {
+    if let Some((m, path)) = aliased(
+        r,
+        obj,
+        "allgather_sequential",
+        "stage3_allgather_sequential",
+    )? {
+        r.node_bool(&path, &m.node)?;
+        r.ignored.push(path);
+    }
+    if let Some((m, path)) = aliased(
+        r,
+        obj,
+        "partition_stream_chunk_size",
+        "stage3_partition_stream_chunk_size",
+    )? {
+        r.node_u64(&path, &m.node)?;
+        r.ignored.push(path);
+    }
+    for key in [
+        "enable_sanity_checks",
+        "save_muon_momentum_buffer_in_memory",
+    ] {
+        if let Some(m) = obj.get(key) {
+            let path = join(obj.path, key);
+            r.node_bool(&path, &m.node)?;
+            r.ignored.push(path);
+        }
+    }
+    for key in ["zenflow", "leaf_module"] {
+        let path = join(obj.path, key);
+        if optional_block(r, &path, obj.get(key))?.is_some() {
+            r.ignored.push(path);
+        }
+    }
+    Ok(())
 }
 
 /// The modern offload blocks and their legacy spellings.
