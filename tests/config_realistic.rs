@@ -968,3 +968,18 @@ fn keys_from_newer_deepspeed_are_accepted_and_reported_as_ignored() {
     );
     assert!(e.to_string().contains("negative"), "{e}");
 }
+
+#[test]
+fn a_misspelt_top_level_block_is_ignored_loudly() {
+    let l = ok(
+        r#"{"train_batch_size": 8, "zero_optimisation": {"stage": 3}, "fp16": {"enabeld": true}}"#,
+        &ctx(1),
+    );
+    assert_eq!(l.settings.zero.stage, 0);
+    assert!(has_warning(
+        &l,
+        "zero_optimisation (did you mean \"zero_optimization\"?)"
+    ));
+    assert!(has_warning(&l, "fp16.enabeld (did you mean \"enabled\"?)"));
+    assert_eq!(l.settings.precision, Precision::Fp32);
+}
