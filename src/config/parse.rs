@@ -182,6 +182,8 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
     })
 }
 
+/// A dtype name, case-insensitive, `torch.` prefix allowed; `allowed` lists the spellings the
+/// key accepts (communication_data_type takes only the short ones, as in DeepSpeed).
 fn dtype(
     r: &Reader<'_>,
     path: &str,
@@ -190,25 +192,21 @@ fn dtype(
 ) -> Result<Precision, ConfigError> {
     let s = r.node_str(path, node)?;
     let lower = s.to_ascii_lowercase();
-    let lower = lower.strip_prefix("torch.").unwrap_or(&lower);
-    let p = match lower {
-        "fp32" | "float32" | "float" => Precision::Fp32,
-        "fp16" | "float16" | "half" => Precision::Fp16,
-        "bf16" | "bfloat16" | "bfloat" => Precision::Bf16,
-        _ => None.ok_or_else(|| ConfigError::InvalidChoice {
-            at: r.at(path, node),
-            value: s.into(),
-            allowed: allowed.join(", "),
-        })?,
+    let name = lower.strip_prefix("torch.").unwrap_or(&lower);
+    let p = match name {
+        "fp32" | "float32" | "float" => Some(Precision::Fp32),
+        "fp16" | "float16" | "half" => Some(Precision::Fp16),
+        "bf16" | "bfloat16" | "bfloat" => Some(Precision::Bf16),
+        _ => None,
     };
-    if !allowed.contains(&lower) {
-        return Err(ConfigError::InvalidChoice {
+    match p {
+        Some(p) if allowed.contains(&name) => Ok(p),
+        _ => Err(ConfigError::InvalidChoice {
             at: r.at(path, node),
             value: s.into(),
             allowed: allowed.join(", "),
-        });
+        }),
     }
-    Ok(p)
 }
 
 /// How `enabled` was given in the fp16 / bf16 block.
