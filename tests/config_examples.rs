@@ -52,8 +52,8 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
     for world in [1, 2, 4] {
         let s0 = load("stage0.json", world);
         check_common(&s0, world);
-        assert_eq!(s0.zero.stage, 0);
-        assert!(!s0.zero.overlap_comm);
+        assert_eq!(s0.zero_optimization.stage, 0);
+        assert!(!s0.zero_optimization.overlap_comm);
         assert_eq!(
             s0.scheduler,
             Some(SchedulerSettings::WarmupLR {
@@ -66,12 +66,12 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
 
         let s1 = load("stage1.json", world);
         check_common(&s1, world);
-        assert_eq!(s1.zero.stage, 1);
-        assert_eq!(s1.zero.reduce_bucket_size, 2_000_000);
+        assert_eq!(s1.zero_optimization.stage, 1);
+        assert_eq!(s1.zero_optimization.reduce_bucket_size, 2_000_000);
 
         let s2 = load("stage2.json", world);
         check_common(&s2, world);
-        let z = &s2.zero;
+        let z = &s2.zero_optimization;
         assert_eq!(z.stage, 2);
         assert!(z.overlap_comm && z.contiguous_gradients && z.reduce_scatter);
         assert_eq!(z.reduce_bucket_size, 2_000_000);
@@ -81,7 +81,7 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
 
         let s2o = load("stage2_offload_cpu.json", world);
         check_common(&s2o, world);
-        let z = &s2o.zero;
+        let z = &s2o.zero_optimization;
         assert_eq!(z.stage, 2);
         assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
         assert!(z.offload_optimizer.pin_memory);
@@ -89,7 +89,7 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
 
         let s3 = load("stage3.json", world);
         check_common(&s3, world);
-        let z = &s3.zero;
+        let z = &s3.zero_optimization;
         assert_eq!(z.stage, 3);
         assert!(z.overlap_comm);
         assert_eq!(z.prefetch_bucket_size, 2_000_000);
@@ -109,7 +109,7 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
 
         let s3n = load("stage3_nvme.json", world);
         check_common(&s3n, world);
-        let z = &s3n.zero;
+        let z = &s3n.zero_optimization;
         assert_eq!(z.stage, 3);
         assert_eq!(z.offload_param.device, OffloadDevice::Nvme);
         assert_eq!(

@@ -119,8 +119,8 @@ fn deepspeed_examples_cifar() {
             warmup_type: WarmupType::Log,
         })
     );
-    assert_eq!(s.zero.reduce_bucket_size, 50_000_000);
-    assert!(s.zero.overlap_comm);
+    assert_eq!(s.zero_optimization.reduce_bucket_size, 50_000_000);
+    assert!(s.zero_optimization.overlap_comm);
     assert_eq!(s.steps_per_print, Some(2000));
     assert!(has_warning(
         &l,
@@ -130,7 +130,10 @@ fn deepspeed_examples_cifar() {
     assert!(has_warning(&l, "ignored"));
     assert!(has_warning(&l, "prescale_gradients"));
     // The legacy `cpu_offload: false` turns nothing on.
-    assert_eq!(s.zero.offload_optimizer.device, OffloadDevice::None);
+    assert_eq!(
+        s.zero_optimization.offload_optimizer.device,
+        OffloadDevice::None
+    );
 }
 
 const HF_ZERO2: &str = r#"{
@@ -188,9 +191,12 @@ fn hugging_face_zero2_in_check_mode_lists_every_unresolved_auto() {
     };
     let l = ok(HF_ZERO2, &c);
     let s = &l.settings;
-    assert_eq!(s.zero.stage, 2);
-    assert_eq!(s.zero.allgather_bucket_size, 200_000_000);
-    assert_eq!(s.zero.offload_optimizer.device, OffloadDevice::Cpu);
+    assert_eq!(s.zero_optimization.stage, 2);
+    assert_eq!(s.zero_optimization.allgather_bucket_size, 200_000_000);
+    assert_eq!(
+        s.zero_optimization.offload_optimizer.device,
+        OffloadDevice::Cpu
+    );
     assert_eq!(
         s.precision,
         Precision::Fp32,
@@ -314,7 +320,7 @@ fn llama_factory_zero3_resolves_buckets_from_the_hidden_size() {
     };
     let l = ok(LLAMA_FACTORY_Z3, &c);
     let s = &l.settings;
-    let z = &s.zero;
+    let z = &s.zero_optimization;
     assert_eq!(z.stage, 3);
     assert!(!z.overlap_comm);
     assert_eq!(z.reduce_bucket_size, 4096 * 4096);
@@ -403,7 +409,7 @@ fn axolotl_zero3_bf16() {
     let s = &l.settings;
     assert_eq!(s.precision, Precision::Bf16);
     assert_eq!(s.fp16.initial_scale_power, 32);
-    let z = &s.zero;
+    let z = &s.zero_optimization;
     assert_eq!(z.sub_group_size, 0);
     assert_eq!(z.max_live_parameters, 0);
     assert_eq!(z.max_reuse_distance, 0);
@@ -446,7 +452,7 @@ fn deepspeed_chat_zero3_with_legacy_bfloat16() {
     let s = &l.settings;
     assert_eq!(s.batch.gradient_accumulation_steps, 2);
     assert_eq!(s.precision, Precision::Bf16);
-    let z = &s.zero;
+    let z = &s.zero_optimization;
     assert_eq!(z.param_persistence_threshold, 10_000);
     assert_eq!(z.max_live_parameters, 30_000_000);
     assert_eq!(z.prefetch_bucket_size, 30_000_000);
@@ -470,10 +476,10 @@ fn tolerant_syntax_comments_trailing_commas_and_numbers_as_written() {
     let l = ok(text, &ctx(2));
     let s = &l.settings;
     assert_eq!(s.batch.gradient_accumulation_steps, 4);
-    assert_eq!(s.zero.reduce_bucket_size, 500_000_000);
-    assert_eq!(s.zero.allgather_bucket_size, 500_000_000);
-    assert!(s.zero.overlap_comm);
-    assert!(!s.zero.contiguous_gradients);
+    assert_eq!(s.zero_optimization.reduce_bucket_size, 500_000_000);
+    assert_eq!(s.zero_optimization.allgather_bucket_size, 500_000_000);
+    assert!(s.zero_optimization.overlap_comm);
+    assert!(!s.zero_optimization.contiguous_gradients);
     assert_eq!(s.fp16.loss_scale_window, 1000);
 }
 
@@ -483,7 +489,7 @@ fn defaults_follow_deepspeed_code_not_its_docs() {
         r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}"#,
         &ctx(1),
     );
-    let z = &l.settings.zero;
+    let z = &l.settings.zero_optimization;
     assert_eq!(z.prefetch_bucket_size, 50_000_000, "code 5e7, docs 5e8");
     assert!(z.overlap_comm, "code: true at stage 3");
     assert_eq!(
@@ -503,7 +509,7 @@ fn defaults_follow_deepspeed_code_not_its_docs() {
         r#"{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}"#,
         &ctx(1),
     );
-    assert!(!l.settings.zero.overlap_comm);
+    assert!(!l.settings.zero_optimization.overlap_comm);
     assert_eq!(l.settings.batch.train_batch_size, 2);
     assert_eq!(l.settings.batch.gradient_accumulation_steps, 1);
 }
@@ -514,7 +520,7 @@ fn legacy_forms_warn_and_map_to_modern_keys() {
         r#"{"train_batch_size": 8, "zero_optimization": true}"#,
         &ctx(2),
     );
-    assert_eq!(l.settings.zero.stage, 1);
+    assert_eq!(l.settings.zero_optimization.stage, 1);
     assert!(has_warning(&l, "boolean form is deprecated"));
 
     let l = ok(
@@ -523,7 +529,7 @@ fn legacy_forms_warn_and_map_to_modern_keys() {
             "stage3_gather_fp16_weights_on_model_save": true}}"#,
         &ctx(2),
     );
-    let z = &l.settings.zero;
+    let z = &l.settings.zero_optimization;
     assert_eq!(z.offload_optimizer.device, OffloadDevice::Cpu);
     assert_eq!(z.offload_param.device, OffloadDevice::Cpu);
     assert!(z.offload_optimizer.pin_memory && z.offload_param.pin_memory);
@@ -917,7 +923,7 @@ fn offload_validation() {
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}, "offload_param": null}}"#,
         &ctx(1),
     );
-    assert_eq!(l.settings.zero.offload_optimizer.ratio, 0.3);
+    assert_eq!(l.settings.zero_optimization.offload_optimizer.ratio, 0.3);
 }
 
 #[test]
@@ -975,7 +981,7 @@ fn a_misspelt_top_level_block_is_ignored_loudly() {
         r#"{"train_batch_size": 8, "zero_optimisation": {"stage": 3}, "fp16": {"enabeld": true}}"#,
         &ctx(1),
     );
-    assert_eq!(l.settings.zero.stage, 0);
+    assert_eq!(l.settings.zero_optimization.stage, 0);
     assert!(has_warning(
         &l,
         "zero_optimisation (did you mean \"zero_optimization\"?)"

@@ -67,7 +67,7 @@ pub fn run(args: CheckArgs) -> anyhow::Result<i32> {
 /// The resolved settings as aligned `key  value` lines, then the warnings.
 pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
     let s = &loaded.settings;
-    let z = &s.zero;
+    let z = &s.zero_optimization;
     let un = |path: &str, v: String| {
         let alt = path.replace("stage3_", "");
         if s.unresolved

@@ -5,7 +5,7 @@
 //! let ctx = ResolveContext { world_size: 2, world_size_source: "--world-size".into(), ..Default::default() };
 //! let loaded = config::load_file("examples/stage2.json", &ctx)?;
 //! for w in &loaded.warnings { eprintln!("warning: {w}"); }
-//! assert_eq!(loaded.settings.zero.stage, 2);
+//! assert_eq!(loaded.settings.zero_optimization.stage, 2);
 //! # Ok::<(), zerodp::config::ConfigError>(())
 //! ```
 //!

@@ -163,7 +163,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
         ));
     }
     Ok(Settings {
-        zero,
+        zero_optimization: zero,
         batch,
         precision,
         fp16,

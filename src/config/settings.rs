@@ -447,9 +447,7 @@ pub struct ActivationCheckpointingSettings {
 /// Everything a DeepSpeed config resolves to.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Settings {
-    /// `zero_optimization`.
-    #[serde(rename = "zero_optimization")]
-    pub zero: ZeroSettings,
+    pub zero_optimization: ZeroSettings,
     #[serde(flatten)]
     pub batch: BatchSettings,
     pub precision: Precision,
