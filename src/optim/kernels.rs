@@ -38,7 +38,7 @@ pub const TILE: usize = 1024;
 /// break the add dependency chain, while keeping a fixed order of summation.
 const LANES: usize = 8;
 
-/// A floating-point element type the kernels accept: `f32`, [`bf16`] or [`f16`].
+/// A floating-point element type the kernels accept: `f32`, [`bf16`](struct@half::bf16) or [`f16`](struct@half::f16).
 ///
 /// The trait only moves data between the type and `f32`; all arithmetic happens in `f32` (or
 /// `f64` for reductions), which is how mixed precision keeps its accuracy.
