@@ -599,6 +599,34 @@ mod tests {
     }
 
     #[test]
+    fn bf16_rounding_matches_half_bit_for_bit_across_all_exponents() {
+        // About 1M bit patterns spread over the whole u32 range (every sign, exponent, NaN
+        // payload), plus each one's tie neighbourhood: the branch-free rounding must give exactly
+        // half's bits, NaNs included.
+        let mut src = Vec::with_capacity(3 << 20);
+        let mut b: u32 = 0;
+        while let Some(next) = b.checked_add(4093) {
+            let tie = (b & 0xffff_0000) | 0x8000;
+            src.extend([
+                f32::from_bits(b),
+                f32::from_bits(tie),
+                f32::from_bits(tie ^ 0x1_0000),
+            ]);
+            b = next;
+        }
+        let mut ours = vec![bf16::ZERO; src.len()];
+        cast(&mut ours, &src);
+        for (x, got) in src.iter().zip(&ours) {
+            assert_eq!(
+                got.to_bits(),
+                bf16::from_f32(*x).to_bits(),
+                "{:#010x}",
+                x.to_bits()
+            );
+        }
+    }
+
+    #[test]
     #[should_panic(expected = "destination has 3 elements but source has 2")]
     fn length_mismatch_panics_with_both_lengths() {
         add_in_place(&mut [0f32; 3], &[1f32; 2]);
