@@ -222,8 +222,11 @@ impl fmt::Display for ScaleUpdate {
         } else if self.next_scale == self.attempted_scale && self.hysteresis > 0 {
             write!(
                 f,
-                "OVERFLOW! Skipping step. Attempted loss scale: {}, hysteresis left: {}",
-                self.attempted_scale, self.hysteresis
+                "OVERFLOW! Skipping step. Attempted loss scale: {}, but hysteresis is {}. \
+                 Reducing hysteresis to {}",
+                self.attempted_scale,
+                self.hysteresis + 1,
+                self.hysteresis
             )
         } else {
             write!(
@@ -535,6 +538,13 @@ mod tests {
     fn hysteresis_two_first_overflow_only_decrements_then_halves() {
         let mut s = dynamic(16, 1000, 2, false, 1.0);
         let h = 65536.0;
+        let first = s.update_scale(true, &["h.0"]).unwrap();
+        assert_eq!(
+            first.to_string(),
+            "OVERFLOW! Skipping step. Attempted loss scale: 65536, but hysteresis is 2. \
+             Reducing hysteresis to 1"
+        );
+        let mut s = dynamic(16, 1000, 2, false, 1.0);
         let got = replay(&mut s, &[true, true, true, false, true]);
         assert_eq!(
             got,
