@@ -1,6 +1,7 @@
 //! Forward + backward time of one micro-batch through the GPT, unit by unit as the engine runs it.
 //!
-//! `cargo run --example gpt_step_time -- [preset] [batch] [steps]` (defaults: small 8 5).
+//! `cargo run --example gpt_step_time -- [preset] [batch] [steps] [fused|composite]` (defaults:
+//! small 8 5 fused). `composite` runs the reference path built from primitive candle ops.
 
 use std::time::Instant;
 
@@ -13,7 +14,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch_size: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(8);
     let steps: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(5);
     let cfg = GptConfig::preset(preset)?;
-    let model = GptModel::new(cfg.clone())?;
+    let fused = args.get(3).map(String::as_str) != Some("composite");
+    let model = GptModel::with_options(cfg.clone(), candle_core::DType::F32, fused)?;
     let spec = model.spec().clone();
     let params: Vec<Vec<f32>> = (0..spec.units.len())
         .map(|u| {
@@ -32,7 +34,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seq_len: cfg.context,
     };
     println!(
-        "{preset}: {} params, batch {batch_size} x {}, {} threads",
+        "{preset} ({}): {} params, batch {batch_size} x {}, {} threads",
+        if fused {
+            "fused kernels"
+        } else {
+            "composite ops"
+        },
         spec.num_params(),
         cfg.context,
         candle_core::utils::get_num_threads()

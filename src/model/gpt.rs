@@ -57,6 +57,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
 
+use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
 use super::unit::{
     Batch, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
@@ -210,6 +211,8 @@ pub struct GptModel {
     /// Per unit: the tensors its compute reads, in the order the compute expects them.
     reads: Vec<Vec<ParamRef>>,
     dtype: DType,
+    /// Use the fused kernels of [`super::kernels`] (the default) rather than composite candle ops.
+    fused: bool,
     device: Device,
     /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
     masks: Mutex<HashMap<usize, Tensor>>,
@@ -239,6 +242,13 @@ impl GptModel {
     /// interface. F64 exists for finite-difference gradient checks.
     #[doc(hidden)]
     pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
+        Self::with_options(config, dtype, true)
+    }
+
+    /// As [`Self::with_dtype`], choosing between the fused kernels (`fused`, the default, fast)
+    /// and the composite candle ops (the reference the fused kernels are tested against).
+    #[doc(hidden)]
+    pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
         config.validate()?;
         if !matches!(dtype, DType::F32 | DType::F64) {
             return Err(ModelError::Invalid(format!(
@@ -341,6 +351,7 @@ impl GptModel {
             inits,
             reads,
             dtype,
+            fused,
             device: Device::Cpu,
             masks: Mutex::new(HashMap::new()),
         })
@@ -478,19 +489,56 @@ impl GptModel {
             }
             UnitKind::Block => {
                 let x = need_input()?;
-                let h = layer_norm(x, &p[0], &p[1])?;
+                let h = self.layer_norm(x, &p[0], &p[1])?;
                 let x = (x + self.attention(&h, &p[2], &p[3], &p[4], &p[5], b, t)?)?;
-                let h = layer_norm(&x, &p[6], &p[7])?;
-                let h = linear(&h, &p[8], &p[9])?.gelu()?;
-                x + linear(&h, &p[10], &p[11])?
+                let h = self.layer_norm(&x, &p[6], &p[7])?;
+                let h = self.gelu(&self.linear(&h, &p[8], &p[9])?)?;
+                x + self.linear(&h, &p[10], &p[11])?
             }
             UnitKind::Head => {
                 let x = need_input()?;
-                let h = layer_norm(x, &p[0], &p[1])?;
+                let h = self.layer_norm(x, &p[0], &p[1])?;
                 let logits = h.matmul(&p[2].t()?)?;
                 let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
-                candle_nn::loss::cross_entropy(&logits, &targets)
+                if self.fused {
+                    logits.apply_op2(&targets, kernels::CrossEntropy)
+                } else {
+                    candle_nn::loss::cross_entropy(&logits, &targets)
+                }
             }
+        }
+    }
+
+    /// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&w.t()?)?;
+        if self.fused {
+            y.contiguous()?.apply_op2(bias, kernels::BiasAdd)
+        } else {
+            y.broadcast_add(bias)
+        }
+    }
+
+    /// LayerNorm over the last dimension.
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        if self.fused {
+            x.contiguous()?
+                .apply_op3(weight, bias, kernels::LayerNorm { eps: LN_EPS })
+        } else {
+            layer_norm_composite(x, weight, bias)
+        }
+    }
+
+    fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused {
+            x.contiguous()?.apply_op1(kernels::Gelu)
+        } else {
+            x.gelu()
         }
     }
 
@@ -509,7 +557,16 @@ impl GptModel {
         let c = self.config.width;
         let nh = self.config.heads;
         let hd = c / nh;
-        let qkv = linear(x, w_attn, b_attn)?.reshape((b, t, 3, nh, hd))?;
+        let qkv = self.linear(x, w_attn, b_attn)?;
+        if self.fused {
+            let attn = kernels::CausalAttention {
+                batch: b,
+                seq: t,
+                heads: nh,
+            };
+            return self.linear(&qkv.apply_op1(attn)?, w_proj, b_proj);
+        }
+        let qkv = qkv.reshape((b, t, 3, nh, hd))?;
         // [b, t, nh, hd] -> [b, nh, t, hd], contiguous for the batched matmuls.
         let split = |i: usize| {
             qkv.narrow(2, i, 1)?
@@ -527,7 +584,7 @@ impl GptModel {
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b * t, c))?;
-        linear(&y, w_proj, b_proj)
+        self.linear(&y, w_proj, b_proj)
     }
 
     fn unit_name(&self, unit: usize) -> &str {
@@ -609,13 +666,8 @@ impl GptModel {
     }
 }
 
-/// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
-fn linear(x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
-    x.matmul(&w.t()?)?.broadcast_add(bias)
-}
-
 /// LayerNorm over the last dimension, from primitive differentiable ops.
-fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+fn layer_norm_composite(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

@@ -2,6 +2,7 @@
 
 pub mod data;
 pub mod gpt;
+mod kernels;
 mod rng;
 mod unit;
 pub mod weights;
