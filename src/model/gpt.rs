@@ -511,11 +511,10 @@ impl GptModel {
 
     /// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
     fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
-        let y = x.matmul(&w.t()?)?;
         if self.fused {
-            y.contiguous()?.apply_op2(bias, kernels::BiasAdd)
+            x.contiguous()?.apply_op3(w, bias, kernels::Linear)
         } else {
-            y.broadcast_add(bias)
+            x.matmul(&w.t()?)?.broadcast_add(bias)
         }
     }
 

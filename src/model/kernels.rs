@@ -10,6 +10,10 @@
 //! no backward and silently drop gradients: every op below implements `bwd`, and the tests check
 //! them against the composite candle path and against finite differences in F64.
 //!
+//! Ops: [`LayerNorm`], [`Gelu`] (tanh approximation), [`Linear`] (`x @ w^T + b` straight on gemm,
+//! torch.nn.Linear's `[out, in]` weight layout), [`CausalAttention`] (the whole multi-head causal
+//! attention core, probabilities recomputed in backward) and [`CrossEntropy`].
+//!
 //! Reductions across rows (the LayerNorm weight and bias gradients, the bias gradient) are summed
 //! over a fixed chunking, in chunk order, so results do not depend on the number of threads.
 
@@ -302,13 +306,109 @@ impl CustomOp1 for Gelu {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Bias add over rows: y[i, j] = x[i, j] + b[j].
+// Linear layer: y = x @ w^T + b for x [n, in], w [out, in] (torch.nn.Linear layout), b [out].
+// One graph node instead of candle's three (transpose, matmul, broadcast add), and the weight
+// gradient comes out contiguous in [out, in] order.
 
-pub(crate) struct BiasAdd;
+pub(crate) struct Linear;
 
-impl CustomOp2 for BiasAdd {
+/// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]` with explicit (row, column) strides, on the current
+/// rayon pool with as many threads as candle's own matmul uses.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [T],
+    accumulate: bool,
+    lhs: &[T],
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: &[T],
+    (rhs_rs, rhs_cs): (usize, usize),
+) {
+    assert!(dst.len() >= m * n, "gemm destination too small");
+    assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
+    assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    let threads = candle_core::utils::get_num_threads();
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above keep every index the strides can reach inside the slices; dst
+    // does not alias lhs or rhs (it is borrowed mutably).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            lit::<T>(1.0),
+            lit::<T>(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+impl Linear {
+    fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
+        let (out, inp) = (b.len(), w.len() / b.len().max(1));
+        if out == 0 || w.len() != out * inp || x.len() % inp != 0 {
+            bail!(
+                "linear: bad sizes x {} w {} b {}",
+                x.len(),
+                w.len(),
+                b.len()
+            );
+        }
+        let n = x.len() / inp;
+        // Start from the bias in every row, then accumulate x @ w^T on top.
+        let mut y: Vec<T> = Vec::with_capacity(n * out);
+        for _ in 0..n {
+            y.extend_from_slice(b);
+        }
+        // rhs = w^T: element (k, j) = w[j * inp + k].
+        gemm_into((n, out, inp), &mut y, true, x, (inp, 1), w, (1, inp));
+        Ok(y)
+    }
+
+    fn bwd<T: Real>(x: &[T], w: &[T], dy: &[T], out: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let inp = w.len() / out;
+        let n = x.len() / inp;
+        // dx [n, in] = dy [n, out] @ w [out, in]
+        let mut dx = vec![lit::<T>(0.0); n * inp];
+        gemm_into((n, inp, out), &mut dx, false, dy, (out, 1), w, (inp, 1));
+        // dw [out, in] = dy^T [out, n] @ x [n, in]
+        let mut dw = vec![lit::<T>(0.0); out * inp];
+        gemm_into((out, inp, n), &mut dw, false, dy, (1, out), x, (inp, 1));
+        // db [out] = column sums of dy, over a fixed row split summed in order.
+        let partials: Vec<Vec<T>> = dy
+            .par_chunks(out * ROWS_PER_TASK)
+            .map(|rows| {
+                let mut acc = vec![lit::<T>(0.0); out];
+                for r in rows.chunks(out) {
+                    acc.iter_mut().zip(r).for_each(|(a, &g)| *a += g);
+                }
+                acc
+            })
+            .collect();
+        (dx, dw, sum_partials(partials, out))
+    }
+}
+
+impl CustomOp3 for Linear {
     fn name(&self) -> &'static str {
-        "zerodp-bias-add"
+        "zerodp-linear"
     }
 
     fn cpu_fwd(
@@ -317,47 +417,43 @@ impl CustomOp2 for BiasAdd {
         l1: &Layout,
         s2: &CpuStorage,
         l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let (n, _) = l1.shape().dims2()?;
+        let (out, _) = l2.shape().dims2()?;
         by_dtype!(storage_dtype(s1), self.name(), |T| {
-            let (x, b) = (slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?);
-            let cols = b.len();
-            if cols == 0 || x.len() % cols != 0 {
-                bail!("bias add: bad shapes {:?} {:?}", l1.shape(), l2.shape());
-            }
-            let mut y = x.to_vec();
-            y.par_chunks_mut(cols * ROWS_PER_TASK).for_each(|ys| {
-                for yr in ys.chunks_mut(cols) {
-                    yr.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
-                }
-            });
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
+            let (x, w, b) = (
+                slice_of::<T>(s1, l1)?,
+                slice_of::<T>(s2, l2)?,
+                slice_of::<T>(s3, l3)?,
+            );
+            let y = Self::fwd(x, w, b)?;
+            Ok((T::to_cpu_storage_owned(y), Shape::from((n, out))))
         })
     }
 
     fn bwd(
         &self,
-        _x: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
         b: &Tensor,
         _y: &Tensor,
         dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let cols = b.elem_count();
-        let db = by_dtype!(b.dtype(), self.name(), |T| {
-            with_slice::<T, _>(dy, |dy| {
-                let partials: Vec<Vec<T>> = dy
-                    .par_chunks(cols * ROWS_PER_TASK)
-                    .map(|rows| {
-                        let mut acc = vec![lit::<T>(0.0); cols];
-                        for r in rows.chunks(cols) {
-                            acc.iter_mut().zip(r).for_each(|(a, &g)| *a += g);
-                        }
-                        acc
-                    })
-                    .collect();
-                tensor(sum_partials(partials, cols), b.shape())
-            })?
-        });
-        Ok((Some(dy.clone()), Some(db)))
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let out = b.elem_count();
+        by_dtype!(x.dtype(), self.name(), |T| {
+            let (dx, dw, db) = with_slice::<T, _>(x, |x| {
+                with_slice::<T, _>(w, |w| {
+                    with_slice::<T, _>(dy, |dy| Ok(Self::bwd(x, w, dy, out)))
+                })
+            })?;
+            Ok((
+                Some(tensor(dx, x.shape())?),
+                Some(tensor(dw, w.shape())?),
+                Some(tensor(db, b.shape())?),
+            ))
+        })
     }
 }
 
