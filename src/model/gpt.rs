@@ -163,6 +163,24 @@ impl GptConfig {
     }
 }
 
+/// Make candle's element-wise ops run on the calling thread (sets `CANDLE_NUM_THREADS=1` unless
+/// the user set it). Call at the start of `main`, before any candle op and before spawning
+/// threads: candle reads the variable once, and setting environment variables while other threads
+/// run is not safe.
+///
+/// WHY: candle 0.11.1 runs element-wise ops of 64K+ elements on one process-wide "barrier pool"
+/// whose workers and caller spin-wait, and callers take turns on a mutex. Ranks running as threads
+/// then serialise on that mutex, and whenever the cores are busy the spinning burns the time the
+/// ranks need. Measured on the 2-core box under load (dev profile, one rank): `small` at 8 x 128
+/// took 1441 ms per step with the pool and 1090 ms without; `demo` 160-330 ms and 75 ms. The
+/// fused kernels do their own element-wise work on the caller's rayon pool, so little is lost.
+/// Matmul threading (`RAYON_NUM_THREADS`) is not affected.
+pub fn run_candle_elementwise_on_caller_thread() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+}
+
 /// How one parameter tensor starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Init {

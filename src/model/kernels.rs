@@ -313,7 +313,7 @@ impl CustomOp1 for Gelu {
 pub(crate) struct Linear;
 
 /// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]` with explicit (row, column) strides, on the current
-/// rayon pool with as many threads as candle's own matmul uses.
+/// rayon pool.
 #[allow(clippy::too_many_arguments)]
 fn gemm_into<T: Real>(
     (m, n, k): (usize, usize, usize),
@@ -327,7 +327,9 @@ fn gemm_into<T: Real>(
     assert!(dst.len() >= m * n, "gemm destination too small");
     assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
-    let threads = candle_core::utils::get_num_threads();
+    // The current pool's size (a rank's own pool when the engine runs ranks as threads), capped
+    // by candle's thread count (physical cores, or RAYON_NUM_THREADS).
+    let threads = rayon::current_num_threads().min(candle_core::utils::get_num_threads());
     let parallelism = if threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
