@@ -487,4 +487,17 @@ fn bad_calls_are_reported() {
             ForwardMode::Train
         )
         .is_err());
+    let mut bad_token = batch.clone();
+    bad_token.tokens[0] = cfg.vocab_size as u32;
+    let err = model
+        .forward(
+            0,
+            &groups(&model, &params, 0),
+            None,
+            &bad_token,
+            ForwardMode::NoGrad,
+        )
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
 }
