@@ -501,3 +501,31 @@ fn bad_calls_are_reported() {
         .unwrap();
     assert!(err.to_string().contains("vocabulary"), "{err}");
 }
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let cfg = GptConfig {
+        width: 64,
+        heads: 4,
+        context: 32,
+        ..GptConfig::tiny()
+    };
+    let model = GptModel::new(cfg.clone()).unwrap();
+    let params = init_all(&model, 21);
+    // 3 x 32 rows: more than one fixed-size chunk in every row-parallel kernel.
+    let batch = random_batch(&cfg, 3, 32, 22);
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| unit_by_unit(&model, &params, &batch, 1.0, false))
+    };
+    let (loss_1, grads_1) = run(1);
+    let (loss_2, grads_2) = run(2);
+    assert_eq!(loss_1, loss_2);
+    assert_eq!(
+        grads_1, grads_2,
+        "gradients must be bitwise equal on 1 and 2 threads"
+    );
+}
