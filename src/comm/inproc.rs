@@ -8,10 +8,9 @@
 //! * reduce-scatter: rank r reduces shard r of every rank's input, in rank order, into its output;
 //! * all-gather: rank r copies every rank's shard into its output, starting with its right neighbour
 //!   so that the ranks do not all read the same owner at once;
-//! * all-reduce, large: reduce-scatter in place (rank r writes the reduced shard r into its own
-//!   buffer), a meeting, then the all-gather phase copies the reduced shards from their owners;
-//! * all-reduce, small (up to [`SMALL_ALL_REDUCE_BYTES`]): every rank reduces the whole buffer into
-//!   a private scratch and copies it back after one more meeting: two meetings instead of three;
+//! * all-reduce: rank r reduces shard r of every rank's buffer and writes the result into shard r of
+//!   every rank's buffer, in one pass (a reduce-scatter and an all-gather fused: each byte is read
+//!   once and written once, instead of the reduce-scatter's write plus the all-gather's copy);
 //! * broadcast: every non-root copies the root's buffer.
 //!
 //! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
@@ -19,7 +18,7 @@
 //! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
 //! bits.
 
-use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into};
+use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::rendezvous::{CallDesc, Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::{bandwidths, count_traffic, CommStats};
 use crate::comm::{
@@ -33,9 +32,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// All-reduces of at most this many bytes take the two-meeting path (every rank reduces the whole
-/// buffer); above it, the reduce-scatter + all-gather path that divides the work.
-pub const SMALL_ALL_REDUCE_BYTES: usize = 128 * 1024;
+/// Reduce-scatter outputs of at least this many bytes are written with streaming stores: far
+/// larger than a core's share of the last-level cache, they would be evicted before use anyway.
+const STREAMING_STORE_BYTES: usize = 4 << 20;
 
 /// A collective as queued to the communication thread.
 enum Call {
@@ -279,9 +278,6 @@ impl Communicator for InprocComm {
 struct Scratch {
     peers: Vec<Exposed>,
     srcs: Vec<usize>,
-    ptrs: Vec<usize>,
-    /// 8-byte aligned bytes for the small all-reduce.
-    small: Vec<u64>,
 }
 
 fn comm_thread(world: Arc<World>, shared: Arc<RankShared>, rank: usize, rx: mpsc::Receiver<Job>) {
@@ -481,66 +477,19 @@ impl Exec<'_> {
                 }
                 let addr = buffer_addr_mut(&mut buf);
                 self.meet(Some(addr))?;
-                if len * esz <= SMALL_ALL_REDUCE_BYTES {
-                    let words = (len * esz).div_ceil(8);
-                    if self.scratch.small.len() < words {
-                        self.scratch.small.resize(words, 0);
-                    }
-                    let tmp = self.scratch.small.as_mut_ptr() as usize;
-                    self.scratch.srcs.clear();
-                    self.scratch
-                        .srcs
-                        .extend(self.scratch.peers.iter().map(|p| p.input));
-                    // SAFETY: every peer's buffer holds `len` elements of `dtype` (checked by the
-                    // meeting's descriptor comparison) and stays alive and unwritten until the next
-                    // meeting; `tmp` has room for `len` elements and is private to this thread.
-                    unsafe {
-                        reduce_into(
-                            dtype,
-                            op,
-                            &self.scratch.srcs,
-                            tmp,
-                            len,
-                            &mut self.scratch.ptrs,
-                        )
-                    };
-                    self.meet(None)?;
-                    // SAFETY: no peer reads this rank's buffer after the meeting above.
-                    unsafe { copy_bytes(tmp, addr, len * esz) };
-                    return Ok(vec![buf]);
-                }
-                // Phase 1: reduce shard r of every rank into shard r of this rank's own buffer.
+                // Rank r alone owns shard r of every buffer until the final meeting: it reduces
+                // shard r of all ranks block by block and writes the result back into shard r of
+                // every rank's buffer (each block read before it is overwritten). One pass, one
+                // read and one write of each byte, no second phase and no staging copy.
                 let mine = shard_range(len, n, r);
-                self.scratch.srcs.clear();
-                self.scratch.srcs.extend(
-                    self.scratch
-                        .peers
-                        .iter()
-                        .map(|p| p.input + mine.start * esz),
-                );
-                // SAFETY: during phase 1 rank r alone touches shard r of any buffer: it reads shard r
-                // of every buffer and writes shard r of its own (aliasing one source, which the kernel
-                // allows). Peers' buffers live until the final meeting.
-                unsafe {
-                    reduce_into(
-                        dtype,
-                        op,
-                        &self.scratch.srcs,
-                        addr + mine.start * esz,
-                        mine.len(),
-                        &mut self.scratch.ptrs,
-                    )
-                };
-                self.meet(None)?;
-                // Phase 2: copy every other reduced shard s from its owner, s's own buffer.
-                for k in 1..n {
-                    let s = (r + k) % n;
-                    let range = shard_range(len, n, s);
-                    let src = self.scratch.peers[s].input + range.start * esz;
-                    // SAFETY: in phase 2 shard s of rank s's buffer is only read; this rank writes
-                    // only shards other than its own in its own buffer, which nobody reads now.
-                    unsafe { copy_bytes(src, addr + range.start * esz, range.len() * esz) };
-                }
+                let sc = &mut *self.scratch;
+                sc.srcs.clear();
+                sc.srcs
+                    .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+                // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
+                // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
+                // and lives until the final meeting.
+                unsafe { reduce_into(dtype, op, &sc.srcs, &sc.srcs, mine.len(), Store::Cached) };
                 self.meet(None)?;
                 Ok(vec![buf])
             }
@@ -556,15 +505,21 @@ impl Exec<'_> {
                         .iter()
                         .map(|p| p.input + mine.start * esz),
                 );
+                let dst = [buffer_addr_mut(&mut output)];
+                let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
+                    Store::Streaming
+                } else {
+                    Store::Cached
+                };
                 // SAFETY: inputs are only read until the final meeting; the output is private.
                 unsafe {
                     reduce_into(
                         input.dtype(),
                         op,
                         &self.scratch.srcs,
-                        buffer_addr_mut(&mut output),
+                        &dst,
                         mine.len(),
-                        &mut self.scratch.ptrs,
+                        store,
                     )
                 };
                 self.meet(None)?;
