@@ -338,3 +338,34 @@ fn summary_table_lists_each_op_and_size() {
     assert!(table.contains("all_reduce") && table.contains("reduce_scatter"));
     assert!(table.contains("1024") && table.contains("128"), "{table}");
 }
+
+#[test]
+fn calls_return_at_once_so_callers_overlap_work_even_with_tracing_on() {
+    // Rank 1 issues its all-reduce only after rank 0's all_reduce() call has returned and rank 0
+    // has told it so over a channel. If issuing blocked until the collective finished (or tracing
+    // synchronised), rank 0 would never send and the world would time out instead of passing.
+    let (sink, lines) = TraceSink::memory();
+    let options = CommOptions {
+        timeout: Duration::from_secs(60),
+        trace: TraceLevel::Info,
+        trace_sink: sink,
+        ..CommOptions::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (tx, rx) = (std::sync::Mutex::new(Some(tx)), std::sync::Mutex::new(rx));
+    let sums = run_ranks(2, options, |comm, rank| {
+        let b = Buffer::F32(vec![rank as f32 + 1.0; 64]);
+        let h = if rank == 0 {
+            let h = comm.all_reduce(b, ReduceOp::Sum);
+            tx.lock().unwrap().take().unwrap().send(()).unwrap();
+            h
+        } else {
+            rx.lock().unwrap().recv().unwrap();
+            comm.all_reduce(b, ReduceOp::Sum)
+        };
+        Ok::<_, CommError>(h.wait_one()?.get_f32(63))
+    })
+    .unwrap();
+    assert_eq!(sums, vec![3.0, 3.0]);
+    assert_eq!(lines.lock().unwrap().len(), 2);
+}

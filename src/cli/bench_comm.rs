@@ -357,6 +357,20 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// Bytes read plus written in memory, summed over all ranks, by one collective of the in-process
+/// backend on a full tensor of `bytes` (its algorithms are traffic-minimal): all-reduce reads every
+/// buffer once and writes every buffer once (2nB); reduce-scatter reads every input once and writes
+/// the outputs with streaming stores (nB + B); all-gather copies the full tensor into every output
+/// (2nB). Dividing by the time gives the memory bandwidth the collective drew, comparable with the
+/// all-thread memcpy (which moves 2 bytes per byte copied).
+fn memory_traffic(kind: CollectiveKind, n: usize, bytes: usize) -> f64 {
+    let (n, b) = (n as f64, bytes as f64);
+    match kind {
+        CollectiveKind::ReduceScatter => n * b + b,
+        _ => 2.0 * n * b,
+    }
+}
+
 fn print_table(
     args: &BenchCommArgs,
     n: usize,
@@ -383,7 +397,11 @@ fn print_table(
         per_rank_ref
     );
     println!(
-        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>9} {:>9}",
+        "# busbw as % of the one-thread memcpy (%1thr) and of the per-rank share (%share); %mem: \
+         memory traffic drawn by all ranks as % of the all-thread memcpy's"
+    );
+    println!(
+        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
         "op",
         "size",
         "count",
@@ -391,12 +409,14 @@ fn print_table(
         "time(us)",
         "algbw(GB/s)",
         "busbw(GB/s)",
-        "%1thread",
-        "%share"
+        "%1thr",
+        "%share",
+        "%mem"
     );
     for r in results {
+        let mem = memory_traffic(r.op, n, r.bytes) / r.time_s / 1e9 / (2.0 * memcpy.all_threads);
         println!(
-            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>8.0}% {:>8.0}%",
+            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
             r.op.name(),
             human(r.bytes),
             r.count,
@@ -405,7 +425,8 @@ fn print_table(
             r.algbw_gbps,
             r.busbw_gbps,
             100.0 * r.busbw_gbps / memcpy.one_thread,
-            100.0 * r.busbw_gbps / per_rank_ref
+            100.0 * r.busbw_gbps / per_rank_ref,
+            100.0 * mem
         );
     }
 }
