@@ -43,9 +43,13 @@ pub struct BenchCommArgs {
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+#[value(rename_all = "snake_case")]
 pub enum OpChoice {
+    #[value(alias = "all-reduce")]
     AllReduce,
+    #[value(alias = "reduce-scatter")]
     ReduceScatter,
+    #[value(alias = "all-gather")]
     AllGather,
     All,
 }
