@@ -2,7 +2,7 @@
 //!
 //! Each rank owns an [`InprocComm`] whose calls are queued to a dedicated communication thread and
 //! run there in issue order, so the caller computes while collectives progress. At every collective
-//! the communication threads meet at a [`Rendezvous`] that publishes the addresses of their buffers;
+//! the communication threads meet at a rendezvous that publishes the addresses of their buffers;
 //! each thread then reads its peers' buffers directly (no staging copies on the large-message path):
 //!
 //! * reduce-scatter: rank r reduces shard r of every rank's input, in rank order, into its output;
@@ -625,6 +625,20 @@ impl<E: fmt::Display + fmt::Debug> std::error::Error for RanksError<E> {}
 ///
 /// The `Arc<InprocComm>` can be cloned into other threads of the rank or coerced to
 /// `Arc<dyn Communicator>`.
+///
+/// ```
+/// use zerodp::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
+///
+/// let sums = run_ranks(4, CommOptions::default(), |comm, rank| {
+///     let grads = Buffer::F32(vec![rank as f32; 1000]);
+///     let handle = comm.all_reduce(grads, ReduceOp::Sum); // returns at once
+///     // ... compute here while the collective runs ...
+///     let summed = handle.wait_one()?;
+///     Ok::<_, CommError>(summed.get_f32(999))
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![6.0; 4]);
+/// ```
 pub fn run_ranks<T, E, F>(
     world_size: usize,
     options: CommOptions,

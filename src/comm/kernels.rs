@@ -1,7 +1,7 @@
 //! Element kernels of the in-process backend: the reduction of N ranks' slices into one and the
 //! widening/narrowing of 16-bit types.
 //!
-//! Reductions run over blocks small enough to stay in L1 (an f32 accumulator of [`BLOCK`] elements):
+//! Reductions run over blocks small enough to stay in L1 (an f32 accumulator of 2048 elements):
 //! each rank's block is read once, combined into the accumulator in rank order 0..N-1 (a fixed
 //! order, so the result is bit-identical whoever computes it), and the result is written once. 16-bit
 //! inputs are widened to f32, accumulated in f32 and rounded once (round to nearest even).
