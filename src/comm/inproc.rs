@@ -335,7 +335,6 @@ fn run_one(
         world,
         meeting,
         straggler: None,
-        meetings: 0,
         scratch,
     };
     let out = ex.execute(call)?;
@@ -436,34 +435,29 @@ struct Exec<'a> {
     world: &'a World,
     meeting: Meeting<'a>,
     straggler: Option<Straggler>,
-    /// Meetings so far in this collective.
-    meetings: u32,
     scratch: &'a mut Scratch,
 }
 
 impl Exec<'_> {
-    /// Meets the peers; with `input`, publishes it and fills `scratch.peers` with theirs.
-    fn meet(&mut self, input: Option<usize>) -> Result<(), CommError> {
+    /// The arrival meeting: waits for every rank (or fails: timeout, peer failure, mismatch); with
+    /// `input`, publishes this rank's buffer and fills `scratch.peers` with every rank's.
+    fn arrive(&mut self, input: Option<usize>) -> Result<(), CommError> {
         let threshold = self.world.options.straggler_threshold;
         let expose = input.map(|a| (Exposed { input: a }, &mut self.scratch.peers));
-        let note = self
+        self.straggler = self
             .world
             .rendezvous
             .meet(&self.meeting, expose, threshold)?;
-        // Only the first meeting (arrival) says who came late to the collective.
-        if self.meetings == 0 {
-            self.straggler = note;
-        }
-        self.meetings += 1;
         Ok(())
     }
 
     fn execute(&mut self, call: Call) -> Completion {
+        let world = self.world;
         let n = self.world.size;
         let r = self.meeting.rank;
         match call {
             Call::Barrier => {
-                self.meet(None)?;
+                self.arrive(None)?;
                 Ok(vec![])
             }
             Call::AllReduce(mut buf, op) => {
@@ -472,11 +466,12 @@ impl Exec<'_> {
                 let dtype = buf.dtype();
                 if n == 1 {
                     // The reduction of one buffer is itself (Avg divides by 1, Max of one value).
-                    self.meet(None)?;
+                    self.arrive(None)?;
                     return Ok(vec![buf]);
                 }
                 let addr = buffer_addr_mut(&mut buf);
-                self.meet(Some(addr))?;
+                self.arrive(Some(addr))?;
+                let departure = Departure::new(world, r);
                 // Rank r alone owns shard r of every buffer until the final meeting: it reduces
                 // shard r of all ranks block by block and writes the result back into shard r of
                 // every rank's buffer (each block read before it is overwritten). One pass, one
@@ -490,14 +485,15 @@ impl Exec<'_> {
                 // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
                 // and lives until the final meeting.
                 unsafe { reduce_into(dtype, op, &sc.srcs, &sc.srcs, mine.len(), Store::Cached) };
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![buf])
             }
             Call::ReduceScatter(input, mut output, op) => {
                 let len = input.len();
                 let esz = input.dtype().size();
                 let mine = shard_range(len, n, r);
-                self.meet(Some(buffer_addr(&input)))?;
+                self.arrive(Some(buffer_addr(&input)))?;
+                let departure = Departure::new(world, r);
                 self.scratch.srcs.clear();
                 self.scratch.srcs.extend(
                     self.scratch
@@ -522,13 +518,14 @@ impl Exec<'_> {
                         store,
                     )
                 };
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![input, output])
             }
             Call::AllGather(input, mut output) => {
                 let len = output.len();
                 let esz = output.dtype().size();
-                self.meet(Some(buffer_addr(&input)))?;
+                self.arrive(Some(buffer_addr(&input)))?;
+                let departure = Departure::new(world, r);
                 let out = buffer_addr_mut(&mut output);
                 for k in 0..n {
                     let s = (r + k) % n;
@@ -542,21 +539,54 @@ impl Exec<'_> {
                         )
                     };
                 }
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![input, output])
             }
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
-                self.meet(Some(addr))?;
+                self.arrive(Some(addr))?;
+                let departure = Departure::new(world, r);
                 if r != root {
                     // SAFETY: the root's buffer is only read until the final meeting.
                     unsafe { copy_bytes(self.scratch.peers[root].input, addr, bytes) };
                 }
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![buf])
             }
         }
+    }
+}
+
+/// The final meeting of a collective, held when this guard drops: after its arrival, a rank's
+/// buffers are read and written by its peers, so it must not hand them back (or free them) before
+/// every peer has finished with them. The final meeting therefore ignores timeouts and failures:
+/// every rank that passed the arrival is in its data phase, which never blocks, so it always comes.
+/// If this rank panics in its data phase, the guard still meets (before the unwinding frees the
+/// buffers) and marks the world failed.
+struct Departure<'a> {
+    rendezvous: &'a Rendezvous,
+    rank: usize,
+}
+
+impl<'a> Departure<'a> {
+    fn new(world: &'a World, rank: usize) -> Departure<'a> {
+        Departure {
+            rendezvous: &world.rendezvous,
+            rank,
+        }
+    }
+}
+
+impl Drop for Departure<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.rendezvous.fail(
+                self.rank,
+                "its communication thread panicked inside a collective".into(),
+            );
+        }
+        self.rendezvous.depart_collective(self.rank);
     }
 }
 
