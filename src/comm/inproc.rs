@@ -383,16 +383,22 @@ fn trace(
         }
     }
     if level >= TraceLevel::Info {
-        let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
-        world.options.trace_sink.emit(format!(
-            "zerodp INFO rank {rank}: {} #{seq} dtype={} elements={} bytes={bytes} time={:.1}us \
-             algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
-            desc.kind,
-            desc.dtype.map_or("-", |d| d.name()),
-            desc.len,
-            elapsed.as_secs_f64() * 1e6,
-            world.size
-        ));
+        let time_us = elapsed.as_secs_f64() * 1e6;
+        let line = match desc.dtype {
+            None => format!(
+                "zerodp INFO rank {rank}: {} #{seq} time={time_us:.1}us world={}",
+                desc.kind, world.size
+            ),
+            Some(dtype) => {
+                let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
+                format!(
+                    "zerodp INFO rank {rank}: {} #{seq} dtype={dtype} elements={} bytes={bytes} \
+                     time={time_us:.1}us algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
+                    desc.kind, desc.len, world.size
+                )
+            }
+        };
+        world.options.trace_sink.emit(line);
     }
 }
 
