@@ -180,15 +180,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Median memcpy bandwidth over `iters` copies of `bytes`, by one thread and by `threads` threads
-/// each copying its own contiguous part.
-pub fn measure_memcpy(bytes: usize, iters: usize, threads: usize) -> MemcpyGbps {
+/// Times of `iters` copies of `bytes` (after one warm-up copy): `(one thread, all threads)`, the
+/// latter with `threads` threads each copying its own contiguous part at once.
+fn memcpy_times(bytes: usize, iters: usize, threads: usize) -> (Vec<f64>, Vec<f64>) {
     let src = vec![1u8; bytes];
     let mut dst = vec![2u8; bytes];
-    let mut time = |threads: usize| -> f64 {
+    let mut time = |threads: usize| -> Vec<f64> {
+        let chunk = bytes.div_ceil(threads);
         let mut samples = Vec::with_capacity(iters);
         for _ in 0..iters + 1 {
-            let chunk = bytes.div_ceil(threads);
             let t0 = Instant::now();
             std::thread::scope(|s| {
                 for (d, sr) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
@@ -198,13 +198,16 @@ pub fn measure_memcpy(bytes: usize, iters: usize, threads: usize) -> MemcpyGbps 
             samples.push(t0.elapsed().as_secs_f64());
         }
         samples.remove(0); // warm-up
-        bytes as f64 / median(samples) / 1e9
+        samples
     };
-    let one_thread = time(1);
-    let all_threads = time(threads);
+    (time(1), time(threads))
+}
+
+/// The memcpy reference from timings (bytes copied per second / 1e9, at the median time).
+fn memcpy_gbps(bytes: usize, threads: usize, one: Vec<f64>, all: Vec<f64>) -> MemcpyGbps {
     MemcpyGbps {
-        one_thread,
-        all_threads,
+        one_thread: bytes as f64 / median(one) / 1e9,
+        all_threads: bytes as f64 / median(all) / 1e9,
         threads,
         bytes,
     }
@@ -292,12 +295,15 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         .collect();
     let n = args.world_size;
 
-    // Memcpy reference first, on an otherwise idle process, over a buffer above the last-level
-    // cache (at least 64 MiB) and no larger than the largest message (at most 1 GiB).
+    // Memcpy reference over a buffer above the last-level cache (at least 64 MiB) and no larger
+    // than the largest message (at most 1 GiB), measured while no rank runs.
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
     let max_size = sizes.iter().copied().max().unwrap_or(0);
     let memcpy_bytes = max_size.clamp(64 << 20, 1 << 30);
-    let memcpy = measure_memcpy(memcpy_bytes, args.iters, threads);
+    // Half the memcpy samples before the collectives and half after, so that the reference spans
+    // the same stretch of time as the measurements (the load of a shared machine drifts).
+    let half = args.iters.div_ceil(2);
+    let (mut one, mut all) = memcpy_times(memcpy_bytes, half, threads);
 
     let per_rank = run_ranks(n, options, |comm, _rank| {
         cases
@@ -315,6 +321,11 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             .collect::<Result<Vec<_>, CommError>>()
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let (one_after, all_after) = memcpy_times(memcpy_bytes, half, threads);
+    one.extend(one_after);
+    all.extend(all_after);
+    let memcpy = memcpy_gbps(memcpy_bytes, threads, one, all);
 
     let results: Vec<BenchResult> = cases
         .iter()
@@ -391,7 +402,7 @@ fn print_table(
         args.iters, args.warmup
     );
     println!(
-        "# memcpy reference ({} copied, median): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
+        "# memcpy reference ({} copied, median of runs before and after): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
          (per rank when {} ranks share them: {:.2} GB/s)",
         human(memcpy.bytes),
         memcpy.one_thread,
