@@ -121,7 +121,9 @@ pub enum ReduceOp {
 }
 
 /// The kinds of collective, used to key traffic counters and traces.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum CollectiveKind {
     AllReduce,
@@ -162,7 +164,10 @@ impl fmt::Display for CollectiveKind {
 /// first `len % world` ranks get one element more (as `torch.tensor_split`). The engine pads its flat
 /// buffers to a multiple of the world size, so there every shard is equal.
 pub fn shard_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usize> {
-    assert!(world > 0 && rank < world, "rank {rank} out of world {world}");
+    assert!(
+        world > 0 && rank < world,
+        "rank {rank} out of world {world}"
+    );
     let base = len / world;
     let extra = len % world;
     let start = rank * base + rank.min(extra);

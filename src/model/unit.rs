@@ -102,7 +102,9 @@ pub struct UnitForward<A, S> {
 pub enum ModelError {
     #[error("unit {unit}: {message}")]
     Compute { unit: String, message: String },
-    #[error("unit {unit}: expected {expected} parameter slices of lengths {lengths:?}, got {got:?}")]
+    #[error(
+        "unit {unit}: expected {expected} parameter slices of lengths {lengths:?}, got {got:?}"
+    )]
     ParamShape {
         unit: String,
         expected: usize,

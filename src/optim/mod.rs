@@ -1,1 +1,4 @@
 //! Optimizers over flat shards and learning-rate schedulers.
+
+pub mod adam;
+pub mod kernels;

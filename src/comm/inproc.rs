@@ -1,0 +1,748 @@
+//! The embedded backend: N ranks as threads of one process, exchanging through shared memory.
+//!
+//! Each rank owns an [`InprocComm`] whose calls are queued to a dedicated communication thread and
+//! run there in issue order, so the caller computes while collectives progress. At every collective
+//! the communication threads meet at a [`Rendezvous`] that publishes the addresses of their buffers;
+//! each thread then reads its peers' buffers directly (no staging copies on the large-message path):
+//!
+//! * reduce-scatter: rank r reduces shard r of every rank's input, in rank order, into its output;
+//! * all-gather: rank r copies every rank's shard into its output, starting with its right neighbour
+//!   so that the ranks do not all read the same owner at once;
+//! * all-reduce, large: reduce-scatter in place (rank r writes the reduced shard r into its own
+//!   buffer), a meeting, then the all-gather phase copies the reduced shards from their owners;
+//! * all-reduce, small (up to [`SMALL_ALL_REDUCE_BYTES`]): every rank reduces the whole buffer into
+//!   a private scratch and copies it back after one more meeting: two meetings instead of three;
+//! * broadcast: every non-root copies the root's buffer.
+//!
+//! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
+//! handed back once no peer can still read them. Each element is reduced by exactly one formula
+//! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
+//! bits.
+
+use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into};
+use crate::comm::rendezvous::{CallDesc, Exposed, Meeting, Rendezvous, Straggler};
+use crate::comm::stats::{bandwidths, count_traffic, CommStats};
+use crate::comm::{
+    shard_range, Buffer, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
+    Completion, ReduceOp, TraceLevel, TrafficCounters,
+};
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// All-reduces of at most this many bytes take the two-meeting path (every rank reduces the whole
+/// buffer); above it, the reduce-scatter + all-gather path that divides the work.
+pub const SMALL_ALL_REDUCE_BYTES: usize = 128 * 1024;
+
+/// A collective as queued to the communication thread.
+enum Call {
+    AllReduce(Buffer, ReduceOp),
+    ReduceScatter(Buffer, Buffer, ReduceOp),
+    AllGather(Buffer, Buffer),
+    Broadcast(Buffer, usize),
+    Barrier,
+}
+
+struct Job {
+    call: Call,
+    done: mpsc::Sender<Completion>,
+}
+
+/// State shared by every rank of one world.
+struct World {
+    size: usize,
+    options: CommOptions,
+    rendezvous: Rendezvous,
+}
+
+/// What a rank's caller and its communication thread share.
+struct RankShared {
+    traffic: Mutex<TrafficCounters>,
+    stats: Mutex<CommStats>,
+}
+
+/// One rank of an in-process world. Implements [`Communicator`]; dropping it lets its communication
+/// thread finish the queued collectives and exit (the drop waits for that).
+pub struct InprocComm {
+    rank: usize,
+    world: Arc<World>,
+    shared: Arc<RankShared>,
+    queue: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl fmt::Debug for InprocComm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "InprocComm(rank {} of {})", self.rank, self.world.size)
+    }
+}
+
+impl InprocComm {
+    /// Creates the communicators of a world of `world_size` ranks, one per rank (index = rank), each
+    /// with its communication thread running. Hand each to its own thread; if that thread fails
+    /// outside a collective, call [`InprocComm::fail`] so the others stop promptly ([`run_ranks`]
+    /// does all of this).
+    pub fn create_world(
+        world_size: usize,
+        options: CommOptions,
+    ) -> Result<Vec<InprocComm>, CommError> {
+        if world_size == 0 {
+            return Err(CommError::InvalidArgument {
+                rank: 0,
+                what: "world size 0: a world needs at least one rank".into(),
+            });
+        }
+        let world = Arc::new(World {
+            size: world_size,
+            rendezvous: Rendezvous::new(world_size),
+            options,
+        });
+        (0..world_size)
+            .map(|rank| {
+                let shared = Arc::new(RankShared {
+                    traffic: Mutex::new(TrafficCounters::default()),
+                    stats: Mutex::new(CommStats {
+                        world_size,
+                        ..CommStats::default()
+                    }),
+                });
+                let (tx, rx) = mpsc::channel();
+                let thread = {
+                    let world = world.clone();
+                    let shared = shared.clone();
+                    std::thread::Builder::new()
+                        .name(format!("zerodp-comm-{rank}"))
+                        .spawn(move || comm_thread(world, shared, rank, rx))
+                        .map_err(|e| {
+                            CommError::Closed(format!(
+                                "could not start the communication thread of rank {rank}: {e}"
+                            ))
+                        })?
+                };
+                Ok(InprocComm {
+                    rank,
+                    world: world.clone(),
+                    shared,
+                    queue: Some(tx),
+                    thread: Some(thread),
+                })
+            })
+            .collect()
+    }
+
+    /// Marks this rank as failed: every collective that waits for it, now or later, fails promptly
+    /// with [`CommError::PeerFailed`] naming this rank and `reason`.
+    pub fn fail(&self, reason: impl Into<String>) {
+        self.world.rendezvous.fail(self.rank, reason.into());
+    }
+
+    /// Timing statistics of this rank's collectives per op, dtype and size (always kept).
+    pub fn stats(&self) -> CommStats {
+        self.shared
+            .stats
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The summary table of [`InprocComm::stats`], ready to print.
+    pub fn summary(&self) -> String {
+        format!("rank {}:\n{}", self.rank, self.stats().summary_table())
+    }
+
+    pub fn options(&self) -> &CommOptions {
+        &self.world.options
+    }
+
+    fn submit(&self, call: Call) -> CommHandle {
+        if let Err(e) = self.validate(&call) {
+            // This rank will not take part in the collective, so its peers would wait for it: fail
+            // the world so that they stop promptly instead of timing out.
+            self.world.rendezvous.fail(self.rank, e.to_string());
+            return CommHandle::ready(Err(e));
+        }
+        let (done, handle) = CommHandle::channel();
+        let queue = self.queue.as_ref().expect("queue lives until drop");
+        if let Err(mpsc::SendError(job)) = queue.send(Job { call, done }) {
+            let _ = job.done.send(Err(CommError::Closed(format!(
+                "the communication thread of rank {} has exited",
+                self.rank
+            ))));
+        }
+        handle
+    }
+
+    fn validate(&self, call: &Call) -> Result<(), CommError> {
+        let n = self.world.size;
+        let bad = |what: String| {
+            Err(CommError::InvalidArgument {
+                rank: self.rank,
+                what,
+            })
+        };
+        match call {
+            Call::ReduceScatter(input, output, _) => {
+                let want = shard_range(input.len(), n, self.rank).len();
+                if input.dtype() != output.dtype() {
+                    return bad(format!(
+                        "reduce_scatter input is {} but output is {}; use the same dtype",
+                        input.dtype(),
+                        output.dtype()
+                    ));
+                }
+                if output.len() != want {
+                    return bad(format!(
+                        "reduce_scatter of {} elements over {n} ranks: rank {}'s output must hold \
+                         its shard of {want} elements (shard_range), not {}",
+                        input.len(),
+                        self.rank,
+                        output.len()
+                    ));
+                }
+            }
+            Call::AllGather(input, output) => {
+                let want = shard_range(output.len(), n, self.rank).len();
+                if input.dtype() != output.dtype() {
+                    return bad(format!(
+                        "all_gather input is {} but output is {}; use the same dtype",
+                        input.dtype(),
+                        output.dtype()
+                    ));
+                }
+                if input.len() != want {
+                    return bad(format!(
+                        "all_gather into {} elements over {n} ranks: rank {}'s input must be its \
+                         shard of {want} elements (shard_range), not {}",
+                        output.len(),
+                        self.rank,
+                        input.len()
+                    ));
+                }
+            }
+            Call::Broadcast(_, root) if *root >= n => {
+                return bad(format!(
+                    "broadcast root {root} is not a rank of this world of {n} (0..{n})"
+                ));
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl Drop for InprocComm {
+    fn drop(&mut self) {
+        // Closing the queue lets the thread drain it and exit.
+        self.queue.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Communicator for InprocComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn world_size(&self) -> usize {
+        self.world.size
+    }
+    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
+        self.submit(Call::AllReduce(buf, op))
+    }
+    fn reduce_scatter(&self, input: Buffer, output: Buffer, op: ReduceOp) -> CommHandle {
+        self.submit(Call::ReduceScatter(input, output, op))
+    }
+    fn all_gather(&self, input: Buffer, output: Buffer) -> CommHandle {
+        self.submit(Call::AllGather(input, output))
+    }
+    fn broadcast(&self, buf: Buffer, root: usize) -> CommHandle {
+        self.submit(Call::Broadcast(buf, root))
+    }
+    fn barrier(&self) -> CommHandle {
+        self.submit(Call::Barrier)
+    }
+    fn traffic(&self) -> TrafficCounters {
+        self.shared
+            .traffic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// Scratch a communication thread reuses across collectives (grown, never shrunk).
+#[derive(Default)]
+struct Scratch {
+    peers: Vec<Exposed>,
+    srcs: Vec<usize>,
+    ptrs: Vec<usize>,
+    /// 8-byte aligned bytes for the small all-reduce.
+    small: Vec<u64>,
+}
+
+fn comm_thread(world: Arc<World>, shared: Arc<RankShared>, rank: usize, rx: mpsc::Receiver<Job>) {
+    let mut seq: u64 = 0;
+    let mut scratch = Scratch::default();
+    while let Ok(job) = rx.recv() {
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            run_one(&world, &shared, rank, seq, job.call, &mut scratch)
+        }))
+        .unwrap_or_else(|panic| {
+            let msg = panic_message(&*panic);
+            world
+                .rendezvous
+                .fail(rank, format!("its communication thread panicked: {msg}"));
+            Err(CommError::Closed(format!(
+                "the communication thread of rank {rank} panicked in collective #{seq}: {msg}"
+            )))
+        });
+        seq += 1;
+        let _ = job.done.send(result);
+    }
+    world.rendezvous.depart(rank, seq);
+}
+
+/// The text of a panic payload.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+/// Runs one collective and does its bookkeeping (counters, statistics, trace).
+fn run_one(
+    world: &World,
+    shared: &RankShared,
+    rank: usize,
+    seq: u64,
+    call: Call,
+    scratch: &mut Scratch,
+) -> Completion {
+    let desc = describe(&call);
+    let started = Instant::now();
+    let meeting = Meeting {
+        rank,
+        seq,
+        desc: &desc,
+        started,
+        timeout: world.options.timeout,
+    };
+    let mut ex = Exec {
+        world,
+        meeting,
+        straggler: None,
+        meetings: 0,
+        scratch,
+    };
+    let out = ex.execute(call)?;
+    let elapsed = started.elapsed();
+    let straggler = ex.straggler;
+    let elem_bytes = desc.dtype.map_or(0, |d| d.size());
+    let bytes = (desc.len * elem_bytes) as u64;
+    count_traffic(
+        &mut shared.traffic.lock().unwrap_or_else(|e| e.into_inner()),
+        desc.kind,
+        world.size,
+        rank,
+        desc.len,
+        elem_bytes,
+        desc.root,
+    );
+    shared
+        .stats
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .record(desc.kind, desc.dtype, bytes, elapsed, straggler.is_some());
+    trace(world, rank, seq, &desc, bytes, elapsed, straggler);
+    Ok(out)
+}
+
+fn trace(
+    world: &World,
+    rank: usize,
+    seq: u64,
+    desc: &CallDesc,
+    bytes: u64,
+    elapsed: Duration,
+    straggler: Option<Straggler>,
+) {
+    let level = world.options.trace;
+    if level >= TraceLevel::Warn {
+        if let Some(s) = straggler {
+            world.options.trace_sink.emit(format!(
+                "zerodp WARN rank {rank}: straggler at {} #{seq}: arrived {:.3} ms after the first \
+                 rank (rank {}); threshold {:.3} ms",
+                desc.kind,
+                s.late.as_secs_f64() * 1e3,
+                s.first_rank,
+                world.options.straggler_threshold.as_secs_f64() * 1e3
+            ));
+        }
+    }
+    if level >= TraceLevel::Info {
+        let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
+        world.options.trace_sink.emit(format!(
+            "zerodp INFO rank {rank}: {} #{seq} dtype={} elements={} bytes={bytes} time={:.1}us \
+             algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
+            desc.kind,
+            desc.dtype.map_or("-", |d| d.name()),
+            desc.len,
+            elapsed.as_secs_f64() * 1e6,
+            world.size
+        ));
+    }
+}
+
+fn describe(call: &Call) -> CallDesc {
+    match call {
+        Call::AllReduce(b, op) => CallDesc {
+            kind: CollectiveKind::AllReduce,
+            dtype: Some(b.dtype()),
+            len: b.len(),
+            op: Some(*op),
+            root: None,
+        },
+        Call::ReduceScatter(i, _, op) => CallDesc {
+            kind: CollectiveKind::ReduceScatter,
+            dtype: Some(i.dtype()),
+            len: i.len(),
+            op: Some(*op),
+            root: None,
+        },
+        Call::AllGather(_, o) => CallDesc {
+            kind: CollectiveKind::AllGather,
+            dtype: Some(o.dtype()),
+            len: o.len(),
+            op: None,
+            root: None,
+        },
+        Call::Broadcast(b, root) => CallDesc {
+            kind: CollectiveKind::Broadcast,
+            dtype: Some(b.dtype()),
+            len: b.len(),
+            op: None,
+            root: Some(*root),
+        },
+        Call::Barrier => CallDesc::barrier(),
+    }
+}
+
+/// One collective in progress on one rank.
+struct Exec<'a> {
+    world: &'a World,
+    meeting: Meeting<'a>,
+    straggler: Option<Straggler>,
+    /// Meetings so far in this collective.
+    meetings: u32,
+    scratch: &'a mut Scratch,
+}
+
+impl Exec<'_> {
+    /// Meets the peers; with `input`, publishes it and fills `scratch.peers` with theirs.
+    fn meet(&mut self, input: Option<usize>) -> Result<(), CommError> {
+        let threshold = self.world.options.straggler_threshold;
+        let expose = input.map(|a| (Exposed { input: a }, &mut self.scratch.peers));
+        let note = self
+            .world
+            .rendezvous
+            .meet(&self.meeting, expose, threshold)?;
+        // Only the first meeting (arrival) says who came late to the collective.
+        if self.meetings == 0 {
+            self.straggler = note;
+        }
+        self.meetings += 1;
+        Ok(())
+    }
+
+    fn execute(&mut self, call: Call) -> Completion {
+        let n = self.world.size;
+        let r = self.meeting.rank;
+        match call {
+            Call::Barrier => {
+                self.meet(None)?;
+                Ok(vec![])
+            }
+            Call::AllReduce(mut buf, op) => {
+                let len = buf.len();
+                let esz = buf.dtype().size();
+                let dtype = buf.dtype();
+                if n == 1 {
+                    // The reduction of one buffer is itself (Avg divides by 1, Max of one value).
+                    self.meet(None)?;
+                    return Ok(vec![buf]);
+                }
+                let addr = buffer_addr_mut(&mut buf);
+                self.meet(Some(addr))?;
+                if len * esz <= SMALL_ALL_REDUCE_BYTES {
+                    let words = (len * esz).div_ceil(8);
+                    if self.scratch.small.len() < words {
+                        self.scratch.small.resize(words, 0);
+                    }
+                    let tmp = self.scratch.small.as_mut_ptr() as usize;
+                    self.scratch.srcs.clear();
+                    self.scratch
+                        .srcs
+                        .extend(self.scratch.peers.iter().map(|p| p.input));
+                    // SAFETY: every peer's buffer holds `len` elements of `dtype` (checked by the
+                    // meeting's descriptor comparison) and stays alive and unwritten until the next
+                    // meeting; `tmp` has room for `len` elements and is private to this thread.
+                    unsafe {
+                        reduce_into(
+                            dtype,
+                            op,
+                            &self.scratch.srcs,
+                            tmp,
+                            len,
+                            &mut self.scratch.ptrs,
+                        )
+                    };
+                    self.meet(None)?;
+                    // SAFETY: no peer reads this rank's buffer after the meeting above.
+                    unsafe { copy_bytes(tmp, addr, len * esz) };
+                    return Ok(vec![buf]);
+                }
+                // Phase 1: reduce shard r of every rank into shard r of this rank's own buffer.
+                let mine = shard_range(len, n, r);
+                self.scratch.srcs.clear();
+                self.scratch.srcs.extend(
+                    self.scratch
+                        .peers
+                        .iter()
+                        .map(|p| p.input + mine.start * esz),
+                );
+                // SAFETY: during phase 1 rank r alone touches shard r of any buffer: it reads shard r
+                // of every buffer and writes shard r of its own (aliasing one source, which the kernel
+                // allows). Peers' buffers live until the final meeting.
+                unsafe {
+                    reduce_into(
+                        dtype,
+                        op,
+                        &self.scratch.srcs,
+                        addr + mine.start * esz,
+                        mine.len(),
+                        &mut self.scratch.ptrs,
+                    )
+                };
+                self.meet(None)?;
+                // Phase 2: copy every other reduced shard s from its owner, s's own buffer.
+                for k in 1..n {
+                    let s = (r + k) % n;
+                    let range = shard_range(len, n, s);
+                    let src = self.scratch.peers[s].input + range.start * esz;
+                    // SAFETY: in phase 2 shard s of rank s's buffer is only read; this rank writes
+                    // only shards other than its own in its own buffer, which nobody reads now.
+                    unsafe { copy_bytes(src, addr + range.start * esz, range.len() * esz) };
+                }
+                self.meet(None)?;
+                Ok(vec![buf])
+            }
+            Call::ReduceScatter(input, mut output, op) => {
+                let len = input.len();
+                let esz = input.dtype().size();
+                let mine = shard_range(len, n, r);
+                self.meet(Some(buffer_addr(&input)))?;
+                self.scratch.srcs.clear();
+                self.scratch.srcs.extend(
+                    self.scratch
+                        .peers
+                        .iter()
+                        .map(|p| p.input + mine.start * esz),
+                );
+                // SAFETY: inputs are only read until the final meeting; the output is private.
+                unsafe {
+                    reduce_into(
+                        input.dtype(),
+                        op,
+                        &self.scratch.srcs,
+                        buffer_addr_mut(&mut output),
+                        mine.len(),
+                        &mut self.scratch.ptrs,
+                    )
+                };
+                self.meet(None)?;
+                Ok(vec![input, output])
+            }
+            Call::AllGather(input, mut output) => {
+                let len = output.len();
+                let esz = output.dtype().size();
+                self.meet(Some(buffer_addr(&input)))?;
+                let out = buffer_addr_mut(&mut output);
+                for k in 0..n {
+                    let s = (r + k) % n;
+                    let range = shard_range(len, n, s);
+                    // SAFETY: inputs are only read until the final meeting; the output is private.
+                    unsafe {
+                        copy_bytes(
+                            self.scratch.peers[s].input,
+                            out + range.start * esz,
+                            range.len() * esz,
+                        )
+                    };
+                }
+                self.meet(None)?;
+                Ok(vec![input, output])
+            }
+            Call::Broadcast(mut buf, root) => {
+                let bytes = buf.bytes();
+                let addr = buffer_addr_mut(&mut buf);
+                self.meet(Some(addr))?;
+                if r != root {
+                    // SAFETY: the root's buffer is only read until the final meeting.
+                    unsafe { copy_bytes(self.scratch.peers[root].input, addr, bytes) };
+                }
+                self.meet(None)?;
+                Ok(vec![buf])
+            }
+        }
+    }
+}
+
+/// Why one rank of [`run_ranks`] failed.
+#[derive(Debug)]
+pub enum RankFailure<E> {
+    /// The rank's function returned this error.
+    Error(E),
+    /// The rank's function panicked with this message.
+    Panic(String),
+}
+
+impl<E: fmt::Display> fmt::Display for RankFailure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RankFailure::Error(e) => write!(f, "{e}"),
+            RankFailure::Panic(m) => write!(f, "panicked: {m}"),
+        }
+    }
+}
+
+/// At least one rank of [`run_ranks`] failed.
+#[derive(Debug)]
+pub struct RanksError<E> {
+    /// The rank that failed first (the root cause; the others usually failed because of it).
+    pub first_failed: usize,
+    /// Every failed rank, in rank order.
+    pub failures: Vec<(usize, RankFailure<E>)>,
+}
+
+impl<E> RanksError<E> {
+    /// The root cause: the first failed rank's failure.
+    pub fn first(&self) -> &RankFailure<E> {
+        &self
+            .failures
+            .iter()
+            .find(|(r, _)| *r == self.first_failed)
+            .expect("first_failed is among failures")
+            .1
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for RanksError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "rank {} failed: {}", self.first_failed, self.first())?;
+        let others: Vec<String> = self
+            .failures
+            .iter()
+            .filter(|(r, _)| *r != self.first_failed)
+            .map(|(r, e)| format!("rank {r}: {e}"))
+            .collect();
+        if !others.is_empty() {
+            write!(f, " (then {})", others.join("; "))?;
+        }
+        Ok(())
+    }
+}
+
+impl<E: fmt::Display + fmt::Debug> std::error::Error for RanksError<E> {}
+
+/// Runs `f(comm, rank)` on `world_size` threads, one per rank of a fresh in-process world, and
+/// returns the results in rank order. A rank whose function returns an error or panics marks the
+/// world failed at once, so the other ranks' collectives fail promptly with
+/// [`CommError::PeerFailed`] naming it instead of waiting for the timeout; the error returned then
+/// lists every failed rank and which failed first.
+///
+/// The `Arc<InprocComm>` can be cloned into other threads of the rank or coerced to
+/// `Arc<dyn Communicator>`.
+pub fn run_ranks<T, E, F>(
+    world_size: usize,
+    options: CommOptions,
+    f: F,
+) -> Result<Vec<T>, RanksError<E>>
+where
+    T: Send,
+    E: fmt::Display + Send + From<CommError>,
+    F: Fn(Arc<InprocComm>, usize) -> Result<T, E> + Sync,
+{
+    let comms = match InprocComm::create_world(world_size, options) {
+        Ok(c) => c,
+        Err(e) => {
+            return Err(RanksError {
+                first_failed: 0,
+                failures: vec![(0, RankFailure::Error(E::from(e)))],
+            })
+        }
+    };
+    // Order in which ranks failed, to name the root cause.
+    let order = Mutex::new(Vec::<usize>::new());
+    let outcomes: Vec<Result<T, RankFailure<E>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let f = &f;
+                let order = &order;
+                std::thread::Builder::new()
+                    .name(format!("zerodp-rank-{}", comm.rank))
+                    .spawn_scoped(scope, move || {
+                        let rank = comm.rank;
+                        let comm = Arc::new(comm);
+                        let out = catch_unwind(AssertUnwindSafe(|| f(comm.clone(), rank)));
+                        let out = match out {
+                            Ok(Ok(v)) => Ok(v),
+                            Ok(Err(e)) => Err(RankFailure::Error(e)),
+                            Err(p) => Err(RankFailure::Panic(panic_message(&*p))),
+                        };
+                        if let Err(e) = &out {
+                            order.lock().unwrap_or_else(|e| e.into_inner()).push(rank);
+                            comm.fail(match e {
+                                RankFailure::Error(e) => format!("it returned an error: {e}"),
+                                RankFailure::Panic(m) => format!("it panicked: {m}"),
+                            });
+                        }
+                        out
+                    })
+                    .expect("spawn a rank thread")
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|p| Err(RankFailure::Panic(panic_message(&*p))))
+            })
+            .collect()
+    });
+    let order = order.into_inner().unwrap_or_else(|e| e.into_inner());
+    let mut results = Vec::with_capacity(world_size);
+    let mut failures = Vec::new();
+    for (rank, o) in outcomes.into_iter().enumerate() {
+        match o {
+            Ok(v) => results.push(v),
+            Err(e) => failures.push((rank, e)),
+        }
+    }
+    if failures.is_empty() {
+        Ok(results)
+    } else {
+        Err(RanksError {
+            first_failed: order.first().copied().unwrap_or(failures[0].0),
+            failures,
+        })
+    }
+}

@@ -1,0 +1,186 @@
+//! Settings shared by every backend: timeout, tracing and the straggler threshold.
+//!
+//! Precedence, most specific last: [`CommOptions::default`] (DeepSpeed's 30-minute timeout, tracing
+//! off), then the config's `comms_logger` (set by the engine), then the environment
+//! ([`CommOptions::with_env`]: `ZERODP_DEBUG`, `ZERODP_TIMEOUT`), then the command line (the CLI sets
+//! the fields directly after reading the environment).
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// DeepSpeed's (and torch.distributed's) default collective timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+
+/// A rank that reaches a collective this much later than the first rank is reported as a straggler.
+pub const DEFAULT_STRAGGLER_THRESHOLD: Duration = Duration::from_secs(1);
+
+/// How much the communicator writes to the trace.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub enum TraceLevel {
+    /// Nothing (the byte counters and the summary statistics are still kept).
+    #[default]
+    Off,
+    /// Straggler notes only.
+    Warn,
+    /// One line per collective (op, dtype, elements, bytes, time, algbw, busbw) and straggler notes.
+    Info,
+}
+
+impl TraceLevel {
+    /// Parses `ZERODP_DEBUG`-style values: `INFO`, `WARN`, `OFF` (case-insensitive; empty = off).
+    pub fn parse(s: &str) -> Option<TraceLevel> {
+        match s.trim().to_ascii_uppercase().as_str() {
+            "INFO" | "DEBUG" | "TRACE" => Some(TraceLevel::Info),
+            "WARN" | "WARNING" => Some(TraceLevel::Warn),
+            "" | "OFF" | "NONE" | "0" => Some(TraceLevel::Off),
+            _ => None,
+        }
+    }
+}
+
+/// Where trace lines go.
+#[derive(Clone, Default)]
+pub enum TraceSink {
+    /// One line per event on standard error (the default, like NCCL_DEBUG).
+    #[default]
+    Stderr,
+    /// Appended to a shared vector (tests, or callers that forward lines to their own logger).
+    Memory(Arc<Mutex<Vec<String>>>),
+}
+
+impl TraceSink {
+    /// A fresh in-memory sink and the vector it fills.
+    pub fn memory() -> (TraceSink, Arc<Mutex<Vec<String>>>) {
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        (TraceSink::Memory(lines.clone()), lines)
+    }
+
+    pub(crate) fn emit(&self, line: String) {
+        match self {
+            TraceSink::Stderr => eprintln!("{line}"),
+            TraceSink::Memory(v) => v.lock().unwrap_or_else(|e| e.into_inner()).push(line),
+        }
+    }
+}
+
+impl fmt::Debug for TraceSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TraceSink::Stderr => f.write_str("Stderr"),
+            TraceSink::Memory(_) => f.write_str("Memory"),
+        }
+    }
+}
+
+/// Settings of a communicator.
+#[derive(Clone, Debug)]
+pub struct CommOptions {
+    /// How long a rank waits inside one collective for the others before every waiting rank fails
+    /// with [`crate::comm::CommError::Timeout`].
+    pub timeout: Duration,
+    /// Per-collective trace lines (`ZERODP_DEBUG=INFO`, or `comms_logger.enabled`).
+    pub trace: TraceLevel,
+    /// Lateness (behind the first rank to arrive) above which the last rank to arrive is noted as a
+    /// straggler in the trace (at level `Warn` and above).
+    pub straggler_threshold: Duration,
+    pub trace_sink: TraceSink,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions {
+            timeout: DEFAULT_TIMEOUT,
+            trace: TraceLevel::Off,
+            straggler_threshold: DEFAULT_STRAGGLER_THRESHOLD,
+            trace_sink: TraceSink::Stderr,
+        }
+    }
+}
+
+/// A bad value in one of the `ZERODP_*` environment variables.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CommOptionsError {
+    #[error("{var}={value:?} is not valid: {expected}")]
+    BadEnv {
+        var: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+}
+
+impl CommOptions {
+    /// Default options with the environment applied (see [`CommOptions::with_env`]).
+    pub fn from_env() -> Result<CommOptions, CommOptionsError> {
+        CommOptions::default().with_env()
+    }
+
+    /// Applies `ZERODP_DEBUG` (`INFO`, `WARN` or `OFF`) and `ZERODP_TIMEOUT` (seconds, may be
+    /// fractional) when they are set; unset variables leave the field as it is.
+    pub fn with_env(self) -> Result<CommOptions, CommOptionsError> {
+        self.with_vars(
+            std::env::var("ZERODP_DEBUG").ok().as_deref(),
+            std::env::var("ZERODP_TIMEOUT").ok().as_deref(),
+        )
+    }
+
+    /// [`CommOptions::with_env`] with the values passed in (testable without touching the process
+    /// environment).
+    pub fn with_vars(
+        mut self,
+        debug: Option<&str>,
+        timeout_secs: Option<&str>,
+    ) -> Result<CommOptions, CommOptionsError> {
+        if let Some(v) = debug {
+            self.trace = TraceLevel::parse(v).ok_or_else(|| CommOptionsError::BadEnv {
+                var: "ZERODP_DEBUG",
+                value: v.to_string(),
+                expected: "use INFO (one line per collective), WARN (stragglers only) or OFF",
+            })?;
+        }
+        if let Some(v) = timeout_secs {
+            self.timeout = parse_timeout_secs(v).ok_or_else(|| CommOptionsError::BadEnv {
+                var: "ZERODP_TIMEOUT",
+                value: v.to_string(),
+                expected: "give the collective timeout in seconds, a positive number such as 1800",
+            })?;
+        }
+        Ok(self)
+    }
+}
+
+/// Seconds (integer or fractional, > 0) as a duration.
+pub fn parse_timeout_secs(s: &str) -> Option<Duration> {
+    let secs: f64 = s.trim().parse().ok()?;
+    if secs.is_finite() && secs > 0.0 && secs < 1e12 {
+        Some(Duration::from_secs_f64(secs))
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_apply_and_bad_values_are_explained() {
+        let o = CommOptions::default()
+            .with_vars(Some("info"), Some("2.5"))
+            .unwrap();
+        assert_eq!(o.trace, TraceLevel::Info);
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        let o = CommOptions::default().with_vars(None, None).unwrap();
+        assert_eq!(o.timeout, DEFAULT_TIMEOUT);
+        assert_eq!(o.trace, TraceLevel::Off);
+        let e = CommOptions::default()
+            .with_vars(None, Some("soon"))
+            .unwrap_err();
+        assert!(e.to_string().contains("ZERODP_TIMEOUT"), "{e}");
+        assert!(CommOptions::default()
+            .with_vars(Some("loud"), None)
+            .is_err());
+        assert!(parse_timeout_secs("0").is_none());
+        assert!(parse_timeout_secs("-3").is_none());
+    }
+}

@@ -1,0 +1,641 @@
+//! Adam and AdamW over a flat `f32` shard, with PyTorch's and DeepSpeed's semantics.
+//!
+//! This is the optimizer step of every ZeRO stage: rank r updates only the shard it owns (its
+//! `f32` master weights and Adam's `m` and `v`), so the kernel works on flat slices and knows
+//! nothing about tensors or units.
+//!
+//! Per element, in `f32` (PyTorch `torch.optim.Adam`/`AdamW`, single-tensor path; DeepSpeed's
+//! `DeepSpeedCPUAdam` computes the same quantities):
+//!
+//! ```text
+//! g  = grad * grad_scale                      // fused unscale (1/loss_scale) and clip factor
+//! g  = g + weight_decay * p                   // classic Adam only (L2 in the gradient)
+//! p  = p * (1 - lr * weight_decay)            // AdamW only (decoupled weight decay)
+//! m  = lerp(m, g, 1 - beta1)                  // = beta1 * m + (1 - beta1) * g
+//! v  = beta2 * v + (1 - beta2) * g * g
+//! p  = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
+//! ```
+//!
+//! with `bc1 = 1 - beta1^t`, `bc2 = 1 - beta2^t` when `bias_correction` is on (both 1 when off,
+//! as DeepSpeed's `bias_correction=False`). Scalars are computed in `f64` from `f64`
+//! hyperparameters and rounded to `f32` once, as PyTorch does with its Python-float arguments.
+//!
+//! The gradient is only read: `grad_scale` is applied on the fly, so the engine never rewrites
+//! the gradient buffer to unscale or clip it. Gradients may be `f32`, bf16 or f16 (widened per
+//! tile); [`adam_step_with_copy`] also writes the updated parameters rounded to a 16-bit copy,
+//! the buffer that is then all-gathered in mixed precision, while the tile is still in cache.
+
+use rayon::prelude::*;
+
+use super::kernels::{Element, PAR_CHUNK, PAR_MIN_LEN, TILE};
+
+/// Adam/AdamW hyperparameters. Defaults are DeepSpeed's `DeepSpeedCPUAdam` defaults (which are
+/// PyTorch's, with AdamW mode on).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamParams {
+    /// Learning rate of this step (the scheduler's value).
+    pub lr: f64,
+    /// Decay of the first moment `m`.
+    pub beta1: f64,
+    /// Decay of the second moment `v`.
+    pub beta2: f64,
+    /// Added to `sqrt(v)` (after bias correction) to avoid division by zero.
+    pub eps: f64,
+    /// Weight decay coefficient; how it is applied depends on `adam_w_mode`.
+    pub weight_decay: f64,
+    /// `true`: AdamW, decoupled decay `p *= 1 - lr * wd` (DeepSpeed `adam_w_mode=true`, the
+    /// default for the `AdamW` type). `false`: classic Adam, `wd * p` added to the gradient.
+    pub adam_w_mode: bool,
+    /// Divide `m` and `v` by `1 - beta^t` (PyTorch always does; DeepSpeed lets it be turned off).
+    pub bias_correction: bool,
+}
+
+impl Default for AdamParams {
+    fn default() -> Self {
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            adam_w_mode: true,
+            bias_correction: true,
+        }
+    }
+}
+
+/// The `f32` constants of one step, derived once from [`AdamParams`] and the step number.
+#[derive(Debug, Clone, Copy)]
+struct StepConsts {
+    grad_scale: f32,
+    /// Classic-Adam L2 coefficient (0 in AdamW mode).
+    l2: f32,
+    /// AdamW multiplier `1 - lr * wd` (1 in classic-Adam mode).
+    decay: f32,
+    /// `1 - beta1`, the lerp weight.
+    w1: f32,
+    beta2: f32,
+    one_minus_beta2: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    /// `-lr / bc1`.
+    neg_step_size: f32,
+}
+
+impl StepConsts {
+    fn new(hp: &AdamParams, step: u64, grad_scale: f32) -> Self {
+        assert!(step >= 1, "adam step numbers start at 1 (got {step})");
+        let (bc1, bc2) = if hp.bias_correction {
+            // powf on f64 is exact enough for any realistic step count and matches Python's `**`.
+            let t = step as f64;
+            (1.0 - hp.beta1.powf(t), 1.0 - hp.beta2.powf(t))
+        } else {
+            (1.0, 1.0)
+        };
+        let (l2, decay) = if hp.adam_w_mode {
+            (0.0, 1.0 - hp.lr * hp.weight_decay)
+        } else {
+            (hp.weight_decay, 1.0)
+        };
+        Self {
+            grad_scale,
+            l2: l2 as f32,
+            decay: decay as f32,
+            w1: (1.0 - hp.beta1) as f32,
+            beta2: hp.beta2 as f32,
+            one_minus_beta2: (1.0 - hp.beta2) as f32,
+            bc2_sqrt: bc2.sqrt() as f32,
+            eps: hp.eps as f32,
+            neg_step_size: (-hp.lr / bc1) as f32,
+        }
+    }
+}
+
+/// The update of one tile. `LERP_LOW` selects PyTorch's lerp formula for a weight `w1 < 0.5`
+/// (`m + w1 * (g - m)`, the usual case) or `>= 0.5` (`g - (g - m) * (1 - w1)`); being a const
+/// generic keeps the loop branch-free so that it vectorises.
+#[inline(always)]
+fn adam_tile<const LERP_LOW: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    c: &StepConsts,
+) {
+    let one_minus_w1 = 1.0 - c.w1;
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let g = g * c.grad_scale;
+        let g = g + c.l2 * *p;
+        let decayed = *p * c.decay;
+        let m_new = if LERP_LOW {
+            *m + c.w1 * (g - *m)
+        } else {
+            g - (g - *m) * one_minus_w1
+        };
+        let v_new = *v * c.beta2 + c.one_minus_beta2 * g * g;
+        let denom = v_new.sqrt() / c.bc2_sqrt + c.eps;
+        *p = decayed + c.neg_step_size * m_new / denom;
+        *m = m_new;
+        *v = v_new;
+    }
+}
+
+/// One chunk: tile by tile, widening 16-bit gradients into a stack buffer and writing the
+/// optional 16-bit copy of the new parameters while the tile is hot.
+fn adam_chunk<G: Element, T: Element>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    out: Option<&mut [T]>,
+    c: &StepConsts,
+) {
+    let lerp_low = c.w1 < 0.5;
+    let mut gbuf = [0f32; TILE];
+    let mut out = out;
+    for (i, ((p, m), v)) in p
+        .chunks_mut(TILE)
+        .zip(m.chunks_mut(TILE))
+        .zip(v.chunks_mut(TILE))
+        .enumerate()
+    {
+        let start = i * TILE;
+        let n = p.len();
+        let g_tile = &g[start..start + n];
+        let g32: &[f32] = if G::IS_F32 {
+            bytemuck::cast_slice(g_tile)
+        } else {
+            G::widen(g_tile, &mut gbuf[..n]);
+            &gbuf[..n]
+        };
+        if lerp_low {
+            adam_tile::<true>(p, g32, m, v, c);
+        } else {
+            adam_tile::<false>(p, g32, m, v, c);
+        }
+        if let Some(out) = out.as_deref_mut() {
+            T::narrow(p, &mut out[start..start + n]);
+        }
+    }
+}
+
+fn adam_impl<G: Element, T: Element>(
+    params: &mut [f32],
+    grads: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    out: Option<&mut [T]>,
+    c: &StepConsts,
+) {
+    let n = params.len();
+    assert!(
+        grads.len() == n && m.len() == n && v.len() == n,
+        "adam_step: params has {n} elements but grads {}, m {}, v {}; all must be the same shard",
+        grads.len(),
+        m.len(),
+        v.len()
+    );
+    if let Some(out) = out.as_deref() {
+        assert_eq!(
+            out.len(),
+            n,
+            "adam_step_with_copy: params has {n} elements but the {} copy has {}",
+            T::NAME,
+            out.len()
+        );
+    }
+    if n < PAR_MIN_LEN {
+        adam_chunk(params, grads, m, v, out, c);
+        return;
+    }
+    let chunks = params
+        .par_chunks_mut(PAR_CHUNK)
+        .zip(grads.par_chunks(PAR_CHUNK))
+        .zip(m.par_chunks_mut(PAR_CHUNK))
+        .zip(v.par_chunks_mut(PAR_CHUNK));
+    match out {
+        Some(out) => chunks
+            .zip(out.par_chunks_mut(PAR_CHUNK))
+            .for_each(|((((p, g), m), v), o)| adam_chunk(p, g, m, v, Some(o), c)),
+        None => chunks.for_each(|(((p, g), m), v)| adam_chunk::<G, T>(p, g, m, v, None, c)),
+    }
+}
+
+/// One Adam/AdamW step over a flat shard, in place on `params`, `m` and `v`.
+///
+/// `step` is the 1-based number of this update (bias correction uses `beta^step`); `grad_scale`
+/// multiplies every gradient before use: pass `1 / (loss_scale * clip_coef)` to unscale fp16
+/// gradients and clip in the same pass, or `1.0`. Deterministic and independent of the thread
+/// count (the update is element-wise). Long shards run in parallel on the rayon pool.
+///
+/// # Panics
+/// If the slices differ in length or `step == 0`.
+pub fn adam_step<G: Element>(
+    params: &mut [f32],
+    grads: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    hp: &AdamParams,
+    grad_scale: f32,
+) {
+    let c = StepConsts::new(hp, step, grad_scale);
+    adam_impl::<G, f32>(params, grads, m, v, None, &c);
+}
+
+/// [`adam_step`], also writing the updated parameters rounded to nearest even into `params_16`
+/// (bf16 or f16): the compute copy of mixed precision, produced in the same pass.
+///
+/// # Panics
+/// If the slices differ in length or `step == 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_with_copy<G: Element, T: Element>(
+    params: &mut [f32],
+    grads: &[G],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    hp: &AdamParams,
+    grad_scale: f32,
+    params_16: &mut [T],
+) {
+    let c = StepConsts::new(hp, step, grad_scale);
+    adam_impl(params, grads, m, v, Some(params_16), &c);
+}
+
+/// Adam's state for one shard: the moments and the number of updates applied so far.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdamState {
+    /// First moment, one `f32` per shard element.
+    pub m: Vec<f32>,
+    /// Second moment, one `f32` per shard element.
+    pub v: Vec<f32>,
+    /// Updates applied so far (0 before the first step).
+    pub step: u64,
+}
+
+impl AdamState {
+    /// Zeroed state for a shard of `len` elements.
+    pub fn new(len: usize) -> Self {
+        Self {
+            m: vec![0.0; len],
+            v: vec![0.0; len],
+            step: 0,
+        }
+    }
+
+    /// Shard length.
+    pub fn len(&self) -> usize {
+        self.m.len()
+    }
+
+    /// Whether the shard is empty (a rank whose shard is all padding can own nothing).
+    pub fn is_empty(&self) -> bool {
+        self.m.is_empty()
+    }
+
+    /// Bytes held (`m` and `v`: 8 bytes per element), for memory accounting.
+    pub fn bytes(&self) -> usize {
+        (self.m.len() + self.v.len()) * std::mem::size_of::<f32>()
+    }
+
+    /// Counts one more step and applies [`adam_step`]. Call only for steps that are not skipped
+    /// (an fp16 overflow must not advance the step, as in DeepSpeed).
+    pub fn update<G: Element>(
+        &mut self,
+        params: &mut [f32],
+        grads: &[G],
+        hp: &AdamParams,
+        grad_scale: f32,
+    ) {
+        self.step += 1;
+        adam_step(
+            params,
+            grads,
+            &mut self.m,
+            &mut self.v,
+            self.step,
+            hp,
+            grad_scale,
+        );
+    }
+
+    /// Counts one more step and applies [`adam_step_with_copy`].
+    pub fn update_with_copy<G: Element, T: Element>(
+        &mut self,
+        params: &mut [f32],
+        grads: &[G],
+        hp: &AdamParams,
+        grad_scale: f32,
+        params_16: &mut [T],
+    ) {
+        self.step += 1;
+        adam_step_with_copy(
+            params,
+            grads,
+            &mut self.m,
+            &mut self.v,
+            self.step,
+            hp,
+            grad_scale,
+            params_16,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::{bf16, f16};
+
+    fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    /// PyTorch's single-tensor Adam written element by element in `f32`, one scalar at a time,
+    /// with the scalars prepared in `f64` like Python floats.
+    fn reference_f32(
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        t: u64,
+        hp: &AdamParams,
+        gs: f32,
+    ) {
+        let (bc1, bc2) = if hp.bias_correction {
+            (1.0 - hp.beta1.powf(t as f64), 1.0 - hp.beta2.powf(t as f64))
+        } else {
+            (1.0, 1.0)
+        };
+        for i in 0..p.len() {
+            let mut grad = g[i] * gs;
+            if !hp.adam_w_mode && hp.weight_decay != 0.0 {
+                grad += hp.weight_decay as f32 * p[i];
+            }
+            if hp.adam_w_mode {
+                p[i] *= (1.0 - hp.lr * hp.weight_decay) as f32;
+            }
+            let w = (1.0 - hp.beta1) as f32;
+            m[i] = if w < 0.5 {
+                m[i] + w * (grad - m[i])
+            } else {
+                grad - (grad - m[i]) * (1.0 - w)
+            };
+            v[i] = v[i] * hp.beta2 as f32 + (1.0 - hp.beta2) as f32 * grad * grad;
+            let denom = v[i].sqrt() / bc2.sqrt() as f32 + hp.eps as f32;
+            p[i] += (-hp.lr / bc1) as f32 * m[i] / denom;
+        }
+    }
+
+    /// The same formulas entirely in `f64` (the mathematical value, up to f64 rounding).
+    fn reference_f64(
+        p: &mut [f64],
+        g: &[f64],
+        m: &mut [f64],
+        v: &mut [f64],
+        t: u64,
+        hp: &AdamParams,
+    ) {
+        let (bc1, bc2) = if hp.bias_correction {
+            (1.0 - hp.beta1.powf(t as f64), 1.0 - hp.beta2.powf(t as f64))
+        } else {
+            (1.0, 1.0)
+        };
+        for i in 0..p.len() {
+            let mut grad = g[i];
+            if !hp.adam_w_mode {
+                grad += hp.weight_decay * p[i];
+            } else {
+                p[i] *= 1.0 - hp.lr * hp.weight_decay;
+            }
+            m[i] = hp.beta1 * m[i] + (1.0 - hp.beta1) * grad;
+            v[i] = hp.beta2 * v[i] + (1.0 - hp.beta2) * grad * grad;
+            p[i] -= hp.lr / bc1 * m[i] / (v[i].sqrt() / bc2.sqrt() + hp.eps);
+        }
+    }
+
+    fn all_variants() -> Vec<AdamParams> {
+        let mut out = Vec::new();
+        for adam_w_mode in [true, false] {
+            for weight_decay in [0.0, 0.1] {
+                for bias_correction in [true, false] {
+                    out.push(AdamParams {
+                        lr: 1e-2,
+                        weight_decay,
+                        adam_w_mode,
+                        bias_correction,
+                        ..AdamParams::default()
+                    });
+                }
+            }
+        }
+        // A beta1 below 0.5 takes PyTorch's other lerp branch.
+        out.push(AdamParams {
+            beta1: 0.3,
+            beta2: 0.9,
+            weight_decay: 0.01,
+            ..AdamParams::default()
+        });
+        out
+    }
+
+    #[test]
+    fn matches_scalar_reference_bitwise() {
+        for hp in all_variants() {
+            for n in [5, TILE + 3, PAR_MIN_LEN + 1000] {
+                let mut p = values(n, 1, 1.0);
+                let mut state = AdamState::new(n);
+                let (mut rp, mut rm, mut rv) = (p.clone(), vec![0f32; n], vec![0f32; n]);
+                for t in 1..=4u64 {
+                    let g = values(n, 10 + t, 0.5);
+                    let gs = if t == 3 { 0.37 } else { 1.0 };
+                    state.update(&mut p, &g, &hp, gs);
+                    reference_f32(&mut rp, &g, &mut rm, &mut rv, t, &hp, gs);
+                }
+                assert_eq!(state.step, 4);
+                for i in 0..n {
+                    assert_eq!(p[i].to_bits(), rp[i].to_bits(), "{hp:?} n={n} p[{i}]");
+                    assert_eq!(state.m[i].to_bits(), rm[i].to_bits(), "{hp:?} n={n} m[{i}]");
+                    assert_eq!(state.v[i].to_bits(), rv[i].to_bits(), "{hp:?} n={n} v[{i}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn each_step_is_within_rounding_of_the_f64_formulas() {
+        // Every step starts the f64 reference from the kernel's own f32 state, so that the check
+        // measures the error of one step: two f32 roundings of p (decay, update), i.e. at most
+        // about one f32 ulp.
+        for hp in all_variants() {
+            let n = 4096;
+            let mut p = values(n, 2, 1.0);
+            // Keep parameters away from 0 so that a relative comparison is meaningful.
+            for x in &mut p {
+                *x += x.signum() * 0.5;
+            }
+            let mut m = vec![0f32; n];
+            let mut v = vec![0f32; n];
+            for t in 1..=3u64 {
+                let widen = |x: &[f32]| x.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>();
+                let (mut p64, mut m64, mut v64) = (widen(&p), widen(&m), widen(&v));
+                let (m_before, v_before, p_before) = (m64.clone(), v64.clone(), p64.clone());
+                let g = values(n, 20 + t, 0.5);
+                adam_step(&mut p, &g, &mut m, &mut v, t, &hp, 1.0);
+                reference_f64(&mut p64, &widen(&g), &mut m64, &mut v64, t, &hp);
+                for i in 0..n {
+                    let rel = (f64::from(p[i]) - p64[i]).abs() / p64[i].abs();
+                    assert!(
+                        rel <= 1.5 * f64::from(f32::EPSILON),
+                        "{hp:?} t={t} p[{i}] {} vs {} ({rel:e})",
+                        p[i],
+                        p64[i]
+                    );
+                    // m = beta1*m + (1-beta1)*g may cancel: bound the error by the terms' size.
+                    // The classic-Adam gradient g + wd*p may cancel as well.
+                    let l2 = if hp.adam_w_mode { 0.0 } else { hp.weight_decay };
+                    let g_size = f64::from(g[i].abs()) + l2 * p_before[i].abs();
+                    let terms = m_before[i].abs() + g_size;
+                    let err_m = (f64::from(m[i]) - m64[i]).abs();
+                    assert!(
+                        err_m <= 4.0 * f64::from(f32::EPSILON) * terms,
+                        "{hp:?} t={t} m[{i}] {} vs {}",
+                        m[i],
+                        m64[i]
+                    );
+                    let err_v = (f64::from(v[i]) - v64[i]).abs();
+                    let v_size = v_before[i] + g_size * g_size;
+                    assert!(
+                        err_v <= 8.0 * f64::from(f32::EPSILON) * v_size,
+                        "{hp:?} t={t} v[{i}] {} vs {}",
+                        v[i],
+                        v64[i]
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn first_step_moves_each_parameter_by_lr_against_the_gradient_sign() {
+        // With bias correction, step 1 gives m/bc1 = g and sqrt(v/bc2) = |g|: a step of lr*sign(g).
+        let hp = AdamParams {
+            lr: 0.01,
+            eps: 0.0,
+            ..AdamParams::default()
+        };
+        let mut p = vec![1.0f32, 1.0, -2.0];
+        let (mut m, mut v) = (vec![0f32; 3], vec![0f32; 3]);
+        adam_step(&mut p, &[0.5f32, -3.0, 1e-3], &mut m, &mut v, 1, &hp, 1.0);
+        let expect = [0.99f32, 1.01, -2.01];
+        for (a, b) in p.iter().zip(expect) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn grad_scale_equals_prescaled_gradient() {
+        let n = PAR_MIN_LEN + 5;
+        let hp = AdamParams {
+            weight_decay: 0.05,
+            adam_w_mode: false,
+            ..AdamParams::default()
+        };
+        let g = values(n, 3, 1000.0);
+        let scaled: Vec<f32> = g.iter().map(|&x| x * 0.001_3).collect();
+        let mut a = AdamState::new(n);
+        let mut b = AdamState::new(n);
+        let mut pa = values(n, 4, 1.0);
+        let mut pb = pa.clone();
+        a.update(&mut pa, &g, &hp, 0.001_3);
+        b.update(&mut pb, &scaled, &hp, 1.0);
+        assert_eq!(pa, pb);
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn independent_of_thread_count() {
+        let n = 4 * PAR_MIN_LEN + 333;
+        let hp = AdamParams {
+            weight_decay: 0.1,
+            ..AdamParams::default()
+        };
+        let run = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("build rayon pool")
+                .install(|| {
+                    let mut p = values(n, 5, 1.0);
+                    let mut out = vec![bf16::ZERO; n];
+                    let mut s = AdamState::new(n);
+                    for t in 0..3 {
+                        let g = values(n, 50 + t, 0.1);
+                        s.update_with_copy(&mut p, &g, &hp, 0.5, &mut out);
+                    }
+                    (p, s, out)
+                })
+        };
+        let one = run(1);
+        for threads in [2, 5] {
+            assert_eq!(one, run(threads), "{threads} threads");
+        }
+    }
+
+    #[test]
+    fn sixteen_bit_copy_and_gradients() {
+        let n = PAR_MIN_LEN + 4099;
+        let hp = AdamParams::default();
+        let g = values(n, 6, 0.1);
+        let g_bf16: Vec<bf16> = g.iter().map(|&x| bf16::from_f32(x)).collect();
+        let g_wide: Vec<f32> = g_bf16.iter().map(|x| x.to_f32()).collect();
+
+        // bf16 gradients give the same update as their exact f32 widening.
+        let mut p1 = values(n, 7, 1.0);
+        let mut p2 = p1.clone();
+        let (mut s1, mut s2) = (AdamState::new(n), AdamState::new(n));
+        let mut copy_bf16 = vec![bf16::ZERO; n];
+        let mut copy_f16 = vec![f16::ZERO; n];
+        s1.update_with_copy(&mut p1, &g_bf16, &hp, 1.0, &mut copy_bf16);
+        s2.update_with_copy(&mut p2, &g_wide, &hp, 1.0, &mut copy_f16);
+        assert_eq!(p1, p2);
+        assert_eq!(s1, s2);
+        for i in 0..n {
+            assert_eq!(
+                copy_bf16[i].to_bits(),
+                bf16::from_f32(p1[i]).to_bits(),
+                "bf16 copy [{i}]"
+            );
+            assert_eq!(
+                copy_f16[i].to_bits(),
+                f16::from_f32(p1[i]).to_bits(),
+                "f16 copy [{i}]"
+            );
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "params has 4 elements but grads 3")]
+    fn mismatched_shard_lengths_panic() {
+        let mut p = [0f32; 4];
+        let (mut m, mut v) = ([0f32; 4], [0f32; 4]);
+        adam_step(
+            &mut p,
+            &[0f32; 3],
+            &mut m,
+            &mut v,
+            1,
+            &AdamParams::default(),
+            1.0,
+        );
+    }
+}
