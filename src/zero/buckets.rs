@@ -15,6 +15,7 @@
 use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
 use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
+use crate::optim::kernels::add_in_place;
 
 /// What a bucket does and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +100,10 @@ impl Buckets {
 
     /// Switch what the buckets do; only between flushes.
     pub fn set_mode(&mut self, mode: BucketMode) {
-        assert!(self.is_idle(), "bucket mode changed while a bucket is in use");
+        assert!(
+            self.is_idle(),
+            "bucket mode changed while a bucket is in use"
+        );
         self.mode = mode;
     }
 
@@ -139,7 +143,12 @@ impl Buckets {
             let own = layout.own_shard(unit);
             let slot = &mut self.slots[self.current];
             let len = (cap - slot.used).min(total - start);
-            let seg = Segment { unit, start, len, offset: slot.used };
+            let seg = Segment {
+                unit,
+                start,
+                len,
+                offset: slot.used,
+            };
             match self.mode {
                 BucketMode::AllReduce => {
                     slot.big[seg.offset..seg.offset + len]
@@ -176,7 +185,8 @@ impl Buckets {
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
-        if self.slots[self.current].used > 0 {
+        let cur = &self.slots[self.current];
+        if cur.used > 0 && cur.flight.is_none() {
             self.launch(comm, state, layout)?;
         }
         for i in 0..self.slots.len() {
@@ -261,7 +271,8 @@ impl Buckets {
             let res = seg.offset..seg.offset + seg.len;
             match mode {
                 BucketMode::AllReduce => {
-                    state.grads[seg.unit][seg.start..seg.start + seg.len].copy_from_slice(&big[res]);
+                    state.grads[seg.unit][seg.start..seg.start + seg.len]
+                        .copy_from_slice(&big[res]);
                 }
                 BucketMode::ReduceScatterStore => {
                     let at = layout.own_shard(seg.unit).start + seg.start;
@@ -269,10 +280,7 @@ impl Buckets {
                 }
                 BucketMode::ReduceScatterAccumulate => {
                     let at = layout.shard_slot(seg.unit).start + seg.start;
-                    let dst = &mut state.grad_shards[at..at + seg.len];
-                    for (d, s) in dst.iter_mut().zip(&small[res]) {
-                        *d += *s;
-                    }
+                    add_in_place(&mut state.grad_shards[at..at + seg.len], &small[res]);
                 }
                 BucketMode::AllGather => {
                     for q in 0..world {

@@ -114,10 +114,19 @@ mod tests {
     fn spec() -> ModelSpec {
         let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {
             name: format!("u{i}"),
-            params: vec![ParamSpec { name: format!("p{i}"), shape: vec![n] }],
+            params: vec![ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            }],
             uses,
         };
-        ModelSpec { units: vec![unit(0, 64, vec![]), unit(1, 128, vec![]), unit(2, 8, vec![0])] }
+        ModelSpec {
+            units: vec![
+                unit(0, 64, vec![]),
+                unit(1, 128, vec![]),
+                unit(2, 8, vec![0]),
+            ],
+        }
     }
 
     #[test]
@@ -131,7 +140,10 @@ mod tests {
         cfg.overlap_comm = false;
         cfg.reduce_bucket_size = 33;
         let p = plan(&spec(), &cfg);
-        assert_eq!((p.bucket_elems, p.bucket_count, p.region_elems), (32, 1, 16));
+        assert_eq!(
+            (p.bucket_elems, p.bucket_count, p.region_elems),
+            (32, 1, 16)
+        );
         assert_eq!(p.buffer_bytes(), (32 + 16 + 128 * 2) * 4);
     }
 
@@ -149,6 +161,9 @@ mod tests {
         assert_eq!(p.gather_pool_elems, 16 + 128);
         cfg.max_live_parameters = 1_000_000;
         assert_eq!(plan(&spec(), &cfg).gather_pool_elems, 208);
-        assert_eq!(plan(&spec(), &EngineConfig::new(Stage::Zero2, 2)).gather_pool_elems, 0);
+        assert_eq!(
+            plan(&spec(), &EngineConfig::new(Stage::Zero2, 2)).gather_pool_elems,
+            0
+        );
     }
 }

@@ -36,9 +36,18 @@ pub enum EngineError {
     #[error(
         "step {step}: got {got} micro-batches, expected gradient_accumulation_steps = {expected}"
     )]
-    MicroBatches { step: u64, got: usize, expected: usize },
+    MicroBatches {
+        step: u64,
+        got: usize,
+        expected: usize,
+    },
     #[error("unit {unit} ({name}): given {got} parameter values, the unit has {expected}")]
-    ParamLength { unit: usize, name: String, expected: usize, got: usize },
+    ParamLength {
+        unit: usize,
+        name: String,
+        expected: usize,
+        got: usize,
+    },
 }
 
 /// What one optimizer step did, on this rank.
@@ -116,11 +125,19 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 params.push(full);
             }
         }
-        let param_elems = if stage.shards_params() { layout.shard_numel() } else { layout.padded_numel() };
+        let param_elems = if stage.shards_params() {
+            layout.shard_numel()
+        } else {
+            layout.padded_numel()
+        };
         ledger.alloc(MemoryKind::Params, bytes(param_elems));
 
         let (grads, grad_shards, grad_elems) = if stage.shards_grads() {
-            (vec![Vec::new(); n], vec![0.0; layout.shard_numel()], layout.shard_numel())
+            (
+                vec![Vec::new(); n],
+                vec![0.0; layout.shard_numel()],
+                layout.shard_numel(),
+            )
         } else {
             let g = layout.units.iter().map(|u| vec![0.0; u.padded]).collect();
             (g, Vec::new(), layout.padded_numel())
@@ -130,7 +147,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let adam: Vec<AdamState> = layout
             .units
             .iter()
-            .map(|u| AdamState::new(if stage.shards_optimizer() { u.shard_len } else { u.padded }))
+            .map(|u| {
+                AdamState::new(if stage.shards_optimizer() {
+                    u.shard_len
+                } else {
+                    u.padded
+                })
+            })
             .collect();
         ledger.alloc(
             MemoryKind::OptimizerStates,
@@ -146,7 +169,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let visits = schedule::visits(&spec, cfg.grad_accum);
         let needs: Vec<Vec<usize>> = visits.iter().map(|v| v.needs.clone()).collect();
         let coordinator = stage.shards_params().then(|| {
-            let prefetch = if cfg.overlap_comm { cfg.prefetch_bucket_size } else { 0 };
+            let prefetch = if cfg.overlap_comm {
+                cfg.prefetch_bucket_size
+            } else {
+                0
+            };
             Coordinator::new(
                 shards,
                 &layout,
@@ -166,7 +193,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             spec,
             layout,
             plan,
-            state: FlatState { params, grads, grad_shards },
+            state: FlatState {
+                params,
+                grads,
+                grad_shards,
+            },
             coordinator,
             buckets,
             adam,
@@ -248,7 +279,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// One optimizer step on this rank's micro-batches (`grad_accum` of them) at learning rate `lr`.
-    pub fn train_step(&mut self, micro_batches: &[Batch], lr: f32) -> Result<StepReport, EngineError> {
+    pub fn train_step(
+        &mut self,
+        micro_batches: &[Batch],
+        lr: f32,
+    ) -> Result<StepReport, EngineError> {
         let ga = self.cfg.grad_accum;
         if micro_batches.len() != ga {
             return Err(EngineError::MicroBatches {
@@ -294,11 +329,18 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let mut scalars = std::mem::take(&mut self.scalars);
         scalars[0] = (loss_sum / ga as f64 / world) as f32;
         scalars[1] = local_sq as f32;
-        let reduced = self.comm.all_reduce(Buffer::F32(scalars), ReduceOp::Sum).wait_one()?;
+        let reduced = self
+            .comm
+            .all_reduce(Buffer::F32(scalars), ReduceOp::Sum)
+            .wait_one()?;
         self.scalars = reduced.into_f32().expect("f32 scalars");
         let loss = self.scalars[0];
         let sq = if stage == Stage::Zero0 {
-            self.state.grads.iter().map(|g| sum_of_squares(g)).sum::<f64>()
+            self.state
+                .grads
+                .iter()
+                .map(|g| sum_of_squares(g))
+                .sum::<f64>()
         } else {
             f64::from(self.scalars[1])
         };
@@ -310,9 +352,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
             self.buckets.set_mode(BucketMode::AllGather);
             for u in 0..self.layout.num_units() {
-                self.buckets.push(self.comm, u, &mut self.state, &self.layout)?;
+                self.buckets
+                    .push(self.comm, u, &mut self.state, &self.layout)?;
             }
-            self.buckets.flush(self.comm, &mut self.state, &self.layout)?;
+            self.buckets
+                .flush(self.comm, &mut self.state, &self.layout)?;
         }
         self.step += 1;
         Ok(StepReport {
@@ -349,9 +393,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let slot = self.layout.shard_slot(u);
             let adam = &mut self.adam[u];
             match stage {
-                Stage::Zero0 => {
-                    adam.update(&mut self.state.params[u], &self.state.grads[u], &hp, grad_scale)
-                }
+                Stage::Zero0 => adam.update(
+                    &mut self.state.params[u],
+                    &self.state.grads[u],
+                    &hp,
+                    grad_scale,
+                ),
                 Stage::Zero1 => adam.update(
                     &mut self.state.params[u][own.clone()],
                     &self.state.grads[u][own],
@@ -366,7 +413,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 ),
                 Stage::Zero3 => {
                     let shards = self.coordinator.as_mut().expect("stage 3").shards_mut();
-                    adam.update(&mut shards[u], &self.state.grad_shards[slot], &hp, grad_scale)
+                    adam.update(
+                        &mut shards[u],
+                        &self.state.grad_shards[slot],
+                        &hp,
+                        grad_scale,
+                    )
                 }
             }
         }
@@ -388,7 +440,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         for u in 0..n {
             let pos = base + u;
             self.acquire(pos)?;
-            let mode = if self.recompute[u] { ForwardMode::NoGrad } else { ForwardMode::Train };
+            let mode = if self.recompute[u] {
+                ForwardMode::NoGrad
+            } else {
+                ForwardMode::Train
+            };
             let out = {
                 let params = self.param_slices(pos);
                 model.forward(u, &params, x.as_ref(), batch, mode)?
@@ -405,7 +461,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
         }
         let loss = loss.ok_or_else(|| {
-            ModelError::Invalid(format!("the last unit ({}) returned no loss", self.spec.units[n - 1].name))
+            ModelError::Invalid(format!(
+                "the last unit ({}) returned no loss",
+                self.spec.units[n - 1].name
+            ))
         })?;
 
         let weight = 1.0 / ga as f32;
@@ -415,7 +474,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             self.acquire(pos)?;
             let s = if self.recompute[u] {
                 let params = self.param_slices(pos);
-                let out = model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
+                let out =
+                    model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
                 inputs[u] = None;
                 out.saved
             } else {
@@ -430,7 +490,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             if stage.shards_grads() {
                 for &k in &self.needs[pos] {
                     if self.state.grads[k].is_empty() {
-                        let mut g = self.grad_free.pop().expect("gradient scratch sized by the plan");
+                        let mut g = self
+                            .grad_free
+                            .pop()
+                            .expect("gradient scratch sized by the plan");
                         g.resize(self.layout.units[k].padded, 0.0);
                         self.state.grads[k] = g;
                     }
@@ -444,7 +507,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             if reduce_now {
                 for i in 0..self.complete_after[u].len() {
                     let k = self.complete_after[u][i];
-                    self.buckets.push(self.comm, k, &mut self.state, &self.layout)?;
+                    self.buckets
+                        .push(self.comm, k, &mut self.state, &self.layout)?;
                     if stage.shards_grads() {
                         let mut g = std::mem::take(&mut self.state.grads[k]);
                         g.clear();
@@ -454,7 +518,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
         }
         if reduce_now {
-            self.buckets.flush(self.comm, &mut self.state, &self.layout)?;
+            self.buckets
+                .flush(self.comm, &mut self.state, &self.layout)?;
         }
         Ok(loss)
     }
@@ -488,17 +553,28 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 }
 
 /// Mutable unpadded gradient slices of the distinct units `units`, in that order.
-fn grad_slices<'g>(grads: &'g mut [Vec<f32>], units: &[usize], layout: &FlatLayout) -> Vec<&'g mut [f32]> {
+fn grad_slices<'g>(
+    grads: &'g mut [Vec<f32>],
+    units: &[usize],
+    layout: &FlatLayout,
+) -> Vec<&'g mut [f32]> {
     let mut picked: Vec<Option<&'g mut [f32]>> = units.iter().map(|_| None).collect();
     for (k, g) in grads.iter_mut().enumerate() {
         if let Some(i) = units.iter().position(|&u| u == k) {
             picked[i] = Some(&mut g[..layout.units[k].numel]);
         }
     }
-    picked.into_iter().map(|s| s.expect("distinct units")).collect()
+    picked
+        .into_iter()
+        .map(|s| s.expect("distinct units"))
+        .collect()
 }
 
-fn validate(spec: &ModelSpec, cfg: &EngineConfig, comm: &dyn Communicator) -> Result<(), EngineError> {
+fn validate(
+    spec: &ModelSpec,
+    cfg: &EngineConfig,
+    comm: &dyn Communicator,
+) -> Result<(), EngineError> {
     let bad = |m: String| Err(EngineError::Config(m));
     if cfg.world_size != comm.world_size() {
         return bad(format!(

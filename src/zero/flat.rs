@@ -38,7 +38,10 @@ pub struct FlatLayout {
 
 impl FlatLayout {
     pub fn new(spec: &ModelSpec, world_size: usize, rank: usize) -> Self {
-        assert!(world_size > 0 && rank < world_size, "rank {rank} out of world {world_size}");
+        assert!(
+            world_size > 0 && rank < world_size,
+            "rank {rank} out of world {world_size}"
+        );
         let quantum = world_size * SHARD_ALIGN;
         let units: Vec<UnitLayout> = spec
             .units
@@ -46,7 +49,11 @@ impl FlatLayout {
             .map(|u| {
                 let numel = u.numel();
                 let padded = numel.div_ceil(quantum) * quantum;
-                UnitLayout { numel, padded, shard_len: padded / world_size }
+                UnitLayout {
+                    numel,
+                    padded,
+                    shard_len: padded / world_size,
+                }
             })
             .collect();
         let prefix = |f: fn(&UnitLayout) -> usize| {
@@ -62,7 +69,13 @@ impl FlatLayout {
         };
         let shard_offsets = prefix(|u| u.shard_len);
         let padded_offsets = prefix(|u| u.padded);
-        FlatLayout { world_size, rank, units, shard_offsets, padded_offsets }
+        FlatLayout {
+            world_size,
+            rank,
+            units,
+            shard_offsets,
+            padded_offsets,
+        }
     }
 
     pub fn num_units(&self) -> usize {
@@ -114,7 +127,10 @@ mod tests {
                 .enumerate()
                 .map(|(i, &n)| UnitSpec {
                     name: format!("u{i}"),
-                    params: vec![ParamSpec { name: format!("u{i}.w"), shape: vec![n] }],
+                    params: vec![ParamSpec {
+                        name: format!("u{i}.w"),
+                        shape: vec![n],
+                    }],
                     uses: vec![],
                 })
                 .collect(),
@@ -124,8 +140,22 @@ mod tests {
     #[test]
     fn units_pad_to_aligned_equal_shards() {
         let l = FlatLayout::new(&spec(&[10, 64, 1]), 3, 1);
-        assert_eq!(l.units[0], UnitLayout { numel: 10, padded: 24, shard_len: 8 });
-        assert_eq!(l.units[1], UnitLayout { numel: 64, padded: 72, shard_len: 24 });
+        assert_eq!(
+            l.units[0],
+            UnitLayout {
+                numel: 10,
+                padded: 24,
+                shard_len: 8
+            }
+        );
+        assert_eq!(
+            l.units[1],
+            UnitLayout {
+                numel: 64,
+                padded: 72,
+                shard_len: 24
+            }
+        );
         assert_eq!(l.units[2].padded, 24);
         assert_eq!(l.own_shard(1), 24..48);
         assert_eq!(l.shard_slot(1), 8..32);

@@ -26,7 +26,11 @@ pub struct GatherPool {
 
 impl GatherPool {
     pub fn new(limit: usize) -> Self {
-        GatherPool { limit, free: Vec::new(), held: 0 }
+        GatherPool {
+            limit,
+            free: Vec::new(),
+            held: 0,
+        }
     }
     /// A slab of `len` elements (contents unspecified). The caller guarantees that the slabs in use
     /// plus `len` fit in the limit; free slabs are dropped when a new one is needed to keep to it.
@@ -110,7 +114,10 @@ impl Coordinator {
 
     /// The shards, for the optimizer step. Only valid after [`Coordinator::invalidate`].
     pub fn shards_mut(&mut self) -> &mut [Vec<f32>] {
-        debug_assert!(self.residency.iter().all(|r| matches!(r, Residency::Released)));
+        debug_assert!(self
+            .residency
+            .iter()
+            .all(|r| matches!(r, Residency::Released)));
         &mut self.shards
     }
     pub fn shards(&self) -> &[Vec<f32>] {
@@ -135,7 +142,8 @@ impl Coordinator {
 
     fn wait(&mut self, unit: usize) -> Result<(), CommError> {
         if let Residency::InFlight(_) = self.residency[unit] {
-            let Residency::InFlight(h) = std::mem::replace(&mut self.residency[unit], Residency::Released)
+            let Residency::InFlight(h) =
+                std::mem::replace(&mut self.residency[unit], Residency::Released)
             else {
                 unreachable!()
             };
@@ -202,7 +210,11 @@ impl Coordinator {
         let keep_until = self.issued_upto.max(pos + 2).min(self.needs.len());
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
-            if self.persistent[u] || self.needs[pos + 1..keep_until].iter().any(|n| n.contains(&u)) {
+            if self.persistent[u]
+                || self.needs[pos + 1..keep_until]
+                    .iter()
+                    .any(|n| n.contains(&u))
+            {
                 continue;
             }
             self.drop_unit(u);
@@ -210,7 +222,9 @@ impl Coordinator {
     }
 
     fn drop_unit(&mut self, unit: usize) {
-        if let Residency::Ready(v) = std::mem::replace(&mut self.residency[unit], Residency::Released) {
+        if let Residency::Ready(v) =
+            std::mem::replace(&mut self.residency[unit], Residency::Released)
+        {
             self.pool.give(v);
             self.live -= self.padded[unit];
         }

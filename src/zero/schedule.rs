@@ -36,10 +36,18 @@ pub fn visits(spec: &ModelSpec, micro_steps: usize) -> Vec<Visit> {
     let mut out = Vec::with_capacity(2 * n * micro_steps);
     for _ in 0..micro_steps {
         for u in 0..n {
-            out.push(Visit { unit: u, pass: Pass::Forward, needs: needs_of(spec, u) });
+            out.push(Visit {
+                unit: u,
+                pass: Pass::Forward,
+                needs: needs_of(spec, u),
+            });
         }
         for u in (0..n).rev() {
-            out.push(Visit { unit: u, pass: Pass::Backward, needs: needs_of(spec, u) });
+            out.push(Visit {
+                unit: u,
+                pass: Pass::Backward,
+                needs: needs_of(spec, u),
+            });
         }
     }
     out
@@ -98,7 +106,10 @@ mod tests {
             units: (0..n)
                 .map(|i| UnitSpec {
                     name: format!("u{i}"),
-                    params: vec![ParamSpec { name: format!("p{i}"), shape: vec![4] }],
+                    params: vec![ParamSpec {
+                        name: format!("p{i}"),
+                        shape: vec![4],
+                    }],
                     uses: if i == n - 1 { vec![0] } else { vec![] },
                 })
                 .collect(),
@@ -114,7 +125,14 @@ mod tests {
         let v = visits(&s, 1);
         assert_eq!(v.len(), 8);
         assert_eq!(v[3].needs, vec![3, 0]);
-        assert_eq!(v[4], Visit { unit: 3, pass: Pass::Backward, needs: vec![3, 0] });
+        assert_eq!(
+            v[4],
+            Visit {
+                unit: 3,
+                pass: Pass::Backward,
+                needs: vec![3, 0]
+            }
+        );
     }
 
     #[test]
