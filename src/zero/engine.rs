@@ -69,6 +69,8 @@ pub struct StepReport {
     pub memory: ModelStateBytes,
     /// The largest total the rank has held so far.
     pub peak_bytes: u64,
+    /// The largest the stage-3 gather pool has been so far (0 at other stages).
+    pub peak_gather_bytes: u64,
 }
 
 /// One rank's engine.
@@ -369,6 +371,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             traffic: self.comm.traffic().since(&traffic_before),
             memory: self.ledger.snapshot(),
             peak_bytes: self.ledger.peak(),
+            peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
         })
     }
 

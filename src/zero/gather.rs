@@ -32,13 +32,12 @@ impl GatherPool {
             held: 0,
         }
     }
-    /// A slab of `len` elements (contents unspecified). The caller guarantees that the slabs in use
-    /// plus `len` fit in the limit; free slabs are dropped when a new one is needed to keep to it.
+    /// A slab of `len` elements (contents unspecified). Only a free slab of exactly that size is
+    /// reused (units recur with the same sizes every step, so this is the common case), so the slabs
+    /// in use add up to exactly the live elements, which the coordinator keeps within the limit;
+    /// free slabs are dropped when a new one is needed to keep to it.
     fn take(&mut self, len: usize, ledger: &mut MemoryLedger) -> Vec<f32> {
-        let best = (0..self.free.len())
-            .filter(|&i| self.free[i].capacity() >= len)
-            .min_by_key(|&i| self.free[i].capacity());
-        if let Some(i) = best {
+        if let Some(i) = self.free.iter().position(|v| v.capacity() == len) {
             let mut v = self.free.swap_remove(i);
             v.resize(len, 0.0);
             return v;
@@ -55,7 +54,8 @@ impl GatherPool {
             len,
             self.limit
         );
-        let v = vec![0.0; len];
+        let mut v = Vec::with_capacity(len);
+        v.resize(len, 0.0);
         self.held += v.capacity();
         ledger.alloc(MemoryKind::Gather, (v.capacity() * 4) as u64);
         v
@@ -205,19 +205,21 @@ impl Coordinator {
         }
     }
 
-    /// Release visit `pos`'s units unless they persist or a visit already issued needs them.
+    /// Release visit `pos`'s units unless they persist or the next visit needs them (FSDP2's
+    /// reshard after forward: backward gathers again). A released unit that a later, already
+    /// prefetched visit needs sends the prefetch horizon back to that visit, so that every visit
+    /// before the horizon always has all its units gathered or in flight.
     pub fn release(&mut self, pos: usize) {
-        let keep_until = self.issued_upto.max(pos + 2).min(self.needs.len());
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
-            if self.persistent[u]
-                || self.needs[pos + 1..keep_until]
-                    .iter()
-                    .any(|n| n.contains(&u))
-            {
+            let next_needs = self.needs.get(pos + 1).is_some_and(|n| n.contains(&u));
+            if self.persistent[u] || next_needs {
                 continue;
             }
             self.drop_unit(u);
+            if let Some(j) = (pos + 2..self.issued_upto).find(|&j| self.needs[j].contains(&u)) {
+                self.issued_upto = j;
+            }
         }
     }
 
