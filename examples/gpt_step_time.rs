@@ -1,0 +1,77 @@
+//! Forward + backward time of one micro-batch through the GPT, unit by unit as the engine runs it.
+//!
+//! `cargo run --example gpt_step_time -- [preset] [batch] [steps]` (defaults: small 8 5).
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use zerodp::model::{Batch, ForwardMode, GptConfig, GptModel, SplitMix64, UnitModel};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let preset = args.first().map(String::as_str).unwrap_or("small");
+    let batch_size: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(8);
+    let steps: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(5);
+    let cfg = GptConfig::preset(preset)?;
+    let model = GptModel::new(cfg.clone())?;
+    let spec = model.spec().clone();
+    let params: Vec<Vec<f32>> = (0..spec.units.len())
+        .map(|u| {
+            let mut b = vec![0.0; spec.units[u].numel()];
+            model.init_params(u, 0, &mut b);
+            b
+        })
+        .collect();
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0.0; p.len()]).collect();
+    let mut rng = SplitMix64::new(1);
+    let n = batch_size * cfg.context;
+    let batch = Batch {
+        tokens: (0..n).map(|_| rng.below(cfg.vocab_size) as u32).collect(),
+        targets: (0..n).map(|_| rng.below(cfg.vocab_size) as u32).collect(),
+        batch_size,
+        seq_len: cfg.context,
+    };
+    println!(
+        "{preset}: {} params, batch {batch_size} x {}, {} threads",
+        spec.num_params(),
+        cfg.context,
+        candle_core::utils::get_num_threads()
+    );
+    for step in 0..=steps {
+        let t0 = Instant::now();
+        let mut x: Option<Tensor> = None;
+        let mut saved = Vec::new();
+        let mut loss = 0.0;
+        for u in 0..spec.units.len() {
+            let groups: Vec<&[f32]> = std::iter::once(u)
+                .chain(spec.units[u].uses.iter().copied())
+                .map(|g| params[g].as_slice())
+                .collect();
+            let out = model.forward(u, &groups, x.as_ref(), &batch, ForwardMode::Train)?;
+            saved.push(out.saved);
+            x = out.output;
+            loss = out.loss.unwrap_or(loss);
+        }
+        let t_fwd = t0.elapsed();
+        let mut up: Option<Tensor> = None;
+        for u in (0..spec.units.len()).rev() {
+            let s = saved.pop().flatten().ok_or("missing saved state")?;
+            let (head, tail) = grads.split_at_mut(u);
+            let mut slices: Vec<&mut [f32]> = vec![tail[0].as_mut_slice()];
+            if !spec.units[u].uses.is_empty() {
+                slices.push(head[0].as_mut_slice());
+            }
+            up = model.backward(u, s, up.as_ref(), 1.0, &mut slices)?;
+        }
+        let t_all = t0.elapsed();
+        println!(
+            "step {step}{}: loss {loss:.4}  forward {:.1} ms  backward {:.1} ms  total {:.1} ms  {:.0} tokens/s",
+            if step == 0 { " (warm-up)" } else { "" },
+            t_fwd.as_secs_f64() * 1e3,
+            (t_all - t_fwd).as_secs_f64() * 1e3,
+            t_all.as_secs_f64() * 1e3,
+            n as f64 / t_all.as_secs_f64()
+        );
+    }
+    Ok(())
+}

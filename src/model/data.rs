@@ -1,0 +1,261 @@
+//! Byte-level training data: a UTF-8 corpus cut into windows, visited in a seeded order that does
+//! not depend on the world size or the micro-batch split.
+//!
+//! * Tokens are the corpus's bytes (vocabulary 256).
+//! * The corpus is cut into consecutive, non-overlapping windows of `context + 1` tokens; window
+//!   `w` covers bytes `[w * (context + 1), (w + 1) * (context + 1))` (a trailing partial window is
+//!   dropped). A window's inputs are its first `context` tokens, its targets the last `context`.
+//! * The sample stream is infinite: epoch `e` visits every window exactly once, in a Fisher-Yates
+//!   order drawn from `mix_seed([seed, e])`. Global sample `g` is position `g % W` of epoch `g / W`
+//!   (`W` windows).
+//! * Optimizer step `k` trains on samples `[k * B, (k + 1) * B)` (`B` = `train_batch_size`). Rank
+//!   `r` of `N` takes the contiguous slice `[r * B / N, (r + 1) * B / N)` of them, and its
+//!   micro-batch `m` the `m`-th run of `micro_batch_size` samples inside that slice.
+//!
+//! So step `k` sees the same samples whatever `N` and the micro-batch size: the property behind
+//! "every stage at every world size trains to the same losses".
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use super::rng::{mix_seed, SplitMix64};
+use super::unit::Batch;
+
+/// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
+pub const DEFAULT_CORPUS_PATH: &str = "data/corpus.txt";
+
+/// Vocabulary of the byte-level tokenizer.
+pub const BYTE_VOCAB: usize = 256;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("cannot read corpus {path}: {source}{hint}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+        hint: &'static str,
+    },
+    #[error("corpus {name} is not valid UTF-8 (first bad byte at offset {offset}); convert it to UTF-8 text, for example with iconv")]
+    NotUtf8 { name: String, offset: usize },
+    #[error("corpus {name} has {len} bytes, too short for one window of context {context} + 1 = {} bytes; use a longer text or a smaller --context", context + 1)]
+    TooShort {
+        name: String,
+        len: usize,
+        context: usize,
+    },
+    #[error("{0}")]
+    Split(String),
+}
+
+/// A tokenized corpus (bytes of a UTF-8 text).
+#[derive(Clone, Debug)]
+pub struct Corpus {
+    name: String,
+    tokens: Vec<u8>,
+}
+
+impl Corpus {
+    /// Read a UTF-8 text file.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, DataError> {
+        let path = path.as_ref();
+        let bytes = std::fs::read(path).map_err(|source| DataError::Read {
+            path: path.to_path_buf(),
+            hint: if path == Path::new(DEFAULT_CORPUS_PATH)
+                && source.kind() == std::io::ErrorKind::NotFound
+            {
+                " (the demo corpus is fetched by `scripts/fetch_corpus.sh`; or pass --data FILE)"
+            } else {
+                ""
+            },
+            source,
+        })?;
+        Self::from_bytes(path.display().to_string(), bytes)
+    }
+
+    /// A corpus from text in memory (tests make their own).
+    pub fn from_text(name: impl Into<String>, text: &str) -> Self {
+        Self {
+            name: name.into(),
+            tokens: text.as_bytes().to_vec(),
+        }
+    }
+
+    /// A corpus from bytes that must be UTF-8 text.
+    pub fn from_bytes(name: impl Into<String>, bytes: Vec<u8>) -> Result<Self, DataError> {
+        let name = name.into();
+        if let Err(e) = std::str::from_utf8(&bytes) {
+            return Err(DataError::NotUtf8 {
+                name,
+                offset: e.valid_up_to(),
+            });
+        }
+        Ok(Self {
+            name,
+            tokens: bytes,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of tokens (bytes).
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    pub fn tokens(&self) -> &[u8] {
+        &self.tokens
+    }
+}
+
+/// Serves micro-batches of windows in the seeded order described in the module docs.
+#[derive(Debug)]
+pub struct DataLoader {
+    corpus: Corpus,
+    context: usize,
+    seed: u64,
+    num_windows: usize,
+    /// The most recently used epoch orders (a step can straddle two epochs).
+    orders: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
+}
+
+impl DataLoader {
+    pub fn new(corpus: Corpus, context: usize, seed: u64) -> Result<Self, DataError> {
+        let num_windows = if context == 0 {
+            0
+        } else {
+            corpus.len() / (context + 1)
+        };
+        if num_windows == 0 {
+            return Err(DataError::TooShort {
+                name: corpus.name.clone(),
+                len: corpus.len(),
+                context,
+            });
+        }
+        if num_windows > u32::MAX as usize {
+            return Err(DataError::Split(format!(
+                "corpus {} has {num_windows} windows, more than 2^32",
+                corpus.name
+            )));
+        }
+        Ok(Self {
+            corpus,
+            context,
+            seed,
+            num_windows,
+            orders: Mutex::new(Vec::new()),
+        })
+    }
+
+    pub fn corpus(&self) -> &Corpus {
+        &self.corpus
+    }
+
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    /// Number of windows, i.e. samples per epoch.
+    pub fn num_windows(&self) -> usize {
+        self.num_windows
+    }
+
+    /// The order in which epoch `epoch` visits the windows.
+    pub fn epoch_order(&self, epoch: u64) -> Arc<Vec<u32>> {
+        let mut orders = self.orders.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, o)) = orders.iter().find(|(e, _)| *e == epoch) {
+            return o.clone();
+        }
+        let mut order: Vec<u32> = (0..self.num_windows as u32).collect();
+        SplitMix64::new(mix_seed(&[self.seed, epoch])).shuffle(&mut order);
+        let order = Arc::new(order);
+        if orders.len() >= 2 {
+            orders.remove(0);
+        }
+        orders.push((epoch, order.clone()));
+        order
+    }
+
+    /// The window index of global sample `g`.
+    pub fn window_of_sample(&self, g: u64) -> usize {
+        let w = self.num_windows as u64;
+        self.epoch_order(g / w)[(g % w) as usize] as usize
+    }
+
+    /// The global sample indices (positions in the infinite sample stream) that micro-batch
+    /// `micro_index` of rank `rank` trains on at optimizer step `step`.
+    pub fn micro_batch_samples(
+        &self,
+        step: u64,
+        train_batch_size: usize,
+        world_size: usize,
+        rank: usize,
+        micro_batch_size: usize,
+        micro_index: usize,
+    ) -> Result<std::ops::Range<u64>, DataError> {
+        if world_size == 0 || rank >= world_size {
+            return Err(DataError::Split(format!(
+                "rank {rank} is outside world size {world_size}"
+            )));
+        }
+        if micro_batch_size == 0 {
+            return Err(DataError::Split(
+                "micro-batch size must be at least 1".into(),
+            ));
+        }
+        let lo = rank * train_batch_size / world_size;
+        let hi = (rank + 1) * train_batch_size / world_size;
+        let start = lo + micro_index * micro_batch_size;
+        let end = start + micro_batch_size;
+        if end > hi {
+            return Err(DataError::Split(format!(
+                "micro-batch {micro_index} of {micro_batch_size} samples runs past rank {rank}'s \
+                 share [{lo}, {hi}) of train_batch_size {train_batch_size} over {world_size} ranks; \
+                 train_batch_size must equal micro-batch size x accumulation steps x world size"
+            )));
+        }
+        let base = step * train_batch_size as u64;
+        Ok(base + start as u64..base + end as u64)
+    }
+
+    /// The tokens and targets of that micro-batch (see [`Self::micro_batch_samples`]).
+    pub fn micro_batch(
+        &self,
+        step: u64,
+        train_batch_size: usize,
+        world_size: usize,
+        rank: usize,
+        micro_batch_size: usize,
+        micro_index: usize,
+    ) -> Result<Batch, DataError> {
+        let samples = self.micro_batch_samples(
+            step,
+            train_batch_size,
+            world_size,
+            rank,
+            micro_batch_size,
+            micro_index,
+        )?;
+        let t = self.context;
+        let mut tokens = Vec::with_capacity(micro_batch_size * t);
+        let mut targets = Vec::with_capacity(micro_batch_size * t);
+        for g in samples {
+            let w = self.window_of_sample(g);
+            let window = &self.corpus.tokens[w * (t + 1)..(w + 1) * (t + 1)];
+            tokens.extend(window[..t].iter().map(|&b| u32::from(b)));
+            targets.extend(window[1..].iter().map(|&b| u32::from(b)));
+        }
+        Ok(Batch {
+            tokens,
+            targets,
+            batch_size: micro_batch_size,
+            seq_len: t,
+        })
+    }
+}

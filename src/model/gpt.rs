@@ -1,0 +1,829 @@
+//! A GPT in the GPT-2 architecture on candle (CPU, f32 compute), cut into units for the engine.
+//!
+//! # Architecture
+//! Token embedding plus learned position embedding; `layers` pre-LayerNorm transformer blocks
+//! (`x += attn(ln_1(x))`, `x += mlp(ln_2(x))`, causal multi-head self-attention with a fused QKV
+//! projection, MLP `width -> 4*width -> width` with the tanh-approximated GELU of GPT-2); a final
+//! LayerNorm; the LM head is the token embedding itself (weight tying, no bias). The loss is the
+//! mean cross-entropy over every token of the micro-batch. LayerNorm epsilon is 1e-5.
+//!
+//! # Units
+//! | unit | name | owns | reads from other units |
+//! | --- | --- | --- | --- |
+//! | 0 | `embeddings` | `wte.weight`, `wpe.weight` | - |
+//! | 1..=L | `h.{i}` (i = unit - 1) | the block's 12 tensors | - |
+//! | L+1 | `head` | `ln_f.weight`, `ln_f.bias` | unit 0 (`wte.weight`, the tied LM head) |
+//!
+//! The head's `uses = [0]`: it receives unit 0's flat buffer as its second parameter slice and
+//! adds its gradient contribution to `wte.weight` into unit 0's gradient slice, so the tied weight
+//! gets the sum of both uses (the embedding lookup and the LM head).
+//!
+//! Activations between units ([`UnitModel::Act`]) are `[batch * seq, width]` tensors in the
+//! compute dtype, rows in (sequence, position) order.
+//!
+//! # Parameter names and layouts
+//! Row-major, in this order inside each unit's flat buffer (`C` = width, `V` = vocab_size,
+//! `T` = context). Linear weights are stored `[out, in]` as `torch.nn.Linear` stores them (so
+//! `y = x @ W^T + b`), **not** transposed like Hugging Face's `Conv1D` (`[in, out]`); to load a
+//! Hugging Face GPT-2 checkpoint, transpose its `c_attn`, `c_proj` and `c_fc` weights.
+//!
+//! | name | shape | init |
+//! | --- | --- | --- |
+//! | `wte.weight` | `[V, C]` | normal(0, 0.02) |
+//! | `wpe.weight` | `[T, C]` | normal(0, 0.02) |
+//! | `h.{i}.ln_1.weight`, `h.{i}.ln_1.bias` | `[C]` | 1, 0 |
+//! | `h.{i}.attn.c_attn.weight` | `[3C, C]`, rows: q, then k, then v; head h uses rows `h*C/H..(h+1)*C/H` of each | normal(0, 0.02) |
+//! | `h.{i}.attn.c_attn.bias` | `[3C]` | 0 |
+//! | `h.{i}.attn.c_proj.weight` | `[C, C]` | normal(0, 0.02 / sqrt(2 L)) |
+//! | `h.{i}.attn.c_proj.bias` | `[C]` | 0 |
+//! | `h.{i}.ln_2.weight`, `h.{i}.ln_2.bias` | `[C]` | 1, 0 |
+//! | `h.{i}.mlp.c_fc.weight` | `[4C, C]` | normal(0, 0.02) |
+//! | `h.{i}.mlp.c_fc.bias` | `[4C]` | 0 |
+//! | `h.{i}.mlp.c_proj.weight` | `[C, 4C]` | normal(0, 0.02 / sqrt(2 L)) |
+//! | `h.{i}.mlp.c_proj.bias` | `[C]` | 0 |
+//! | `ln_f.weight`, `ln_f.bias` | `[C]` | 1, 0 |
+//!
+//! Initial values come from a splitmix64 stream per tensor seeded by (seed, unit, tensor index),
+//! so they do not depend on the rank or the world size.
+//!
+//! # Differentiability
+//! candle-nn's fused `softmax_last_dim`, `layer_norm` and `rms_norm` have no backward and drop
+//! gradients silently; this module builds LayerNorm from primitive ops and uses the composite
+//! `candle_nn::ops::softmax` / `log_softmax`. The tests check that every parameter gets a gradient
+//! and that gradients match finite differences.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Storage, Tensor, Var, D};
+
+use super::rng::{mix_seed, SplitMix64};
+use super::unit::{
+    Batch, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
+};
+
+/// LayerNorm epsilon (GPT-2's value).
+const LN_EPS: f64 = 1e-5;
+/// Standard deviation of GPT-2's normal initialisation.
+const INIT_STD: f64 = 0.02;
+
+/// The size of a GPT.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GptConfig {
+    pub vocab_size: usize,
+    /// Maximum sequence length (rows of `wpe.weight`).
+    pub context: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub width: usize,
+}
+
+impl GptConfig {
+    /// Names accepted by [`GptConfig::preset`], smallest first.
+    pub const PRESETS: [&'static str; 3] = ["tiny", "demo", "small"];
+
+    /// For tests: 2 layers, width 32, 2 heads, context 16, byte vocabulary (about 34K parameters).
+    pub fn tiny() -> Self {
+        Self {
+            vocab_size: 256,
+            context: 16,
+            layers: 2,
+            heads: 2,
+            width: 32,
+        }
+    }
+
+    /// Trains visibly within minutes on 2 cores: 3 layers, width 128, 4 heads, context 64, byte
+    /// vocabulary (about 0.64M parameters).
+    pub fn demo() -> Self {
+        Self {
+            vocab_size: 256,
+            context: 64,
+            layers: 3,
+            heads: 4,
+            width: 128,
+        }
+    }
+
+    /// The benchmark model: 4 layers, width 256, 4 heads, context 128, byte vocabulary (3,257,856
+    /// parameters).
+    pub fn small() -> Self {
+        Self {
+            vocab_size: 256,
+            context: 128,
+            layers: 4,
+            heads: 4,
+            width: 256,
+        }
+    }
+
+    /// The preset called `name` (one of [`GptConfig::PRESETS`]).
+    pub fn preset(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "tiny" => Ok(Self::tiny()),
+            "demo" => Ok(Self::demo()),
+            "small" => Ok(Self::small()),
+            _ => Err(ModelError::Invalid(format!(
+                "unknown model preset `{name}`; choose one of {}",
+                Self::PRESETS.join(", ")
+            ))),
+        }
+    }
+
+    /// Check that the sizes make a valid model.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        let fields = [
+            ("vocab_size", self.vocab_size),
+            ("context", self.context),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("width", self.width),
+        ];
+        for (name, value) in fields {
+            if value == 0 {
+                return Err(ModelError::Invalid(format!(
+                    "GPT {name} must be at least 1, got 0"
+                )));
+            }
+        }
+        if self.width % self.heads != 0 {
+            return Err(ModelError::Invalid(format!(
+                "GPT width {} is not divisible by heads {}; pick a width that is a multiple of the head count",
+                self.width, self.heads
+            )));
+        }
+        Ok(())
+    }
+
+    /// Ψ: the number of parameters (the tied LM head counted once).
+    pub fn num_params(&self) -> usize {
+        let (v, t, c, l) = (self.vocab_size, self.context, self.width, self.layers);
+        v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c
+    }
+}
+
+/// How one parameter tensor starts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Init {
+    Normal(f64),
+    Zeros,
+    Ones,
+}
+
+/// Where a tensor a unit reads lives: parameter group (0 = own, 1.. = `uses`) and element range.
+#[derive(Clone, Debug)]
+struct ParamRef {
+    group: usize,
+    offset: usize,
+    shape: Vec<usize>,
+}
+
+impl ParamRef {
+    fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UnitKind {
+    Embeddings,
+    Block,
+    Head,
+}
+
+/// What a `Train` forward keeps for backward: the parameter `Var`s (gradients are keyed by them),
+/// the input leaf, and the unit's differentiable result.
+pub struct GptSaved {
+    unit: usize,
+    params: Vec<(ParamRef, Var)>,
+    input: Option<Var>,
+    /// The output (non-last units) or the loss (last unit), still attached to its graph.
+    result: Tensor,
+}
+
+/// The GPT as a [`UnitModel`].
+pub struct GptModel {
+    config: GptConfig,
+    spec: ModelSpec,
+    /// Per unit, per own parameter: its initialisation.
+    inits: Vec<Vec<Init>>,
+    /// Per unit: the tensors its compute reads, in the order the compute expects them.
+    reads: Vec<Vec<ParamRef>>,
+    dtype: DType,
+    device: Device,
+    /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
+    masks: Mutex<HashMap<usize, Tensor>>,
+}
+
+fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
+    move |e| ModelError::Compute {
+        unit: unit.to_string(),
+        message: e.to_string(),
+    }
+}
+
+fn param(name: String, shape: &[usize]) -> ParamSpec {
+    ParamSpec {
+        name,
+        shape: shape.to_vec(),
+    }
+}
+
+impl GptModel {
+    /// A GPT computing in f32.
+    pub fn new(config: GptConfig) -> Result<Self, ModelError> {
+        Self::with_dtype(config, DType::F32)
+    }
+
+    /// A GPT computing in `dtype` (F32 or F64); parameters and gradients stay `f32` slices at the
+    /// interface. F64 exists for finite-difference gradient checks.
+    #[doc(hidden)]
+    pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
+        config.validate()?;
+        if !matches!(dtype, DType::F32 | DType::F64) {
+            return Err(ModelError::Invalid(format!(
+                "GPT compute dtype must be F32 or F64, got {dtype:?}"
+            )));
+        }
+        let (v, t, c, l) = (
+            config.vocab_size,
+            config.context,
+            config.width,
+            config.layers,
+        );
+        let proj_std = INIT_STD / ((2 * l) as f64).sqrt();
+        let mut units = Vec::with_capacity(l + 2);
+        let mut inits = Vec::with_capacity(l + 2);
+
+        units.push(UnitSpec {
+            name: "embeddings".into(),
+            params: vec![
+                param("wte.weight".into(), &[v, c]),
+                param("wpe.weight".into(), &[t, c]),
+            ],
+            uses: vec![],
+        });
+        inits.push(vec![Init::Normal(INIT_STD), Init::Normal(INIT_STD)]);
+
+        for i in 0..l {
+            let p = |s: &str, shape: &[usize]| param(format!("h.{i}.{s}"), shape);
+            units.push(UnitSpec {
+                name: format!("h.{i}"),
+                params: vec![
+                    p("ln_1.weight", &[c]),
+                    p("ln_1.bias", &[c]),
+                    p("attn.c_attn.weight", &[3 * c, c]),
+                    p("attn.c_attn.bias", &[3 * c]),
+                    p("attn.c_proj.weight", &[c, c]),
+                    p("attn.c_proj.bias", &[c]),
+                    p("ln_2.weight", &[c]),
+                    p("ln_2.bias", &[c]),
+                    p("mlp.c_fc.weight", &[4 * c, c]),
+                    p("mlp.c_fc.bias", &[4 * c]),
+                    p("mlp.c_proj.weight", &[c, 4 * c]),
+                    p("mlp.c_proj.bias", &[c]),
+                ],
+                uses: vec![],
+            });
+            inits.push(vec![
+                Init::Ones,
+                Init::Zeros,
+                Init::Normal(INIT_STD),
+                Init::Zeros,
+                Init::Normal(proj_std),
+                Init::Zeros,
+                Init::Ones,
+                Init::Zeros,
+                Init::Normal(INIT_STD),
+                Init::Zeros,
+                Init::Normal(proj_std),
+                Init::Zeros,
+            ]);
+        }
+
+        units.push(UnitSpec {
+            name: "head".into(),
+            params: vec![
+                param("ln_f.weight".into(), &[c]),
+                param("ln_f.bias".into(), &[c]),
+            ],
+            uses: vec![0],
+        });
+        inits.push(vec![Init::Ones, Init::Zeros]);
+
+        let spec = ModelSpec { units };
+        let mut reads: Vec<Vec<ParamRef>> = spec
+            .units
+            .iter()
+            .map(|u| {
+                u.params
+                    .iter()
+                    .zip(u.offsets())
+                    .map(|(p, offset)| ParamRef {
+                        group: 0,
+                        offset,
+                        shape: p.shape.clone(),
+                    })
+                    .collect()
+            })
+            .collect();
+        // The head also reads the tied `wte.weight` at the start of unit 0's buffer.
+        reads[l + 1].push(ParamRef {
+            group: 1,
+            offset: 0,
+            shape: vec![v, c],
+        });
+
+        debug_assert_eq!(spec.num_params(), config.num_params());
+        Ok(Self {
+            config,
+            spec,
+            inits,
+            reads,
+            dtype,
+            device: Device::Cpu,
+            masks: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    fn kind(&self, unit: usize) -> Result<UnitKind, ModelError> {
+        let last = self.config.layers + 1;
+        match unit {
+            0 => Ok(UnitKind::Embeddings),
+            u if u < last => Ok(UnitKind::Block),
+            u if u == last => Ok(UnitKind::Head),
+            u => Err(ModelError::Invalid(format!(
+                "unit {u} does not exist: this GPT has {} units (0..={last})",
+                last + 1
+            ))),
+        }
+    }
+
+    /// Check that `params` has one slice per group of the right length.
+    fn check_groups(&self, unit: usize, lengths: &[usize]) -> Result<(), ModelError> {
+        let spec = &self.spec.units[unit];
+        let expected: Vec<usize> = std::iter::once(spec.numel())
+            .chain(spec.uses.iter().map(|&u| self.spec.units[u].numel()))
+            .collect();
+        if lengths != expected.as_slice() {
+            return Err(ModelError::ParamShape {
+                unit: spec.name.clone(),
+                expected: expected.len(),
+                lengths: expected,
+                got: lengths.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    /// A tensor in the compute dtype holding a copy of `data`: a leaf [`Var`] when `train` (so
+    /// that backward reports its gradient), a plain constant otherwise.
+    fn param_tensor(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        match (self.dtype, train) {
+            (DType::F32, true) => Ok(Var::from_slice(data, shape, &self.device)?.into_inner()),
+            (DType::F32, false) => Tensor::from_slice(data, shape, &self.device),
+            (_, train) => {
+                let wide: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
+                if train {
+                    Ok(Var::from_vec(wide, shape, &self.device)?.into_inner())
+                } else {
+                    Tensor::from_vec(wide, shape, &self.device)
+                }
+            }
+        }
+    }
+
+    fn causal_mask(&self, seq: usize) -> candle_core::Result<Tensor> {
+        let mut masks = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = masks.get(&seq) {
+            return Ok(m.clone());
+        }
+        let data: Vec<f32> = (0..seq * seq)
+            .map(|k| {
+                if k % seq > k / seq {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let m = Tensor::from_vec(data, (seq, seq), &self.device)?.to_dtype(self.dtype)?;
+        masks.insert(seq, m.clone());
+        Ok(m)
+    }
+
+    fn validate_batch(&self, batch: &Batch) -> Result<(), ModelError> {
+        let n = batch.batch_size * batch.seq_len;
+        if batch.batch_size == 0 || batch.seq_len == 0 {
+            return Err(ModelError::Invalid(format!(
+                "empty batch ({} x {} tokens)",
+                batch.batch_size, batch.seq_len
+            )));
+        }
+        if batch.seq_len > self.config.context {
+            return Err(ModelError::Invalid(format!(
+                "sequence length {} exceeds the model context {}; use shorter windows or a larger --context",
+                batch.seq_len, self.config.context
+            )));
+        }
+        if batch.tokens.len() != n || batch.targets.len() != n {
+            return Err(ModelError::Invalid(format!(
+                "batch of {} x {} needs {n} tokens and targets, got {} and {}",
+                batch.batch_size,
+                batch.seq_len,
+                batch.tokens.len(),
+                batch.targets.len()
+            )));
+        }
+        let v = self.config.vocab_size as u32;
+        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {v}"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The differentiable compute of one unit on tensors: returns the output activation (units
+    /// before the last) or the mean loss (the last unit). `p` follows `self.reads[unit]`.
+    fn compute(
+        &self,
+        kind: UnitKind,
+        p: &[Tensor],
+        input: Option<&Tensor>,
+        batch: &Batch,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t) = (batch.batch_size, batch.seq_len);
+        let c = self.config.width;
+        let need_input = || {
+            input.ok_or_else(|| {
+                candle_core::Error::Msg("this unit needs an input activation".into())
+            })
+        };
+        match kind {
+            UnitKind::Embeddings => {
+                let tokens = Tensor::from_slice(&batch.tokens, b * t, &self.device)?;
+                let tok = p[0].index_select(&tokens, 0)?.reshape((b, t, c))?;
+                let pos = p[1].narrow(0, 0, t)?;
+                tok.broadcast_add(&pos)?.reshape((b * t, c))
+            }
+            UnitKind::Block => {
+                let x = need_input()?;
+                let h = layer_norm(x, &p[0], &p[1])?;
+                let x = (x + self.attention(&h, &p[2], &p[3], &p[4], &p[5], b, t)?)?;
+                let h = layer_norm(&x, &p[6], &p[7])?;
+                let h = linear(&h, &p[8], &p[9])?.gelu()?;
+                x + linear(&h, &p[10], &p[11])?
+            }
+            UnitKind::Head => {
+                let x = need_input()?;
+                let h = layer_norm(x, &p[0], &p[1])?;
+                let logits = h.matmul(&p[2].t()?)?;
+                let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
+                candle_nn::loss::cross_entropy(&logits, &targets)
+            }
+        }
+    }
+
+    /// Causal multi-head self-attention on `[b*t, c]` rows.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        x: &Tensor,
+        w_attn: &Tensor,
+        b_attn: &Tensor,
+        w_proj: &Tensor,
+        b_proj: &Tensor,
+        b: usize,
+        t: usize,
+    ) -> candle_core::Result<Tensor> {
+        let c = self.config.width;
+        let nh = self.config.heads;
+        let hd = c / nh;
+        let qkv = linear(x, w_attn, b_attn)?.reshape((b, t, 3, nh, hd))?;
+        // [b, t, nh, hd] -> [b, nh, t, hd], contiguous for the batched matmuls.
+        let split = |i: usize| {
+            qkv.narrow(2, i, 1)?
+                .squeeze(2)?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let q = split(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
+        let k = split(1)?;
+        let v = split(2)?;
+        let att = q.matmul(&k.t()?)?.broadcast_add(&self.causal_mask(t)?)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let y = att
+            .matmul(&v)?
+            .transpose(1, 2)?
+            .contiguous()?
+            .reshape((b * t, c))?;
+        linear(&y, w_proj, b_proj)
+    }
+
+    fn unit_name(&self, unit: usize) -> &str {
+        &self.spec.units[unit].name
+    }
+
+    /// Forward the whole model as one graph and backward once: returns the loss and the gradient
+    /// of `loss * loss_weight` per unit (tied contributions summed into unit 0). The reference
+    /// that unit-by-unit backward must reproduce.
+    #[doc(hidden)]
+    pub fn end_to_end(
+        &self,
+        params: &[&[f32]],
+        batch: &Batch,
+        loss_weight: f32,
+    ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
+        let n_units = self.spec.units.len();
+        if params.len() != n_units {
+            return Err(ModelError::Invalid(format!(
+                "end_to_end needs {n_units} parameter buffers, got {}",
+                params.len()
+            )));
+        }
+        self.validate_batch(batch)?;
+        let err = compute_err("model");
+        let mut vars: Vec<Vec<Tensor>> = Vec::with_capacity(n_units);
+        for (u, spec) in self.spec.units.iter().enumerate() {
+            if params[u].len() != spec.numel() {
+                return Err(ModelError::Invalid(format!(
+                    "end_to_end: unit {} has {} elements, its buffer {}",
+                    spec.name,
+                    spec.numel(),
+                    params[u].len()
+                )));
+            }
+            let own = spec
+                .params
+                .iter()
+                .zip(spec.offsets())
+                .map(|(p, off)| self.param_tensor(&params[u][off..off + p.numel()], &p.shape, true))
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(&err)?;
+            vars.push(own);
+        }
+        let mut x: Option<Tensor> = None;
+        let mut loss = None;
+        for u in 0..n_units {
+            let kind = self.kind(u)?;
+            let mut p = vars[u].clone();
+            if kind == UnitKind::Head {
+                p.push(vars[0][0].clone());
+            }
+            let out = self.compute(kind, &p, x.as_ref(), batch).map_err(&err)?;
+            if kind == UnitKind::Head {
+                loss = Some(out);
+            } else {
+                x = Some(out);
+            }
+        }
+        let loss = loss.ok_or_else(|| ModelError::Invalid("model has no head".into()))?;
+        let store = loss
+            .affine(f64::from(loss_weight), 0.0)
+            .and_then(|o| o.backward())
+            .map_err(&err)?;
+        let mut grads: Vec<Vec<f32>> = self
+            .spec
+            .units
+            .iter()
+            .map(|u| vec![0.0; u.numel()])
+            .collect();
+        for (u, spec) in self.spec.units.iter().enumerate() {
+            for ((var, off), p) in vars[u].iter().zip(spec.offsets()).zip(&spec.params) {
+                if let Some(g) = store.get(var) {
+                    add_into(g, &mut grads[u][off..off + p.numel()]).map_err(&err)?;
+                }
+            }
+        }
+        Ok((scalar_f64(&loss).map_err(&err)?, grads))
+    }
+}
+
+/// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
+fn linear(x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    x.matmul(&w.t()?)?.broadcast_add(bias)
+}
+
+/// LayerNorm over the last dimension, from primitive differentiable ops.
+fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    let mean = x.mean_keepdim(D::Minus1)?;
+    let xc = x.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv_std = (var + LN_EPS)?.sqrt()?.recip()?;
+    xc.broadcast_mul(&inv_std)?
+        .broadcast_mul(weight)?
+        .broadcast_add(bias)
+}
+
+fn scalar_f64(t: &Tensor) -> candle_core::Result<f64> {
+    t.to_dtype(DType::F64)?.to_scalar::<f64>()
+}
+
+/// `out += t` elementwise, `t` in F32 or F64, any layout.
+fn add_into(t: &Tensor, out: &mut [f32]) -> candle_core::Result<()> {
+    let t = t.contiguous()?;
+    if t.elem_count() != out.len() {
+        candle_core::bail!(
+            "gradient of {} elements for a slice of {}",
+            t.elem_count(),
+            out.len()
+        );
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let start = layout.start_offset();
+    let n = out.len();
+    match &*storage {
+        Storage::Cpu(cpu) => match t.dtype() {
+            DType::F32 => {
+                let src = &cpu.as_slice::<f32>()?[start..start + n];
+                out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+            }
+            DType::F64 => {
+                let src = &cpu.as_slice::<f64>()?[start..start + n];
+                out.iter_mut().zip(src).for_each(|(o, s)| *o += *s as f32);
+            }
+            other => candle_core::bail!("unexpected gradient dtype {other:?}"),
+        },
+        _ => candle_core::bail!("gradients must be on the CPU"),
+    }
+    Ok(())
+}
+
+impl UnitModel for GptModel {
+    type Act = Tensor;
+    type Saved = GptSaved;
+
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+        let spec = &self.spec.units[unit];
+        assert_eq!(
+            out.len(),
+            spec.numel(),
+            "init_params: unit {} has {} elements, buffer has {}",
+            spec.name,
+            spec.numel(),
+            out.len()
+        );
+        for (k, ((p, off), init)) in spec
+            .params
+            .iter()
+            .zip(spec.offsets())
+            .zip(&self.inits[unit])
+            .enumerate()
+        {
+            let dst = &mut out[off..off + p.numel()];
+            match *init {
+                Init::Zeros => dst.fill(0.0),
+                Init::Ones => dst.fill(1.0),
+                Init::Normal(std) => {
+                    let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64, k as u64]));
+                    dst.iter_mut()
+                        .for_each(|x| *x = (rng.normal() * std) as f32);
+                }
+            }
+        }
+    }
+
+    fn forward(
+        &self,
+        unit: usize,
+        params: &[&[f32]],
+        input: Option<&Tensor>,
+        batch: &Batch,
+        mode: ForwardMode,
+    ) -> Result<UnitForward<Tensor, GptSaved>, ModelError> {
+        let kind = self.kind(unit)?;
+        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        self.check_groups(unit, &lengths)?;
+        self.validate_batch(batch)?;
+        let err = compute_err(self.unit_name(unit));
+        if kind != UnitKind::Embeddings && input.is_none() {
+            return Err(ModelError::Invalid(format!(
+                "unit {} needs the previous unit's output as input",
+                self.unit_name(unit)
+            )));
+        }
+        let train = mode == ForwardMode::Train;
+
+        let mut tensors = Vec::with_capacity(self.reads[unit].len());
+        for r in &self.reads[unit] {
+            let data = &params[r.group][r.offset..r.offset + r.numel()];
+            tensors.push(self.param_tensor(data, &r.shape, train).map_err(&err)?);
+        }
+        // A fresh leaf per unit: backward stops here and reports d(input).
+        let input_var = match (kind, input, train) {
+            (UnitKind::Embeddings, _, _) | (_, None, _) => None,
+            (_, Some(x), true) => Some(Var::from_tensor(&x.detach()).map_err(&err)?),
+            (_, Some(_), false) => None,
+        };
+        let input_t = match (&input_var, input) {
+            (Some(v), _) => Some(v.as_tensor().clone()),
+            (None, Some(x)) if kind != UnitKind::Embeddings => Some(x.detach()),
+            _ => None,
+        };
+        let result = self
+            .compute(kind, &tensors, input_t.as_ref(), batch)
+            .map_err(&err)?;
+
+        let (output, loss) = if kind == UnitKind::Head {
+            (None, Some(scalar_f64(&result).map_err(&err)? as f32))
+        } else {
+            (Some(result.detach()), None)
+        };
+        let saved = if !train {
+            None
+        } else {
+            Some(GptSaved {
+                unit,
+                // The tensors were created as variables, so `from_tensor` wraps them without a copy.
+                params: self.reads[unit]
+                    .iter()
+                    .cloned()
+                    .zip(tensors.iter().map(Var::from_tensor))
+                    .map(|(r, v)| v.map(|v| (r, v)))
+                    .collect::<candle_core::Result<Vec<_>>>()
+                    .map_err(&err)?,
+                input: input_var,
+                result,
+            })
+        };
+        Ok(UnitForward {
+            output,
+            loss,
+            saved,
+        })
+    }
+
+    fn backward(
+        &self,
+        unit: usize,
+        saved: GptSaved,
+        grad_output: Option<&Tensor>,
+        loss_weight: f32,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Tensor>, ModelError> {
+        let kind = self.kind(unit)?;
+        if saved.unit != unit {
+            return Err(ModelError::Invalid(format!(
+                "backward of unit {unit} was given the saved state of unit {}",
+                saved.unit
+            )));
+        }
+        let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+        self.check_groups(unit, &lengths)?;
+        let err = compute_err(self.unit_name(unit));
+        let objective = if kind == UnitKind::Head {
+            saved
+                .result
+                .affine(f64::from(loss_weight), 0.0)
+                .map_err(&err)?
+        } else {
+            let g = grad_output.ok_or_else(|| {
+                ModelError::Invalid(format!(
+                    "backward of unit {} needs the gradient of its output",
+                    self.unit_name(unit)
+                ))
+            })?;
+            if g.shape() != saved.result.shape() {
+                return Err(ModelError::Invalid(format!(
+                    "backward of unit {}: output gradient has shape {:?}, output has {:?}",
+                    self.unit_name(unit),
+                    g.shape(),
+                    saved.result.shape()
+                )));
+            }
+            // Surrogate scalar whose gradient w.r.t. the output is exactly `g`.
+            (&saved.result * g)
+                .and_then(|s| s.sum_all())
+                .map_err(&err)?
+        };
+        let store = objective.backward().map_err(&err)?;
+        for (r, var) in &saved.params {
+            if let Some(g) = store.get(var.as_tensor()) {
+                add_into(g, &mut grads[r.group][r.offset..r.offset + r.numel()]).map_err(&err)?;
+            }
+        }
+        let grad_input = saved
+            .input
+            .as_ref()
+            .and_then(|v| store.get(v.as_tensor()))
+            .map(Tensor::detach);
+        // Dropping the store and the saved graph here releases every activation of this unit.
+        drop(store);
+        drop(saved);
+        Ok(grad_input)
+    }
+}
