@@ -1,8 +1,236 @@
-//! `zerodp config` (being built; see the issue tracker).
+//! `zerodp config check FILE`: resolve and validate a DeepSpeed config, print the settings as a
+//! table (or one JSON object) and then the warnings. Errors go to stderr with exit status 1.
+
+use std::path::PathBuf;
+
+use zerodp::config::{self, Loaded, Precision, ResolveContext, SchedulerSettings};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    Table,
+    Json,
+}
 
 #[derive(clap::Args, Debug)]
-pub struct CheckArgs {}
+pub struct CheckArgs {
+    /// The DeepSpeed config file (JSON; comments and trailing commas are fine).
+    pub file: PathBuf,
+    /// Data-parallel world size the batch sizes are checked against.
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Fills `train_batch_size: "auto"`.
+    #[arg(long)]
+    pub train_batch_size: Option<usize>,
+    /// Fills `train_micro_batch_size_per_gpu: "auto"`.
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Model hidden size: fills "auto" bucket sizes the way Hugging Face does.
+    #[arg(long)]
+    pub hidden_size: Option<usize>,
+}
 
-pub fn run(_args: CheckArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("this command is not built yet")
+pub fn run(args: CheckArgs) -> anyhow::Result<i32> {
+    let ctx = ResolveContext {
+        world_size: args.world_size.unwrap_or(1),
+        world_size_source: if args.world_size.is_some() {
+            "--world-size".into()
+        } else {
+            "the default 1 (no --world-size given)".into()
+        },
+        train_batch_size: args.train_batch_size,
+        micro_batch: args.micro_batch,
+        hidden_size: args.hidden_size,
+        check_mode: true,
+        ..ResolveContext::default()
+    };
+    if ctx.world_size == 0 {
+        eprintln!("error: --world-size must be at least 1");
+        return Ok(1);
+    }
+    let loaded = match config::load_file(&args.file, &ctx) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return Ok(1);
+        }
+    };
+    match args.format {
+        Format::Json => println!("{}", serde_json::to_string_pretty(&loaded.to_json())?),
+        Format::Table => print!("{}", table(&loaded)),
+    }
+    Ok(0)
+}
+
+/// The resolved settings as aligned `key  value` lines, then the warnings.
+pub fn table(loaded: &Loaded) -> String {
+    let s = &loaded.settings;
+    let z = &s.zero_optimization;
+    let un = |path: &str, v: String| {
+        let alt = path.replace("stage3_", "");
+        if s.unresolved
+            .iter()
+            .any(|u| u == path || u.replace("stage3_", "") == alt)
+        {
+            "auto (unresolved)".to_string()
+        } else {
+            v
+        }
+    };
+    let mut rows: Vec<(String, String)> = vec![
+        ("zero stage".into(), z.stage.to_string()),
+        ("precision".into(), s.precision.as_str().into()),
+        (
+            "train_batch_size".into(),
+            un("train_batch_size", s.batch.train_batch_size.to_string()),
+        ),
+        (
+            "train_micro_batch_size_per_gpu".into(),
+            un(
+                "train_micro_batch_size_per_gpu",
+                s.batch.micro_batch_per_gpu.to_string(),
+            ),
+        ),
+        (
+            "gradient_accumulation_steps".into(),
+            un(
+                "gradient_accumulation_steps",
+                s.batch.gradient_accumulation_steps.to_string(),
+            ),
+        ),
+        ("world size".into(), s.batch.world_size.to_string()),
+        (
+            "offload_optimizer".into(),
+            offload(
+                z.offload_optimizer.device.as_str(),
+                &z.offload_optimizer.nvme_path,
+            ),
+        ),
+        (
+            "offload_param".into(),
+            offload(z.offload_param.device.as_str(), &z.offload_param.nvme_path),
+        ),
+        (
+            "reduce_bucket_size".into(),
+            un(
+                "zero_optimization.reduce_bucket_size",
+                z.reduce_bucket_size.to_string(),
+            ),
+        ),
+        ("overlap_comm".into(), z.overlap_comm.to_string()),
+        (
+            "contiguous_gradients".into(),
+            z.contiguous_gradients.to_string(),
+        ),
+    ];
+    if z.stage == 3 {
+        rows.push((
+            "prefetch_bucket_size".into(),
+            un(
+                "zero_optimization.stage3_prefetch_bucket_size",
+                z.prefetch_bucket_size.to_string(),
+            ),
+        ));
+        rows.push((
+            "param_persistence_threshold".into(),
+            un(
+                "zero_optimization.stage3_param_persistence_threshold",
+                z.param_persistence_threshold.to_string(),
+            ),
+        ));
+        rows.push((
+            "max_live_parameters".into(),
+            z.max_live_parameters.to_string(),
+        ));
+        rows.push((
+            "max_reuse_distance".into(),
+            z.max_reuse_distance.to_string(),
+        ));
+        rows.push(("sub_group_size".into(), z.sub_group_size.to_string()));
+    }
+    if s.precision == Precision::Fp16 {
+        let f = &s.fp16;
+        let scale = if f.is_dynamic() {
+            format!(
+                "dynamic, initial 2^{}, window {}, hysteresis {}, min {}",
+                f.initial_scale_power, f.loss_scale_window, f.hysteresis, f.min_loss_scale
+            )
+        } else {
+            format!("static {}", f.loss_scale)
+        };
+        rows.push(("loss scale".into(), scale));
+    }
+    rows.push((
+        "optimizer".into(),
+        match &s.optimizer {
+            Some(o) => format!(
+                "{:?} lr {} betas [{}, {}] eps {} weight_decay {}{}",
+                o.kind,
+                un("optimizer.params.lr", o.lr.to_string()),
+                o.betas[0],
+                o.betas[1],
+                o.eps,
+                o.weight_decay,
+                if o.adam_w_mode {
+                    " (decoupled)"
+                } else {
+                    " (L2)"
+                }
+            ),
+            None => "none in config".into(),
+        },
+    ));
+    rows.push((
+        "scheduler".into(),
+        match &s.scheduler {
+            Some(sch) => scheduler(sch),
+            None => "none (constant lr)".into(),
+        },
+    ));
+    rows.push((
+        "gradient_clipping".into(),
+        un("gradient_clipping", s.gradient_clipping.to_string()),
+    ));
+    rows.push((
+        "communication_data_type".into(),
+        s.communication_data_type.as_str().into(),
+    ));
+    rows.push((
+        "grad_accum_dtype".into(),
+        s.grad_accum_dtype.as_str().into(),
+    ));
+    rows.push((
+        "steps_per_print".into(),
+        s.steps_per_print.map_or("never".into(), |v| v.to_string()),
+    ));
+    rows.push(("comms_logger".into(), s.comms_logger.enabled.to_string()));
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (k, v) in rows {
+        out.push_str(&format!("{k:width$}  {v}\n"));
+    }
+    if loaded.warnings.is_empty() {
+        out.push_str("\nno warnings\n");
+    } else {
+        out.push_str(&format!("\n{} warning(s):\n", loaded.warnings.len()));
+        for w in &loaded.warnings {
+            out.push_str(&format!("  - {w}\n"));
+        }
+    }
+    out
+}
+
+fn offload(device: &str, path: &Option<PathBuf>) -> String {
+    match path {
+        Some(p) if device == "nvme" => format!("nvme ({})", p.display()),
+        _ => device.to_string(),
+    }
+}
+
+fn scheduler(s: &SchedulerSettings) -> String {
+    let v = serde_json::to_value(s).unwrap_or_default();
+    let params = v["params"].to_string();
+    format!("{} {}", v["type"].as_str().unwrap_or("?"), params)
 }

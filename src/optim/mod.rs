@@ -2,3 +2,4 @@
 
 pub mod adam;
 pub mod kernels;
+pub mod scheduler;

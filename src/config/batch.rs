@@ -1,0 +1,285 @@
+//! DeepSpeed's batch arithmetic, `train_batch_size = micro * gas * world_size`, with exact
+//! division (DeepSpeed floor-divides and then reports a confusing mismatch) and errors that give
+//! the numbers, the world size and its source, and the nearest valid choices.
+
+use super::error::{ConfigError, Where};
+use super::json::Member;
+use super::reader::{Obj, Reader};
+use super::settings::BatchSettings;
+
+const TB: &str = "train_batch_size";
+const MB: &str = "train_micro_batch_size_per_gpu";
+const GAS: &str = "gradient_accumulation_steps";
+
+/// One of the three keys after "auto" and the command line are applied.
+struct Key {
+    value: Option<u64>,
+    auto: bool,
+    at: Where,
+}
+
+fn read_key(
+    r: &mut Reader<'_>,
+    root: Obj<'_>,
+    key: &str,
+    cli: Option<usize>,
+    flag: &str,
+) -> Result<Key, ConfigError> {
+    let m: Option<&Member> = root.get(key);
+    let at = match m {
+        Some(m) => r.key_at(key, m),
+        None => Where {
+            path: key.into(),
+            location: None,
+        },
+    };
+    let cli = cli.map(|v| v as u64);
+    let Some(m) = m else {
+        return Ok(Key {
+            value: cli,
+            auto: false,
+            at,
+        });
+    };
+    if m.node.is_auto() {
+        return Ok(Key {
+            value: cli,
+            auto: true,
+            at,
+        });
+    }
+    let v = r.node_u64(key, &m.node)?;
+    if v == 0 {
+        return Err(ConfigError::OutOfRange {
+            at,
+            message: "must be at least 1".into(),
+        });
+    }
+    if let Some(c) = cli {
+        if c != v {
+            return Err(ConfigError::Invalid {
+                at,
+                message: format!(
+                    "the config says {v} but {flag} says {c}; change one of them (or write \
+                     \"auto\" in the config to take the command line's value)"
+                ),
+            });
+        }
+    }
+    Ok(Key {
+        value: Some(v),
+        auto: false,
+        at,
+    })
+}
+
+/// Multiples of `m` around `x` (below and above), excluding 0.
+fn multiples_near(x: u64, m: u64) -> Vec<u64> {
+    let lo = x / m * m;
+    let mut out = Vec::new();
+    if lo > 0 {
+        out.push(lo);
+    }
+    out.push(lo + m);
+    out
+}
+
+/// Divisors of `n` nearest to `target` (one at or below, one above).
+fn divisors_near(n: u64, target: u64) -> Vec<u64> {
+    let mut below = None;
+    let mut above = None;
+    let mut d = 1;
+    while d * d <= n {
+        if n % d == 0 {
+            for c in [d, n / d] {
+                if c <= target && below.is_none_or(|b| c > b) {
+                    below = Some(c);
+                }
+                if c > target && above.is_none_or(|a| c < a) {
+                    above = Some(c);
+                }
+            }
+        }
+        d += 1;
+    }
+    below.into_iter().chain(above).collect()
+}
+
+fn list(name: &str, values: &[u64], note: &str) -> Option<String> {
+    if values.is_empty() {
+        return None;
+    }
+    let v: Vec<String> = values.iter().map(|v| v.to_string()).collect();
+    Some(format!("{name} {}{note}", v.join(" or ")))
+}
+
+/// Resolves the three batch numbers for `r.ctx.world_size`.
+pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings, ConfigError> {
+    let ctx = r.ctx;
+    let w = ctx.world_size.max(1) as u64;
+    let tb = read_key(r, root, TB, ctx.train_batch_size, "--train-batch-size")?;
+    let mb = read_key(r, root, MB, ctx.micro_batch, "--micro-batch")?;
+    let gas = read_key(r, root, GAS, None, "")?;
+    let mismatch =
+        |at: &Where, detail: String, suggestions: Vec<Option<String>>| ConfigError::BatchMismatch {
+            at: at.clone(),
+            detail,
+            world_size: w as usize,
+            world_size_source: ctx.world_size_source.clone(),
+            suggestions: suggestions.into_iter().flatten().collect(),
+        };
+    let (t, m, g) = match (tb.value, mb.value, gas.value) {
+        (Some(t), Some(m), Some(g)) => {
+            if t != m * g * w {
+                return Err(mismatch(
+                    &tb.at,
+                    format!(
+                        "{TB} {t} must equal {MB} {m} x {GAS} {g} x world size {w} = {}",
+                        m * g * w
+                    ),
+                    vec![
+                        list(TB, &[m * g * w], ""),
+                        (t % (m * w) == 0).then(|| format!("{GAS} {}", t / (m * w))),
+                        (t % (g * w) == 0).then(|| format!("{MB} {}", t / (g * w))),
+                        (t % (m * g) == 0).then(|| format!("world size {}", t / (m * g))),
+                    ],
+                ));
+            }
+            (t, m, g)
+        }
+        (Some(t), Some(m), None) => {
+            if t % (m * w) != 0 {
+                return Err(mismatch(
+                    &tb.at,
+                    format!(
+                        "{TB} {t} must equal {MB} {m} x {GAS} x world size {w}, but {t} is not a \
+                         multiple of {m} x {w} = {}, so {GAS} would be {:.2}",
+                        m * w,
+                        t as f64 / (m * w) as f64
+                    ),
+                    vec![
+                        list(TB, &multiples_near(t, m * w), ""),
+                        (t % w == 0)
+                            .then(|| list(MB, &divisors_near(t / w, m), ""))
+                            .flatten(),
+                        (t % m == 0)
+                            .then(|| list("world size", &divisors_near(t / m, w), ""))
+                            .flatten(),
+                    ],
+                ));
+            }
+            (t, m, t / (m * w))
+        }
+        (Some(t), None, Some(g)) => {
+            if t % (g * w) != 0 {
+                return Err(mismatch(
+                    &tb.at,
+                    format!(
+                        "{TB} {t} must equal {MB} x {GAS} {g} x world size {w}, but {t} is not a \
+                         multiple of {g} x {w} = {}, so {MB} would be {:.2}",
+                        g * w,
+                        t as f64 / (g * w) as f64
+                    ),
+                    vec![
+                        list(TB, &multiples_near(t, g * w), ""),
+                        (t % w == 0)
+                            .then(|| list(GAS, &divisors_near(t / w, g), ""))
+                            .flatten(),
+                        (t % g == 0)
+                            .then(|| list("world size", &divisors_near(t / g, w), ""))
+                            .flatten(),
+                    ],
+                ));
+            }
+            (t, t / (g * w), g)
+        }
+        (None, Some(m), Some(g)) => (m * g * w, m, g),
+        (Some(t), None, None) => {
+            if t % w != 0 {
+                return Err(mismatch(
+                    &tb.at,
+                    format!(
+                        "{TB} {t} must equal {MB} x {GAS} 1 x world size {w}, but {t} is not a \
+                         multiple of {w}"
+                    ),
+                    vec![
+                        list(TB, &multiples_near(t, w), ""),
+                        list("world size", &divisors_near(t, w), ""),
+                    ],
+                ));
+            }
+            (t, t / w, 1)
+        }
+        (None, Some(m), None) => (m * w, m, 1),
+        (None, None, _) => {
+            let any_auto = tb.auto || mb.auto;
+            if any_auto && ctx.check_mode {
+                for (k, key) in [(&tb, TB), (&mb, MB), (&gas, GAS)] {
+                    if k.auto || k.value.is_none() {
+                        r.unresolved.push(key.to_string());
+                    }
+                }
+                r.warn(format!(
+                    "{TB} / {MB}: \"auto\" is unresolved; pass --train-batch-size or \
+                     --micro-batch to resolve the batch sizes"
+                ));
+                return Ok(BatchSettings {
+                    train_batch_size: 0,
+                    micro_batch_per_gpu: 0,
+                    gradient_accumulation_steps: gas.value.unwrap_or(0) as usize,
+                    world_size: w as usize,
+                });
+            }
+            let (at, hint) = if any_auto {
+                (
+                    if tb.auto { tb.at } else { mb.at },
+                    "\"auto\" batch sizes need --train-batch-size or --micro-batch on the command \
+                     line",
+                )
+            } else {
+                (
+                    Where {
+                        path: String::new(),
+                        location: None,
+                    },
+                    "give train_batch_size or train_micro_batch_size_per_gpu (or both)",
+                )
+            };
+            if any_auto {
+                return Err(ConfigError::UnresolvedAuto {
+                    at,
+                    hint: hint.into(),
+                });
+            }
+            return Err(ConfigError::Missing {
+                at,
+                key: format!("{TB} / {MB}"),
+                hint: hint.into(),
+            });
+        }
+    };
+    if gas.auto {
+        r.warn(format!(
+            "{GAS}: \"auto\" resolved to {g} from {TB} {t}, {MB} {m} and world size {w}"
+        ));
+    }
+    Ok(BatchSettings {
+        train_batch_size: t as usize,
+        micro_batch_per_gpu: m as usize,
+        gradient_accumulation_steps: g as usize,
+        world_size: w as usize,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_choices() {
+        assert_eq!(multiples_near(10, 6), vec![6, 12]);
+        assert_eq!(multiples_near(3, 4), vec![4]);
+        assert_eq!(divisors_near(16, 3), vec![2, 4]);
+        assert_eq!(divisors_near(16, 16), vec![16]);
+    }
+}

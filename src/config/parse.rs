@@ -1,0 +1,893 @@
+//! The top level: walks the parsed tree into [`Settings`], block by block.
+
+use super::error::ConfigError;
+use super::json::{Member, Node, Value};
+use super::reader::{join, suggest, Obj, Reader, HINT};
+use super::settings::*;
+use super::{batch, zero};
+
+/// Top-level keys zerodp reads. Anything else is listed in the "ignored" warning.
+const TOP_KEYS: &[&str] = &[
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "zero_optimization",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+    "bfloat16",
+    "gradient_clipping",
+    "steps_per_print",
+    "wall_clock_breakdown",
+    "communication_data_type",
+    "comms_logger",
+    "checkpoint",
+    "activation_checkpointing",
+    "data_types",
+];
+
+const FP16_KEYS: &[&str] = &[
+    "enabled",
+    "auto_cast",
+    "loss_scale",
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+    "fp16_master_weights_and_grads",
+];
+const FP16_DYNAMIC_KEYS: &[&str] = &[
+    "initial_scale_power",
+    "loss_scale_window",
+    "hysteresis",
+    "consecutive_hysteresis",
+    "min_loss_scale",
+];
+
+/// Optimizer names DeepSpeed knows besides Adam/AdamW (refused as not supported).
+const OTHER_OPTIMIZERS: &[&str] = &[
+    "lamb",
+    "onebitadam",
+    "zerooneadam",
+    "onebitlamb",
+    "adagrad",
+    "lion",
+    "muadam",
+    "muadamw",
+    "musgd",
+    "muon",
+    "sgd",
+];
+const ADAM_PARAMS: &[&str] = &[
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "adam_w_mode",
+    "bias_correction",
+    "torch_adam",
+    "amsgrad",
+    "max_grad_norm",
+];
+
+pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, ConfigError> {
+    let root = r.object("", root)?;
+    r.collect_unknown(root, TOP_KEYS);
+
+    let zero = zero::parse(r, root.get("zero_optimization"))?;
+    let batch = batch::resolve(r, root)?;
+    let (precision, fp16, bf16) = precision(r, root, zero.stage)?;
+    let optimizer = match root.get("optimizer") {
+        Some(m) if !matches!(m.node.value, Value::Null) => Some(optimizer(r, m)?),
+        _ => None,
+    };
+    let scheduler = match root.get("scheduler") {
+        Some(m) if !matches!(m.node.value, Value::Null) => {
+            Some(scheduler(r, m, optimizer.as_ref())?)
+        }
+        _ => None,
+    };
+    let gradient_clipping = r.read(
+        "gradient_clipping",
+        root.get("gradient_clipping"),
+        0.0,
+        None,
+        "write the max gradient norm (Hugging Face fills it from --max_grad_norm, default 1.0)",
+        |r, p, n| r.nonneg_f64(p, n),
+    )?;
+    let steps_per_print = r.opt_u64(root, "steps_per_print")?;
+    let wall_clock_breakdown = r.bool_or(root, "wall_clock_breakdown", false)?;
+    let communication_data_type = r
+        .read(
+            "communication_data_type",
+            root.get("communication_data_type"),
+            None,
+            None,
+            HINT,
+            |r, p, n| match n.value {
+                Value::Null => Ok(None),
+                _ => dtype(r, p, n, &["fp32", "fp16", "bf16"]).map(Some),
+            },
+        )?
+        .unwrap_or(precision);
+    let mut grad_accum_dtype = match (precision, zero.stage) {
+        (Precision::Bf16, 0) => Precision::Fp32,
+        (p, _) => p,
+    };
+    if let Some(m) = root.get("data_types") {
+        let dt = r.object("data_types", &m.node)?;
+        r.collect_unknown(dt, &["grad_accum_dtype"]);
+        let p = "data_types.grad_accum_dtype";
+        if let Some(v) = r.read(
+            p,
+            dt.get("grad_accum_dtype"),
+            None,
+            None,
+            HINT,
+            |r, p, n| match n.value {
+                Value::Null => Ok(None),
+                _ => dtype(
+                    r,
+                    p,
+                    n,
+                    &[
+                        "fp32", "float32", "float", "fp16", "float16", "half", "bf16", "bfloat16",
+                        "bfloat",
+                    ],
+                )
+                .map(Some),
+            },
+        )? {
+            grad_accum_dtype = v;
+        }
+    }
+    let comms_logger = comms_logger(r, root)?;
+    let checkpoint = checkpoint(r, root)?;
+    let activation_checkpointing = activation_checkpointing(r, root)?;
+
+    if fp16.enabled && fp16.is_dynamic() && !fp16.dynamic_args_given && zero.stage >= 1 {
+        r.warn(
+            "fp16: none of initial_scale_power, loss_scale_window, hysteresis, \
+             consecutive_hysteresis, min_loss_scale is given; DeepSpeed's ZeRO optimizers would \
+             then start the loss scale at 2^32 with hysteresis 1, zerodp uses the documented \
+             2^16 and hysteresis 2 (write the keys to make the choice explicit)",
+        );
+    }
+    if !r.ignored.is_empty() {
+        let list = r.ignored.join(", ");
+        r.warn(format!(
+            "ignored (zerodp does not implement these keys; DeepSpeed reads them but they change \
+             nothing here): {list}"
+        ));
+    }
+    Ok(Settings {
+        zero_optimization: zero,
+        batch,
+        precision,
+        fp16,
+        bf16,
+        optimizer,
+        scheduler,
+        gradient_clipping,
+        steps_per_print,
+        wall_clock_breakdown,
+        communication_data_type,
+        grad_accum_dtype,
+        comms_logger,
+        checkpoint,
+        activation_checkpointing,
+        unresolved: std::mem::take(&mut r.unresolved),
+    })
+}
+
+fn dtype(
+    r: &Reader<'_>,
+    path: &str,
+    node: &Node,
+    allowed: &[&str],
+) -> Result<Precision, ConfigError> {
+    let s = r.node_str(path, node)?;
+    let lower = s.to_ascii_lowercase();
+    let lower = lower.strip_prefix("torch.").unwrap_or(&lower);
+    let p = match lower {
+        "fp32" | "float32" | "float" => Precision::Fp32,
+        "fp16" | "float16" | "half" => Precision::Fp16,
+        "bf16" | "bfloat16" | "bfloat" => Precision::Bf16,
+        _ => None.ok_or_else(|| ConfigError::InvalidChoice {
+            at: r.at(path, node),
+            value: s.into(),
+            allowed: allowed.join(", "),
+        })?,
+    };
+    if !allowed.contains(&lower) {
+        return Err(ConfigError::InvalidChoice {
+            at: r.at(path, node),
+            value: s.into(),
+            allowed: allowed.join(", "),
+        });
+    }
+    Ok(p)
+}
+
+/// How `enabled` was given in the fp16 / bf16 block.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Enabled {
+    Absent,
+    Auto,
+    Is(bool),
+}
+
+fn enabled<'n>(r: &Reader<'_>, obj: Obj<'n>) -> Result<(Enabled, Option<&'n Member>), ConfigError> {
+    let Some(m) = obj.get("enabled") else {
+        return Ok((Enabled::Absent, None));
+    };
+    if m.node.is_auto() {
+        return Ok((Enabled::Auto, Some(m)));
+    }
+    Ok((
+        Enabled::Is(r.node_bool(&join(obj.path, "enabled"), &m.node)?),
+        Some(m),
+    ))
+}
+
+fn precision(
+    r: &mut Reader<'_>,
+    root: Obj<'_>,
+    stage: u8,
+) -> Result<(Precision, Fp16Settings, Bf16Settings), ConfigError> {
+    let mut fp16 = Fp16Settings::default();
+    let mut bf16 = Bf16Settings::default();
+    let mut fp16_en = (Enabled::Absent, None);
+    if let Some(m) = root.get("fp16") {
+        let o = r.object("fp16", &m.node)?;
+        r.collect_unknown(o, FP16_KEYS);
+        fp16_en = enabled(r, o)?;
+        fp16.auto_cast = r.bool_or(o, "auto_cast", false)?;
+        let lpath = "fp16.loss_scale";
+        fp16.loss_scale = r.read(lpath, o.get("loss_scale"), 0.0, None, HINT, |r, p, n| {
+            r.nonneg_f64(p, n)
+        })?;
+        let ipath = "fp16.initial_scale_power";
+        fp16.initial_scale_power = r.read(
+            ipath,
+            o.get("initial_scale_power"),
+            16,
+            None,
+            HINT,
+            |r, p, n| {
+                let v = r.node_u64(p, n)?;
+                u32::try_from(v)
+                    .ok()
+                    .filter(|v| *v <= 64)
+                    .ok_or_else(|| ConfigError::OutOfRange {
+                        at: r.at(p, n),
+                        message: format!("{v} is too large; the scale is 2^{v}, keep it <= 64"),
+                    })
+            },
+        )?;
+        fp16.loss_scale_window = r.u64_or(o, "loss_scale_window", 1000)?;
+        fp16.hysteresis = r.u64_or(o, "hysteresis", 2)?;
+        fp16.consecutive_hysteresis = r.bool_or(o, "consecutive_hysteresis", false)?;
+        let mpath = "fp16.min_loss_scale";
+        fp16.min_loss_scale = r.read(
+            mpath,
+            o.get("min_loss_scale"),
+            1.0,
+            None,
+            HINT,
+            |r, p, n| r.nonneg_f64(p, n),
+        )?;
+        fp16.fp16_master_weights_and_grads =
+            r.bool_or(o, "fp16_master_weights_and_grads", false)?;
+        fp16.dynamic_args_given = FP16_DYNAMIC_KEYS.iter().any(|k| o.has(k));
+    }
+    let mut bf16_en = (Enabled::Absent, None);
+    let bf16_member = match (root.get("bf16"), root.get("bfloat16")) {
+        (Some(_), Some(old)) => {
+            return Err(ConfigError::DeprecatedConflict {
+                at: r.key_at("bfloat16", old),
+                old: "bfloat16".into(),
+                new: "bf16".into(),
+            })
+        }
+        (Some(m), None) => Some(("bf16", m)),
+        (None, Some(m)) => {
+            r.warn("bfloat16 is a deprecated name; rename the block to \"bf16\"");
+            Some(("bfloat16", m))
+        }
+        (None, None) => None,
+    };
+    if let Some((name, m)) = bf16_member {
+        let o = r.object(name, &m.node)?;
+        r.collect_unknown(o, &["enabled", "immediate_grad_update"]);
+        bf16_en = enabled(r, o)?;
+        bf16.immediate_grad_update = r.bool_or(o, "immediate_grad_update", false)?;
+    }
+    let over = r.ctx.precision_override;
+    let conflict =
+        |r: &Reader<'_>, name: &str, m: Option<&Member>, msg: String| ConfigError::Invalid {
+            at: match m {
+                Some(m) => r.key_at(&format!("{name}.enabled"), m),
+                None => r.src.at(name, root.node.span),
+            },
+            message: msg,
+        };
+    let precision = match over {
+        Some(p) => {
+            for (name, en, me) in [
+                ("fp16", fp16_en.0, Precision::Fp16),
+                ("bf16", bf16_en.0, Precision::Bf16),
+            ] {
+                let m = if name == "fp16" { fp16_en.1 } else { bf16_en.1 };
+                let contradicts =
+                    (en == Enabled::Is(true) && p != me) || (en == Enabled::Is(false) && p == me);
+                if contradicts {
+                    return Err(conflict(
+                        r,
+                        name,
+                        m,
+                        format!(
+                            "the config sets {name}.enabled to {} but the command line asks for \
+                             {}; write \"auto\" there or drop the command-line precision",
+                            en == Enabled::Is(true),
+                            p.as_str()
+                        ),
+                    ));
+                }
+            }
+            p
+        }
+        None => match (
+            fp16_en.0 == Enabled::Is(true),
+            bf16_en.0 == Enabled::Is(true),
+        ) {
+            (true, true) => {
+                return Err(conflict(
+                    r,
+                    "bf16",
+                    bf16_en.1,
+                    "fp16 and bf16 are both enabled; enable at most one".into(),
+                ))
+            }
+            (true, false) => Precision::Fp16,
+            (false, true) => Precision::Bf16,
+            (false, false) => Precision::Fp32,
+        },
+    };
+    fp16.enabled = precision == Precision::Fp16;
+    bf16.enabled = precision == Precision::Bf16;
+    if fp16.fp16_master_weights_and_grads && stage != 2 {
+        r.warn("fp16.fp16_master_weights_and_grads only acts at stage 2 with CPU offload");
+    }
+    Ok((precision, fp16, bf16))
+}
+
+fn optimizer(r: &mut Reader<'_>, m: &Member) -> Result<OptimizerSettings, ConfigError> {
+    let o = r.object("optimizer", &m.node)?;
+    r.collect_unknown(o, &["type", "params", "legacy_fusion"]);
+    let Some(tm) = o.get("type") else {
+        return Err(ConfigError::Missing {
+            at: r.at("optimizer", &m.node),
+            key: "type".into(),
+            hint: "write \"type\": \"AdamW\" (or \"Adam\")".into(),
+        });
+    };
+    let tname = r.node_str("optimizer.type", &tm.node)?;
+    let kind = match tname.to_ascii_lowercase().as_str() {
+        "adam" => OptimizerKind::Adam,
+        "adamw" => OptimizerKind::AdamW,
+        lower => {
+            let known = OTHER_OPTIMIZERS.contains(&lower);
+            return Err(ConfigError::Unsupported {
+                at: r.at("optimizer.type", &tm.node),
+                what: if known {
+                    format!("the DeepSpeed optimizer \"{tname}\"")
+                } else {
+                    format!("the optimizer \"{tname}\"")
+                },
+                hint: "zerodp implements \"Adam\" and \"AdamW\"".into(),
+            });
+        }
+    };
+    let mut s = OptimizerSettings {
+        kind,
+        ..OptimizerSettings::default()
+    };
+    let Some(pm) = o.get("params") else {
+        return Ok(s);
+    };
+    let p = r.object("optimizer.params", &pm.node)?;
+    r.deny_unknown(p, ADAM_PARAMS)?;
+    if let Some(g) = p.get("max_grad_norm") {
+        return Err(ConfigError::Unsupported {
+            at: r.key_at("optimizer.params.max_grad_norm", g),
+            what: "optimizer.params.max_grad_norm".into(),
+            hint: "DeepSpeed rejects it too: use the top-level \"gradient_clipping\"".into(),
+        });
+    }
+    let lr_auto = r.ctx.lr;
+    s.lr = r.read(
+        "optimizer.params.lr",
+        p.get("lr"),
+        s.lr,
+        lr_auto,
+        "pass the learning rate on the command line or write a number",
+        |r, p, n| r.nonneg_f64(p, n),
+    )?;
+    s.betas = r.read(
+        "optimizer.params.betas",
+        p.get("betas"),
+        s.betas,
+        None,
+        HINT,
+        |r, p, n| {
+            let Value::Array(items) = &n.value else {
+                return Err(r.wrong_type(p, n, "a list of two numbers [beta1, beta2]"));
+            };
+            if items.len() != 2 {
+                return Err(r.wrong_type(p, n, "a list of two numbers [beta1, beta2]"));
+            }
+            let mut b = [0.0; 2];
+            for (i, it) in items.iter().enumerate() {
+                let v = r.node_f64(&format!("{p}[{i}]"), it)?;
+                if !(0.0..1.0).contains(&v) {
+                    return Err(ConfigError::OutOfRange {
+                        at: r.at(&format!("{p}[{i}]"), it),
+                        message: format!("beta {v} must be in [0, 1)"),
+                    });
+                }
+                b[i] = v;
+            }
+            Ok(b)
+        },
+    )?;
+    s.eps = r.read(
+        "optimizer.params.eps",
+        p.get("eps"),
+        s.eps,
+        None,
+        HINT,
+        |r, p, n| r.nonneg_f64(p, n),
+    )?;
+    s.weight_decay = r.read(
+        "optimizer.params.weight_decay",
+        p.get("weight_decay"),
+        s.weight_decay,
+        None,
+        HINT,
+        |r, p, n| r.nonneg_f64(p, n),
+    )?;
+    let mode = r.read(
+        "optimizer.params.adam_w_mode",
+        p.get("adam_w_mode"),
+        true,
+        None,
+        HINT,
+        |r, p, n| r.node_bool(p, n),
+    )?;
+    s.bias_correction = r.bool_or(p, "bias_correction", true)?;
+    r.bool_or(p, "torch_adam", false)?;
+    if let Some(a) = p.get("amsgrad") {
+        if r.node_bool("optimizer.params.amsgrad", &a.node)? {
+            return Err(ConfigError::Unsupported {
+                at: r.key_at("optimizer.params.amsgrad", a),
+                what: "amsgrad".into(),
+                hint: "DeepSpeed's fused and CPU Adam refuse it too; set it to false".into(),
+            });
+        }
+    }
+    s.adam_w_mode = match kind {
+        OptimizerKind::AdamW => {
+            if !mode {
+                r.warn(
+                    "optimizer.params.adam_w_mode is false but the type is AdamW; DeepSpeed \
+                     (and zerodp) still apply decoupled weight decay. Use \"type\": \"Adam\" \
+                     for L2 regularisation",
+                );
+            }
+            true
+        }
+        OptimizerKind::Adam => {
+            if !p.has("adam_w_mode") && s.weight_decay > 0.0 {
+                r.warn(
+                    "optimizer: \"type\": \"Adam\" applies decoupled weight decay (AdamW) because \
+                     DeepSpeed's adam_w_mode defaults to true; set \"adam_w_mode\": false for \
+                     classic L2 weight decay",
+                );
+            }
+            mode
+        }
+    };
+    Ok(s)
+}
+
+const SCHEDULERS: &[&str] = &[
+    "WarmupLR",
+    "WarmupDecayLR",
+    "WarmupCosineLR",
+    "OneCycle",
+    "LRRangeTest",
+];
+
+fn scheduler(
+    r: &mut Reader<'_>,
+    m: &Member,
+    opt: Option<&OptimizerSettings>,
+) -> Result<SchedulerSettings, ConfigError> {
+    let o = r.object("scheduler", &m.node)?;
+    r.collect_unknown(o, &["type", "params"]);
+    let Some(tm) = o.get("type") else {
+        return Err(ConfigError::Missing {
+            at: r.at("scheduler", &m.node),
+            key: "type".into(),
+            hint: format!("write one of {}", SCHEDULERS.join(", ")),
+        });
+    };
+    let tname = r.node_str("scheduler.type", &tm.node)?.to_string();
+    if !SCHEDULERS.contains(&tname.as_str()) {
+        let hint = match suggest(&tname, SCHEDULERS) {
+            Some(s) => format!("did you mean \"{s}\"? zerodp implements {}", SCHEDULERS.join(", ")),
+            None => format!(
+                "zerodp implements DeepSpeed's {} (torch.optim.lr_scheduler classes are not available)",
+                SCHEDULERS.join(", ")
+            ),
+        };
+        return Err(ConfigError::Unsupported {
+            at: r.at("scheduler.type", &tm.node),
+            what: format!("the scheduler \"{tname}\""),
+            hint,
+        });
+    }
+    let empty;
+    let p = match o.get("params") {
+        Some(pm) => r.object("scheduler.params", &pm.node)?,
+        None => {
+            empty = Node {
+                value: Value::Object(Vec::new()),
+                span: m.node.span,
+            };
+            r.object("scheduler.params", &empty)?
+        }
+    };
+    let keys: &[&str] = match tname.as_str() {
+        "WarmupLR" => &[
+            "warmup_min_lr",
+            "warmup_max_lr",
+            "warmup_num_steps",
+            "warmup_type",
+            "last_batch_iteration",
+        ],
+        "WarmupDecayLR" => &[
+            "total_num_steps",
+            "warmup_min_lr",
+            "warmup_max_lr",
+            "warmup_num_steps",
+            "warmup_type",
+            "last_batch_iteration",
+        ],
+        "WarmupCosineLR" => &[
+            "total_num_steps",
+            "warmup_min_ratio",
+            "warmup_num_steps",
+            "cos_min_ratio",
+            "warmup_type",
+            "last_batch_iteration",
+        ],
+        "OneCycle" => &[
+            "cycle_min_lr",
+            "cycle_max_lr",
+            "decay_lr_rate",
+            "cycle_first_step_size",
+            "cycle_second_step_size",
+            "cycle_first_stair_count",
+            "cycle_second_stair_count",
+            "decay_step_size",
+            "cycle_momentum",
+            "cycle_min_mom",
+            "cycle_max_mom",
+            "decay_mom_rate",
+            "last_batch_iteration",
+        ],
+        _ => &[
+            "lr_range_test_min_lr",
+            "lr_range_test_step_size",
+            "lr_range_test_step_rate",
+            "lr_range_test_staircase",
+            "last_batch_iteration",
+        ],
+    };
+    r.deny_unknown(p, keys)?;
+    if let Some(lb) = p.get("last_batch_iteration") {
+        let v = r.node_i64("scheduler.params.last_batch_iteration", &lb.node)?;
+        if v != -1 {
+            r.warn(format!(
+                "scheduler.params.last_batch_iteration {v} is ignored; zerodp restores the \
+                 schedule position from its checkpoint"
+            ));
+        }
+    }
+    let lr_auto = r.ctx.lr;
+    let steps_auto = r.ctx.total_steps.map(|s| s as u64);
+    let lr_hint = "pass the learning rate on the command line or write a number";
+    let steps_hint = "pass the number of training steps on the command line or write a number";
+    let f = |r: &mut Reader<'_>, key: &str, default: f64, auto: Option<f64>, hint: &str| {
+        let path = join(p.path, key);
+        r.read(&path, p.get(key), default, auto, hint, |r, q, n| {
+            r.nonneg_f64(q, n)
+        })
+    };
+    let u = |r: &mut Reader<'_>, key: &str, default: u64, auto: Option<u64>, hint: &str| {
+        let path = join(p.path, key);
+        r.read(&path, p.get(key), default, auto, hint, |r, q, n| {
+            r.node_u64(q, n)
+        })
+    };
+    let required = |r: &mut Reader<'_>, key: &str, auto: Option<u64>| -> Result<u64, ConfigError> {
+        if !p.has(key) {
+            return Err(ConfigError::Missing {
+                at: r.at("scheduler.params", p.node),
+                key: key.into(),
+                hint: format!("{tname} needs the total number of optimizer steps"),
+            });
+        }
+        u(r, key, 0, auto, steps_hint)
+    };
+    let positive_warmup = |r: &mut Reader<'_>| -> Result<u64, ConfigError> {
+        let v = u(r, "warmup_num_steps", 1000, None, HINT)?;
+        if v == 0 {
+            let m = p.get("warmup_num_steps").map(|m| &m.node).unwrap_or(p.node);
+            return Err(ConfigError::OutOfRange {
+                at: r.at("scheduler.params.warmup_num_steps", m),
+                message: "warmup_num_steps must be at least 1 (DeepSpeed raises ValueError for 0)"
+                    .into(),
+            });
+        }
+        Ok(v)
+    };
+    let warmup_type = |r: &mut Reader<'_>| -> Result<WarmupType, ConfigError> {
+        let path = "scheduler.params.warmup_type";
+        r.read(
+            path,
+            p.get("warmup_type"),
+            WarmupType::Log,
+            None,
+            HINT,
+            |r, q, n| {
+                Ok(match r.node_str(q, n)? {
+                    "log" => WarmupType::Log,
+                    "linear" => WarmupType::Linear,
+                    _ => WarmupType::Log,
+                })
+            },
+        )
+    };
+    if let Some(wt) = p.get("warmup_type") {
+        if let Value::String(s) = &wt.node.value {
+            if s != "log" && s != "linear" && s != "auto" {
+                r.warn(format!(
+                    "scheduler.params.warmup_type \"{s}\" is unknown; DeepSpeed (and zerodp) \
+                     fall back to \"log\". Use \"log\" or \"linear\""
+                ));
+            }
+        }
+    }
+    let s = match tname.as_str() {
+        "WarmupLR" => {
+            let warmup_max_lr = match p.get("warmup_max_lr") {
+                None => {
+                    if let Some(o) = opt {
+                        if o.lr != 1e-3 {
+                            r.warn(format!(
+                                "scheduler.params.warmup_max_lr is not given: warmup rises to the \
+                                 optimizer's lr {} (current DeepSpeed); DeepSpeed releases before \
+                                 2025 used 0.001",
+                                o.lr
+                            ));
+                        }
+                    }
+                    None
+                }
+                Some(_) => Some(f(r, "warmup_max_lr", 1e-3, lr_auto, lr_hint)?),
+            };
+            SchedulerSettings::WarmupLR {
+                warmup_min_lr: f(r, "warmup_min_lr", 0.0, None, HINT)?,
+                warmup_max_lr,
+                warmup_num_steps: positive_warmup(r)?,
+                warmup_type: warmup_type(r)?,
+            }
+        }
+        "WarmupDecayLR" => SchedulerSettings::WarmupDecayLR {
+            total_num_steps: required(r, "total_num_steps", steps_auto)?,
+            warmup_min_lr: f(r, "warmup_min_lr", 0.0, None, HINT)?,
+            warmup_max_lr: f(r, "warmup_max_lr", 1e-3, lr_auto, lr_hint)?,
+            warmup_num_steps: positive_warmup(r)?,
+            warmup_type: warmup_type(r)?,
+        },
+        "WarmupCosineLR" => SchedulerSettings::WarmupCosineLR {
+            total_num_steps: required(r, "total_num_steps", steps_auto)?,
+            warmup_min_ratio: f(r, "warmup_min_ratio", 0.0, None, HINT)?,
+            warmup_num_steps: positive_warmup(r)?,
+            cos_min_ratio: f(r, "cos_min_ratio", 1e-4, None, HINT)?,
+            warmup_type: warmup_type(r)?,
+        },
+        "OneCycle" => {
+            for key in ["cycle_min_lr", "cycle_max_lr"] {
+                if !p.has(key) {
+                    return Err(ConfigError::Missing {
+                        at: r.at("scheduler.params", p.node),
+                        key: key.into(),
+                        hint: "OneCycle needs cycle_min_lr and cycle_max_lr".into(),
+                    });
+                }
+            }
+            let first = u(r, "cycle_first_step_size", 2000, None, HINT)?;
+            let second = match p.get("cycle_second_step_size") {
+                Some(m) if !matches!(m.node.value, Value::Null) => {
+                    Some(u(r, "cycle_second_step_size", first, None, HINT)?)
+                }
+                _ => None,
+            };
+            if first == 0 {
+                let m = p
+                    .get("cycle_first_step_size")
+                    .map(|m| &m.node)
+                    .unwrap_or(p.node);
+                return Err(ConfigError::OutOfRange {
+                    at: r.at("scheduler.params.cycle_first_step_size", m),
+                    message: "cycle_first_step_size must be at least 1 (DeepSpeed divides by it)"
+                        .into(),
+                });
+            }
+            let second_stairs = match p.get("cycle_second_stair_count") {
+                Some(m) if !matches!(m.node.value, Value::Null) => {
+                    Some(u(r, "cycle_second_stair_count", 0, None, HINT)?)
+                }
+                _ => None,
+            };
+            SchedulerSettings::OneCycle {
+                cycle_min_lr: f(r, "cycle_min_lr", 0.0, None, HINT)?,
+                cycle_max_lr: f(r, "cycle_max_lr", 0.0, lr_auto, lr_hint)?,
+                decay_lr_rate: f(r, "decay_lr_rate", 0.0, None, HINT)?,
+                cycle_first_step_size: first,
+                cycle_second_step_size: second,
+                cycle_first_stair_count: u(r, "cycle_first_stair_count", 0, None, HINT)?,
+                cycle_second_stair_count: second_stairs,
+                decay_step_size: u(r, "decay_step_size", 0, None, HINT)?,
+                cycle_momentum: r.bool_or(p, "cycle_momentum", true)?,
+                cycle_min_mom: f(r, "cycle_min_mom", 0.8, None, HINT)?,
+                cycle_max_mom: f(r, "cycle_max_mom", 0.9, None, HINT)?,
+                decay_mom_rate: f(r, "decay_mom_rate", 0.0, None, HINT)?,
+            }
+        }
+        _ => {
+            let step_size = u(r, "lr_range_test_step_size", 2000, None, HINT)?;
+            if step_size == 0 {
+                let m = p
+                    .get("lr_range_test_step_size")
+                    .map(|m| &m.node)
+                    .unwrap_or(p.node);
+                return Err(ConfigError::OutOfRange {
+                    at: r.at("scheduler.params.lr_range_test_step_size", m),
+                    message: "lr_range_test_step_size must be at least 1".into(),
+                });
+            }
+            SchedulerSettings::LRRangeTest {
+                lr_range_test_min_lr: f(r, "lr_range_test_min_lr", 1e-3, None, HINT)?,
+                lr_range_test_step_size: step_size,
+                lr_range_test_step_rate: f(r, "lr_range_test_step_rate", 1.0, None, HINT)?,
+                lr_range_test_staircase: r.bool_or(p, "lr_range_test_staircase", false)?,
+            }
+        }
+    };
+    Ok(s)
+}
+
+fn comms_logger(r: &mut Reader<'_>, root: Obj<'_>) -> Result<CommsLoggerSettings, ConfigError> {
+    let mut c = CommsLoggerSettings::default();
+    let Some(m) = root.get("comms_logger") else {
+        return Ok(c);
+    };
+    let o = r.object("comms_logger", &m.node)?;
+    r.deny_unknown(o, &["enabled", "verbose", "prof_all", "debug", "prof_ops"])?;
+    c.enabled = r.bool_or(o, "enabled", false)?;
+    c.verbose = r.bool_or(o, "verbose", false)?;
+    c.prof_all = r.bool_or(o, "prof_all", true)?;
+    c.debug = r.bool_or(o, "debug", false)?;
+    c.prof_ops = r.read(
+        "comms_logger.prof_ops",
+        o.get("prof_ops"),
+        Vec::new(),
+        None,
+        HINT,
+        |r, p, n| {
+            let Value::Array(items) = &n.value else {
+                return Err(r.wrong_type(p, n, "a list of operation names"));
+            };
+            items
+                .iter()
+                .enumerate()
+                .map(|(i, it)| r.node_str(&format!("{p}[{i}]"), it).map(str::to_string))
+                .collect()
+        },
+    )?;
+    if !c.enabled {
+        r.warn(
+            "comms_logger: the block is present with enabled false; DeepSpeed turns logging on \
+             whenever the block exists, zerodp honours \"enabled\" and leaves it off",
+        );
+    }
+    Ok(c)
+}
+
+fn checkpoint(r: &mut Reader<'_>, root: Obj<'_>) -> Result<CheckpointSettings, ConfigError> {
+    let mut c = CheckpointSettings::default();
+    let Some(m) = root.get("checkpoint") else {
+        return Ok(c);
+    };
+    let o = r.object("checkpoint", &m.node)?;
+    r.collect_unknown(
+        o,
+        &[
+            "tag_validation",
+            "load_universal",
+            "use_node_local_storage",
+            "parallel_write",
+        ],
+    );
+    c.tag_validation = r.read(
+        "checkpoint.tag_validation",
+        o.get("tag_validation"),
+        TagValidation::Warn,
+        None,
+        HINT,
+        |r, p, n| match r.node_str(p, n)?.to_ascii_uppercase().as_str() {
+            "WARN" => Ok(TagValidation::Warn),
+            "IGNORE" => Ok(TagValidation::Ignore),
+            "FAIL" => Ok(TagValidation::Fail),
+            other => Err(ConfigError::InvalidChoice {
+                at: r.at(p, n),
+                value: other.into(),
+                allowed: "\"Warn\", \"Ignore\", \"Fail\"".into(),
+            }),
+        },
+    )?;
+    c.load_universal = r.bool_or(o, "load_universal", false)?;
+    c.use_node_local_storage = r.bool_or(o, "use_node_local_storage", false)?;
+    if let Some(pw) = o.get("parallel_write") {
+        let po = r.object("checkpoint.parallel_write", &pw.node)?;
+        r.collect_unknown(po, &["pipeline_stage"]);
+        c.parallel_write_pipeline_stage = r.bool_or(po, "pipeline_stage", false)?;
+    }
+    Ok(c)
+}
+
+fn activation_checkpointing(
+    r: &mut Reader<'_>,
+    root: Obj<'_>,
+) -> Result<ActivationCheckpointingSettings, ConfigError> {
+    let mut a = ActivationCheckpointingSettings::default();
+    let Some(m) = root.get("activation_checkpointing") else {
+        return Ok(a);
+    };
+    let o = r.object("activation_checkpointing", &m.node)?;
+    r.collect_unknown(
+        o,
+        &[
+            "partition_activations",
+            "contiguous_memory_optimization",
+            "cpu_checkpointing",
+            "number_checkpoints",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ],
+    );
+    a.partition_activations = r.bool_or(o, "partition_activations", false)?;
+    a.contiguous_memory_optimization = r.bool_or(o, "contiguous_memory_optimization", false)?;
+    a.cpu_checkpointing = r.bool_or(o, "cpu_checkpointing", false)?;
+    a.number_checkpoints = r.opt_u64(o, "number_checkpoints")?;
+    a.synchronize_checkpoint_boundary = r.bool_or(o, "synchronize_checkpoint_boundary", false)?;
+    a.profile = r.bool_or(o, "profile", false)?;
+    Ok(a)
+}
