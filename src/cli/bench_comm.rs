@@ -1,8 +1,430 @@
-//! `zerodp bench comm` (being built; see the issue tracker).
+//! `zerodp bench comm`: an nccl-tests-style bandwidth table of the in-process collectives, next to the
+//! machine's memcpy bandwidth measured in the same run.
+//!
+//! Each iteration starts behind a barrier, every rank times its own collective, and the iteration
+//! counts as the slowest rank's time (a collective is done when its last rank is done); the table
+//! shows the median over iterations. Sizes are full tensors (nccl-tests' convention), and busbw
+//! follows nccl-tests: all-reduce algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
+
+use anyhow::{bail, Context};
+use std::time::{Duration, Instant};
+use zerodp::comm::stats::bandwidths;
+use zerodp::comm::{
+    run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
+    ReduceOp,
+};
 
 #[derive(clap::Args, Debug)]
-pub struct BenchCommArgs {}
+pub struct BenchCommArgs {
+    /// Ranks (threads) in the in-process world.
+    #[arg(long, default_value_t = 2)]
+    pub world_size: usize,
+    /// Collective to measure.
+    #[arg(long, value_enum, default_value_t = OpChoice::All)]
+    pub op: OpChoice,
+    /// Full-tensor sizes in bytes: `1K`, `64M`, `1G` (powers of 2), a list `1K,1M`, or a range
+    /// `1K..1G` doubling from the first to the last.
+    #[arg(long, default_value = "1K..256M")]
+    pub sizes: String,
+    /// Timed iterations per size (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub iters: usize,
+    /// Untimed iterations per size before the timed ones (first touch of the pages, caches).
+    #[arg(long, default_value_t = 1)]
+    pub warmup: usize,
+    /// Element type of the buffers.
+    #[arg(long, value_enum, default_value_t = DTypeChoice::F32)]
+    pub dtype: DTypeChoice,
+    #[arg(long, value_enum, default_value_t = Format::Table)]
+    pub format: Format,
+    /// Collective timeout in seconds (overrides ZERODP_TIMEOUT).
+    #[arg(long)]
+    pub timeout: Option<f64>,
+}
 
-pub fn run(_args: BenchCommArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("this command is not built yet")
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpChoice {
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    All,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DTypeChoice {
+    F32,
+    Bf16,
+    F16,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Format {
+    Table,
+    Json,
+}
+
+impl DTypeChoice {
+    fn dtype(self) -> DType {
+        match self {
+            DTypeChoice::F32 => DType::F32,
+            DTypeChoice::Bf16 => DType::BF16,
+            DTypeChoice::F16 => DType::F16,
+        }
+    }
+}
+
+impl OpChoice {
+    fn kinds(self) -> Vec<CollectiveKind> {
+        match self {
+            OpChoice::AllReduce => vec![CollectiveKind::AllReduce],
+            OpChoice::ReduceScatter => vec![CollectiveKind::ReduceScatter],
+            OpChoice::AllGather => vec![CollectiveKind::AllGather],
+            OpChoice::All => vec![
+                CollectiveKind::AllReduce,
+                CollectiveKind::ReduceScatter,
+                CollectiveKind::AllGather,
+            ],
+        }
+    }
+}
+
+/// One size: `4096`, `1K`, `64M`, `1G` (binary multiples; `B` suffix allowed).
+fn parse_size(s: &str) -> anyhow::Result<usize> {
+    let t = s.trim().trim_end_matches(['B', 'b']);
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1usize << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    let n: usize = num.trim().parse().with_context(|| {
+        format!("size {s:?}: expected a number with an optional K, M or G suffix, such as 64M")
+    })?;
+    n.checked_mul(mult)
+        .with_context(|| format!("size {s:?} is too large"))
+}
+
+/// `--sizes`: a comma-separated list of sizes or `a..b` ranges (doubling from a while <= b).
+pub fn parse_sizes(spec: &str) -> anyhow::Result<Vec<usize>> {
+    let mut out = Vec::new();
+    for part in spec.split(',').filter(|p| !p.trim().is_empty()) {
+        if let Some((a, b)) = part.split_once("..") {
+            let (a, b) = (parse_size(a)?, parse_size(b)?);
+            if a == 0 || a > b {
+                bail!("size range {part:?}: the start must be positive and not above the end");
+            }
+            let mut s = a;
+            while s <= b {
+                out.push(s);
+                s = match s.checked_mul(2) {
+                    Some(x) => x,
+                    None => break,
+                };
+            }
+        } else {
+            out.push(parse_size(part)?);
+        }
+    }
+    if out.is_empty() {
+        bail!("--sizes {spec:?} names no size; try --sizes 1K..1G");
+    }
+    Ok(out)
+}
+
+/// One measured (op, size) point.
+#[derive(serde::Serialize, Debug, Clone)]
+pub struct BenchResult {
+    pub op: CollectiveKind,
+    pub world_size: usize,
+    /// Full tensor bytes.
+    pub bytes: usize,
+    /// Elements of the full tensor.
+    pub count: usize,
+    pub dtype: DType,
+    /// Median over iterations of the slowest rank's time.
+    pub time_s: f64,
+    pub algbw_gbps: f64,
+    pub busbw_gbps: f64,
+}
+
+#[derive(serde::Serialize, Debug, Clone, Copy)]
+pub struct MemcpyGbps {
+    /// One thread copying a buffer: bytes copied per second / 1e9.
+    pub one_thread: f64,
+    /// Every hardware thread copying its own part of the buffer at once: total bytes copied per
+    /// second / 1e9.
+    pub all_threads: f64,
+    /// The number of threads behind `all_threads`.
+    pub threads: usize,
+    /// Bytes copied per measurement.
+    pub bytes: usize,
+}
+
+#[derive(serde::Serialize, Debug)]
+struct Report {
+    memcpy_gbps: MemcpyGbps,
+    results: Vec<BenchResult>,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let m = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
+}
+
+/// Median memcpy bandwidth over `iters` copies of `bytes`, by one thread and by `threads` threads
+/// each copying its own contiguous part.
+pub fn measure_memcpy(bytes: usize, iters: usize, threads: usize) -> MemcpyGbps {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![2u8; bytes];
+    let mut time = |threads: usize| -> f64 {
+        let mut samples = Vec::with_capacity(iters);
+        for _ in 0..iters + 1 {
+            let chunk = bytes.div_ceil(threads);
+            let t0 = Instant::now();
+            std::thread::scope(|s| {
+                for (d, sr) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+                    s.spawn(move || d.copy_from_slice(sr));
+                }
+            });
+            samples.push(t0.elapsed().as_secs_f64());
+        }
+        samples.remove(0); // warm-up
+        bytes as f64 / median(samples) / 1e9
+    };
+    let one_thread = time(1);
+    let all_threads = time(threads);
+    MemcpyGbps {
+        one_thread,
+        all_threads,
+        threads,
+        bytes,
+    }
+}
+
+/// A buffer of `len` elements filled with non-zero values written by the calling thread (so its
+/// pages are really mapped by the rank that owns them, not the shared zero page).
+fn filled(dtype: DType, len: usize, rank: usize) -> Buffer {
+    let v = 1.0 + rank as f32;
+    match dtype {
+        DType::F32 => Buffer::F32(vec![v; len]),
+        DType::BF16 => Buffer::BF16(vec![half::bf16::from_f32(v); len]),
+        DType::F16 => Buffer::F16(vec![half::f16::from_f32(v); len]),
+    }
+}
+
+/// Times every (op, size) on every rank: per case, the per-iteration times of this rank.
+fn run_case(
+    comm: &dyn Communicator,
+    kind: CollectiveKind,
+    dtype: DType,
+    len: usize,
+    warmup: usize,
+    iters: usize,
+) -> Result<Vec<f64>, CommError> {
+    let (n, rank) = (comm.world_size(), comm.rank());
+    let shard = shard_range(len, n, rank).len();
+    // Buffers are allocated once and travel through each call and back (llm.c style).
+    let (mut a, mut b) = match kind {
+        CollectiveKind::AllReduce => (filled(dtype, len, rank), None),
+        CollectiveKind::ReduceScatter => (filled(dtype, len, rank), Some(filled(dtype, shard, 0))),
+        _ => (filled(dtype, shard, rank), Some(filled(dtype, len, 0))),
+    };
+    let mut times = Vec::with_capacity(iters);
+    for it in 0..warmup + iters {
+        comm.barrier().wait()?;
+        let t0 = Instant::now();
+        match kind {
+            CollectiveKind::AllReduce => {
+                a = comm.all_reduce(a, ReduceOp::Sum).wait_one()?;
+            }
+            CollectiveKind::ReduceScatter => {
+                let out = b.take().expect("output buffer");
+                let (i, o) = comm.reduce_scatter(a, out, ReduceOp::Sum).wait_pair()?;
+                (a, b) = (i, Some(o));
+            }
+            _ => {
+                let out = b.take().expect("output buffer");
+                let (i, o) = comm.all_gather(a, out).wait_pair()?;
+                (a, b) = (i, Some(o));
+            }
+        }
+        if it >= warmup {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    Ok(times)
+}
+
+pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
+    if args.world_size == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    let dtype = args.dtype.dtype();
+    let sizes = parse_sizes(&args.sizes)?;
+    for &s in &sizes {
+        if s % dtype.size() != 0 {
+            bail!("size {s} bytes is not a whole number of {dtype} elements");
+        }
+    }
+    let mut options = CommOptions::from_env()?;
+    if let Some(t) = args.timeout {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--timeout {t}: give a positive number of seconds");
+        }
+        options.timeout = Duration::from_secs_f64(t);
+    }
+    let kinds = args.op.kinds();
+    let cases: Vec<(CollectiveKind, usize)> = kinds
+        .iter()
+        .flat_map(|&k| sizes.iter().map(move |&s| (k, s)))
+        .collect();
+    let n = args.world_size;
+
+    // Memcpy reference first, on an otherwise idle process, over a buffer above the last-level
+    // cache (at least 64 MiB) and no larger than the largest message (at most 1 GiB).
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let max_size = sizes.iter().copied().max().unwrap_or(0);
+    let memcpy_bytes = max_size.clamp(64 << 20, 1 << 30);
+    let memcpy = measure_memcpy(memcpy_bytes, args.iters, threads);
+
+    let per_rank = run_ranks(n, options, |comm, _rank| {
+        cases
+            .iter()
+            .map(|&(kind, bytes)| {
+                run_case(
+                    &*comm,
+                    kind,
+                    dtype,
+                    bytes / dtype.size(),
+                    args.warmup,
+                    args.iters,
+                )
+            })
+            .collect::<Result<Vec<_>, CommError>>()
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let results: Vec<BenchResult> = cases
+        .iter()
+        .enumerate()
+        .map(|(c, &(op, bytes))| {
+            // An iteration lasts as long as its slowest rank.
+            let slowest: Vec<f64> = (0..args.iters)
+                .map(|i| per_rank.iter().map(|r| r[c][i]).fold(0.0, f64::max))
+                .collect();
+            let time_s = median(slowest);
+            let (algbw, busbw) = bandwidths(op, n, bytes as u64, Duration::from_secs_f64(time_s));
+            BenchResult {
+                op,
+                world_size: n,
+                bytes,
+                count: bytes / dtype.size(),
+                dtype,
+                time_s,
+                algbw_gbps: algbw,
+                busbw_gbps: busbw,
+            }
+        })
+        .collect();
+
+    match args.format {
+        Format::Json => {
+            let report = Report {
+                memcpy_gbps: memcpy,
+                results,
+            };
+            println!("{}", serde_json::to_string_pretty(&report)?);
+        }
+        Format::Table => print_table(&args, n, dtype, &memcpy, &results),
+    }
+    Ok(0)
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+fn print_table(
+    args: &BenchCommArgs,
+    n: usize,
+    dtype: DType,
+    memcpy: &MemcpyGbps,
+    results: &[BenchResult],
+) {
+    // A rank's "link" here is memory: the fair per-rank reference is the copy bandwidth one rank
+    // gets while the others copy too, the all-thread rate shared among min(ranks, threads).
+    let per_rank_ref = memcpy.all_threads / n.min(memcpy.threads) as f64;
+    println!(
+        "# zerodp bench comm: in-process world of {n} ranks, dtype {dtype}, median of {} \
+         iterations after {} warm-up",
+        args.iters, args.warmup
+    );
+    println!(
+        "# memcpy reference ({} copied, median): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
+         (per rank when {} ranks share them: {:.2} GB/s)",
+        human(memcpy.bytes),
+        memcpy.one_thread,
+        memcpy.threads,
+        memcpy.all_threads,
+        n.min(memcpy.threads),
+        per_rank_ref
+    );
+    println!(
+        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>9} {:>9}",
+        "op",
+        "size",
+        "count",
+        "type",
+        "time(us)",
+        "algbw(GB/s)",
+        "busbw(GB/s)",
+        "%1thread",
+        "%share"
+    );
+    for r in results {
+        println!(
+            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>8.0}% {:>8.0}%",
+            r.op.name(),
+            human(r.bytes),
+            r.count,
+            r.dtype.name(),
+            r.time_s * 1e6,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            100.0 * r.busbw_gbps / memcpy.one_thread,
+            100.0 * r.busbw_gbps / per_rank_ref
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_as_binary_multiples_lists_and_doubling_ranges() {
+        assert_eq!(parse_sizes("1K").unwrap(), vec![1024]);
+        assert_eq!(parse_sizes("1G").unwrap(), vec![1 << 30]);
+        assert_eq!(
+            parse_sizes("1K..8K,64M").unwrap(),
+            vec![1024, 2048, 4096, 8192, 64 << 20]
+        );
+        assert_eq!(parse_sizes("3..13").unwrap(), vec![3, 6, 12]);
+        assert!(parse_sizes("8K..1K").is_err());
+        assert!(parse_sizes("lots").is_err());
+        assert!(parse_sizes("").is_err());
+    }
 }
