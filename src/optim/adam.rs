@@ -224,8 +224,9 @@ fn adam_impl<G: Element, T: Element>(
 /// One Adam/AdamW step over a flat shard, in place on `params`, `m` and `v`.
 ///
 /// `step` is the 1-based number of this update (bias correction uses `beta^step`); `grad_scale`
-/// multiplies every gradient before use: pass `1 / (loss_scale * clip_coef)` to unscale fp16
-/// gradients and clip in the same pass, or `1.0`. Deterministic and independent of the thread
+/// multiplies every gradient before use, so that unscaling and clipping cost no extra pass:
+/// pass `1 / combined` with DeepSpeed's `combined = loss_scale * max(1, norm / clip)` (`norm`
+/// being the unscaled global norm), or `1.0` when there is neither a loss scale nor clipping. Deterministic and independent of the thread
 /// count (the update is element-wise). Long shards run in parallel on the rayon pool.
 ///
 /// # Panics

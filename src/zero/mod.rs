@@ -6,6 +6,7 @@ pub mod config;
 pub mod engine;
 pub mod flat;
 pub mod gather;
+pub mod loss_scaler;
 pub mod schedule;
 
 pub use config::{EngineConfig, Stage};

@@ -1,0 +1,108 @@
+//! CPU Adam throughput on one large flat shard, 1 thread and all threads.
+//!
+//! `cargo bench --bench adam` (optional: `ZERODP_BENCH_ELEMS=N`, `ZERODP_BENCH_RUNS=N`).
+//! Prints the median of several timed runs (after one warm-up run) as milliseconds per step,
+//! parameters per second and the memory traffic that implies. No criterion: the step is long
+//! (tens of milliseconds) and the median of a handful of runs is stable enough to compare.
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use zerodp::optim::adam::{adam_step, adam_step_with_copy, AdamParams};
+use zerodp::optim::kernels::{has_non_finite, sum_of_squares};
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Median wall time of `runs` calls of `f`, after one untimed warm-up call.
+fn median_time(runs: usize, mut f: impl FnMut()) -> Duration {
+    f();
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn report(name: &str, threads: usize, n: usize, bytes_per_elem: usize, t: Duration) {
+    let s = t.as_secs_f64();
+    println!(
+        "{name:<34} threads={threads:<2} {:>8.2} ms  {:>7.0} M params/s  {:>6.1} GB/s",
+        s * 1e3,
+        n as f64 / s / 1e6,
+        (n * bytes_per_elem) as f64 / s / 1e9
+    );
+}
+
+fn main() {
+    let n = env_usize("ZERODP_BENCH_ELEMS", 32 << 20);
+    let runs = env_usize("ZERODP_BENCH_RUNS", 7);
+    let all = std::thread::available_parallelism().map_or(1, |v| v.get());
+    println!(
+        "adam bench: {n} elements ({} MiB of f32 params), median of {runs} runs",
+        (n * 4) >> 20
+    );
+
+    let mut params: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
+    let grads: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
+    let grads_bf16: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
+    let mut m = vec![0f32; n];
+    let mut v = vec![0f32; n];
+    let mut copy = vec![bf16::ZERO; n];
+    let hp = AdamParams {
+        weight_decay: 0.01,
+        ..AdamParams::default()
+    };
+
+    let mut thread_counts = vec![1];
+    if all > 1 {
+        thread_counts.push(all);
+    }
+    for &threads in &thread_counts {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("build rayon pool");
+        pool.install(|| {
+            let mut step = 0u64;
+            let t = median_time(runs, || {
+                step += 1;
+                adam_step(&mut params, &grads, &mut m, &mut v, step, &hp, 0.5);
+            });
+            // Read p, g, m, v; write p, m, v: 28 bytes per element.
+            report("adamw f32 grads", threads, n, 28, t);
+
+            let t = median_time(runs, || {
+                step += 1;
+                adam_step_with_copy(
+                    &mut params,
+                    &grads_bf16,
+                    &mut m,
+                    &mut v,
+                    step,
+                    &hp,
+                    0.5,
+                    &mut copy,
+                );
+            });
+            // Read p, m, v (f32) and g (bf16); write p, m, v and the bf16 copy: 28 bytes.
+            report("adamw bf16 grads + bf16 copy-out", threads, n, 28, t);
+
+            let mut sink = 0f64;
+            let t = median_time(runs, || sink += sum_of_squares(&grads));
+            report("sum_of_squares f32", threads, n, 4, t);
+            let t = median_time(runs, || sink += f64::from(u8::from(has_non_finite(&grads))));
+            report("has_non_finite f32", threads, n, 4, t);
+            std::hint::black_box(sink);
+        });
+    }
+    std::hint::black_box((&params, &copy));
+}
