@@ -7,8 +7,9 @@ use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
 const GLOBAL: usize = 8;
 
 fn loader(context: usize) -> DataLoader {
-    let text = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
-        .repeat(40);
+    let text =
+        "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. "
+            .repeat(40);
     DataLoader::new(Corpus::from_text("pangrams", &text), context, 3).unwrap()
 }
 
@@ -29,7 +30,10 @@ fn losses(stage: Stage, world: usize, ga: usize, steps: usize) -> Vec<f32> {
         let mut losses = Vec::new();
         for step in 0..steps {
             let batches: Vec<_> = (0..ga)
-                .map(|m| data.micro_batch(step as u64, GLOBAL, world, rank, micro, m).unwrap())
+                .map(|m| {
+                    data.micro_batch(step as u64, GLOBAL, world, rank, micro, m)
+                        .unwrap()
+                })
                 .collect();
             losses.push(engine.train_step(&batches, 3e-3)?.loss);
         }
@@ -54,10 +58,17 @@ fn tiny_gpt_loss_falls_at_stage_3() {
 #[test]
 fn tiny_gpt_stages_match_one_rank() {
     let reference = losses(Stage::Zero0, 1, 1, 3);
-    for (stage, world, ga) in [(Stage::Zero1, 2, 1), (Stage::Zero2, 4, 2), (Stage::Zero3, 2, 2)] {
+    for (stage, world, ga) in [
+        (Stage::Zero1, 2, 1),
+        (Stage::Zero2, 4, 2),
+        (Stage::Zero3, 2, 2),
+    ] {
         let l = losses(stage, world, ga, 3);
         for (a, b) in l.iter().zip(&reference) {
-            assert!((a - b).abs() <= 1e-5 * b.abs(), "{stage:?} world {world}: {l:?} vs {reference:?}");
+            assert!(
+                (a - b).abs() <= 1e-5 * b.abs(),
+                "{stage:?} world {world}: {l:?} vs {reference:?}"
+            );
         }
     }
 }
