@@ -68,9 +68,9 @@ pub struct TrainArgs {
 /// Which GPT to build.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GPT preset: tiny, demo or small.
-    #[arg(long = "model", default_value = "demo")]
-    pub preset: String,
+    /// GPT preset: tiny, demo or small [default: demo for train, small for bench train].
+    #[arg(long = "model")]
+    pub preset: Option<String>,
     #[arg(long)]
     pub layers: Option<usize>,
     #[arg(long)]
@@ -82,8 +82,9 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    pub fn build(&self) -> anyhow::Result<GptConfig> {
-        let mut c = GptConfig::preset(&self.preset)?;
+    /// The preset (`default` when none was given) with the overrides applied.
+    pub fn build(&self, default: &str) -> anyhow::Result<GptConfig> {
+        let mut c = GptConfig::preset(self.preset.as_deref().unwrap_or(default))?;
         if let Some(v) = self.layers {
             c.layers = v;
         }
@@ -105,7 +106,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if args.world_size == 0 {
         bail!("--world-size must be at least 1");
     }
-    let gpt = args.model.build()?;
+    let gpt = args.model.build("demo")?;
     let ctx = ResolveContext {
         world_size: args.world_size,
         world_size_source: "--world-size".into(),
