@@ -58,6 +58,8 @@ pub struct BenchRow {
     pub bytes_per_rank: u64,
     pub peak_bytes_per_rank: u64,
     pub rayon_threads_per_rank: usize,
+    /// Rank 0's time split of its median-time step, in seconds.
+    pub phases: zerodp::zero::PhaseTimes,
 }
 
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
@@ -81,12 +83,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
             let row = measure(&args, &model, &data, stage, world)?;
             if args.format == "table" {
+                let p = &row.phases;
                 eprintln!(
-                    "stage {} world {}: {:.0} tokens/s (median step {:.1} ms)",
-                    s,
-                    world,
+                    "stage {s} world {world}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward \
+                     {:.1}, recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
                     row.tokens_per_s,
-                    row.median_step_s * 1e3
+                    row.median_step_s * 1e3,
+                    p.forward * 1e3,
+                    p.recompute * 1e3,
+                    p.backward * 1e3,
+                    p.comm * 1e3,
+                    p.optimizer * 1e3
                 );
             }
             rows.push(row);
@@ -125,6 +132,7 @@ fn measure(
             in_rank_pool(threads, || {
                 let mut engine = Engine::new(model, &*comm, cfg.clone())?;
                 let mut times = Vec::with_capacity(args.steps);
+                let mut phases = Vec::with_capacity(args.steps);
                 let mut last = None;
                 for step in 0..total {
                     let batch =
@@ -132,33 +140,37 @@ fn measure(
                     let r = engine.train_step(std::slice::from_ref(&batch), 1e-4)?;
                     if step >= args.warmup {
                         times.push(r.elapsed.as_secs_f64());
+                        phases.push(r.phases);
                     }
                     last = Some(r);
                 }
-                Ok((times, last.expect("at least one step")))
+                Ok((times, phases, last.expect("at least one step")))
             })
         },
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     // A step takes as long as its slowest rank.
-    let mut steps: Vec<f64> = (0..args.steps)
-        .map(|i| per_rank.iter().map(|(t, _)| t[i]).fold(0.0, f64::max))
+    let steps: Vec<f64> = (0..args.steps)
+        .map(|i| per_rank.iter().map(|(t, _, _)| t[i]).fold(0.0, f64::max))
         .collect();
-    steps.sort_by(f64::total_cmp);
-    let median = steps[steps.len() / 2];
+    let mut order: Vec<usize> = (0..steps.len()).collect();
+    order.sort_by(|&a, &b| steps[a].total_cmp(&steps[b]));
+    let median_index = order[order.len() / 2];
+    let median = steps[median_index];
     let tokens = global * data.context();
-    let last = &per_rank[0].1;
+    let (_, phases, last) = &per_rank[0];
     Ok(BenchRow {
         stage: stage.index(),
         world_size: world,
         num_params: model.spec().num_params(),
         tokens_per_step: tokens,
         median_step_s: median,
-        min_step_s: steps[0],
+        min_step_s: steps[order[0]],
         tokens_per_s: tokens as f64 / median,
         bytes_per_rank: last.memory.total,
         peak_bytes_per_rank: last.peak_bytes,
         rayon_threads_per_rank: threads,
+        phases: phases[median_index],
     })
 }
 

@@ -50,6 +50,18 @@ pub enum EngineError {
     },
 }
 
+/// Where a step's time went on this rank (wall-clock seconds; `comm` is time spent issuing,
+/// copying into and waiting for collectives, not time they overlapped with compute).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PhaseTimes {
+    pub forward: f64,
+    /// Forward runs again in backward (stage 3 and activation checkpointing).
+    pub recompute: f64,
+    pub backward: f64,
+    pub comm: f64,
+    pub optimizer: f64,
+}
+
 /// What one optimizer step did, on this rank.
 #[derive(Clone, Debug)]
 pub struct StepReport {
@@ -71,6 +83,7 @@ pub struct StepReport {
     pub peak_bytes: u64,
     /// The largest the stage-3 gather pool has been so far (0 at other stages).
     pub peak_gather_bytes: u64,
+    pub phases: PhaseTimes,
 }
 
 /// One rank's engine.
@@ -96,6 +109,7 @@ pub struct Engine<'a, M: UnitModel> {
     ledger: MemoryLedger,
     step: u64,
     scalars: Vec<f32>,
+    phases: PhaseTimes,
 }
 
 impl<'a, M: UnitModel> Engine<'a, M> {
@@ -210,6 +224,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             ledger,
             step: 0,
             scalars: vec![0.0; 2],
+            phases: PhaseTimes::default(),
             cfg,
         })
     }
@@ -295,6 +310,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             });
         }
         let start = Instant::now();
+        self.phases = PhaseTimes::default();
         let traffic_before = self.comm.traffic();
         let stage = self.cfg.stage;
         self.buckets.set_mode(match stage {
@@ -314,6 +330,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             loss_sum += f64::from(self.micro_step(m, batch)?);
             tokens += batch.tokens.len();
         }
+        let t = Instant::now();
         if let Some(c) = &mut self.coordinator {
             c.invalidate()?;
         }
@@ -348,9 +365,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         };
         let grad_norm = sq.sqrt() as f32;
         let grad_scale = self.clip_scale(grad_norm);
+        self.phases.comm += t.elapsed().as_secs_f64();
 
+        let t = Instant::now();
         self.optimizer_step(lr, grad_scale);
+        self.phases.optimizer += t.elapsed().as_secs_f64();
 
+        let t = Instant::now();
         if matches!(stage, Stage::Zero1 | Stage::Zero2) {
             self.buckets.set_mode(BucketMode::AllGather);
             for u in 0..self.layout.num_units() {
@@ -360,6 +381,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             self.buckets
                 .flush(self.comm, &mut self.state, &self.layout)?;
         }
+        self.phases.comm += t.elapsed().as_secs_f64();
         self.step += 1;
         Ok(StepReport {
             step: self.step,
@@ -372,6 +394,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             memory: self.ledger.snapshot(),
             peak_bytes: self.ledger.peak(),
             peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
+            phases: self.phases,
         })
     }
 
@@ -448,10 +471,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             } else {
                 ForwardMode::Train
             };
+            let t = Instant::now();
             let out = {
                 let params = self.param_slices(pos);
                 model.forward(u, &params, x.as_ref(), batch, mode)?
             };
+            self.phases.forward += t.elapsed().as_secs_f64();
             self.release(pos);
             if self.recompute[u] {
                 inputs[u] = x;
@@ -476,10 +501,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let pos = base + 2 * n - 1 - u;
             self.acquire(pos)?;
             let s = if self.recompute[u] {
+                let t = Instant::now();
                 let params = self.param_slices(pos);
                 let out =
                     model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
                 inputs[u] = None;
+                self.phases.recompute += t.elapsed().as_secs_f64();
                 out.saved
             } else {
                 saved[u].take()
@@ -503,10 +530,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 }
             }
             {
+                let t = Instant::now();
                 let mut grads = grad_slices(&mut self.state.grads, &self.needs[pos], &self.layout);
                 grad = model.backward(u, s, grad.as_ref(), weight, &mut grads)?;
+                self.phases.backward += t.elapsed().as_secs_f64();
             }
             self.release(pos);
+            let t = Instant::now();
             if reduce_now {
                 for i in 0..self.complete_after[u].len() {
                     let k = self.complete_after[u][i];
@@ -519,19 +549,24 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     }
                 }
             }
+            self.phases.comm += t.elapsed().as_secs_f64();
         }
+        let t = Instant::now();
         if reduce_now {
             self.buckets
                 .flush(self.comm, &mut self.state, &self.layout)?;
         }
+        self.phases.comm += t.elapsed().as_secs_f64();
         Ok(loss)
     }
 
     fn acquire(&mut self, pos: usize) -> Result<(), CommError> {
-        match &mut self.coordinator {
-            Some(c) => c.acquire(pos, self.comm, &mut self.ledger),
-            None => Ok(()),
+        if let Some(c) = &mut self.coordinator {
+            let t = Instant::now();
+            c.acquire(pos, self.comm, &mut self.ledger)?;
+            self.phases.comm += t.elapsed().as_secs_f64();
         }
+        Ok(())
     }
 
     fn release(&mut self, pos: usize) {

@@ -10,4 +10,4 @@ pub mod loss_scaler;
 pub mod schedule;
 
 pub use config::{EngineConfig, Stage};
-pub use engine::{Engine, EngineError, StepReport};
+pub use engine::{Engine, EngineError, PhaseTimes, StepReport};
