@@ -14,7 +14,7 @@ fn loader(context: usize) -> DataLoader {
 }
 
 /// Per-step losses of rank 0 (every rank is checked to report the same).
-fn losses(stage: Stage, world: usize, ga: usize, steps: usize) -> Vec<f32> {
+fn losses(stage: Stage, world: usize, ga: usize, steps: usize, reuse: usize) -> Vec<f32> {
     let model = GptModel::new(GptConfig::tiny()).unwrap();
     let data = loader(GptConfig::tiny().context);
     let micro = GLOBAL / (world * ga);
@@ -25,6 +25,7 @@ fn losses(stage: Stage, world: usize, ga: usize, steps: usize) -> Vec<f32> {
     cfg.param_persistence_threshold = 1000;
     cfg.reduce_bucket_size = 5000;
     cfg.seed = 11;
+    cfg.max_reuse_distance = reuse;
     let out = run_ranks(world, CommOptions::default(), |comm, rank| {
         let mut engine = Engine::new(&model, &*comm, cfg.clone())?;
         let mut losses = Vec::new();
@@ -48,7 +49,7 @@ fn losses(stage: Stage, world: usize, ga: usize, steps: usize) -> Vec<f32> {
 
 #[test]
 fn tiny_gpt_loss_falls_at_stage_3() {
-    let l = losses(Stage::Zero3, 2, 2, 12);
+    let l = losses(Stage::Zero3, 2, 2, 12, 0);
     let first = l[0];
     let last = *l.last().unwrap();
     assert!(first > 4.0, "a byte model starts near ln 256: {l:?}");
@@ -57,13 +58,15 @@ fn tiny_gpt_loss_falls_at_stage_3() {
 
 #[test]
 fn tiny_gpt_stages_match_one_rank() {
-    let reference = losses(Stage::Zero0, 1, 1, 3);
-    for (stage, world, ga) in [
-        (Stage::Zero1, 2, 1),
-        (Stage::Zero2, 4, 2),
-        (Stage::Zero3, 2, 2),
-    ] {
-        let l = losses(stage, world, ga, 3);
+    let reference = losses(Stage::Zero0, 1, 1, 3, 0);
+    let runs = [
+        (Stage::Zero1, 2, 1, 0),
+        (Stage::Zero2, 4, 2, 0),
+        (Stage::Zero3, 2, 2, 0),
+        (Stage::Zero3, 4, 1, 1_000_000_000),
+    ];
+    for (stage, world, ga, reuse) in runs {
+        let l = losses(stage, world, ga, 3, reuse);
         for (a, b) in l.iter().zip(&reference) {
             assert!(
                 (a - b).abs() <= 1e-5 * b.abs(),

@@ -62,6 +62,7 @@ fn stage3_gathers_stay_under_max_live_parameters() {
     let mut tight = test_config(Stage::Zero3, 2, 2, GLOBAL);
     tight.param_persistence_threshold = 0;
     tight.max_live_parameters = 0;
+    tight.max_reuse_distance = 0;
     let working_set = plan(&spec, &tight).gather_pool_elems;
     assert!(working_set > largest);
     let reference = train(
@@ -71,18 +72,20 @@ fn stage3_gathers_stay_under_max_live_parameters() {
         GLOBAL,
         SEQ,
     );
-    for max_live in [working_set, 2 * largest + 16, layout.padded_numel()] {
+    let sizes = [working_set, 2 * largest + 16, layout.padded_numel()];
+    for (max_live, reuse) in sizes.iter().flat_map(|&m| [(m, 0), (m, 1_000_000_000)]) {
         let mut cfg = test_config(Stage::Zero3, 2, 2, GLOBAL);
         cfg.param_persistence_threshold = 0;
         cfg.prefetch_bucket_size = 1 << 20;
         cfg.max_live_parameters = max_live;
+        cfg.max_reuse_distance = reuse;
         let run = train(&model, &cfg, 2, GLOBAL, SEQ);
         for reports in &run.reports {
             let peak = reports[1].peak_gather_bytes;
             assert!(peak > 0);
             assert!(
                 peak <= (max_live * 4) as u64,
-                "max_live {max_live}: gather peak {peak} bytes over {} bytes",
+                "max_live {max_live} reuse {reuse}: gather peak {peak} bytes over {} bytes",
                 max_live * 4
             );
         }
@@ -92,6 +95,7 @@ fn stage3_gathers_stay_under_max_live_parameters() {
     let mut cfg = test_config(Stage::Zero3, 2, 1, GLOBAL);
     cfg.param_persistence_threshold = 0;
     cfg.prefetch_bucket_size = 1 << 20;
+    cfg.max_reuse_distance = 0;
     let run = train(&model, &cfg, 1, GLOBAL, SEQ);
     assert!(run.reports[0][0].peak_gather_bytes > (largest * 4) as u64);
 }
@@ -113,6 +117,7 @@ fn traffic_per_step_follows_the_zero_formulas() {
         for stage in STAGES {
             let mut cfg = test_config(stage, world, 1, GLOBAL);
             cfg.param_persistence_threshold = 0;
+            cfg.max_reuse_distance = 0;
             let run = train(&model, &cfg, 2, GLOBAL, SEQ);
             for (rank, reports) in run.reports.iter().enumerate() {
                 let t = &reports[1].traffic;
@@ -140,4 +145,25 @@ fn traffic_per_step_follows_the_zero_formulas() {
             }
         }
     }
+}
+
+#[test]
+fn stage3_kept_graphs_skip_the_second_gather() {
+    let model = Toy::new(16, 8, 3, false);
+    let spec = model_spec(&model);
+    let layout = FlatLayout::new(&spec, 2, 0);
+    let psi = layout.padded_numel();
+    let mut cfg = test_config(Stage::Zero3, 2, 1, GLOBAL);
+    cfg.param_persistence_threshold = 0;
+    let p = plan(&spec, &cfg);
+    assert!(p.keep_graph.iter().filter(|&&k| k).count() > 1);
+    let kept_elems: usize = (0..layout.num_units())
+        .filter(|&u| p.keep_graph[u])
+        .map(|u| layout.units[u].padded)
+        .sum();
+    let run = train(&model, &cfg, 1, GLOBAL, SEQ);
+    let ag = run.reports[0][0].traffic.sent(CollectiveKind::AllGather);
+    // Forward gathers everything once; backward only the units that were not kept.
+    assert_eq!(ag, ((2 * psi - kept_elems) / 2 * 4) as u64);
+    assert!(run.reports[0][0].peak_gather_bytes <= p.gather_bytes());
 }

@@ -36,6 +36,10 @@ pub struct BenchTrainArgs {
     /// Reduce and gather without overlapping compute.
     #[arg(long)]
     pub no_overlap: bool,
+    /// Stage 3: `stage3_max_reuse_distance` (0 = strict: release after forward, gather again and
+    /// recompute in backward).
+    #[arg(long, default_value_t = 1_000_000_000)]
+    pub max_reuse_distance: usize,
     /// Recompute units in backward at every stage.
     #[arg(long)]
     pub checkpoint_activations: bool,
@@ -122,6 +126,7 @@ fn measure(
     cfg.reduce_bucket_size = args.reduce_bucket_size;
     cfg.overlap_comm = !args.no_overlap;
     cfg.activation_checkpointing = args.checkpoint_activations;
+    cfg.max_reuse_distance = args.max_reuse_distance;
     let global = args.per_rank * world;
     let threads = rank_threads(world);
     let total = args.warmup + args.steps;

@@ -296,6 +296,7 @@ pub fn engine_config(s: &Settings, world: usize, seed: u64) -> anyhow::Result<En
     cfg.prefetch_bucket_size = usize_of(z.prefetch_bucket_size);
     cfg.param_persistence_threshold = usize_of(z.param_persistence_threshold);
     cfg.max_live_parameters = usize_of(z.max_live_parameters);
+    cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
     let ac = &s.activation_checkpointing;
     cfg.activation_checkpointing = ac.number_checkpoints.is_some()
         || ac.partition_activations

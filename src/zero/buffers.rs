@@ -7,9 +7,12 @@
 //!   companion of one rank region (the reduce-scatter output / all-gather input), stages 1-3.
 //! * Stages 2-3: transient full-unit gradient buffers, each the size of the largest padded unit, as
 //!   many as a backward holds at once (a tied unit's gradient waits for its last user).
-//! * Stage 3: the gather pool, `max(working set, min(max_live_parameters, Ψ))` elements in the
-//!   parameter dtype, where the working set is the largest visit (a unit plus the units it uses)
-//!   plus the persistent units. It bounds every fetch, prefetch or not.
+//! * Stage 3: the gathered-parameter budget, `max(working set, min(max_live_parameters, Ψ))`
+//!   elements in the parameter dtype, where the working set is the largest visit (a unit plus the
+//!   units it uses) plus the persistent units. Units within `max_reuse_distance` keep their forward
+//!   graph (and so a copy of their weights) until backward instead of being recomputed: the last
+//!   units first, while their weights fit in the budget beside the working set. What is left is
+//!   the gather pool, which bounds every fetch, prefetch or not.
 
 use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
@@ -34,6 +37,11 @@ pub struct BufferPlan {
     pub grad_scratch_count: usize,
     /// Stage 3: elements of the gather pool (0 otherwise).
     pub gather_pool_elems: usize,
+    /// Stage 3: units that keep their forward graph until backward (no second gather, no
+    /// recompute); the last unit always does.
+    pub keep_graph: Vec<bool>,
+    /// Stage 3: elements of weights held by kept graphs at most (beside the pool).
+    pub kept_graph_elems: usize,
     /// Stage 3: which units stay gathered for the whole step.
     pub persistent: Vec<bool>,
     /// Dtype of the gathered parameters.
@@ -47,9 +55,9 @@ impl BufferPlan {
         (comm * self.comm_dtype.size()) as u64
             + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
     }
-    /// Bytes of the stage-3 gather pool at its fullest (the `gather` kind).
+    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
     pub fn gather_bytes(&self) -> u64 {
-        (self.gather_pool_elems * self.param_dtype.size()) as u64
+        ((self.gather_pool_elems + self.kept_graph_elems) * self.param_dtype.size()) as u64
     }
 }
 
@@ -71,25 +79,39 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         .iter()
         .map(|u| stage == Stage::Zero3 && u.numel <= cfg.param_persistence_threshold)
         .collect();
-    let gather_pool_elems = if stage == Stage::Zero3 {
-        let persistent_elems: usize = layout
-            .units
-            .iter()
-            .zip(&persistent)
-            .filter(|(_, &p)| p)
-            .map(|(u, _)| u.padded)
-            .sum();
-        let largest_visit = (0..spec.units.len())
+    let n = spec.units.len();
+    let mut keep_graph = vec![false; n];
+    let mut kept_graph_elems = 0;
+    let gather_pool_elems = if stage == Stage::Zero3 && n > 0 {
+        keep_graph[n - 1] = true;
+        let padded = |k: usize| layout.units[k].padded;
+        let persistent_elems: usize = (0..n).filter(|&k| persistent[k]).map(padded).sum();
+        let largest_visit = (0..n)
             .map(|u| {
                 schedule::needs_of(spec, u)
                     .into_iter()
                     .filter(|&k| !persistent[k])
-                    .map(|k| layout.units[k].padded)
+                    .map(padded)
                     .sum::<usize>()
             })
             .max()
             .unwrap_or(0);
-        (persistent_elems + largest_visit).max(cfg.max_live_parameters.min(total))
+        let budget = (persistent_elems + largest_visit).max(cfg.max_live_parameters.min(total));
+        let mut room = budget - persistent_elems - largest_visit;
+        if !cfg.activation_checkpointing {
+            // Units closest to the end first: their reuse distance is the shortest.
+            for u in (0..n - 1).rev() {
+                let distance: usize = (u + 1..n).map(padded).sum();
+                let cost: usize = schedule::needs_of(spec, u).into_iter().map(padded).sum();
+                if distance > cfg.max_reuse_distance || cost > room {
+                    break;
+                }
+                keep_graph[u] = true;
+                kept_graph_elems += cost;
+                room -= cost;
+            }
+        }
+        budget - kept_graph_elems
     } else {
         0
     };
@@ -101,6 +123,8 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         grad_scratch_elems,
         grad_scratch_count,
         gather_pool_elems,
+        keep_graph,
+        kept_graph_elems,
         persistent,
         param_dtype: DType::F32,
     }
@@ -152,6 +176,7 @@ mod tests {
         let mut cfg = EngineConfig::new(Stage::Zero3, 2);
         cfg.param_persistence_threshold = 0;
         cfg.max_live_parameters = 10;
+        cfg.max_reuse_distance = 0;
         let p = plan(&spec(), &cfg);
         // The head (16 padded) reads unit 0 (64): 80 < unit 1 (128).
         assert_eq!(p.gather_pool_elems, 128);

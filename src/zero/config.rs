@@ -68,6 +68,12 @@ pub struct EngineConfig {
     /// Stage 3: gathered elements alive at once, prefetches and demand fetches alike
     /// (`stage3_max_live_parameters`); raised to the smallest working set if below it.
     pub max_live_parameters: usize,
+    /// Stage 3: a unit whose forward-to-backward distance (elements of the units that run in
+    /// between) is at most this keeps its forward graph, weights included, instead of being
+    /// gathered again and recomputed in backward, as far as `max_live_parameters` allows
+    /// (`stage3_max_reuse_distance`; DeepSpeed's default 1e9 keeps small models gathered). 0 gives
+    /// strict ZeRO-3: every unit but the last is released after forward and recomputed.
+    pub max_reuse_distance: usize,
     /// Run units' forward without a graph and recompute it in backward.
     pub activation_checkpointing: bool,
     /// Adam/AdamW hyper-parameters; `lr` is replaced by each step's scheduled value.
@@ -80,7 +86,7 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// DeepSpeed's defaults for a stage and world size: micro-batch 1, no accumulation, 5e8-element
-    /// buckets, overlap on, no clipping, stage-3 knobs 5e7 / 1e5 / 1e9.
+    /// buckets, overlap on, no clipping, stage-3 knobs 5e7 / 1e5 / 1e9 / 1e9.
     pub fn new(stage: Stage, world_size: usize) -> Self {
         EngineConfig {
             stage,
@@ -93,6 +99,7 @@ impl EngineConfig {
             prefetch_bucket_size: 50_000_000,
             param_persistence_threshold: 100_000,
             max_live_parameters: 1_000_000_000,
+            max_reuse_distance: 1_000_000_000,
             activation_checkpointing: false,
             adam: AdamParams::default(),
             seed: 0,

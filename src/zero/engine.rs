@@ -103,7 +103,11 @@ pub struct Engine<'a, M: UnitModel> {
     /// Free transient full-unit gradient buffers (stages 2-3).
     grad_free: Vec<Vec<f32>>,
     complete_after: Vec<Vec<usize>>,
-    needs: Vec<Vec<usize>>,
+    /// The units each unit reads: itself, then its `uses`.
+    reads: Vec<Vec<usize>>,
+    /// Elements of weights a kept stage-3 forward graph holds until backward, per unit (0 for units
+    /// that are recomputed, and for the last unit, whose gathered parameters simply stay).
+    kept_graph: Vec<usize>,
     /// Units whose forward runs without a graph and is recomputed in backward.
     recompute: Vec<bool>,
     ledger: MemoryLedger,
@@ -183,7 +187,23 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
 
         let visits = schedule::visits(&spec, cfg.grad_accum);
-        let needs: Vec<Vec<usize>> = visits.iter().map(|v| v.needs.clone()).collect();
+        let reads: Vec<Vec<usize>> = (0..n).map(|u| schedule::needs_of(&spec, u)).collect();
+        let kept_graph: Vec<usize> = (0..n)
+            .map(
+                |u| match stage.shards_params() && plan.keep_graph[u] && u + 1 != n {
+                    true => reads[u].iter().map(|&k| layout.units[k].padded).sum(),
+                    false => 0,
+                },
+            )
+            .collect();
+        // A unit that keeps its forward graph needs nothing gathered for its backward.
+        let gather_needs: Vec<Vec<usize>> = visits
+            .iter()
+            .map(|v| match (v.pass, kept_graph[v.unit] > 0) {
+                (schedule::Pass::Backward, true) => Vec::new(),
+                _ => v.needs.clone(),
+            })
+            .collect();
         let coordinator = stage.shards_params().then(|| {
             let prefetch = if cfg.overlap_comm {
                 cfg.prefetch_bucket_size
@@ -196,11 +216,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 plan.persistent.clone(),
                 plan.gather_pool_elems,
                 prefetch,
-                needs.clone(),
+                gather_needs,
             )
         });
         let recompute = (0..n)
-            .map(|u| (stage.shards_params() || cfg.activation_checkpointing) && u + 1 != n)
+            .map(|u| {
+                u + 1 != n
+                    && (cfg.activation_checkpointing
+                        || (stage.shards_params() && !plan.keep_graph[u]))
+            })
             .collect();
         let complete_after = schedule::complete_after(&spec);
         Ok(Engine {
@@ -219,7 +243,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             adam,
             grad_free,
             complete_after,
-            needs,
+            reads,
+            kept_graph,
             recompute,
             ledger,
             step: 0,
@@ -473,10 +498,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             };
             let t = Instant::now();
             let out = {
-                let params = self.param_slices(pos);
+                let params = self.param_slices(u);
                 model.forward(u, &params, x.as_ref(), batch, mode)?
             };
             self.phases.forward += t.elapsed().as_secs_f64();
+            self.ledger
+                .alloc(MemoryKind::Gather, (self.kept_graph[u] * 4) as u64);
             self.release(pos);
             if self.recompute[u] {
                 inputs[u] = x;
@@ -502,7 +529,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             self.acquire(pos)?;
             let s = if self.recompute[u] {
                 let t = Instant::now();
-                let params = self.param_slices(pos);
+                let params = self.param_slices(u);
                 let out =
                     model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
                 inputs[u] = None;
@@ -518,7 +545,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 ))
             })?;
             if stage.shards_grads() {
-                for &k in &self.needs[pos] {
+                for &k in &self.reads[u] {
                     if self.state.grads[k].is_empty() {
                         let mut g = self
                             .grad_free
@@ -531,9 +558,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
             {
                 let t = Instant::now();
-                let mut grads = grad_slices(&mut self.state.grads, &self.needs[pos], &self.layout);
+                let mut grads = grad_slices(&mut self.state.grads, &self.reads[u], &self.layout);
                 grad = model.backward(u, s, grad.as_ref(), weight, &mut grads)?;
                 self.phases.backward += t.elapsed().as_secs_f64();
+                self.ledger
+                    .free(MemoryKind::Gather, (self.kept_graph[u] * 4) as u64);
             }
             self.release(pos);
             let t = Instant::now();
@@ -575,9 +604,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
     }
 
-    /// The unpadded parameters visit `pos` reads: its unit's own, then those of the units it uses.
-    fn param_slices(&self, pos: usize) -> Vec<&[f32]> {
-        self.needs[pos]
+    /// The unpadded parameters unit `unit` reads: its own, then those of the units it uses.
+    fn param_slices(&self, unit: usize) -> Vec<&[f32]> {
+        self.reads[unit]
             .iter()
             .map(|&k| {
                 let numel = self.layout.units[k].numel;
