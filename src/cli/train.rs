@@ -227,7 +227,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
                         .steps_per_print
                         .is_some_and(|p| p > 0 && report.step % p == 0)
                     {
-                        progress.println(format!("step {} {msg}", report.step));
+                        let line = format!("step {} {msg}", report.step);
+                        if progress.is_hidden() {
+                            eprintln!("{line}");
+                        } else {
+                            progress.println(line);
+                        }
                     }
                 }
                 last = Some(report);
