@@ -2,14 +2,15 @@
 //!
 //! For every (stage, world size) pair: build the GPT, run warm-up steps, then time steps; a step's
 //! time is the slowest rank's, and the reported throughput is the global batch's tokens over the
-//! median step time. fp32, DeepSpeed's default bucket and stage-3 knobs unless overridden. The data
+//! median step time. With `--rounds R` the pairs run R times, interleaved, and the median is over
+//! all rounds (a shared machine's load drifts; interleaving spreads the drift evenly). fp32, DeepSpeed's default bucket and stage-3 knobs unless overridden. The data
 //! are seeded random ASCII bytes (the corpus must be UTF-8): throughput does not depend on the text.
 
 use super::train::{in_rank_pool, rank_threads, ModelArgs};
 use anyhow::bail;
 use zerodp::comm::{run_ranks, CommOptions};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64, UnitModel};
-use zerodp::zero::{Engine, EngineConfig, Stage};
+use zerodp::zero::{Engine, EngineConfig, PhaseTimes, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTrainArgs {
@@ -27,9 +28,13 @@ pub struct BenchTrainArgs {
     /// Untimed steps first.
     #[arg(long, default_value_t = 2)]
     pub warmup: usize,
-    /// Timed steps (the median is reported).
-    #[arg(long, default_value_t = 7)]
+    /// Timed steps per round (the median over all rounds is reported).
+    #[arg(long, default_value_t = 5)]
     pub steps: usize,
+    /// Run every configuration this many times, interleaved, so that a change in the machine's
+    /// load spreads over all of them instead of favouring one.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     /// Gradient bucket size in elements.
     #[arg(long, default_value_t = 500_000_000)]
     pub reduce_bucket_size: usize,
@@ -55,6 +60,8 @@ pub struct BenchRow {
     pub world_size: usize,
     pub num_params: usize,
     pub tokens_per_step: usize,
+    /// Timed steps over all rounds.
+    pub timed_steps: usize,
     pub median_step_s: f64,
     pub min_step_s: f64,
     pub tokens_per_s: f64,
@@ -70,8 +77,8 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if args.format != "table" && args.format != "json" {
         bail!("--format must be table or json, got {}", args.format);
     }
-    if args.steps == 0 || args.per_rank == 0 {
-        bail!("--steps and --per-rank must be at least 1");
+    if args.steps == 0 || args.per_rank == 0 || args.rounds == 0 {
+        bail!("--steps, --per-rank and --rounds must be at least 1");
     }
     let gpt = args.model.build("small")?;
     let model = GptModel::new(gpt.clone())?;
@@ -80,27 +87,52 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         .map(|_| (rng.next_u64() % 128) as u8)
         .collect();
     let data = DataLoader::new(Corpus::from_bytes("random bytes", bytes)?, gpt.context, 1)?;
-    let mut rows = Vec::new();
-    for &world in &args.world_sizes {
-        for &s in &args.stages {
-            let stage =
-                Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-            let row = measure(&args, &model, &data, stage, world)?;
-            if args.format == "table" {
-                let p = &row.phases;
-                eprintln!(
-                    "stage {s} world {world}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward \
-                     {:.1}, recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
-                    row.tokens_per_s,
-                    row.median_step_s * 1e3,
-                    p.forward * 1e3,
-                    p.recompute * 1e3,
-                    p.backward * 1e3,
-                    p.comm * 1e3,
-                    p.optimizer * 1e3
-                );
+    let mut samples: Vec<Samples> = Vec::new();
+    for round in 0..args.rounds {
+        for &world in &args.world_sizes {
+            for &s in &args.stages {
+                let stage =
+                    Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
+                let got = measure(&args, &model, &data, stage, world)?;
+                if args.format == "table" {
+                    let mut times = got.steps.clone();
+                    times.sort_by(f64::total_cmp);
+                    eprintln!(
+                        "round {} stage {s} world {world}: median step {:.1} ms",
+                        round + 1,
+                        times[times.len() / 2] * 1e3
+                    );
+                }
+                match samples
+                    .iter_mut()
+                    .find(|x| x.stage == stage && x.world == world)
+                {
+                    Some(x) => x.merge(got),
+                    None => samples.push(got),
+                }
             }
-            rows.push(row);
+        }
+    }
+    let rows: Vec<BenchRow> = samples
+        .iter()
+        .map(|x| x.row(model.spec().num_params(), data.context()))
+        .collect();
+    if args.format == "table" {
+        for r in &rows {
+            let p = &r.phases;
+            eprintln!(
+                "stage {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward {:.1}, \
+                 recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
+                r.stage,
+                r.world_size,
+                r.tokens_per_s,
+                r.median_step_s * 1e3,
+                p.forward * 1e3,
+                p.recompute * 1e3,
+                p.backward * 1e3,
+                p.comm * 1e3,
+                p.optimizer * 1e3
+            );
         }
     }
     if args.format == "json" {
@@ -111,13 +143,56 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
+/// Timed steps of one configuration, over one or more rounds.
+struct Samples {
+    stage: Stage,
+    world: usize,
+    per_rank: usize,
+    threads: usize,
+    /// Each step's time: its slowest rank's.
+    steps: Vec<f64>,
+    /// Rank 0's phase split of each step.
+    phases: Vec<PhaseTimes>,
+    last: StepReport,
+}
+
+impl Samples {
+    fn merge(&mut self, other: Samples) {
+        self.steps.extend(other.steps);
+        self.phases.extend(other.phases);
+        self.last = other.last;
+    }
+
+    fn row(&self, num_params: usize, context: usize) -> BenchRow {
+        let mut order: Vec<usize> = (0..self.steps.len()).collect();
+        order.sort_by(|&a, &b| self.steps[a].total_cmp(&self.steps[b]));
+        let median_index = order[order.len() / 2];
+        let median = self.steps[median_index];
+        let tokens = self.per_rank * self.world * context;
+        BenchRow {
+            stage: self.stage.index(),
+            world_size: self.world,
+            num_params,
+            tokens_per_step: tokens,
+            timed_steps: self.steps.len(),
+            median_step_s: median,
+            min_step_s: self.steps[order[0]],
+            tokens_per_s: tokens as f64 / median,
+            bytes_per_rank: self.last.memory.total,
+            peak_bytes_per_rank: self.last.peak_bytes,
+            rayon_threads_per_rank: self.threads,
+            phases: self.phases[median_index],
+        }
+    }
+}
+
 fn measure(
     args: &BenchTrainArgs,
     model: &GptModel,
     data: &DataLoader,
     stage: Stage,
     world: usize,
-) -> anyhow::Result<BenchRow> {
+) -> anyhow::Result<Samples> {
     if world == 0 {
         bail!("world sizes must be at least 1");
     }
@@ -136,46 +211,36 @@ fn measure(
         |comm, rank| -> anyhow::Result<_> {
             in_rank_pool(threads, || {
                 let mut engine = Engine::new(model, &*comm, cfg.clone())?;
-                let mut times = Vec::with_capacity(args.steps);
-                let mut phases = Vec::with_capacity(args.steps);
-                let mut last = None;
+                let mut reports = Vec::with_capacity(total);
                 for step in 0..total {
                     let batch =
                         data.micro_batch(step as u64, global, world, rank, args.per_rank, 0)?;
-                    let r = engine.train_step(std::slice::from_ref(&batch), 1e-4)?;
-                    if step >= args.warmup {
-                        times.push(r.elapsed.as_secs_f64());
-                        phases.push(r.phases);
-                    }
-                    last = Some(r);
+                    reports.push(engine.train_step(std::slice::from_ref(&batch), 1e-4)?);
                 }
-                Ok((times, phases, last.expect("at least one step")))
+                Ok(reports.split_off(args.warmup))
             })
         },
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     // A step takes as long as its slowest rank.
-    let steps: Vec<f64> = (0..args.steps)
-        .map(|i| per_rank.iter().map(|(t, _, _)| t[i]).fold(0.0, f64::max))
+    let steps = (0..args.steps)
+        .map(|i| {
+            per_rank
+                .iter()
+                .map(|r| r[i].elapsed.as_secs_f64())
+                .fold(0.0, f64::max)
+        })
         .collect();
-    let mut order: Vec<usize> = (0..steps.len()).collect();
-    order.sort_by(|&a, &b| steps[a].total_cmp(&steps[b]));
-    let median_index = order[order.len() / 2];
-    let median = steps[median_index];
-    let tokens = global * data.context();
-    let (_, phases, last) = &per_rank[0];
-    Ok(BenchRow {
-        stage: stage.index(),
-        world_size: world,
-        num_params: model.spec().num_params(),
-        tokens_per_step: tokens,
-        median_step_s: median,
-        min_step_s: steps[order[0]],
-        tokens_per_s: tokens as f64 / median,
-        bytes_per_rank: last.memory.total,
-        peak_bytes_per_rank: last.peak_bytes,
-        rayon_threads_per_rank: threads,
-        phases: phases[median_index],
+    let phases = per_rank[0].iter().map(|r| r.phases).collect();
+    let last = per_rank[0].last().expect("at least one timed step").clone();
+    Ok(Samples {
+        stage,
+        world,
+        per_rank: args.per_rank,
+        threads,
+        steps,
+        phases,
+        last,
     })
 }
 

@@ -2,10 +2,13 @@
 //!
 //! One step, in order (every rank runs the same sequence, so collectives always match):
 //! 1. For each micro-batch: forward unit by unit, then backward unit by unit. Stage 3 gathers each
-//!    visit's units through the [`Coordinator`]; units under stage 3 or activation checkpointing run
-//!    their forward without a graph and are recomputed in backward. As soon as a unit's gradient is
-//!    complete (after its last user's backward) it goes into the reduction [`Buckets`]: on every
-//!    micro-step at stages 2-3, on the last one at stages 0-1.
+//!    visit's units through the [`Coordinator`]. Units under activation checkpointing, and at stage
+//!    3 units beyond `max_reuse_distance` or the `max_live_parameters` budget, run their forward
+//!    without a graph (keeping only their input) and are gathered again and recomputed in backward:
+//!    a candle graph holds the weights it was built from, so keeping it would keep the gathered
+//!    weights alive. As soon as a unit's gradient is complete (after its last user's backward) it
+//!    goes into the reduction [`Buckets`]: on every micro-step at stages 2-3, on the last one at
+//!    stages 0-1.
 //! 2. One two-float all-reduce: the global-batch loss and the squared gradient norm of all shards.
 //! 3. Adam/AdamW on the rank's part (everything at stage 0, the own shard otherwise), with the clip
 //!    factor fused into the gradient scale.
@@ -86,7 +89,29 @@ pub struct StepReport {
     pub phases: PhaseTimes,
 }
 
-/// One rank's engine.
+/// One rank's engine. Every rank of a world builds one with the same model, configuration and
+/// seed, and calls [`Engine::train_step`] with its own micro-batches of the same global batch.
+///
+/// ```no_run
+/// use zerodp::comm::{run_ranks, CommOptions};
+/// use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+/// use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
+///
+/// let model = GptModel::new(GptConfig::tiny()).unwrap();
+/// let data = DataLoader::new(Corpus::from_text("t", &"some text ".repeat(100)), 16, 0).unwrap();
+/// let mut cfg = EngineConfig::new(Stage::Zero3, 2);
+/// cfg.micro_batch = 4;
+/// run_ranks(2, CommOptions::default(), |comm, rank| {
+///     let mut engine = Engine::new(&model, &*comm, cfg.clone())?;
+///     for step in 0..10 {
+///         let batch = data.micro_batch(step, 8, 2, rank, 4, 0).unwrap();
+///         let report = engine.train_step(&[batch], 1e-3)?;
+///         println!("rank {rank} step {} loss {}", report.step, report.loss);
+///     }
+///     Ok::<_, EngineError>(())
+/// })
+/// .unwrap();
+/// ```
 pub struct Engine<'a, M: UnitModel> {
     model: &'a M,
     comm: &'a dyn Communicator,
