@@ -4,6 +4,21 @@
 //! Each rank is a thread with its own rayon pool (`max(1, cores / world)` threads, the pool
 //! candle's matmuls run in), its own engine and its own share of every batch. Rank 0 draws the
 //! progress bar; every rank writes its metrics lines.
+//!
+//! `--metrics FILE` gets one JSON object per optimizer step and rank:
+//!
+//! | key | meaning |
+//! | --- | --- |
+//! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
+//! | `loss` | the global-batch mean loss, the same on every rank |
+//! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
+//! | `grad_norm` | the global gradient norm before clipping |
+//! | `tokens_per_s` | the global batch's tokens over this rank's step time |
+//! | `step_time_s` | this rank's step time |
+//! | `num_params` | Ψ, the model's parameter count (tied weights once) |
+//! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (0 in fp32), `optimizer_states`, `buffers` (buckets, gradient scratch), `gather` (stage-3 pool), `total` |
+//! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
+//! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
