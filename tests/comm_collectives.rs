@@ -5,7 +5,6 @@
 
 use half::{bf16, f16};
 use std::sync::Arc;
-use zerodp::comm::inproc::SMALL_ALL_REDUCE_BYTES;
 use zerodp::comm::{
     run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
     InprocComm, ReduceOp,
@@ -15,9 +14,9 @@ const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];
 
 /// Lengths tried at world size `n`: empty, shorter than the world, divisible, not divisible, and one
-/// above the small all-reduce threshold (so the two-phase path runs too).
+/// whose shards span several of the kernels' 2048-element blocks.
 fn lengths(n: usize) -> Vec<usize> {
-    let big = SMALL_ALL_REDUCE_BYTES / 2 + 3 * n + 1; // > threshold even in f16/bf16 (2 bytes)
+    let big = 2048 * 2 * n + 3 * n + 1;
     let mut v = vec![0, 1, n.saturating_sub(1), n, n + 1, 3 * n + 2, 257, big];
     v.sort_unstable();
     v.dedup();

@@ -338,3 +338,62 @@ fn summary_table_lists_each_op_and_size() {
     assert!(table.contains("all_reduce") && table.contains("reduce_scatter"));
     assert!(table.contains("1024") && table.contains("128"), "{table}");
 }
+
+#[test]
+fn calls_return_at_once_so_callers_overlap_work_even_with_tracing_on() {
+    // Rank 1 issues its all-reduce only after rank 0's all_reduce() call has returned and rank 0
+    // has told it so over a channel. If issuing blocked until the collective finished (or tracing
+    // synchronised), rank 0 would never send and the world would time out instead of passing.
+    let (sink, lines) = TraceSink::memory();
+    let options = CommOptions {
+        timeout: Duration::from_secs(60),
+        trace: TraceLevel::Info,
+        trace_sink: sink,
+        ..CommOptions::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (tx, rx) = (std::sync::Mutex::new(Some(tx)), std::sync::Mutex::new(rx));
+    let sums = run_ranks(2, options, |comm, rank| {
+        let b = Buffer::F32(vec![rank as f32 + 1.0; 64]);
+        let h = if rank == 0 {
+            let h = comm.all_reduce(b, ReduceOp::Sum);
+            tx.lock().unwrap().take().unwrap().send(()).unwrap();
+            h
+        } else {
+            rx.lock().unwrap().recv().unwrap();
+            comm.all_reduce(b, ReduceOp::Sum)
+        };
+        Ok::<_, CommError>(h.wait_one()?.get_f32(63))
+    })
+    .unwrap();
+    assert_eq!(sums, vec![3.0, 3.0]);
+    assert_eq!(lines.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_rank_failing_while_its_collective_runs_never_corrupts_its_peers() {
+    // Rank 1 issues a large all-reduce and fails at once without waiting for it. Its communication
+    // thread still takes part, so rank 0 either completes the collective with the right sums (the
+    // collective got past its arrival before the failure) or is told that rank 1 failed; it never
+    // sees freed or half-written buffers.
+    for _ in 0..5 {
+        let len = 1 << 20;
+        let r = run_ranks(2, opts(Duration::from_secs(60)), |comm, rank| {
+            let h = comm.all_reduce(Buffer::F32(vec![rank as f32 + 1.0; len]), ReduceOp::Sum);
+            if rank == 1 {
+                drop(h);
+                return Err(CommError::Closed("rank 1 gives up".into()));
+            }
+            let v = h.wait_one()?.into_f32().unwrap();
+            assert!(v.iter().all(|&x| x == 3.0), "rank 0 saw a partial result");
+            Ok(())
+        });
+        let e = r.expect_err("rank 1 failed");
+        assert_eq!(e.first_failed, 1);
+        match &e.failures[..] {
+            [(1, _)] => {}
+            [(0, RankFailure::Error(CommError::PeerFailed { failed_rank: 1, .. })), (1, _)] => {}
+            other => panic!("{other:?}"),
+        }
+    }
+}

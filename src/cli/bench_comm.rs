@@ -43,9 +43,13 @@ pub struct BenchCommArgs {
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+#[value(rename_all = "snake_case")]
 pub enum OpChoice {
+    #[value(alias = "all-reduce")]
     AllReduce,
+    #[value(alias = "reduce-scatter")]
     ReduceScatter,
+    #[value(alias = "all-gather")]
     AllGather,
     All,
 }
@@ -176,15 +180,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// Median memcpy bandwidth over `iters` copies of `bytes`, by one thread and by `threads` threads
-/// each copying its own contiguous part.
-pub fn measure_memcpy(bytes: usize, iters: usize, threads: usize) -> MemcpyGbps {
+/// Times of `iters` copies of `bytes` (after one warm-up copy): `(one thread, all threads)`, the
+/// latter with `threads` threads each copying its own contiguous part at once.
+fn memcpy_times(bytes: usize, iters: usize, threads: usize) -> (Vec<f64>, Vec<f64>) {
     let src = vec![1u8; bytes];
     let mut dst = vec![2u8; bytes];
-    let mut time = |threads: usize| -> f64 {
+    let mut time = |threads: usize| -> Vec<f64> {
+        let chunk = bytes.div_ceil(threads);
         let mut samples = Vec::with_capacity(iters);
         for _ in 0..iters + 1 {
-            let chunk = bytes.div_ceil(threads);
             let t0 = Instant::now();
             std::thread::scope(|s| {
                 for (d, sr) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
@@ -194,13 +198,16 @@ pub fn measure_memcpy(bytes: usize, iters: usize, threads: usize) -> MemcpyGbps 
             samples.push(t0.elapsed().as_secs_f64());
         }
         samples.remove(0); // warm-up
-        bytes as f64 / median(samples) / 1e9
+        samples
     };
-    let one_thread = time(1);
-    let all_threads = time(threads);
+    (time(1), time(threads))
+}
+
+/// The memcpy reference from timings (bytes copied per second / 1e9, at the median time).
+fn memcpy_gbps(bytes: usize, threads: usize, one: Vec<f64>, all: Vec<f64>) -> MemcpyGbps {
     MemcpyGbps {
-        one_thread,
-        all_threads,
+        one_thread: bytes as f64 / median(one) / 1e9,
+        all_threads: bytes as f64 / median(all) / 1e9,
         threads,
         bytes,
     }
@@ -288,12 +295,15 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         .collect();
     let n = args.world_size;
 
-    // Memcpy reference first, on an otherwise idle process, over a buffer above the last-level
-    // cache (at least 64 MiB) and no larger than the largest message (at most 1 GiB).
+    // Memcpy reference over a buffer above the last-level cache (at least 64 MiB) and no larger
+    // than the largest message (at most 1 GiB), measured while no rank runs.
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
     let max_size = sizes.iter().copied().max().unwrap_or(0);
     let memcpy_bytes = max_size.clamp(64 << 20, 1 << 30);
-    let memcpy = measure_memcpy(memcpy_bytes, args.iters, threads);
+    // Half the memcpy samples before the collectives and half after, so that the reference spans
+    // the same stretch of time as the measurements (the load of a shared machine drifts).
+    let half = args.iters.div_ceil(2);
+    let (mut one, mut all) = memcpy_times(memcpy_bytes, half, threads);
 
     let per_rank = run_ranks(n, options, |comm, _rank| {
         cases
@@ -311,6 +321,11 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             .collect::<Result<Vec<_>, CommError>>()
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+
+    let (one_after, all_after) = memcpy_times(memcpy_bytes, half, threads);
+    one.extend(one_after);
+    all.extend(all_after);
+    let memcpy = memcpy_gbps(memcpy_bytes, threads, one, all);
 
     let results: Vec<BenchResult> = cases
         .iter()
@@ -357,6 +372,20 @@ fn human(bytes: usize) -> String {
     }
 }
 
+/// Bytes read plus written in memory, summed over all ranks, by one collective of the in-process
+/// backend on a full tensor of `bytes` (its algorithms are traffic-minimal): all-reduce reads every
+/// buffer once and writes every buffer once (2nB); reduce-scatter reads every input once and writes
+/// the outputs with streaming stores (nB + B); all-gather copies the full tensor into every output
+/// (2nB). Dividing by the time gives the memory bandwidth the collective drew, comparable with the
+/// all-thread memcpy (which moves 2 bytes per byte copied).
+fn memory_traffic(kind: CollectiveKind, n: usize, bytes: usize) -> f64 {
+    let (n, b) = (n as f64, bytes as f64);
+    match kind {
+        CollectiveKind::ReduceScatter => n * b + b,
+        _ => 2.0 * n * b,
+    }
+}
+
 fn print_table(
     args: &BenchCommArgs,
     n: usize,
@@ -373,7 +402,7 @@ fn print_table(
         args.iters, args.warmup
     );
     println!(
-        "# memcpy reference ({} copied, median): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
+        "# memcpy reference ({} copied, median of runs before and after): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
          (per rank when {} ranks share them: {:.2} GB/s)",
         human(memcpy.bytes),
         memcpy.one_thread,
@@ -383,7 +412,11 @@ fn print_table(
         per_rank_ref
     );
     println!(
-        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>9} {:>9}",
+        "# busbw as % of the one-thread memcpy (%1thr) and of the per-rank share (%share); %mem: \
+         memory traffic drawn by all ranks as % of the all-thread memcpy's"
+    );
+    println!(
+        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
         "op",
         "size",
         "count",
@@ -391,12 +424,14 @@ fn print_table(
         "time(us)",
         "algbw(GB/s)",
         "busbw(GB/s)",
-        "%1thread",
-        "%share"
+        "%1thr",
+        "%share",
+        "%mem"
     );
     for r in results {
+        let mem = memory_traffic(r.op, n, r.bytes) / r.time_s / 1e9 / (2.0 * memcpy.all_threads);
         println!(
-            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>8.0}% {:>8.0}%",
+            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
             r.op.name(),
             human(r.bytes),
             r.count,
@@ -405,7 +440,8 @@ fn print_table(
             r.algbw_gbps,
             r.busbw_gbps,
             100.0 * r.busbw_gbps / memcpy.one_thread,
-            100.0 * r.busbw_gbps / per_rank_ref
+            100.0 * r.busbw_gbps / per_rank_ref,
+            100.0 * mem
         );
     }
 }

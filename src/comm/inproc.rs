@@ -2,16 +2,15 @@
 //!
 //! Each rank owns an [`InprocComm`] whose calls are queued to a dedicated communication thread and
 //! run there in issue order, so the caller computes while collectives progress. At every collective
-//! the communication threads meet at a [`Rendezvous`] that publishes the addresses of their buffers;
+//! the communication threads meet at a rendezvous that publishes the addresses of their buffers;
 //! each thread then reads its peers' buffers directly (no staging copies on the large-message path):
 //!
 //! * reduce-scatter: rank r reduces shard r of every rank's input, in rank order, into its output;
 //! * all-gather: rank r copies every rank's shard into its output, starting with its right neighbour
 //!   so that the ranks do not all read the same owner at once;
-//! * all-reduce, large: reduce-scatter in place (rank r writes the reduced shard r into its own
-//!   buffer), a meeting, then the all-gather phase copies the reduced shards from their owners;
-//! * all-reduce, small (up to [`SMALL_ALL_REDUCE_BYTES`]): every rank reduces the whole buffer into
-//!   a private scratch and copies it back after one more meeting: two meetings instead of three;
+//! * all-reduce: rank r reduces shard r of every rank's buffer and writes the result into shard r of
+//!   every rank's buffer, in one pass (a reduce-scatter and an all-gather fused: each byte is read
+//!   once and written once, instead of the reduce-scatter's write plus the all-gather's copy);
 //! * broadcast: every non-root copies the root's buffer.
 //!
 //! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
@@ -19,7 +18,7 @@
 //! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
 //! bits.
 
-use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into};
+use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::rendezvous::{CallDesc, Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::{bandwidths, count_traffic, CommStats};
 use crate::comm::{
@@ -33,9 +32,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// All-reduces of at most this many bytes take the two-meeting path (every rank reduces the whole
-/// buffer); above it, the reduce-scatter + all-gather path that divides the work.
-pub const SMALL_ALL_REDUCE_BYTES: usize = 128 * 1024;
+/// Reduce-scatter outputs of at least this many bytes are written with streaming stores: far
+/// larger than a core's share of the last-level cache, they would be evicted before use anyway.
+const STREAMING_STORE_BYTES: usize = 4 << 20;
 
 /// A collective as queued to the communication thread.
 enum Call {
@@ -279,9 +278,6 @@ impl Communicator for InprocComm {
 struct Scratch {
     peers: Vec<Exposed>,
     srcs: Vec<usize>,
-    ptrs: Vec<usize>,
-    /// 8-byte aligned bytes for the small all-reduce.
-    small: Vec<u64>,
 }
 
 fn comm_thread(world: Arc<World>, shared: Arc<RankShared>, rank: usize, rx: mpsc::Receiver<Job>) {
@@ -339,7 +335,6 @@ fn run_one(
         world,
         meeting,
         straggler: None,
-        meetings: 0,
         scratch,
     };
     let out = ex.execute(call)?;
@@ -388,16 +383,22 @@ fn trace(
         }
     }
     if level >= TraceLevel::Info {
-        let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
-        world.options.trace_sink.emit(format!(
-            "zerodp INFO rank {rank}: {} #{seq} dtype={} elements={} bytes={bytes} time={:.1}us \
-             algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
-            desc.kind,
-            desc.dtype.map_or("-", |d| d.name()),
-            desc.len,
-            elapsed.as_secs_f64() * 1e6,
-            world.size
-        ));
+        let time_us = elapsed.as_secs_f64() * 1e6;
+        let line = match desc.dtype {
+            None => format!(
+                "zerodp INFO rank {rank}: {} #{seq} time={time_us:.1}us world={}",
+                desc.kind, world.size
+            ),
+            Some(dtype) => {
+                let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
+                format!(
+                    "zerodp INFO rank {rank}: {} #{seq} dtype={dtype} elements={} bytes={bytes} \
+                     time={time_us:.1}us algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
+                    desc.kind, desc.len, world.size
+                )
+            }
+        };
+        world.options.trace_sink.emit(line);
     }
 }
 
@@ -440,34 +441,29 @@ struct Exec<'a> {
     world: &'a World,
     meeting: Meeting<'a>,
     straggler: Option<Straggler>,
-    /// Meetings so far in this collective.
-    meetings: u32,
     scratch: &'a mut Scratch,
 }
 
 impl Exec<'_> {
-    /// Meets the peers; with `input`, publishes it and fills `scratch.peers` with theirs.
-    fn meet(&mut self, input: Option<usize>) -> Result<(), CommError> {
+    /// The arrival meeting: waits for every rank (or fails: timeout, peer failure, mismatch); with
+    /// `input`, publishes this rank's buffer and fills `scratch.peers` with every rank's.
+    fn arrive(&mut self, input: Option<usize>) -> Result<(), CommError> {
         let threshold = self.world.options.straggler_threshold;
         let expose = input.map(|a| (Exposed { input: a }, &mut self.scratch.peers));
-        let note = self
+        self.straggler = self
             .world
             .rendezvous
             .meet(&self.meeting, expose, threshold)?;
-        // Only the first meeting (arrival) says who came late to the collective.
-        if self.meetings == 0 {
-            self.straggler = note;
-        }
-        self.meetings += 1;
         Ok(())
     }
 
     fn execute(&mut self, call: Call) -> Completion {
+        let world = self.world;
         let n = self.world.size;
         let r = self.meeting.rank;
         match call {
             Call::Barrier => {
-                self.meet(None)?;
+                self.arrive(None)?;
                 Ok(vec![])
             }
             Call::AllReduce(mut buf, op) => {
@@ -476,79 +472,34 @@ impl Exec<'_> {
                 let dtype = buf.dtype();
                 if n == 1 {
                     // The reduction of one buffer is itself (Avg divides by 1, Max of one value).
-                    self.meet(None)?;
+                    self.arrive(None)?;
                     return Ok(vec![buf]);
                 }
                 let addr = buffer_addr_mut(&mut buf);
-                self.meet(Some(addr))?;
-                if len * esz <= SMALL_ALL_REDUCE_BYTES {
-                    let words = (len * esz).div_ceil(8);
-                    if self.scratch.small.len() < words {
-                        self.scratch.small.resize(words, 0);
-                    }
-                    let tmp = self.scratch.small.as_mut_ptr() as usize;
-                    self.scratch.srcs.clear();
-                    self.scratch
-                        .srcs
-                        .extend(self.scratch.peers.iter().map(|p| p.input));
-                    // SAFETY: every peer's buffer holds `len` elements of `dtype` (checked by the
-                    // meeting's descriptor comparison) and stays alive and unwritten until the next
-                    // meeting; `tmp` has room for `len` elements and is private to this thread.
-                    unsafe {
-                        reduce_into(
-                            dtype,
-                            op,
-                            &self.scratch.srcs,
-                            tmp,
-                            len,
-                            &mut self.scratch.ptrs,
-                        )
-                    };
-                    self.meet(None)?;
-                    // SAFETY: no peer reads this rank's buffer after the meeting above.
-                    unsafe { copy_bytes(tmp, addr, len * esz) };
-                    return Ok(vec![buf]);
-                }
-                // Phase 1: reduce shard r of every rank into shard r of this rank's own buffer.
+                self.arrive(Some(addr))?;
+                let departure = Departure::new(world, r);
+                // Rank r alone owns shard r of every buffer until the final meeting: it reduces
+                // shard r of all ranks block by block and writes the result back into shard r of
+                // every rank's buffer (each block read before it is overwritten). One pass, one
+                // read and one write of each byte, no second phase and no staging copy.
                 let mine = shard_range(len, n, r);
-                self.scratch.srcs.clear();
-                self.scratch.srcs.extend(
-                    self.scratch
-                        .peers
-                        .iter()
-                        .map(|p| p.input + mine.start * esz),
-                );
-                // SAFETY: during phase 1 rank r alone touches shard r of any buffer: it reads shard r
-                // of every buffer and writes shard r of its own (aliasing one source, which the kernel
-                // allows). Peers' buffers live until the final meeting.
-                unsafe {
-                    reduce_into(
-                        dtype,
-                        op,
-                        &self.scratch.srcs,
-                        addr + mine.start * esz,
-                        mine.len(),
-                        &mut self.scratch.ptrs,
-                    )
-                };
-                self.meet(None)?;
-                // Phase 2: copy every other reduced shard s from its owner, s's own buffer.
-                for k in 1..n {
-                    let s = (r + k) % n;
-                    let range = shard_range(len, n, s);
-                    let src = self.scratch.peers[s].input + range.start * esz;
-                    // SAFETY: in phase 2 shard s of rank s's buffer is only read; this rank writes
-                    // only shards other than its own in its own buffer, which nobody reads now.
-                    unsafe { copy_bytes(src, addr + range.start * esz, range.len() * esz) };
-                }
-                self.meet(None)?;
+                let sc = &mut *self.scratch;
+                sc.srcs.clear();
+                sc.srcs
+                    .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+                // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
+                // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
+                // and lives until the final meeting.
+                unsafe { reduce_into(dtype, op, &sc.srcs, &sc.srcs, mine.len(), Store::Cached) };
+                drop(departure);
                 Ok(vec![buf])
             }
             Call::ReduceScatter(input, mut output, op) => {
                 let len = input.len();
                 let esz = input.dtype().size();
                 let mine = shard_range(len, n, r);
-                self.meet(Some(buffer_addr(&input)))?;
+                self.arrive(Some(buffer_addr(&input)))?;
+                let departure = Departure::new(world, r);
                 self.scratch.srcs.clear();
                 self.scratch.srcs.extend(
                     self.scratch
@@ -556,24 +507,31 @@ impl Exec<'_> {
                         .iter()
                         .map(|p| p.input + mine.start * esz),
                 );
+                let dst = [buffer_addr_mut(&mut output)];
+                let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
+                    Store::Streaming
+                } else {
+                    Store::Cached
+                };
                 // SAFETY: inputs are only read until the final meeting; the output is private.
                 unsafe {
                     reduce_into(
                         input.dtype(),
                         op,
                         &self.scratch.srcs,
-                        buffer_addr_mut(&mut output),
+                        &dst,
                         mine.len(),
-                        &mut self.scratch.ptrs,
+                        store,
                     )
                 };
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![input, output])
             }
             Call::AllGather(input, mut output) => {
                 let len = output.len();
                 let esz = output.dtype().size();
-                self.meet(Some(buffer_addr(&input)))?;
+                self.arrive(Some(buffer_addr(&input)))?;
+                let departure = Departure::new(world, r);
                 let out = buffer_addr_mut(&mut output);
                 for k in 0..n {
                     let s = (r + k) % n;
@@ -587,21 +545,54 @@ impl Exec<'_> {
                         )
                     };
                 }
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![input, output])
             }
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
-                self.meet(Some(addr))?;
+                self.arrive(Some(addr))?;
+                let departure = Departure::new(world, r);
                 if r != root {
                     // SAFETY: the root's buffer is only read until the final meeting.
                     unsafe { copy_bytes(self.scratch.peers[root].input, addr, bytes) };
                 }
-                self.meet(None)?;
+                drop(departure);
                 Ok(vec![buf])
             }
         }
+    }
+}
+
+/// The final meeting of a collective, held when this guard drops: after its arrival, a rank's
+/// buffers are read and written by its peers, so it must not hand them back (or free them) before
+/// every peer has finished with them. The final meeting therefore ignores timeouts and failures:
+/// every rank that passed the arrival is in its data phase, which never blocks, so it always comes.
+/// If this rank panics in its data phase, the guard still meets (before the unwinding frees the
+/// buffers) and marks the world failed.
+struct Departure<'a> {
+    rendezvous: &'a Rendezvous,
+    rank: usize,
+}
+
+impl<'a> Departure<'a> {
+    fn new(world: &'a World, rank: usize) -> Departure<'a> {
+        Departure {
+            rendezvous: &world.rendezvous,
+            rank,
+        }
+    }
+}
+
+impl Drop for Departure<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.rendezvous.fail(
+                self.rank,
+                "its communication thread panicked inside a collective".into(),
+            );
+        }
+        self.rendezvous.depart_collective(self.rank);
     }
 }
 
@@ -670,6 +661,20 @@ impl<E: fmt::Display + fmt::Debug> std::error::Error for RanksError<E> {}
 ///
 /// The `Arc<InprocComm>` can be cloned into other threads of the rank or coerced to
 /// `Arc<dyn Communicator>`.
+///
+/// ```
+/// use zerodp::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
+///
+/// let sums = run_ranks(4, CommOptions::default(), |comm, rank| {
+///     let grads = Buffer::F32(vec![rank as f32; 1000]);
+///     let handle = comm.all_reduce(grads, ReduceOp::Sum); // returns at once
+///     // ... compute here while the collective runs ...
+///     let summed = handle.wait_one()?;
+///     Ok::<_, CommError>(summed.get_f32(999))
+/// })
+/// .unwrap();
+/// assert_eq!(sums, vec![6.0; 4]);
+/// ```
 pub fn run_ranks<T, E, F>(
     world_size: usize,
     options: CommOptions,

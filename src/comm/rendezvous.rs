@@ -153,6 +153,28 @@ impl Rendezvous {
         self.cv.notify_all();
     }
 
+    /// The final meeting of a data collective: waits, without timeout and whatever failed meanwhile,
+    /// until every rank has finished reading and writing its peers' buffers. Every rank that passed
+    /// the collective's arrival comes here without blocking on anything else, so this cannot hang.
+    pub fn depart_collective(&self, rank: usize) {
+        let mut st = self.lock();
+        st.arrived[rank] = true;
+        st.count += 1;
+        let generation = st.generation;
+        if st.count == self.world {
+            st.generation += 1;
+            st.count = 0;
+            st.first = None;
+            st.arrived.iter_mut().for_each(|a| *a = false);
+            drop(st);
+            self.cv.notify_all();
+            return;
+        }
+        while st.generation == generation {
+            st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
     /// Waits until every rank reached this meeting. With `expose`, publishes this rank's addresses and
     /// copies every rank's into `peers`. Returns a straggler note when this rank completed the meeting
     /// more than `straggler_threshold` after the first one.
