@@ -2,7 +2,8 @@
 //!
 //! `cargo bench --bench adam` (optional: `ZERODP_BENCH_ELEMS=N`, `ZERODP_BENCH_RUNS=N`).
 //! Prints the median of several timed runs (after one warm-up run) as milliseconds per step,
-//! parameters per second and the memory traffic that implies. No criterion: the step is long
+//! parameters per second and the memory traffic that implies, and the share of the cores the
+//! process actually got (CPU time / wall time / threads), since the machine may be shared. No criterion: the step is long
 //! (tens of milliseconds) and the median of a handful of runs is stable enough to compare.
 
 use std::time::{Duration, Instant};
@@ -18,9 +19,30 @@ fn env_usize(key: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
-/// Median wall time of `runs` calls of `f`, after one untimed warm-up call.
-fn median_time(runs: usize, mut f: impl FnMut()) -> Duration {
+/// CPU time the threads of this process have run so far, in seconds, summed from
+/// `/proc/self/task/*/schedstat` (nanoseconds; Linux only, `None` elsewhere). Compared with wall
+/// time it shows how much of the cores the benchmark actually got on a shared machine.
+fn process_cpu_seconds() -> Option<f64> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let stat = std::fs::read_to_string(task.ok()?.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 * 1e-9)
+}
+
+/// A measurement: median wall time of the timed runs, and the share of `threads` cores the
+/// process got over all of them (1.0 = the cores were all ours).
+struct Timing {
+    median: Duration,
+    core_share: Option<f64>,
+}
+
+/// Times `runs` calls of `f` after one untimed warm-up call.
+fn measure(runs: usize, threads: usize, mut f: impl FnMut()) -> Timing {
     f();
+    let cpu0 = process_cpu_seconds();
+    let wall0 = Instant::now();
     let mut times: Vec<Duration> = (0..runs)
         .map(|_| {
             let t = Instant::now();
@@ -28,14 +50,25 @@ fn median_time(runs: usize, mut f: impl FnMut()) -> Duration {
             t.elapsed()
         })
         .collect();
+    let wall = wall0.elapsed().as_secs_f64();
+    let core_share = match (cpu0, process_cpu_seconds()) {
+        (Some(a), Some(b)) if wall > 0.0 => Some((b - a) / wall / threads as f64),
+        _ => None,
+    };
     times.sort();
-    times[times.len() / 2]
+    Timing {
+        median: times[times.len() / 2],
+        core_share,
+    }
 }
 
-fn report(name: &str, threads: usize, n: usize, bytes_per_elem: usize, t: Duration) {
-    let s = t.as_secs_f64();
+fn report(name: &str, threads: usize, n: usize, bytes_per_elem: usize, t: &Timing) {
+    let s = t.median.as_secs_f64();
+    let share = t
+        .core_share
+        .map_or("  n/a".to_owned(), |c| format!("{:>4.0}%", c * 100.0));
     println!(
-        "{name:<34} threads={threads:<2} {:>8.2} ms  {:>7.0} M params/s  {:>6.1} GB/s",
+        "{name:<34} threads={threads:<2} {:>8.2} ms  {:>7.0} M params/s  {:>6.1} GB/s  cores got {share}",
         s * 1e3,
         n as f64 / s / 1e6,
         (n * bytes_per_elem) as f64 / s / 1e9
@@ -73,14 +106,14 @@ fn main() {
             .expect("build rayon pool");
         pool.install(|| {
             let mut step = 0u64;
-            let t = median_time(runs, || {
+            let t = measure(runs, threads, || {
                 step += 1;
                 adam_step(&mut params, &grads, &mut m, &mut v, step, &hp, 0.5);
             });
             // Read p, g, m, v; write p, m, v: 28 bytes per element.
-            report("adamw f32 grads", threads, n, 28, t);
+            report("adamw f32 grads", threads, n, 28, &t);
 
-            let t = median_time(runs, || {
+            let t = measure(runs, threads, || {
                 step += 1;
                 adam_step_with_copy(
                     &mut params,
@@ -94,13 +127,15 @@ fn main() {
                 );
             });
             // Read p, m, v (f32) and g (bf16); write p, m, v and the bf16 copy: 28 bytes.
-            report("adamw bf16 grads + bf16 copy-out", threads, n, 28, t);
+            report("adamw bf16 grads + bf16 copy-out", threads, n, 28, &t);
 
             let mut sink = 0f64;
-            let t = median_time(runs, || sink += sum_of_squares(&grads));
-            report("sum_of_squares f32", threads, n, 4, t);
-            let t = median_time(runs, || sink += f64::from(u8::from(has_non_finite(&grads))));
-            report("has_non_finite f32", threads, n, 4, t);
+            let t = measure(runs, threads, || sink += sum_of_squares(&grads));
+            report("sum_of_squares f32", threads, n, 4, &t);
+            let t = measure(runs, threads, || {
+                sink += f64::from(u8::from(has_non_finite(&grads)))
+            });
+            report("has_non_finite f32", threads, n, 4, &t);
             std::hint::black_box(sink);
         });
     }

@@ -43,8 +43,9 @@ pub struct AdamParams {
     pub eps: f64,
     /// Weight decay coefficient; how it is applied depends on `adam_w_mode`.
     pub weight_decay: f64,
-    /// `true`: AdamW, decoupled decay `p *= 1 - lr * wd` (DeepSpeed `adam_w_mode=true`, the
-    /// default for the `AdamW` type). `false`: classic Adam, `wd * p` added to the gradient.
+    /// `true`: AdamW, decoupled decay `p *= 1 - lr * wd`. `false`: classic Adam, `wd * p` added
+    /// to the gradient. Note that DeepSpeed's `"type": "Adam"` also defaults to `true` (its
+    /// `adam_w_mode` key); only `"adam_w_mode": false` gives classic L2 decay.
     pub adam_w_mode: bool,
     /// Divide `m` and `v` by `1 - beta^t` (PyTorch always does; DeepSpeed lets it be turned off).
     pub bias_correction: bool,

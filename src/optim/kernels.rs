@@ -38,7 +38,7 @@ pub const TILE: usize = 1024;
 /// break the add dependency chain, while keeping a fixed order of summation.
 const LANES: usize = 8;
 
-/// A floating-point element type the kernels accept: `f32`, [`bf16`] or [`f16`].
+/// A floating-point element type the kernels accept: `f32`, [`bf16`](struct@half::bf16) or [`f16`](struct@half::f16).
 ///
 /// The trait only moves data between the type and `f32`; all arithmetic happens in `f32` (or
 /// `f64` for reductions), which is how mixed precision keeps its accuracy.
@@ -79,16 +79,38 @@ impl Element for f32 {
     }
 }
 
+/// `f32` -> bf16 bits, round to nearest even, NaN kept NaN (quietened), overflow to Inf: the
+/// same bits as `bf16::from_f32`, but branch-free so that slice loops vectorise (the `half`
+/// crate converts bf16 slices one element at a time with branches).
+#[inline(always)]
+fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
+    // half is above one half-ulp, or equal to it with an odd kept half (ties to even).
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let quiet_nan = (b >> 16) | 0x0040;
+    let is_nan = b & 0x7fff_ffff > 0x7f80_0000;
+    (if is_nan { quiet_nan } else { rounded }) as u16
+}
+
 impl Element for bf16 {
     const IS_F32: bool = false;
     const NAME: &'static str = "bf16";
 
     fn widen(src: &[bf16], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
+        assert_eq!(src.len(), dst.len(), "bf16 widen: lengths differ");
+        let bits: &[u16] = bytemuck::cast_slice(src);
+        for (d, &b) in dst.iter_mut().zip(bits) {
+            *d = f32::from_bits(u32::from(b) << 16);
+        }
     }
 
     fn narrow(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
+        assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
+        let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
+        for (d, &x) in bits.iter_mut().zip(src) {
+            *d = f32_to_bf16_bits(x);
+        }
     }
 
     fn any_non_finite(src: &[bf16]) -> bool {
@@ -540,6 +562,67 @@ mod tests {
         for ((v, h), w) in x.iter().zip(&xh).zip(&back) {
             assert_eq!(h.to_bits(), f16::from_f32(*v).to_bits());
             assert_eq!(*w, h.to_f32());
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_matches_half_on_special_values() {
+        let mut specials = vec![
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            f32::MIN,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),           // smallest subnormal
+            f32::from_bits(0x7f7f_8000), // rounds up to Inf
+            f32::from_bits(0x3f80_8000), // tie, even below: stays
+            f32::from_bits(0x3f81_8000), // tie, odd below: rounds up
+            f32::from_bits(0x3f80_8001), // just above the tie
+            f32::from_bits(0x3f80_7fff), // just below the tie
+            f32::NAN,
+            f32::from_bits(0x7f80_0001), // signalling NaN with a low payload
+            f32::from_bits(0xffc0_0000), // negative NaN
+        ];
+        specials.extend(values(10_000, 99).iter().map(|v| v * 1e30));
+        let mut ours = vec![bf16::ZERO; specials.len()];
+        cast(&mut ours, &specials);
+        for (x, b) in specials.iter().zip(&ours) {
+            let expect = bf16::from_f32(*x);
+            if x.is_nan() {
+                assert!(b.is_nan(), "{x}");
+            } else {
+                assert_eq!(b.to_bits(), expect.to_bits(), "{x:e} ({:#x})", x.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_matches_half_bit_for_bit_across_all_exponents() {
+        // About 1M bit patterns spread over the whole u32 range (every sign, exponent, NaN
+        // payload), plus each one's tie neighbourhood: the branch-free rounding must give exactly
+        // half's bits, NaNs included.
+        let mut src = Vec::with_capacity(3 << 20);
+        let mut b: u32 = 0;
+        while let Some(next) = b.checked_add(4093) {
+            let tie = (b & 0xffff_0000) | 0x8000;
+            src.extend([
+                f32::from_bits(b),
+                f32::from_bits(tie),
+                f32::from_bits(tie ^ 0x1_0000),
+            ]);
+            b = next;
+        }
+        let mut ours = vec![bf16::ZERO; src.len()];
+        cast(&mut ours, &src);
+        for (x, got) in src.iter().zip(&ours) {
+            assert_eq!(
+                got.to_bits(),
+                bf16::from_f32(*x).to_bits(),
+                "{:#010x}",
+                x.to_bits()
+            );
         }
     }
 

@@ -222,8 +222,11 @@ impl fmt::Display for ScaleUpdate {
         } else if self.next_scale == self.attempted_scale && self.hysteresis > 0 {
             write!(
                 f,
-                "OVERFLOW! Skipping step. Attempted loss scale: {}, hysteresis left: {}",
-                self.attempted_scale, self.hysteresis
+                "OVERFLOW! Skipping step. Attempted loss scale: {}, but hysteresis is {}. \
+                 Reducing hysteresis to {}",
+                self.attempted_scale,
+                self.hysteresis + 1,
+                self.hysteresis
             )
         } else {
             write!(
@@ -394,6 +397,25 @@ impl LossScaler {
     }
 }
 
+/// The factor to multiply gradients by before the optimizer step (the `grad_scale` argument of
+/// [`crate::optim::adam::adam_step`]): unscaling and clipping in one number, as DeepSpeed's
+/// `unscale_and_clip_grads` computes it.
+///
+/// `scaled_norm` is the global L2 norm of the gradients as they are (still multiplied by
+/// `loss_scale`; the norm over all shards), `clip` is `gradient_clipping` (0 = off). DeepSpeed:
+/// `combined = loss_scale * max(1, (scaled_norm / loss_scale + 1e-6) / clip)`, gradients divided
+/// by `combined`. Returns `1 / combined`.
+pub fn unscale_and_clip_factor(scaled_norm: f64, loss_scale: f64, clip: f64) -> f32 {
+    let mut combined = loss_scale;
+    if clip > 0.0 {
+        let coef = (scaled_norm / loss_scale + 1e-6) / clip;
+        if coef > 1.0 {
+            combined = coef * loss_scale;
+        }
+    }
+    (1.0 / combined) as f32
+}
+
 /// Skips bf16/fp32 steps whose gradients hold Inf/NaN, and stops the run after too many in a
 /// row. DeepSpeed checks overflow only for fp16, so under bf16 a single NaN goes straight into
 /// the weights and the run is lost; here the step is skipped and reported instead.
@@ -516,6 +538,13 @@ mod tests {
     fn hysteresis_two_first_overflow_only_decrements_then_halves() {
         let mut s = dynamic(16, 1000, 2, false, 1.0);
         let h = 65536.0;
+        let first = s.update_scale(true, &["h.0"]).unwrap();
+        assert_eq!(
+            first.to_string(),
+            "OVERFLOW! Skipping step. Attempted loss scale: 65536, but hysteresis is 2. \
+             Reducing hysteresis to 1"
+        );
+        let mut s = dynamic(16, 1000, 2, false, 1.0);
         let got = replay(&mut s, &[true, true, true, false, true]);
         assert_eq!(
             got,
@@ -738,6 +767,21 @@ mod tests {
         );
         assert!(msg.contains("units: wte, h.0"), "{msg}");
         assert_eq!(g.total_skipped(), 5);
+    }
+
+    #[test]
+    fn unscale_and_clip_factor_follows_deepspeed() {
+        // No clipping: just 1/loss_scale.
+        assert_eq!(unscale_and_clip_factor(1e9, 1024.0, 0.0), 1.0 / 1024.0);
+        // Unscaled norm 0.5 below clip 1: only unscale.
+        assert_eq!(unscale_and_clip_factor(512.0, 1024.0, 1.0), 1.0 / 1024.0);
+        // Unscaled norm 4 above clip 1: the result has norm clip (up to DeepSpeed's 1e-6).
+        let f = unscale_and_clip_factor(4096.0, 1024.0, 1.0);
+        let clipped_norm = 4096.0 * f64::from(f);
+        assert!((clipped_norm - 1.0).abs() < 1e-6, "{clipped_norm}");
+        // bf16/fp32 (scale 1): plain clipping.
+        let f = unscale_and_clip_factor(10.0, 1.0, 2.0);
+        assert!((f64::from(f) - 2.0 / (10.0 + 1e-6)).abs() < 1e-7);
     }
 
     #[test]
