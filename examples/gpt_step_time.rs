@@ -1,11 +1,28 @@
 //! Forward + backward time of one micro-batch through the GPT, unit by unit as the engine runs it.
 //!
-//! `cargo run --example gpt_step_time -- [preset] [batch] [steps]` (defaults: small 8 5).
+//! `cargo run --example gpt_step_time -- [preset] [batch] [steps] [fused|composite]` (defaults:
+//! small 8 5 fused). `composite` runs the reference path built from primitive candle ops.
 
 use std::time::Instant;
 
 use candle_core::Tensor;
 use zerodp::model::{Batch, ForwardMode, GptConfig, GptModel, SplitMix64, UnitModel};
+
+/// CPU time of the whole process (all threads) in seconds, from /proc/self/stat (Linux; 0 elsewhere).
+/// Under a loaded machine this is a steadier measure than wall time when running single-threaded.
+fn process_cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which is in parentheses): utime is the 12th, stime the 13th.
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = fields
+        .get(11..13)
+        .map(|f| f.iter().filter_map(|x| x.parse::<f64>().ok()).sum())
+        .unwrap_or(0.0);
+    ticks / 100.0
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -13,7 +30,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let batch_size: usize = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(8);
     let steps: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(5);
     let cfg = GptConfig::preset(preset)?;
-    let model = GptModel::new(cfg.clone())?;
+    let fused = args.get(3).map(String::as_str) != Some("composite");
+    let model = GptModel::with_options(cfg.clone(), candle_core::DType::F32, fused)?;
     let spec = model.spec().clone();
     let params: Vec<Vec<f32>> = (0..spec.units.len())
         .map(|u| {
@@ -32,13 +50,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         seq_len: cfg.context,
     };
     println!(
-        "{preset}: {} params, batch {batch_size} x {}, {} threads",
+        "{preset} ({}): {} params, batch {batch_size} x {}, {} threads",
+        if fused {
+            "fused kernels"
+        } else {
+            "composite ops"
+        },
         spec.num_params(),
         cfg.context,
         candle_core::utils::get_num_threads()
     );
+    let (mut timed_wall, mut timed_cpu) = (0.0, 0.0);
     for step in 0..=steps {
         let t0 = Instant::now();
+        let cpu0 = process_cpu_seconds();
         let mut x: Option<Tensor> = None;
         let mut saved = Vec::new();
         let mut loss = 0.0;
@@ -64,6 +89,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             up = model.backward(u, s, up.as_ref(), 1.0, &mut slices)?;
         }
         let t_all = t0.elapsed();
+        if step > 0 {
+            timed_wall += t_all.as_secs_f64();
+            timed_cpu += process_cpu_seconds() - cpu0;
+        }
         println!(
             "step {step}{}: loss {loss:.4}  forward {:.1} ms  backward {:.1} ms  total {:.1} ms  {:.0} tokens/s",
             if step == 0 { " (warm-up)" } else { "" },
@@ -71,6 +100,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             (t_all - t_fwd).as_secs_f64() * 1e3,
             t_all.as_secs_f64() * 1e3,
             n as f64 / t_all.as_secs_f64()
+        );
+    }
+    if steps > 0 {
+        println!(
+            "mean over {steps} timed steps: wall {:.1} ms ({:.0} tokens/s), process CPU {:.1} ms",
+            timed_wall / steps as f64 * 1e3,
+            (n * steps) as f64 / timed_wall,
+            timed_cpu / steps as f64 * 1e3
         );
     }
     Ok(())

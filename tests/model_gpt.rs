@@ -273,9 +273,19 @@ fn every_parameter_gets_a_gradient_and_the_tied_weight_gets_both() {
 }
 
 #[test]
-fn gradients_match_finite_differences_in_f64() {
+fn gradients_match_finite_differences_in_f64_fused() {
+    check_finite_differences(true);
+}
+
+#[test]
+fn gradients_match_finite_differences_in_f64_composite() {
+    check_finite_differences(false);
+}
+
+/// Central differences on 4 elements of every parameter tensor, F64 compute.
+fn check_finite_differences(fused: bool) {
     let cfg = fd_config();
-    let model = GptModel::with_dtype(cfg.clone(), DType::F64).unwrap();
+    let model = GptModel::with_options(cfg.clone(), DType::F64, fused).unwrap();
     let mut params = init_all(&model, 3);
     // Perturb LayerNorm weights and all biases away from 1 and 0 so their gradients are generic.
     let mut rng = SplitMix64::new(9);
@@ -348,6 +358,43 @@ fn unit_by_unit_equals_end_to_end_and_recompute_is_identical() {
         grads_rc, grads,
         "NoGrad forward + Train recompute must be bitwise identical"
     );
+}
+
+#[test]
+fn fused_kernels_match_the_composite_candle_ops() {
+    let cfg = GptConfig {
+        context: 24,
+        ..GptConfig::tiny()
+    };
+    let fused = GptModel::with_options(cfg.clone(), DType::F32, true).unwrap();
+    let composite = GptModel::with_options(cfg.clone(), DType::F32, false).unwrap();
+    let mut params = init_all(&fused, 8);
+    let mut rng = SplitMix64::new(10);
+    for x in params.iter_mut().flatten() {
+        *x += (0.05 * rng.normal()) as f32;
+    }
+    let batch = random_batch(&cfg, 3, 20, 11);
+    let (loss_f, grads_f) = unit_by_unit(&fused, &params, &batch, 1.0, false);
+    let (loss_c, grads_c) = unit_by_unit(&composite, &params, &batch, 1.0, false);
+    assert!(
+        (loss_f - loss_c).abs() <= 1e-5 * loss_c.abs(),
+        "{loss_f} vs {loss_c}"
+    );
+    for (u, spec) in fused.spec().units.iter().enumerate() {
+        for (p, off) in spec.params.iter().zip(spec.offsets()) {
+            let (a, b) = (
+                &grads_f[u][off..off + p.numel()],
+                &grads_c[u][off..off + p.numel()],
+            );
+            let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            assert!(
+                scale > 0.0 && diff <= 1e-4 * scale,
+                "{}: max diff {diff} (scale {scale})",
+                p.name
+            );
+        }
+    }
 }
 
 #[test]
@@ -440,4 +487,45 @@ fn bad_calls_are_reported() {
             ForwardMode::Train
         )
         .is_err());
+    let mut bad_token = batch.clone();
+    bad_token.tokens[0] = cfg.vocab_size as u32;
+    let err = model
+        .forward(
+            0,
+            &groups(&model, &params, 0),
+            None,
+            &bad_token,
+            ForwardMode::NoGrad,
+        )
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+}
+
+#[test]
+fn results_do_not_depend_on_the_thread_count() {
+    let cfg = GptConfig {
+        width: 64,
+        heads: 4,
+        context: 32,
+        ..GptConfig::tiny()
+    };
+    let model = GptModel::new(cfg.clone()).unwrap();
+    let params = init_all(&model, 21);
+    // 3 x 32 rows: more than one fixed-size chunk in every row-parallel kernel.
+    let batch = random_batch(&cfg, 3, 32, 22);
+    let run = |threads: usize| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| unit_by_unit(&model, &params, &batch, 1.0, false))
+    };
+    let (loss_1, grads_1) = run(1);
+    let (loss_2, grads_2) = run(2);
+    assert_eq!(loss_1, loss_2);
+    assert_eq!(
+        grads_1, grads_2,
+        "gradients must be bitwise equal on 1 and 2 threads"
+    );
 }

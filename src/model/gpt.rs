@@ -46,17 +46,28 @@
 //! Initial values come from a splitmix64 stream per tensor seeded by (seed, unit, tensor index),
 //! so they do not depend on the rank or the world size.
 //!
-//! # Differentiability
-//! candle-nn's fused `softmax_last_dim`, `layer_norm` and `rms_norm` have no backward and drop
-//! gradients silently; this module builds LayerNorm from primitive ops and uses the composite
-//! `candle_nn::ops::softmax` / `log_softmax`. The tests check that every parameter gets a gradient
-//! and that gradients match finite differences.
+//! # Compute paths
+//! By default the blocks run on the fused CPU kernels of `kernels.rs` (LayerNorm, linear layers
+//! straight on gemm, the whole causal attention core, tanh-GELU, cross-entropy), each a candle
+//! custom op with a hand-written backward: about a dozen graph nodes per block instead of about
+//! fifty, 2-3x faster than composite candle ops on this CPU. [`GptModel::with_options`] can select
+//! the composite path instead (LayerNorm built from primitive ops, `candle_nn::ops::softmax`,
+//! `candle_nn::loss::cross_entropy`), which is the reference the fused kernels are tested against.
+//! candle-nn's own fused `softmax_last_dim`, `layer_norm` and `rms_norm` are never used: they have
+//! no backward and drop gradients silently. The tests check that every parameter gets a gradient
+//! and that both paths match finite differences in F64.
+//!
+//! # Threads
+//! Matmuls and the fused kernels run on the caller's rayon pool (so a rank confined to its own
+//! pool stays there). Call [`run_candle_elementwise_on_caller_thread`] at the start of `main`
+//! to keep candle's remaining element-wise ops off its process-wide spinning thread pool.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
 
+use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
 use super::unit::{
     Batch, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
@@ -162,6 +173,24 @@ impl GptConfig {
     }
 }
 
+/// Make candle's element-wise ops run on the calling thread (sets `CANDLE_NUM_THREADS=1` unless
+/// the user set it). Call at the start of `main`, before any candle op and before spawning
+/// threads: candle reads the variable once, and setting environment variables while other threads
+/// run is not safe.
+///
+/// WHY: candle 0.11.1 runs element-wise ops of 64K+ elements on one process-wide "barrier pool"
+/// whose workers and caller spin-wait, and callers take turns on a mutex. Ranks running as threads
+/// then serialise on that mutex, and whenever the cores are busy the spinning burns the time the
+/// ranks need. Measured on the 2-core box under load (dev profile, one rank): `small` at 8 x 128
+/// took 1441 ms per step with the pool and 1090 ms without; `demo` 160-330 ms and 75 ms. The
+/// fused kernels do their own element-wise work on the caller's rayon pool, so little is lost.
+/// Matmul threading (`RAYON_NUM_THREADS`) is not affected.
+pub fn run_candle_elementwise_on_caller_thread() {
+    if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
+        std::env::set_var("CANDLE_NUM_THREADS", "1");
+    }
+}
+
 /// How one parameter tensor starts.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Init {
@@ -210,6 +239,8 @@ pub struct GptModel {
     /// Per unit: the tensors its compute reads, in the order the compute expects them.
     reads: Vec<Vec<ParamRef>>,
     dtype: DType,
+    /// Use the fused kernels of [`super::kernels`] (the default) rather than composite candle ops.
+    fused: bool,
     device: Device,
     /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
     masks: Mutex<HashMap<usize, Tensor>>,
@@ -239,6 +270,13 @@ impl GptModel {
     /// interface. F64 exists for finite-difference gradient checks.
     #[doc(hidden)]
     pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
+        Self::with_options(config, dtype, true)
+    }
+
+    /// As [`Self::with_dtype`], choosing between the fused kernels (`fused`, the default, fast)
+    /// and the composite candle ops (the reference the fused kernels are tested against).
+    #[doc(hidden)]
+    pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
         config.validate()?;
         if !matches!(dtype, DType::F32 | DType::F64) {
             return Err(ModelError::Invalid(format!(
@@ -341,6 +379,7 @@ impl GptModel {
             inits,
             reads,
             dtype,
+            fused,
             device: Device::Cpu,
             masks: Mutex::new(HashMap::new()),
         })
@@ -478,19 +517,55 @@ impl GptModel {
             }
             UnitKind::Block => {
                 let x = need_input()?;
-                let h = layer_norm(x, &p[0], &p[1])?;
+                let h = self.layer_norm(x, &p[0], &p[1])?;
                 let x = (x + self.attention(&h, &p[2], &p[3], &p[4], &p[5], b, t)?)?;
-                let h = layer_norm(&x, &p[6], &p[7])?;
-                let h = linear(&h, &p[8], &p[9])?.gelu()?;
-                x + linear(&h, &p[10], &p[11])?
+                let h = self.layer_norm(&x, &p[6], &p[7])?;
+                let h = self.gelu(&self.linear(&h, &p[8], &p[9])?)?;
+                x + self.linear(&h, &p[10], &p[11])?
             }
             UnitKind::Head => {
                 let x = need_input()?;
-                let h = layer_norm(x, &p[0], &p[1])?;
+                let h = self.layer_norm(x, &p[0], &p[1])?;
                 let logits = h.matmul(&p[2].t()?)?;
                 let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
-                candle_nn::loss::cross_entropy(&logits, &targets)
+                if self.fused {
+                    logits.apply_op2(&targets, kernels::CrossEntropy)
+                } else {
+                    candle_nn::loss::cross_entropy(&logits, &targets)
+                }
             }
+        }
+    }
+
+    /// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
+    fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused {
+            x.contiguous()?.apply_op3(w, bias, kernels::Linear)
+        } else {
+            x.matmul(&w.t()?)?.broadcast_add(bias)
+        }
+    }
+
+    /// LayerNorm over the last dimension.
+    fn layer_norm(
+        &self,
+        x: &Tensor,
+        weight: &Tensor,
+        bias: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        if self.fused {
+            x.contiguous()?
+                .apply_op3(weight, bias, kernels::LayerNorm { eps: LN_EPS })
+        } else {
+            layer_norm_composite(x, weight, bias)
+        }
+    }
+
+    fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused {
+            x.contiguous()?.apply_op1(kernels::Gelu)
+        } else {
+            x.gelu()
         }
     }
 
@@ -509,7 +584,16 @@ impl GptModel {
         let c = self.config.width;
         let nh = self.config.heads;
         let hd = c / nh;
-        let qkv = linear(x, w_attn, b_attn)?.reshape((b, t, 3, nh, hd))?;
+        let qkv = self.linear(x, w_attn, b_attn)?;
+        if self.fused {
+            let attn = kernels::CausalAttention {
+                batch: b,
+                seq: t,
+                heads: nh,
+            };
+            return self.linear(&qkv.apply_op1(attn)?, w_proj, b_proj);
+        }
+        let qkv = qkv.reshape((b, t, 3, nh, hd))?;
         // [b, t, nh, hd] -> [b, nh, t, hd], contiguous for the batched matmuls.
         let split = |i: usize| {
             qkv.narrow(2, i, 1)?
@@ -527,7 +611,7 @@ impl GptModel {
             .transpose(1, 2)?
             .contiguous()?
             .reshape((b * t, c))?;
-        linear(&y, w_proj, b_proj)
+        self.linear(&y, w_proj, b_proj)
     }
 
     fn unit_name(&self, unit: usize) -> &str {
@@ -609,13 +693,8 @@ impl GptModel {
     }
 }
 
-/// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
-fn linear(x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
-    x.matmul(&w.t()?)?.broadcast_add(bias)
-}
-
 /// LayerNorm over the last dimension, from primitive differentiable ops.
-fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+fn layer_norm_composite(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

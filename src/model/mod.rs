@@ -2,12 +2,13 @@
 
 pub mod data;
 pub mod gpt;
+mod kernels;
 mod rng;
 mod unit;
 pub mod weights;
 
 pub use data::{Corpus, DataError, DataLoader, DEFAULT_CORPUS_PATH};
-pub use gpt::{GptConfig, GptModel, GptSaved};
+pub use gpt::{run_candle_elementwise_on_caller_thread, GptConfig, GptModel, GptSaved};
 pub use rng::{mix_seed, SplitMix64};
 pub use unit::*;
 pub use weights::{load_safetensors, save_safetensors, WeightsError};

@@ -1,0 +1,722 @@
+//! Fused CPU kernels with hand-written backward passes, as candle custom ops.
+//!
+//! WHY: candle's autograd turns every primitive op into a graph node whose backward allocates a
+//! zero tensor and adds into it, and a LayerNorm, a softmax or the tanh-GELU's backward take 5-20
+//! such full-size passes. On the benchmark GPT that overhead was 3-4x the matmul time. Each op
+//! here does its forward in one pass and its backward in one or two, so a transformer block is
+//! about a dozen graph nodes instead of about fifty.
+//!
+//! These are *not* candle-nn's fused ops (`softmax_last_dim`, `layer_norm`, `rms_norm`), which have
+//! no backward and silently drop gradients: every op below implements `bwd`, and the tests check
+//! them against the composite candle path and against finite differences in F64.
+//!
+//! Ops: [`LayerNorm`], [`Gelu`] (tanh approximation), [`Linear`] (`x @ w^T + b` straight on gemm,
+//! torch.nn.Linear's `[out, in]` weight layout), [`CausalAttention`] (the whole multi-head causal
+//! attention core, probabilities recomputed in backward) and [`CrossEntropy`].
+//!
+//! Reductions across rows (the LayerNorm weight and bias gradients, the bias gradient) are summed
+//! over a fixed chunking, in chunk order, so results do not depend on the number of threads.
+
+use candle_core::backend::BackendStorage;
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
+    Storage, Tensor, WithDType,
+};
+use rayon::prelude::*;
+
+/// Rows per parallel task: enough work per task to amortise scheduling, and a fixed split so
+/// that cross-row sums are reproducible.
+const ROWS_PER_TASK: usize = 32;
+/// Elements per parallel task for elementwise maps.
+const ELEMS_PER_TASK: usize = 16 * 1024;
+
+/// The float types the kernels run in (F32 for training, F64 for gradient checks).
+pub(crate) trait Real: WithDType {
+    fn exp(self) -> Self;
+    fn sqrt(self) -> Self;
+    fn ln(self) -> Self;
+}
+
+macro_rules! real {
+    ($t:ty) => {
+        impl Real for $t {
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn sqrt(self) -> Self {
+                <$t>::sqrt(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+        }
+    };
+}
+real!(f32);
+real!(f64);
+
+fn lit<T: Real>(x: f64) -> T {
+    T::from_f64(x)
+}
+
+/// The contiguous elements of a CPU storage under `layout`.
+fn slice_of<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&T::cpu_storage_as_slice(s)?[a..b]),
+        None => bail!("fused kernel input must be contiguous"),
+    }
+}
+
+/// Run `f` on the contiguous elements of `t` (no copy when `t` is already contiguous).
+fn with_slice<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => f(slice_of::<T>(cpu, layout)?),
+        _ => bail!("fused kernels run on the CPU only"),
+    }
+}
+
+fn tensor<T: Real>(data: Vec<T>, shape: impl Into<Shape>) -> Result<Tensor> {
+    Tensor::from_vec(data, shape, &Device::Cpu)
+}
+
+/// Dispatch a generic kernel body on the dtype of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $name:expr, |$t:ident| $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            other => bail!("{}: unsupported dtype {other:?}", $name),
+        }
+    };
+}
+
+fn storage_dtype(s: &CpuStorage) -> DType {
+    s.dtype()
+}
+
+/// Sum per-task partial vectors in task order (deterministic).
+fn sum_partials<T: Real>(partials: Vec<Vec<T>>, len: usize) -> Vec<T> {
+    let mut out = vec![lit::<T>(0.0); len];
+    for p in partials {
+        out.iter_mut().zip(p).for_each(|(o, x)| *o += x);
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNorm over the last dimension: y = (x - mean) / sqrt(var + eps) * w + b.
+
+pub(crate) struct LayerNorm {
+    pub eps: f64,
+}
+
+fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
+    let n = lit::<T>(row.len() as f64);
+    let mean = row.iter().fold(lit::<T>(0.0), |a, &x| a + x) / n;
+    let var = row
+        .iter()
+        .fold(lit::<T>(0.0), |a, &x| a + (x - mean) * (x - mean))
+        / n;
+    (mean, lit::<T>(1.0) / (var + lit(eps)).sqrt())
+}
+
+impl LayerNorm {
+    fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+        let cols = w.len();
+        let mut y = vec![lit::<T>(0.0); x.len()];
+        y.par_chunks_mut(cols * ROWS_PER_TASK)
+            .zip(x.par_chunks(cols * ROWS_PER_TASK))
+            .for_each(|(ys, xs)| {
+                for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
+                    let (mean, rstd) = ln_stats(xr, self.eps);
+                    for j in 0..cols {
+                        yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
+                    }
+                }
+            });
+        y
+    }
+
+    fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let cols = w.len();
+        let n = lit::<T>(cols as f64);
+        let mut dx = vec![lit::<T>(0.0); x.len()];
+        let partials: Vec<(Vec<T>, Vec<T>)> = dx
+            .par_chunks_mut(cols * ROWS_PER_TASK)
+            .zip(x.par_chunks(cols * ROWS_PER_TASK))
+            .zip(dy.par_chunks(cols * ROWS_PER_TASK))
+            .map(|((dxs, xs), dys)| {
+                let mut dw = vec![lit::<T>(0.0); cols];
+                let mut db = vec![lit::<T>(0.0); cols];
+                for ((dxr, xr), dyr) in dxs
+                    .chunks_mut(cols)
+                    .zip(xs.chunks(cols))
+                    .zip(dys.chunks(cols))
+                {
+                    let (mean, rstd) = ln_stats(xr, self.eps);
+                    let (mut sum_g, mut sum_gx) = (lit::<T>(0.0), lit::<T>(0.0));
+                    for j in 0..cols {
+                        let xhat = (xr[j] - mean) * rstd;
+                        let g = dyr[j] * w[j];
+                        dw[j] += dyr[j] * xhat;
+                        db[j] += dyr[j];
+                        sum_g += g;
+                        sum_gx += g * xhat;
+                    }
+                    let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+                    for j in 0..cols {
+                        let xhat = (xr[j] - mean) * rstd;
+                        dxr[j] = rstd * (dyr[j] * w[j] - mean_g - xhat * mean_gx);
+                    }
+                }
+                (dw, db)
+            })
+            .collect();
+        let (dws, dbs): (Vec<_>, Vec<_>) = partials.into_iter().unzip();
+        (dx, sum_partials(dws, cols), sum_partials(dbs, cols))
+    }
+}
+
+impl CustomOp3 for LayerNorm {
+    fn name(&self) -> &'static str {
+        "zerodp-layer-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        by_dtype!(storage_dtype(s1), self.name(), |T| {
+            let (x, w, b) = (
+                slice_of::<T>(s1, l1)?,
+                slice_of::<T>(s2, l2)?,
+                slice_of::<T>(s3, l3)?,
+            );
+            if w.is_empty() || x.len() % w.len() != 0 || b.len() != w.len() {
+                bail!(
+                    "layer norm: bad shapes {:?} {:?} {:?}",
+                    l1.shape(),
+                    l2.shape(),
+                    l3.shape()
+                );
+            }
+            Ok((
+                T::to_cpu_storage_owned(self.fwd(x, w, b)),
+                l1.shape().clone(),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        by_dtype!(x.dtype(), self.name(), |T| {
+            let (dx, dw, db) = with_slice::<T, _>(x, |x| {
+                with_slice::<T, _>(w, |w| with_slice::<T, _>(dy, |dy| Ok(self.bwd(x, w, dy))))
+            })?;
+            Ok((
+                Some(tensor(dx, x.shape())?),
+                Some(tensor(dw, w.shape())?),
+                Some(tensor(db, w.shape())?),
+            ))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GELU, tanh approximation (GPT-2): y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+pub(crate) struct Gelu;
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044_715;
+
+/// tanh through one `exp`: `1 - 2 / (1 + e^(2u))`, which saturates correctly at both ends
+/// (e^(2u) = inf gives 1, e^(2u) = 0 gives -1). About 2x faster than libm's `tanhf`; its absolute
+/// error (a few ulps of 1) is what matters inside GELU's `1 + tanh`.
+fn fast_tanh<T: Real>(u: T) -> T {
+    lit::<T>(1.0) - lit::<T>(2.0) / (lit::<T>(1.0) + (u + u).exp())
+}
+
+fn gelu<T: Real>(x: T) -> T {
+    let inner = lit::<T>(SQRT_2_OVER_PI) * (x + lit::<T>(GELU_C) * x * x * x);
+    lit::<T>(0.5) * x * (lit::<T>(1.0) + fast_tanh(inner))
+}
+
+fn gelu_grad<T: Real>(x: T) -> T {
+    let inner = lit::<T>(SQRT_2_OVER_PI) * (x + lit::<T>(GELU_C) * x * x * x);
+    let t = fast_tanh(inner);
+    let d_inner = lit::<T>(SQRT_2_OVER_PI) * (lit::<T>(1.0) + lit::<T>(3.0 * GELU_C) * x * x);
+    lit::<T>(0.5) * (lit::<T>(1.0) + t) + lit::<T>(0.5) * x * (lit::<T>(1.0) - t * t) * d_inner
+}
+
+impl CustomOp1 for Gelu {
+    fn name(&self) -> &'static str {
+        "zerodp-gelu-tanh"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        by_dtype!(storage_dtype(s), self.name(), |T| {
+            let x = slice_of::<T>(s, l)?;
+            let mut y = vec![lit::<T>(0.0); x.len()];
+            y.par_chunks_mut(ELEMS_PER_TASK)
+                .zip(x.par_chunks(ELEMS_PER_TASK))
+                .for_each(|(ys, xs)| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x)));
+            Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
+        })
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        by_dtype!(x.dtype(), self.name(), |T| {
+            let dx = with_slice::<T, _>(x, |x| {
+                with_slice::<T, _>(dy, |dy| {
+                    let mut dx = vec![lit::<T>(0.0); x.len()];
+                    dx.par_chunks_mut(ELEMS_PER_TASK)
+                        .zip(x.par_chunks(ELEMS_PER_TASK))
+                        .zip(dy.par_chunks(ELEMS_PER_TASK))
+                        .for_each(|((d, xs), gs)| {
+                            for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                                *d = g * gelu_grad(x);
+                            }
+                        });
+                    Ok(dx)
+                })
+            })?;
+            Ok(Some(tensor(dx, x.shape())?))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layer: y = x @ w^T + b for x [n, in], w [out, in] (torch.nn.Linear layout), b [out].
+// One graph node instead of candle's three (transpose, matmul, broadcast add), and the weight
+// gradient comes out contiguous in [out, in] order.
+
+pub(crate) struct Linear;
+
+/// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]` with explicit (row, column) strides, on the current
+/// rayon pool.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [T],
+    accumulate: bool,
+    lhs: &[T],
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: &[T],
+    (rhs_rs, rhs_cs): (usize, usize),
+) {
+    assert!(dst.len() >= m * n, "gemm destination too small");
+    assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
+    assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    // The current pool's size (a rank's own pool when the engine runs ranks as threads), capped
+    // by candle's thread count (physical cores, or RAYON_NUM_THREADS).
+    let threads = rayon::current_num_threads().min(candle_core::utils::get_num_threads());
+    let parallelism = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the asserts above keep every index the strides can reach inside the slices; dst
+    // does not alias lhs or rhs (it is borrowed mutably).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            lit::<T>(1.0),
+            lit::<T>(1.0),
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+impl Linear {
+    fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
+        let (out, inp) = (b.len(), w.len() / b.len().max(1));
+        if out == 0 || w.len() != out * inp || x.len() % inp != 0 {
+            bail!(
+                "linear: bad sizes x {} w {} b {}",
+                x.len(),
+                w.len(),
+                b.len()
+            );
+        }
+        let n = x.len() / inp;
+        // Start from the bias in every row, then accumulate x @ w^T on top.
+        let mut y: Vec<T> = Vec::with_capacity(n * out);
+        for _ in 0..n {
+            y.extend_from_slice(b);
+        }
+        // rhs = w^T: element (k, j) = w[j * inp + k].
+        gemm_into((n, out, inp), &mut y, true, x, (inp, 1), w, (1, inp));
+        Ok(y)
+    }
+
+    fn bwd<T: Real>(x: &[T], w: &[T], dy: &[T], out: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let inp = w.len() / out;
+        let n = x.len() / inp;
+        // dx [n, in] = dy [n, out] @ w [out, in]
+        let mut dx = vec![lit::<T>(0.0); n * inp];
+        gemm_into((n, inp, out), &mut dx, false, dy, (out, 1), w, (inp, 1));
+        // dw [out, in] = dy^T [out, n] @ x [n, in]
+        let mut dw = vec![lit::<T>(0.0); out * inp];
+        gemm_into((out, inp, n), &mut dw, false, dy, (1, out), x, (inp, 1));
+        // db [out] = column sums of dy, over a fixed row split summed in order.
+        let partials: Vec<Vec<T>> = dy
+            .par_chunks(out * ROWS_PER_TASK)
+            .map(|rows| {
+                let mut acc = vec![lit::<T>(0.0); out];
+                for r in rows.chunks(out) {
+                    acc.iter_mut().zip(r).for_each(|(a, &g)| *a += g);
+                }
+                acc
+            })
+            .collect();
+        (dx, dw, sum_partials(partials, out))
+    }
+}
+
+impl CustomOp3 for Linear {
+    fn name(&self) -> &'static str {
+        "zerodp-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, _) = l1.shape().dims2()?;
+        let (out, _) = l2.shape().dims2()?;
+        by_dtype!(storage_dtype(s1), self.name(), |T| {
+            let (x, w, b) = (
+                slice_of::<T>(s1, l1)?,
+                slice_of::<T>(s2, l2)?,
+                slice_of::<T>(s3, l3)?,
+            );
+            let y = Self::fwd(x, w, b)?;
+            Ok((T::to_cpu_storage_owned(y), Shape::from((n, out))))
+        })
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let out = b.elem_count();
+        by_dtype!(x.dtype(), self.name(), |T| {
+            let (dx, dw, db) = with_slice::<T, _>(x, |x| {
+                with_slice::<T, _>(w, |w| {
+                    with_slice::<T, _>(dy, |dy| Ok(Self::bwd(x, w, dy, out)))
+                })
+            })?;
+            Ok((
+                Some(tensor(dx, x.shape())?),
+                Some(tensor(dw, w.shape())?),
+                Some(tensor(db, b.shape())?),
+            ))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal multi-head self-attention core: qkv [b*t, 3c] (q, k, v blocks of c columns, head h at
+// columns h*hd..(h+1)*hd of each) -> y [b*t, c]. The probabilities are recomputed in backward
+// rather than kept, so the op holds no [b, heads, t, t] tensor between forward and backward.
+
+pub(crate) struct CausalAttention {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+}
+
+impl CausalAttention {
+    fn width(&self, cols3: usize) -> Result<usize> {
+        if cols3 % (3 * self.heads) != 0 {
+            bail!("attention: qkv width {cols3} is not 3 x heads x head_dim");
+        }
+        Ok(cols3 / 3)
+    }
+
+    /// Part `part` (0 = q, 1 = k, 2 = v) of rows `[b*t, stride]` at column offset `part * c` as a
+    /// `[b*heads, t, hd]` tensor.
+    fn split<T: Real>(&self, src: &[T], stride: usize, c: usize, part: usize) -> Result<Tensor> {
+        let (b, t, nh) = (self.batch, self.seq, self.heads);
+        let hd = c / nh;
+        let mut out = vec![lit::<T>(0.0); b * t * c];
+        for bi in 0..b {
+            for ti in 0..t {
+                let row = &src[(bi * t + ti) * stride + part * c..][..c];
+                for h in 0..nh {
+                    let dst = ((bi * nh + h) * t + ti) * hd;
+                    out[dst..dst + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);
+                }
+            }
+        }
+        tensor(out, (b * nh, t, hd))
+    }
+
+    /// Inverse of `split`: write a `[b*heads, t, hd]` tensor into columns `part*c..` of `dst`.
+    fn merge<T: Real>(
+        &self,
+        src: &Tensor,
+        dst: &mut [T],
+        stride: usize,
+        c: usize,
+        part: usize,
+    ) -> Result<()> {
+        let (b, t, nh) = (self.batch, self.seq, self.heads);
+        let hd = c / nh;
+        with_slice::<T, _>(src, |s| {
+            for bi in 0..b {
+                for ti in 0..t {
+                    let row = &mut dst[(bi * t + ti) * stride + part * c..][..c];
+                    for h in 0..nh {
+                        let at = ((bi * nh + h) * t + ti) * hd;
+                        row[h * hd..(h + 1) * hd].copy_from_slice(&s[at..at + hd]);
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Causal softmax of `scale * q k^T` per row: `[b*heads, t, t]`, zero above the diagonal.
+    fn probs<T: Real>(&self, q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
+        let t = self.seq;
+        let scores = q.matmul(&k.t()?)?;
+        let p = with_slice::<T, _>(&scores, |s| {
+            let mut p = vec![lit::<T>(0.0); s.len()];
+            p.par_chunks_mut(t * t)
+                .zip(s.par_chunks(t * t))
+                .for_each(|(pm, sm)| {
+                    for i in 0..t {
+                        let (pr, sr) = (&mut pm[i * t..i * t + t], &sm[i * t..i * t + t]);
+                        let max = sr[..=i]
+                            .iter()
+                            .fold(sr[0], |m, &x| if x > m { x } else { m });
+                        let mut sum = lit::<T>(0.0);
+                        for j in 0..=i {
+                            let e = ((sr[j] - max) * lit::<T>(scale)).exp();
+                            pr[j] = e;
+                            sum += e;
+                        }
+                        let inv = lit::<T>(1.0) / sum;
+                        pr[..=i].iter_mut().for_each(|x| *x *= inv);
+                    }
+                });
+            Ok(p)
+        })?;
+        tensor(p, scores.shape())
+    }
+
+    fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
+        let c = self.width(cols3)?;
+        let scale = 1.0 / ((c / self.heads) as f64).sqrt();
+        let (q, k, v) = (
+            self.split(qkv, cols3, c, 0)?,
+            self.split(qkv, cols3, c, 1)?,
+            self.split(qkv, cols3, c, 2)?,
+        );
+        let y = self.probs::<T>(&q, &k, scale)?.matmul(&v)?;
+        let mut out = vec![lit::<T>(0.0); self.batch * self.seq * c];
+        self.merge(&y, &mut out, c, c, 0)?;
+        Ok(out)
+    }
+
+    fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
+        let c = self.width(cols3)?;
+        let t = self.seq;
+        let scale = 1.0 / ((c / self.heads) as f64).sqrt();
+        let (q, k, v) = (
+            self.split(qkv, cols3, c, 0)?,
+            self.split(qkv, cols3, c, 1)?,
+            self.split(qkv, cols3, c, 2)?,
+        );
+        let p = self.probs::<T>(&q, &k, scale)?;
+        let dy = self.split(dy, c, c, 0)?;
+        let dv = p.t()?.matmul(&dy)?;
+        let dp = dy.matmul(&v.t()?)?;
+        // dS = scale * P * (dP - rowsum(P * dP)); zero above the diagonal because P is.
+        let ds = with_slice::<T, _>(&p, |p| {
+            with_slice::<T, _>(&dp, |dp| {
+                let mut ds = vec![lit::<T>(0.0); p.len()];
+                ds.par_chunks_mut(t * t)
+                    .zip(p.par_chunks(t * t))
+                    .zip(dp.par_chunks(t * t))
+                    .for_each(|((dsm, pm), dpm)| {
+                        for i in 0..t {
+                            let r = i * t..i * t + i + 1;
+                            let (pr, dpr) = (&pm[r.clone()], &dpm[r.clone()]);
+                            let dot = pr
+                                .iter()
+                                .zip(dpr)
+                                .fold(lit::<T>(0.0), |a, (&p, &g)| a + p * g);
+                            for ((d, &p), &g) in dsm[r].iter_mut().zip(pr).zip(dpr) {
+                                *d = lit::<T>(scale) * p * (g - dot);
+                            }
+                        }
+                    });
+                Ok(ds)
+            })
+        })?;
+        let ds = tensor(ds, p.shape())?;
+        let dq = ds.matmul(&k)?;
+        let dk = ds.t()?.matmul(&q)?;
+        let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
+        self.merge(&dq, &mut dqkv, cols3, c, 0)?;
+        self.merge(&dk, &mut dqkv, cols3, c, 1)?;
+        self.merge(&dv, &mut dqkv, cols3, c, 2)?;
+        Ok(dqkv)
+    }
+}
+
+impl CustomOp1 for CausalAttention {
+    fn name(&self) -> &'static str {
+        "zerodp-causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (rows, cols3) = l.shape().dims2()?;
+        if rows != self.batch * self.seq {
+            bail!("attention: {rows} rows for {} x {}", self.batch, self.seq);
+        }
+        by_dtype!(storage_dtype(s), self.name(), |T| {
+            let y = self.forward(slice_of::<T>(s, l)?, cols3)?;
+            Ok((T::to_cpu_storage_owned(y), Shape::from((rows, cols3 / 3))))
+        })
+    }
+
+    fn bwd(&self, qkv: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        let (_, cols3) = qkv.dims2()?;
+        by_dtype!(qkv.dtype(), self.name(), |T| {
+            let d = with_slice::<T, _>(qkv, |x| {
+                with_slice::<T, _>(dy, |g| self.backward(x, g, cols3))
+            })?;
+            Ok(Some(tensor(d, qkv.shape())?))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mean cross-entropy of logits [n, vocab] against u32 targets [n] -> scalar.
+
+pub(crate) struct CrossEntropy;
+
+impl CrossEntropy {
+    /// Per row: (log-sum-exp, max) of the logits.
+    fn lse<T: Real>(row: &[T]) -> T {
+        let max = row.iter().fold(row[0], |m, &x| if x > m { x } else { m });
+        let sum = row.iter().fold(lit::<T>(0.0), |a, &x| a + (x - max).exp());
+        max + sum.ln()
+    }
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "zerodp-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = l1.shape().dims2()?;
+        let targets = slice_of_u32(s2, l2)?;
+        if targets.len() != n {
+            bail!("cross entropy: {n} rows, {} targets", targets.len());
+        }
+        by_dtype!(storage_dtype(s1), self.name(), |T| {
+            let logits = slice_of::<T>(s1, l1)?;
+            let mut total = 0f64;
+            for (row, &tgt) in logits.chunks(v).zip(targets) {
+                total += (Self::lse(row) - row[tgt as usize]).to_f64();
+            }
+            Ok((
+                T::to_cpu_storage_owned(vec![T::from_f64(total / n as f64)]),
+                Shape::from(()),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _loss: &Tensor,
+        dloss: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, v) = logits.dims2()?;
+        let targets = targets.to_vec1::<u32>()?;
+        let g = dloss.to_dtype(DType::F64)?.to_scalar::<f64>()? / n as f64;
+        let d = by_dtype!(logits.dtype(), self.name(), |T| {
+            with_slice::<T, _>(logits, |x| {
+                let mut d = vec![lit::<T>(0.0); x.len()];
+                d.par_chunks_mut(v * ROWS_PER_TASK)
+                    .zip(x.par_chunks(v * ROWS_PER_TASK))
+                    .zip(targets.par_chunks(ROWS_PER_TASK))
+                    .for_each(|((ds, xs), ts)| {
+                        for ((dr, xr), &tgt) in ds.chunks_mut(v).zip(xs.chunks(v)).zip(ts) {
+                            let lse = Self::lse(xr);
+                            for (d, &x) in dr.iter_mut().zip(xr) {
+                                *d = (x - lse).exp() * lit::<T>(g);
+                            }
+                            dr[tgt as usize] -= lit::<T>(g);
+                        }
+                    });
+                tensor(d, (n, v))
+            })?
+        });
+        Ok((Some(d), None))
+    }
+}
+
+fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::U32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => bail!("cross entropy targets must be a contiguous u32 tensor"),
+    }
+}
