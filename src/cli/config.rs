@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use zerodp::config::{self, Loaded, Precision, ResolveContext, SchedulerSettings};
+use zerodp::config::{self, Loaded, Precision, ResolveContext};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -59,13 +59,13 @@ pub fn run(args: CheckArgs) -> anyhow::Result<i32> {
     };
     match args.format {
         Format::Json => println!("{}", serde_json::to_string_pretty(&loaded.to_json())?),
-        Format::Table => print!("{}", table(&loaded)),
+        Format::Table => print!("{}", table(&loaded, &ctx.world_size_source)),
     }
     Ok(0)
 }
 
 /// The resolved settings as aligned `key  value` lines, then the warnings.
-pub fn table(loaded: &Loaded) -> String {
+pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
     let s = &loaded.settings;
     let z = &s.zero_optimization;
     let un = |path: &str, v: String| {
@@ -100,7 +100,10 @@ pub fn table(loaded: &Loaded) -> String {
                 s.batch.gradient_accumulation_steps.to_string(),
             ),
         ),
-        ("world size".into(), s.batch.world_size.to_string()),
+        (
+            "world size".into(),
+            format!("{} (from {world_size_source})", s.batch.world_size),
+        ),
         (
             "offload_optimizer".into(),
             offload(
@@ -162,22 +165,18 @@ pub fn table(loaded: &Loaded) -> String {
         };
         rows.push(("loss scale".into(), scale));
     }
+    // Optimizer and scheduler rows come from the JSON form, where unresolved "auto" is null.
+    let json = s.to_json();
     rows.push((
         "optimizer".into(),
         match &s.optimizer {
             Some(o) => format!(
-                "{:?} lr {} betas [{}, {}] eps {} weight_decay {}{}",
+                "{:?} {}",
                 o.kind,
-                un("optimizer.params.lr", o.lr.to_string()),
-                o.betas[0],
-                o.betas[1],
-                o.eps,
-                o.weight_decay,
-                if o.adam_w_mode {
-                    " (decoupled)"
-                } else {
-                    " (L2)"
-                }
+                params(
+                    &json["optimizer"],
+                    &["lr", "betas", "eps", "weight_decay", "adam_w_mode"]
+                )
             ),
             None => "none in config".into(),
         },
@@ -185,7 +184,11 @@ pub fn table(loaded: &Loaded) -> String {
     rows.push((
         "scheduler".into(),
         match &s.scheduler {
-            Some(sch) => scheduler(sch),
+            Some(_) => format!(
+                "{} {}",
+                json["scheduler"]["type"].as_str().unwrap_or("?"),
+                params(&json["scheduler"]["params"], &[])
+            ),
             None => "none (constant lr)".into(),
         },
     ));
@@ -222,6 +225,15 @@ pub fn table(loaded: &Loaded) -> String {
     out
 }
 
+/// A float as people write it in configs: `0.001`, `1e-8`.
+fn num(v: f64) -> String {
+    if v != 0.0 && v.abs() < 1e-3 {
+        format!("{v:e}")
+    } else {
+        v.to_string()
+    }
+}
+
 fn offload(device: &str, path: &Option<PathBuf>) -> String {
     match path {
         Some(p) if device == "nvme" => format!("nvme ({})", p.display()),
@@ -229,8 +241,30 @@ fn offload(device: &str, path: &Option<PathBuf>) -> String {
     }
 }
 
-fn scheduler(s: &SchedulerSettings) -> String {
-    let v = serde_json::to_value(s).unwrap_or_default();
-    let params = v["params"].to_string();
-    format!("{} {}", v["type"].as_str().unwrap_or("?"), params)
+/// `key value, key value` for the keys of a JSON object (all of them when `keys` is empty);
+/// null (an unresolved "auto") prints as `auto?`.
+fn params(v: &serde_json::Value, keys: &[&str]) -> String {
+    let Some(obj) = v.as_object() else {
+        return String::new();
+    };
+    let show = |v: &serde_json::Value| match v {
+        serde_json::Value::Null => "auto?".to_string(),
+        serde_json::Value::Number(n) => n.as_f64().map_or(n.to_string(), num),
+        serde_json::Value::Array(items) => {
+            let parts: Vec<String> = items
+                .iter()
+                .map(|i| i.as_f64().map_or(i.to_string(), num))
+                .collect();
+            format!("[{}]", parts.join(", "))
+        }
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let mut out = Vec::new();
+    for (k, val) in obj {
+        if keys.is_empty() || keys.contains(&k.as_str()) {
+            out.push(format!("{k} {}", show(val)));
+        }
+    }
+    out.join(", ")
 }

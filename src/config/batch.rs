@@ -10,6 +10,8 @@ use super::settings::BatchSettings;
 const TB: &str = "train_batch_size";
 const MB: &str = "train_micro_batch_size_per_gpu";
 const GAS: &str = "gradient_accumulation_steps";
+/// Upper bound for each batch number (keeps the arithmetic exact and the suggestions cheap).
+const MAX_BATCH: u64 = 1 << 31;
 
 /// One of the three keys after "auto" and the command line are applied.
 struct Key {
@@ -34,6 +36,14 @@ fn read_key(
         },
     };
     let cli = cli.map(|v| v as u64);
+    if let Some(c) = cli {
+        if c == 0 || c > MAX_BATCH {
+            return Err(ConfigError::OutOfRange {
+                at,
+                message: format!("{flag} {c} must be between 1 and 2^31"),
+            });
+        }
+    }
     let Some(m) = m else {
         return Ok(Key {
             value: cli,
@@ -49,6 +59,12 @@ fn read_key(
         });
     }
     let v = r.node_u64(key, &m.node)?;
+    if v > MAX_BATCH {
+        return Err(ConfigError::OutOfRange {
+            at,
+            message: format!("{v} is larger than 2^31; batch sizes count samples"),
+        });
+    }
     if v == 0 {
         return Err(ConfigError::OutOfRange {
             at,
@@ -74,7 +90,7 @@ fn read_key(
 }
 
 /// Multiples of `m` around `x` (below and above), excluding 0.
-fn multiples_near(x: u64, m: u64) -> Vec<u64> {
+fn multiples_near(x: u128, m: u128) -> Vec<u128> {
     let lo = x / m * m;
     let mut out = Vec::new();
     if lo > 0 {
@@ -85,7 +101,7 @@ fn multiples_near(x: u64, m: u64) -> Vec<u64> {
 }
 
 /// Divisors of `n` nearest to `target` (one at or below, one above).
-fn divisors_near(n: u64, target: u64) -> Vec<u64> {
+fn divisors_near(n: u128, target: u128) -> Vec<u128> {
     let mut below = None;
     let mut above = None;
     let mut d = 1;
@@ -105,7 +121,7 @@ fn divisors_near(n: u64, target: u64) -> Vec<u64> {
     below.into_iter().chain(above).collect()
 }
 
-fn list(name: &str, values: &[u64], note: &str) -> Option<String> {
+fn list(name: &str, values: &[u128], note: &str) -> Option<String> {
     if values.is_empty() {
         return None;
     }
@@ -116,7 +132,8 @@ fn list(name: &str, values: &[u64], note: &str) -> Option<String> {
 /// Resolves the three batch numbers for `r.ctx.world_size`.
 pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings, ConfigError> {
     let ctx = r.ctx;
-    let w = ctx.world_size.max(1) as u64;
+    // u128: three values below 2^31 times any world size cannot overflow.
+    let w = ctx.world_size.max(1) as u128;
     let tb = read_key(r, root, TB, ctx.train_batch_size, "--train-batch-size")?;
     let mb = read_key(r, root, MB, ctx.micro_batch, "--micro-batch")?;
     let gas = read_key(r, root, GAS, None, "")?;
@@ -124,11 +141,12 @@ pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings
         |at: &Where, detail: String, suggestions: Vec<Option<String>>| ConfigError::BatchMismatch {
             at: at.clone(),
             detail,
-            world_size: w as usize,
+            world_size: ctx.world_size.max(1),
             world_size_source: ctx.world_size_source.clone(),
             suggestions: suggestions.into_iter().flatten().collect(),
         };
-    let (t, m, g) = match (tb.value, mb.value, gas.value) {
+    let wide = |v: Option<u64>| v.map(u128::from);
+    let (t, m, g) = match (wide(tb.value), wide(mb.value), wide(gas.value)) {
         (Some(t), Some(m), Some(g)) => {
             if t != m * g * w {
                 return Err(mismatch(
@@ -227,7 +245,7 @@ pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings
                     train_batch_size: 0,
                     micro_batch_per_gpu: 0,
                     gradient_accumulation_steps: gas.value.unwrap_or(0) as usize,
-                    world_size: w as usize,
+                    world_size: ctx.world_size.max(1),
                 });
             }
             let (at, hint) = if any_auto {
@@ -263,11 +281,18 @@ pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings
             "{GAS}: \"auto\" resolved to {g} from {TB} {t}, {MB} {m} and world size {w}"
         ));
     }
+    let fits = |v: u128| usize::try_from(v).ok();
+    let (Some(tu), Some(mu), Some(gu)) = (fits(t), fits(m), fits(g)) else {
+        return Err(ConfigError::OutOfRange {
+            at: tb.at,
+            message: format!("train_batch_size {t} is too large"),
+        });
+    };
     Ok(BatchSettings {
-        train_batch_size: t as usize,
-        micro_batch_per_gpu: m as usize,
-        gradient_accumulation_steps: g as usize,
-        world_size: w as usize,
+        train_batch_size: tu,
+        micro_batch_per_gpu: mu,
+        gradient_accumulation_steps: gu,
+        world_size: ctx.world_size.max(1),
     })
 }
 

@@ -182,6 +182,8 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
     })
 }
 
+/// A dtype name, case-insensitive, `torch.` prefix allowed; `allowed` lists the spellings the
+/// key accepts (communication_data_type takes only the short ones, as in DeepSpeed).
 fn dtype(
     r: &Reader<'_>,
     path: &str,
@@ -190,25 +192,21 @@ fn dtype(
 ) -> Result<Precision, ConfigError> {
     let s = r.node_str(path, node)?;
     let lower = s.to_ascii_lowercase();
-    let lower = lower.strip_prefix("torch.").unwrap_or(&lower);
-    let p = match lower {
-        "fp32" | "float32" | "float" => Precision::Fp32,
-        "fp16" | "float16" | "half" => Precision::Fp16,
-        "bf16" | "bfloat16" | "bfloat" => Precision::Bf16,
-        _ => None.ok_or_else(|| ConfigError::InvalidChoice {
-            at: r.at(path, node),
-            value: s.into(),
-            allowed: allowed.join(", "),
-        })?,
+    let name = lower.strip_prefix("torch.").unwrap_or(&lower);
+    let p = match name {
+        "fp32" | "float32" | "float" => Some(Precision::Fp32),
+        "fp16" | "float16" | "half" => Some(Precision::Fp16),
+        "bf16" | "bfloat16" | "bfloat" => Some(Precision::Bf16),
+        _ => None,
     };
-    if !allowed.contains(&lower) {
-        return Err(ConfigError::InvalidChoice {
+    match p {
+        Some(p) if allowed.contains(&name) => Ok(p),
+        _ => Err(ConfigError::InvalidChoice {
             at: r.at(path, node),
             value: s.into(),
             allowed: allowed.join(", "),
-        });
+        }),
     }
-    Ok(p)
 }
 
 /// How `enabled` was given in the fp16 / bf16 block.
@@ -413,7 +411,7 @@ fn optimizer(r: &mut Reader<'_>, m: &Member) -> Result<OptimizerSettings, Config
         p.get("lr"),
         s.lr,
         lr_auto,
-        "pass the learning rate on the command line or write a number",
+        "write a number (a command that takes a learning rate fills it)",
         |r, p, n| r.nonneg_f64(p, n),
     )?;
     s.betas = r.read(
@@ -610,8 +608,8 @@ fn scheduler(
     }
     let lr_auto = r.ctx.lr;
     let steps_auto = r.ctx.total_steps.map(|s| s as u64);
-    let lr_hint = "pass the learning rate on the command line or write a number";
-    let steps_hint = "pass the number of training steps on the command line or write a number";
+    let lr_hint = "write a number (a command that takes a learning rate fills it)";
+    let steps_hint = "write a number (a command that takes the number of steps fills it)";
     let f = |r: &mut Reader<'_>, key: &str, default: f64, auto: Option<f64>, hint: &str| {
         let path = join(p.path, key);
         r.read(&path, p.get(key), default, auto, hint, |r, q, n| {

@@ -125,7 +125,13 @@ impl<'s> Reader<'s> {
     pub fn collect_unknown(&mut self, obj: Obj<'_>, known: &[&str]) {
         for m in obj.members {
             if !known.contains(&m.key.as_str()) {
-                self.ignored.push(join(obj.path, &m.key));
+                // A typo here (`zero_optimisation`) would silently drop a whole block, so the
+                // warning carries the suggestion.
+                let path = join(obj.path, &m.key);
+                self.ignored.push(match suggest(&m.key, known) {
+                    Some(s) => format!("{path} (did you mean \"{s}\"?)"),
+                    None => path,
+                });
             }
         }
     }

@@ -56,6 +56,16 @@ const ZERO_KEYS: &[&str] = &[
     "pipeline_loading_checkpoint",
     "override_module_apply",
     "log_trace_cache_warnings",
+    // Newer DeepSpeed releases (after the 2025 snapshot our defaults follow): accepted and type
+    // checked, listed in the "ignored" warning.
+    "allgather_sequential",
+    "stage3_allgather_sequential",
+    "partition_stream_chunk_size",
+    "stage3_partition_stream_chunk_size",
+    "enable_sanity_checks",
+    "save_muon_momentum_buffer_in_memory",
+    "zenflow",
+    "leaf_module",
 ];
 
 /// Keys that act only at stage 3 (the stage-3 coordinator, partitioned parameters, its optimizer
@@ -322,7 +332,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         &rpath,
         obj.get("reduce_bucket_size"),
         z.reduce_bucket_size,
-        h.map(|h| h * h),
+        h.map(|h| h.saturating_mul(h)),
         hint_h,
         |r, p, n| r.node_u64(p, n),
     )?;
@@ -356,7 +366,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         obj,
         "prefetch_bucket_size",
         z.prefetch_bucket_size,
-        h.map(|h| (0.9 * (h * h) as f64) as u64),
+        h.map(|h| (0.9 * h.saturating_mul(h) as f64) as u64),
         hint_h,
     )?;
     z.param_persistence_threshold = u64_aliased(
@@ -364,7 +374,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         obj,
         "param_persistence_threshold",
         z.param_persistence_threshold,
-        h.map(|h| 10 * h),
+        h.map(|h| h.saturating_mul(10)),
         hint_h,
     )?;
     z.model_persistence_threshold = u64_aliased(
@@ -455,9 +465,50 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     z.override_module_apply = r.bool_or(obj, "override_module_apply", z.override_module_apply)?;
     z.log_trace_cache_warnings = r.bool_or(obj, "log_trace_cache_warnings", false)?;
 
+    newer_keys(r, obj)?;
     offloads(r, obj, &mut z)?;
     stage_warnings(r, obj, &z);
     Ok(z)
+}
+
+/// Keys from DeepSpeed releases newer than the one our defaults follow: checked for type, then
+/// reported as ignored.
+fn newer_keys(r: &mut Reader<'_>, obj: Obj<'_>) -> Result<(), ConfigError> {
+    if let Some((m, path)) = aliased(
+        r,
+        obj,
+        "allgather_sequential",
+        "stage3_allgather_sequential",
+    )? {
+        r.node_bool(&path, &m.node)?;
+        r.ignored.push(path);
+    }
+    if let Some((m, path)) = aliased(
+        r,
+        obj,
+        "partition_stream_chunk_size",
+        "stage3_partition_stream_chunk_size",
+    )? {
+        r.node_u64(&path, &m.node)?;
+        r.ignored.push(path);
+    }
+    for key in [
+        "enable_sanity_checks",
+        "save_muon_momentum_buffer_in_memory",
+    ] {
+        if let Some(m) = obj.get(key) {
+            let path = join(obj.path, key);
+            r.node_bool(&path, &m.node)?;
+            r.ignored.push(path);
+        }
+    }
+    for key in ["zenflow", "leaf_module"] {
+        let path = join(obj.path, key);
+        if optional_block(r, &path, obj.get(key))?.is_some() {
+            r.ignored.push(path);
+        }
+    }
+    Ok(())
 }
 
 /// The modern offload blocks and their legacy spellings.

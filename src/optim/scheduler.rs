@@ -53,7 +53,7 @@ fn one_cycle_scale(first: u64, second: Option<u64>, stairs: (u64, Option<u64>), 
 /// The learning rate for optimizer step `step`. `base_lr` is the optimizer's configured lr:
 /// WarmupCosineLR scales it, and WarmupLR without `warmup_max_lr` warms up to it.
 pub fn lr_at(s: &SchedulerSettings, base_lr: f64, step: u64) -> f64 {
-    let it = step as i64 - 1;
+    let it = i64::try_from(step).unwrap_or(i64::MAX) - 1;
     match *s {
         SchedulerSettings::WarmupLR {
             warmup_min_lr,
