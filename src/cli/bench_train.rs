@@ -1,8 +1,287 @@
-//! `zerodp bench train` (being built; see the issue tracker).
+//! `zerodp bench train`: training throughput (tokens/s) per ZeRO stage and world size.
+//!
+//! For every (stage, world size) pair: build the GPT, run warm-up steps, then time steps; a step's
+//! time is the slowest rank's, and the reported throughput is the global batch's tokens over the
+//! median step time. With `--rounds R` the pairs run R times, interleaved, and the median is over
+//! all rounds (a shared machine's load drifts; interleaving spreads the drift evenly). fp32, DeepSpeed's default bucket and stage-3 knobs unless overridden. The data
+//! are seeded random ASCII bytes (the corpus must be UTF-8): throughput does not depend on the text.
+
+use super::train::{in_rank_pool, rank_threads, ModelArgs};
+use anyhow::bail;
+use zerodp::comm::{run_ranks, CommOptions};
+use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64, UnitModel};
+use zerodp::zero::{Engine, EngineConfig, PhaseTimes, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
-pub struct BenchTrainArgs {}
+pub struct BenchTrainArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Stages to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![0u8, 1, 2, 3])]
+    pub stages: Vec<u8>,
+    /// World sizes to run, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1usize, 2, 4])]
+    pub world_sizes: Vec<usize>,
+    /// Sequences per rank per step (one micro-batch, no accumulation).
+    #[arg(long, default_value_t = 8)]
+    pub per_rank: usize,
+    /// Untimed steps first.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: usize,
+    /// Timed steps per round (the median over all rounds is reported).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Run every configuration this many times, interleaved, so that a change in the machine's
+    /// load spreads over all of them instead of favouring one.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
+    /// Gradient bucket size in elements.
+    #[arg(long, default_value_t = 500_000_000)]
+    pub reduce_bucket_size: usize,
+    /// Reduce and gather without overlapping compute.
+    #[arg(long)]
+    pub no_overlap: bool,
+    /// Stage 3: `stage3_max_reuse_distance` (0 = strict: release after forward, gather again and
+    /// recompute in backward).
+    #[arg(long, default_value_t = 1_000_000_000)]
+    pub max_reuse_distance: usize,
+    /// Recompute units in backward at every stage.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// `table` or `json`.
+    #[arg(long, default_value = "table")]
+    pub format: String,
+}
 
-pub fn run(_args: BenchTrainArgs) -> anyhow::Result<i32> {
-    anyhow::bail!("this command is not built yet")
+/// One measured configuration.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchRow {
+    pub stage: u8,
+    pub world_size: usize,
+    pub num_params: usize,
+    pub tokens_per_step: usize,
+    /// Timed steps over all rounds.
+    pub timed_steps: usize,
+    pub median_step_s: f64,
+    pub min_step_s: f64,
+    pub tokens_per_s: f64,
+    /// Rank 0's model states and buffers at the end, in bytes.
+    pub bytes_per_rank: u64,
+    pub peak_bytes_per_rank: u64,
+    pub rayon_threads_per_rank: usize,
+    /// Rank 0's time split of its median-time step, in seconds.
+    pub phases: zerodp::zero::PhaseTimes,
+}
+
+pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
+    if args.format != "table" && args.format != "json" {
+        bail!("--format must be table or json, got {}", args.format);
+    }
+    if args.steps == 0 || args.per_rank == 0 || args.rounds == 0 {
+        bail!("--steps, --per-rank and --rounds must be at least 1");
+    }
+    let gpt = args.model.build("small")?;
+    let model = GptModel::new(gpt.clone())?;
+    let mut rng = SplitMix64::new(1);
+    let bytes: Vec<u8> = (0..(gpt.context + 1) * 4096)
+        .map(|_| (rng.next_u64() % 128) as u8)
+        .collect();
+    let data = DataLoader::new(Corpus::from_bytes("random bytes", bytes)?, gpt.context, 1)?;
+    let mut samples: Vec<Samples> = Vec::new();
+    for round in 0..args.rounds {
+        for &world in &args.world_sizes {
+            for &s in &args.stages {
+                let stage =
+                    Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
+                let got = measure(&args, &model, &data, stage, world)?;
+                if args.format == "table" {
+                    let mut times = got.steps.clone();
+                    times.sort_by(f64::total_cmp);
+                    eprintln!(
+                        "round {} stage {s} world {world}: median step {:.1} ms",
+                        round + 1,
+                        times[times.len() / 2] * 1e3
+                    );
+                }
+                match samples
+                    .iter_mut()
+                    .find(|x| x.stage == stage && x.world == world)
+                {
+                    Some(x) => x.merge(got),
+                    None => samples.push(got),
+                }
+            }
+        }
+    }
+    let rows: Vec<BenchRow> = samples
+        .iter()
+        .map(|x| x.row(model.spec().num_params(), data.context()))
+        .collect();
+    if args.format == "table" {
+        for r in &rows {
+            let p = &r.phases;
+            eprintln!(
+                "stage {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward {:.1}, \
+                 recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
+                r.stage,
+                r.world_size,
+                r.tokens_per_s,
+                r.median_step_s * 1e3,
+                p.forward * 1e3,
+                p.recompute * 1e3,
+                p.backward * 1e3,
+                p.comm * 1e3,
+                p.optimizer * 1e3
+            );
+        }
+    }
+    if args.format == "json" {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print_table(&rows, &gpt, args.per_rank);
+    }
+    Ok(0)
+}
+
+/// Timed steps of one configuration, over one or more rounds.
+struct Samples {
+    stage: Stage,
+    world: usize,
+    per_rank: usize,
+    threads: usize,
+    /// Each step's time: its slowest rank's.
+    steps: Vec<f64>,
+    /// Rank 0's phase split of each step.
+    phases: Vec<PhaseTimes>,
+    last: StepReport,
+}
+
+impl Samples {
+    fn merge(&mut self, other: Samples) {
+        self.steps.extend(other.steps);
+        self.phases.extend(other.phases);
+        self.last = other.last;
+    }
+
+    fn row(&self, num_params: usize, context: usize) -> BenchRow {
+        let mut order: Vec<usize> = (0..self.steps.len()).collect();
+        order.sort_by(|&a, &b| self.steps[a].total_cmp(&self.steps[b]));
+        let median_index = order[order.len() / 2];
+        let median = self.steps[median_index];
+        let tokens = self.per_rank * self.world * context;
+        BenchRow {
+            stage: self.stage.index(),
+            world_size: self.world,
+            num_params,
+            tokens_per_step: tokens,
+            timed_steps: self.steps.len(),
+            median_step_s: median,
+            min_step_s: self.steps[order[0]],
+            tokens_per_s: tokens as f64 / median,
+            bytes_per_rank: self.last.memory.total,
+            peak_bytes_per_rank: self.last.peak_bytes,
+            rayon_threads_per_rank: self.threads,
+            phases: self.phases[median_index],
+        }
+    }
+}
+
+fn measure(
+    args: &BenchTrainArgs,
+    model: &GptModel,
+    data: &DataLoader,
+    stage: Stage,
+    world: usize,
+) -> anyhow::Result<Samples> {
+    if world == 0 {
+        bail!("world sizes must be at least 1");
+    }
+    let mut cfg = EngineConfig::new(stage, world);
+    cfg.micro_batch = args.per_rank;
+    cfg.reduce_bucket_size = args.reduce_bucket_size;
+    cfg.overlap_comm = !args.no_overlap;
+    cfg.activation_checkpointing = args.checkpoint_activations;
+    cfg.max_reuse_distance = args.max_reuse_distance;
+    let global = args.per_rank * world;
+    let threads = rank_threads(world);
+    let total = args.warmup + args.steps;
+    let per_rank = run_ranks(
+        world,
+        CommOptions::from_env()?,
+        |comm, rank| -> anyhow::Result<_> {
+            in_rank_pool(threads, || {
+                let mut engine = Engine::new(model, &*comm, cfg.clone())?;
+                let mut reports = Vec::with_capacity(total);
+                for step in 0..total {
+                    let batch =
+                        data.micro_batch(step as u64, global, world, rank, args.per_rank, 0)?;
+                    reports.push(engine.train_step(std::slice::from_ref(&batch), 1e-4)?);
+                }
+                Ok(reports.split_off(args.warmup))
+            })
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    // A step takes as long as its slowest rank.
+    let steps = (0..args.steps)
+        .map(|i| {
+            per_rank
+                .iter()
+                .map(|r| r[i].elapsed.as_secs_f64())
+                .fold(0.0, f64::max)
+        })
+        .collect();
+    let phases = per_rank[0].iter().map(|r| r.phases).collect();
+    let last = per_rank[0].last().expect("at least one timed step").clone();
+    Ok(Samples {
+        stage,
+        world,
+        per_rank: args.per_rank,
+        threads,
+        steps,
+        phases,
+        last,
+    })
+}
+
+fn print_table(rows: &[BenchRow], gpt: &zerodp::model::GptConfig, per_rank: usize) {
+    println!(
+        "GPT {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, fp32",
+        gpt.layers,
+        gpt.width,
+        gpt.heads,
+        gpt.context,
+        gpt.vocab_size,
+        rows.first().map_or(0, |r| r.num_params),
+        per_rank
+    );
+    println!(
+        "{:>5} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12}",
+        "stage",
+        "world",
+        "tokens/step",
+        "median ms",
+        "tokens/s",
+        "vs ZeRO-0",
+        "MiB/rank",
+        "peak MiB"
+    );
+    for r in rows {
+        let base = rows
+            .iter()
+            .find(|b| b.stage == 0 && b.world_size == r.world_size)
+            .map(|b| format!("{:+.1}%", (r.tokens_per_s / b.tokens_per_s - 1.0) * 100.0))
+            .unwrap_or_else(|| "-".into());
+        println!(
+            "{:>5} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1}",
+            r.stage,
+            r.world_size,
+            r.tokens_per_step,
+            r.median_step_s * 1e3,
+            r.tokens_per_s,
+            base,
+            r.bytes_per_rank as f64 / (1024.0 * 1024.0),
+            r.peak_bytes_per_rank as f64 / (1024.0 * 1024.0)
+        );
+    }
 }

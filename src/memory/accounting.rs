@@ -1,1 +1,175 @@
 //! Byte accounting per kind: parameters, gradients, master weights, optimizer states, buffers.
+//!
+//! The engine allocates every model-state buffer up front (llm.c style) and reports each allocation
+//! and release here, so that a rank can say at any moment what it holds by kind and what its peak
+//! was. Activations belong to the model and are not counted: these are the ZeRO "model states".
+//! Traffic per step comes from [`crate::comm::TrafficCounters`] deltas, reshaped here into
+//! per-kind maps for the metrics lines.
+
+use crate::comm::{CollectiveKind, TrafficCounters};
+use std::collections::BTreeMap;
+
+/// What a block of bytes is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MemoryKind {
+    /// Parameters in their compute dtype (full, or the own shard at stage 3).
+    Params,
+    /// Gradients (full at stages 0-1, the own accumulated shard at stages 2-3).
+    Grads,
+    /// The fp32 master copy of the own shard, where it is separate from the parameters.
+    Master,
+    /// Adam's first and second moments.
+    OptimizerStates,
+    /// Communication buckets and transient per-unit gradient buffers.
+    Buffers,
+    /// The stage-3 gather pool (gathered parameters of units in use or prefetched).
+    Gather,
+}
+
+impl MemoryKind {
+    pub const ALL: [MemoryKind; 6] = [
+        MemoryKind::Params,
+        MemoryKind::Grads,
+        MemoryKind::Master,
+        MemoryKind::OptimizerStates,
+        MemoryKind::Buffers,
+        MemoryKind::Gather,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            MemoryKind::Params => "params",
+            MemoryKind::Grads => "grads",
+            MemoryKind::Master => "master",
+            MemoryKind::OptimizerStates => "optimizer_states",
+            MemoryKind::Buffers => "buffers",
+            MemoryKind::Gather => "gather",
+        }
+    }
+}
+
+/// Bytes held now by kind, and the peak of their total.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryLedger {
+    current: [u64; 6],
+    peak: [u64; 6],
+    peak_total: u64,
+}
+
+impl MemoryLedger {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Record `bytes` more of `kind`.
+    pub fn alloc(&mut self, kind: MemoryKind, bytes: u64) {
+        let i = kind as usize;
+        self.current[i] += bytes;
+        self.peak[i] = self.peak[i].max(self.current[i]);
+        self.peak_total = self.peak_total.max(self.total());
+    }
+    /// Record that `bytes` of `kind` were released. Panics on underflow, which is an engine bug.
+    pub fn free(&mut self, kind: MemoryKind, bytes: u64) {
+        let i = kind as usize;
+        self.current[i] = self.current[i]
+            .checked_sub(bytes)
+            .unwrap_or_else(|| panic!("memory ledger underflow for {}", kind.name()));
+    }
+    pub fn current(&self, kind: MemoryKind) -> u64 {
+        self.current[kind as usize]
+    }
+    /// The largest value `kind` ever reached.
+    pub fn peak_of(&self, kind: MemoryKind) -> u64 {
+        self.peak[kind as usize]
+    }
+    pub fn total(&self) -> u64 {
+        self.current.iter().sum()
+    }
+    /// The largest total ever held.
+    pub fn peak(&self) -> u64 {
+        self.peak_total
+    }
+    /// A snapshot for reports.
+    pub fn snapshot(&self) -> ModelStateBytes {
+        let c = |k: MemoryKind| self.current(k);
+        ModelStateBytes {
+            params: c(MemoryKind::Params),
+            grads: c(MemoryKind::Grads),
+            master: c(MemoryKind::Master),
+            optimizer_states: c(MemoryKind::OptimizerStates),
+            buffers: c(MemoryKind::Buffers),
+            gather: c(MemoryKind::Gather),
+            total: self.total(),
+        }
+    }
+}
+
+/// What a rank holds, by kind, in bytes (the `model_state_bytes` object of a metrics line).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelStateBytes {
+    pub params: u64,
+    pub grads: u64,
+    pub master: u64,
+    pub optimizer_states: u64,
+    pub buffers: u64,
+    pub gather: u64,
+    pub total: u64,
+}
+
+/// Bytes sent and received per collective kind (keys as in [`CollectiveKind::name`]); barriers,
+/// which move nothing, are left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TrafficByKind {
+    pub sent_bytes: BTreeMap<String, u64>,
+    pub recv_bytes: BTreeMap<String, u64>,
+}
+
+impl TrafficByKind {
+    pub fn from_counters(t: &TrafficCounters) -> Self {
+        let mut out = TrafficByKind::default();
+        for kind in CollectiveKind::ALL {
+            if kind == CollectiveKind::Barrier {
+                continue;
+            }
+            out.sent_bytes.insert(kind.name().to_string(), t.sent(kind));
+            out.recv_bytes.insert(kind.name().to_string(), t.recv(kind));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ledger_tracks_current_and_peak() {
+        let mut l = MemoryLedger::new();
+        l.alloc(MemoryKind::Params, 100);
+        l.alloc(MemoryKind::Gather, 50);
+        l.free(MemoryKind::Gather, 50);
+        l.alloc(MemoryKind::Gather, 20);
+        assert_eq!(l.total(), 120);
+        assert_eq!(l.peak(), 150);
+        assert_eq!(l.peak_of(MemoryKind::Gather), 50);
+        let s = l.snapshot();
+        assert_eq!((s.params, s.gather, s.total), (100, 20, 120));
+    }
+
+    #[test]
+    #[should_panic(expected = "underflow")]
+    fn ledger_underflow_is_a_bug() {
+        let mut l = MemoryLedger::new();
+        l.free(MemoryKind::Grads, 1);
+    }
+
+    #[test]
+    fn traffic_by_kind_names_every_collective_but_barrier() {
+        let mut t = TrafficCounters::default();
+        t.sent_bytes[CollectiveKind::ReduceScatter as usize] = 7;
+        t.recv_bytes[CollectiveKind::AllGather as usize] = 9;
+        let k = TrafficByKind::from_counters(&t);
+        assert_eq!(k.sent_bytes["reduce_scatter"], 7);
+        assert_eq!(k.recv_bytes["all_gather"], 9);
+        assert_eq!(k.sent_bytes.len(), 4);
+        assert!(!k.sent_bytes.contains_key("barrier"));
+    }
+}

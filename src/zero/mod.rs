@@ -1,3 +1,23 @@
 //! The ZeRO engine: flat buffers, partitions, stages 0-3.
+//!
+//! * [`config`]: [`EngineConfig`], a plain struct (the CLI maps DeepSpeed settings onto it).
+//! * [`flat`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
+//! * [`schedule`]: the static visit order of a step and when tied gradients are complete.
+//! * [`buffers`]: the sizing rules of every buffer, one pure function shared with the planner.
+//! * [`buckets`]: bucketed all-reduce (stage 0), true reduce-scatter (stages 1-3) and the
+//!   post-step all-gather (stages 1-2).
+//! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
+//! * [`engine`]: one rank's [`Engine`] and its [`StepReport`].
+//! * [`loss_scaler`]: fp16 loss scaling (for mixed precision).
 
+pub mod buckets;
+pub mod buffers;
+pub mod config;
+pub mod engine;
+pub mod flat;
+pub mod gather;
 pub mod loss_scaler;
+pub mod schedule;
+
+pub use config::{EngineConfig, Stage};
+pub use engine::{Engine, EngineError, PhaseTimes, StepReport};

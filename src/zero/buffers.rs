@@ -1,0 +1,194 @@
+//! The sizing rules of every buffer the engine allocates besides the model states, in one pure
+//! function, so that the engine and the planner (`memory::planner`) cannot disagree.
+//!
+//! * Reduction buckets: `min(reduce_bucket_size, Ψ)` elements (padded Ψ, rounded down to a multiple
+//!   of the world size so that a bucket splits into equal rank regions) in the communication dtype;
+//!   two when `overlap_comm` (one fills while the other is in flight), else one. Each bucket has a
+//!   companion of one rank region (the reduce-scatter output / all-gather input), stages 1-3.
+//! * Stages 2-3: transient full-unit gradient buffers, each the size of the largest padded unit, as
+//!   many as a backward holds at once (a tied unit's gradient waits for its last user).
+//! * Stage 3: the gathered-parameter budget, `max(working set, min(max_live_parameters, Ψ))`
+//!   elements in the parameter dtype, where the working set is the largest visit (a unit plus the
+//!   units it uses) plus the persistent units. Units within `max_reuse_distance` keep their forward
+//!   graph (and so a copy of their weights) until backward instead of being recomputed: the last
+//!   units first, while their weights fit in the budget beside the working set. What is left is
+//!   the gather pool, which bounds every fetch, prefetch or not.
+
+use super::config::{EngineConfig, Stage};
+use super::flat::FlatLayout;
+use super::schedule;
+use crate::comm::DType;
+use crate::model::ModelSpec;
+
+/// The buffers a configuration allocates, in elements, with their dtypes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BufferPlan {
+    /// Elements per reduction bucket (a multiple of the world size).
+    pub bucket_elems: usize,
+    /// Number of buckets (2 with `overlap_comm`).
+    pub bucket_count: usize,
+    /// Elements of each bucket's one-region companion (0 at stage 0, which only all-reduces).
+    pub region_elems: usize,
+    /// Dtype of the buckets.
+    pub comm_dtype: DType,
+    /// Elements of each transient full-unit gradient buffer (stages 2-3).
+    pub grad_scratch_elems: usize,
+    /// How many of them.
+    pub grad_scratch_count: usize,
+    /// Stage 3: elements of the gather pool (0 otherwise).
+    pub gather_pool_elems: usize,
+    /// Stage 3: units that keep their forward graph until backward (no second gather, no
+    /// recompute); the last unit always does.
+    pub keep_graph: Vec<bool>,
+    /// Stage 3: elements of weights held by kept graphs at most (beside the pool).
+    pub kept_graph_elems: usize,
+    /// Stage 3: which units stay gathered for the whole step.
+    pub persistent: Vec<bool>,
+    /// Dtype of the gathered parameters.
+    pub param_dtype: DType,
+}
+
+impl BufferPlan {
+    /// Bytes of the communication buckets and gradient scratch (the `buffers` kind).
+    pub fn buffer_bytes(&self) -> u64 {
+        let comm = self.bucket_count * (self.bucket_elems + self.region_elems);
+        (comm * self.comm_dtype.size()) as u64
+            + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
+    }
+    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
+    pub fn gather_bytes(&self) -> u64 {
+        ((self.gather_pool_elems + self.kept_graph_elems) * self.param_dtype.size()) as u64
+    }
+}
+
+/// Size every buffer for `spec` under `cfg`.
+pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
+    let world = cfg.world_size.max(1);
+    let layout = FlatLayout::new(spec, world, 0);
+    let total = layout.padded_numel();
+    let region = (cfg.reduce_bucket_size.min(total) / world).max(1);
+    let bucket_count = if cfg.overlap_comm { 2 } else { 1 };
+    let stage = cfg.stage;
+    let (grad_scratch_elems, grad_scratch_count) = if stage.shards_grads() {
+        (layout.largest_padded(), schedule::max_grads_held(spec))
+    } else {
+        (0, 0)
+    };
+    let persistent: Vec<bool> = layout
+        .units
+        .iter()
+        .map(|u| stage == Stage::Zero3 && u.numel <= cfg.param_persistence_threshold)
+        .collect();
+    let n = spec.units.len();
+    let mut keep_graph = vec![false; n];
+    let mut kept_graph_elems = 0;
+    let gather_pool_elems = if stage == Stage::Zero3 && n > 0 {
+        keep_graph[n - 1] = true;
+        let padded = |k: usize| layout.units[k].padded;
+        let persistent_elems: usize = (0..n).filter(|&k| persistent[k]).map(padded).sum();
+        let largest_visit = (0..n)
+            .map(|u| {
+                schedule::needs_of(spec, u)
+                    .into_iter()
+                    .filter(|&k| !persistent[k])
+                    .map(padded)
+                    .sum::<usize>()
+            })
+            .max()
+            .unwrap_or(0);
+        let budget = (persistent_elems + largest_visit).max(cfg.max_live_parameters.min(total));
+        let mut room = budget - persistent_elems - largest_visit;
+        if !cfg.activation_checkpointing {
+            // Units closest to the end first: their reuse distance is the shortest.
+            for u in (0..n - 1).rev() {
+                let distance: usize = (u + 1..n).map(padded).sum();
+                let cost: usize = schedule::needs_of(spec, u).into_iter().map(padded).sum();
+                if distance > cfg.max_reuse_distance || cost > room {
+                    break;
+                }
+                keep_graph[u] = true;
+                kept_graph_elems += cost;
+                room -= cost;
+            }
+        }
+        budget - kept_graph_elems
+    } else {
+        0
+    };
+    BufferPlan {
+        bucket_elems: region * world,
+        bucket_count,
+        region_elems: if stage == Stage::Zero0 { 0 } else { region },
+        comm_dtype: cfg.comm_dtype,
+        grad_scratch_elems,
+        grad_scratch_count,
+        gather_pool_elems,
+        keep_graph,
+        kept_graph_elems,
+        persistent,
+        param_dtype: DType::F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{ParamSpec, UnitSpec};
+
+    fn spec() -> ModelSpec {
+        let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {
+            name: format!("u{i}"),
+            params: vec![ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            }],
+            uses,
+        };
+        ModelSpec {
+            units: vec![
+                unit(0, 64, vec![]),
+                unit(1, 128, vec![]),
+                unit(2, 8, vec![0]),
+            ],
+        }
+    }
+
+    #[test]
+    fn buckets_are_capped_by_the_model_and_doubled_by_overlap() {
+        let mut cfg = EngineConfig::new(Stage::Zero2, 2);
+        let p = plan(&spec(), &cfg);
+        assert_eq!(p.bucket_elems, 64 + 128 + 16);
+        assert_eq!(p.bucket_count, 2);
+        assert_eq!(p.region_elems, 104);
+        assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2));
+        cfg.overlap_comm = false;
+        cfg.reduce_bucket_size = 33;
+        let p = plan(&spec(), &cfg);
+        assert_eq!(
+            (p.bucket_elems, p.bucket_count, p.region_elems),
+            (32, 1, 16)
+        );
+        assert_eq!(p.buffer_bytes(), (32 + 16 + 128 * 2) * 4);
+    }
+
+    #[test]
+    fn gather_pool_holds_at_least_the_largest_visit() {
+        let mut cfg = EngineConfig::new(Stage::Zero3, 2);
+        cfg.param_persistence_threshold = 0;
+        cfg.max_live_parameters = 10;
+        cfg.max_reuse_distance = 0;
+        let p = plan(&spec(), &cfg);
+        // The head (16 padded) reads unit 0 (64): 80 < unit 1 (128).
+        assert_eq!(p.gather_pool_elems, 128);
+        cfg.param_persistence_threshold = 8;
+        let p = plan(&spec(), &cfg);
+        assert_eq!(p.persistent, vec![false, false, true]);
+        assert_eq!(p.gather_pool_elems, 16 + 128);
+        cfg.max_live_parameters = 1_000_000;
+        assert_eq!(plan(&spec(), &cfg).gather_pool_elems, 208);
+        assert_eq!(
+            plan(&spec(), &EngineConfig::new(Stage::Zero2, 2)).gather_pool_elems,
+            0
+        );
+    }
+}

@@ -1,0 +1,249 @@
+//! Stage 3: the parameter fetch/release coordinator and its bounded gather pool.
+//!
+//! Between uses a rank holds only its parameter shards. The step's visits (see
+//! [`schedule`](super::schedule)) are known in advance, so the coordinator all-gathers each visit's
+//! units just before it runs, prefetches the following visits' units while it computes (up to
+//! `prefetch_bucket_size` elements ahead) and releases units the next visits do not need. Units under
+//! the persistence threshold stay gathered until the optimizer step changes them.
+//!
+//! Every fetch, demand or prefetch, must fit in the pool (`max_live_parameters`, raised to the
+//! largest working set): a prefetch that does not fit waits for a later visit, and because prefetches
+//! are issued strictly in visit order a demand fetch always fits. Gathered buffers are slabs recycled
+//! through the pool, so steady-state steps allocate nothing.
+
+use super::flat::FlatLayout;
+use crate::comm::{Buffer, CommError, CommHandle, Communicator};
+use crate::memory::accounting::{MemoryKind, MemoryLedger};
+
+/// Recycled gathered-parameter slabs whose capacities never add up to more than `limit` elements.
+#[derive(Debug)]
+pub struct GatherPool {
+    limit: usize,
+    free: Vec<Vec<f32>>,
+    /// Elements of every slab in existence, free or in use.
+    held: usize,
+}
+
+impl GatherPool {
+    pub fn new(limit: usize) -> Self {
+        GatherPool {
+            limit,
+            free: Vec::new(),
+            held: 0,
+        }
+    }
+    /// A slab of `len` elements (contents unspecified). Only a free slab of exactly that size is
+    /// reused (units recur with the same sizes every step, so this is the common case), so the slabs
+    /// in use add up to exactly the live elements, which the coordinator keeps within the limit;
+    /// free slabs are dropped when a new one is needed to keep to it.
+    fn take(&mut self, len: usize, ledger: &mut MemoryLedger) -> Vec<f32> {
+        if let Some(i) = self.free.iter().position(|v| v.capacity() == len) {
+            let mut v = self.free.swap_remove(i);
+            v.resize(len, 0.0);
+            return v;
+        }
+        while self.held + len > self.limit {
+            let Some(v) = self.free.pop() else { break };
+            self.held -= v.capacity();
+            ledger.free(MemoryKind::Gather, (v.capacity() * 4) as u64);
+        }
+        assert!(
+            self.held + len <= self.limit,
+            "gather pool over its limit: {} + {} > {} elements",
+            self.held,
+            len,
+            self.limit
+        );
+        let mut v = Vec::with_capacity(len);
+        v.resize(len, 0.0);
+        self.held += v.capacity();
+        ledger.alloc(MemoryKind::Gather, (v.capacity() * 4) as u64);
+        v
+    }
+    fn give(&mut self, v: Vec<f32>) {
+        self.free.push(v);
+    }
+}
+
+enum Residency {
+    Released,
+    /// The gather is in flight; the shard travels inside it.
+    InFlight(CommHandle),
+    Ready(Vec<f32>),
+}
+
+/// Gathers, prefetches and releases the units of a stage-3 step.
+pub struct Coordinator {
+    /// The rank's parameter shard of every unit (empty while its gather is in flight).
+    shards: Vec<Vec<f32>>,
+    residency: Vec<Residency>,
+    persistent: Vec<bool>,
+    padded: Vec<usize>,
+    pool: GatherPool,
+    /// Padded elements of units in flight or ready.
+    live: usize,
+    prefetch_limit: usize,
+    /// Units needed by each visit of the step.
+    needs: Vec<Vec<usize>>,
+    /// Every visit before this one has all its units issued.
+    issued_upto: usize,
+}
+
+impl Coordinator {
+    pub fn new(
+        shards: Vec<Vec<f32>>,
+        layout: &FlatLayout,
+        persistent: Vec<bool>,
+        pool_elems: usize,
+        prefetch_limit: usize,
+        needs: Vec<Vec<usize>>,
+    ) -> Self {
+        let n = layout.num_units();
+        Coordinator {
+            shards,
+            residency: (0..n).map(|_| Residency::Released).collect(),
+            persistent,
+            padded: layout.units.iter().map(|u| u.padded).collect(),
+            pool: GatherPool::new(pool_elems),
+            live: 0,
+            prefetch_limit,
+            needs,
+            issued_upto: 0,
+        }
+    }
+
+    /// The shards, for the optimizer step. Only valid after [`Coordinator::invalidate`].
+    pub fn shards_mut(&mut self) -> &mut [Vec<f32>] {
+        debug_assert!(self
+            .residency
+            .iter()
+            .all(|r| matches!(r, Residency::Released)));
+        &mut self.shards
+    }
+    pub fn shards(&self) -> &[Vec<f32>] {
+        &self.shards
+    }
+
+    /// The gathered parameters of `unit` (padded), which must be ready.
+    pub fn params(&self, unit: usize) -> &[f32] {
+        match &self.residency[unit] {
+            Residency::Ready(v) => v,
+            _ => panic!("unit {unit} used while not gathered"),
+        }
+    }
+
+    fn issue(&mut self, comm: &dyn Communicator, unit: usize, ledger: &mut MemoryLedger) {
+        let out = self.pool.take(self.padded[unit], ledger);
+        let shard = std::mem::take(&mut self.shards[unit]);
+        let h = comm.all_gather(Buffer::F32(shard), Buffer::F32(out));
+        self.residency[unit] = Residency::InFlight(h);
+        self.live += self.padded[unit];
+    }
+
+    fn wait(&mut self, unit: usize) -> Result<(), CommError> {
+        if let Residency::InFlight(_) = self.residency[unit] {
+            let Residency::InFlight(h) =
+                std::mem::replace(&mut self.residency[unit], Residency::Released)
+            else {
+                unreachable!()
+            };
+            let (shard, full) = h.wait_pair()?;
+            self.shards[unit] = shard.into_f32().expect("f32 shard");
+            self.residency[unit] = Residency::Ready(full.into_f32().expect("f32 gather"));
+        }
+        Ok(())
+    }
+
+    /// Make visit `pos`'s units ready, and prefetch what fits for the following visits.
+    pub fn acquire(
+        &mut self,
+        pos: usize,
+        comm: &dyn Communicator,
+        ledger: &mut MemoryLedger,
+    ) -> Result<(), CommError> {
+        for i in 0..self.needs[pos].len() {
+            let u = self.needs[pos][i];
+            if matches!(self.residency[u], Residency::Released) {
+                self.issue(comm, u, ledger);
+            }
+        }
+        self.issued_upto = self.issued_upto.max(pos + 1);
+        self.prefetch(pos, comm, ledger);
+        for i in 0..self.needs[pos].len() {
+            let u = self.needs[pos][i];
+            self.wait(u)?;
+        }
+        Ok(())
+    }
+
+    /// Issue gathers for the visits after `pos`, in order, while they fit both the prefetch limit
+    /// and the pool; stop at the first unit that does not fit.
+    fn prefetch(&mut self, pos: usize, comm: &dyn Communicator, ledger: &mut MemoryLedger) {
+        let mut ahead: usize = (0..self.residency.len())
+            .filter(|&u| {
+                !matches!(self.residency[u], Residency::Released)
+                    && !self.persistent[u]
+                    && !self.needs[pos].contains(&u)
+            })
+            .map(|u| self.padded[u])
+            .sum();
+        while self.issued_upto < self.needs.len() {
+            let j = self.issued_upto;
+            for i in 0..self.needs[j].len() {
+                let u = self.needs[j][i];
+                if !matches!(self.residency[u], Residency::Released) {
+                    continue;
+                }
+                let size = self.padded[u];
+                if ahead + size > self.prefetch_limit || self.live + size > self.pool.limit {
+                    return;
+                }
+                self.issue(comm, u, ledger);
+                ahead += size;
+            }
+            self.issued_upto = j + 1;
+        }
+    }
+
+    /// Release visit `pos`'s units unless they persist or the next visit needs them (FSDP2's
+    /// reshard after forward: backward gathers again). A released unit that a later, already
+    /// prefetched visit needs sends the prefetch horizon back to that visit, so that every visit
+    /// before the horizon always has all its units gathered or in flight.
+    pub fn release(&mut self, pos: usize) {
+        for i in 0..self.needs[pos].len() {
+            let u = self.needs[pos][i];
+            let next_needs = self.needs.get(pos + 1).is_some_and(|n| n.contains(&u));
+            if self.persistent[u] || next_needs {
+                continue;
+            }
+            self.drop_unit(u);
+            if let Some(j) = (pos + 2..self.issued_upto).find(|&j| self.needs[j].contains(&u)) {
+                self.issued_upto = j;
+            }
+        }
+    }
+
+    fn drop_unit(&mut self, unit: usize) {
+        if let Residency::Ready(v) =
+            std::mem::replace(&mut self.residency[unit], Residency::Released)
+        {
+            self.pool.give(v);
+            self.live -= self.padded[unit];
+        }
+    }
+
+    /// Release everything (the parameters are about to change) and start the next step's visits.
+    pub fn invalidate(&mut self) -> Result<(), CommError> {
+        for u in 0..self.residency.len() {
+            self.wait(u)?;
+            self.drop_unit(u);
+        }
+        self.issued_upto = 0;
+        Ok(())
+    }
+
+    /// Padded elements gathered (in flight or ready) right now.
+    pub fn live(&self) -> usize {
+        self.live
+    }
+}
