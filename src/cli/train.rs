@@ -27,7 +27,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use zerodp::comm::{run_ranks, CollectiveKind, CommOptions};
+use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, TraceLevel};
 use zerodp::config::{self, OffloadDevice, Precision, ResolveContext, Settings};
 use zerodp::memory::accounting::TrafficByKind;
 use zerodp::model::{
@@ -159,6 +159,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             bail!("--timeout must be a positive number of seconds, got {t}");
         }
         comm_options.timeout = Duration::from_secs_f64(t);
+    }
+    // The config's comms_logger turns the per-collective trace on, but only when it says
+    // `enabled: true` (DeepSpeed turns it on whenever the block exists). ZERODP_DEBUG, read by
+    // from_env above, can only raise the level, never lower it.
+    if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
+        comm_options.trace = TraceLevel::Info;
     }
     let metrics = match &args.metrics {
         Some(p) => Some(Mutex::new(BufWriter::new(
