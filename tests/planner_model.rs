@@ -431,17 +431,43 @@ fn the_engine_path_uses_its_own_unit_layout() {
         overlap_comm: Some(false),
         max_live_parameters: Some(0),
         param_persistence_threshold: Some(20_000),
+        max_reuse_distance: None,
     };
     let o = plan_option(&inp, none(3));
+    // Every unit is already a multiple of 4 x 8 elements: no padding.
     let psi = spec.num_params() as u64;
-    // f32 bucket of 10k elements; pool = the largest unit; h.0, h.1 and ln_f (≤ 20k) stay gathered.
-    assert_eq!(o.bytes_per_device.reduce_buckets, 40_000);
+    // The engine's own rules: one f32 bucket of 10k elements plus its 2.5k-element companion, one
+    // gradient buffer of the largest unit, a gather budget of the largest unit (wte) beside the
+    // persistent units h.0, h.1 and ln_f (≤ 20k elements).
+    assert_eq!(o.bytes_per_device.reduce_buckets, (10_000 + 2_500) * 4);
+    assert_eq!(o.bytes_per_device.grad_buffers, 1128 * 64 * 4);
     assert_eq!(o.bytes_per_device.gather_pool, 1128 * 64 * 4);
     let persistent = 2 * (64 * 192 + 192 + 64 * 64) + 128;
     assert_eq!(o.bytes_per_device.persistent_params, persistent * 4);
-    // Gathers skip the persistent units; their params are all-gathered once after the step.
+    let mut cfg = zerodp::zero::EngineConfig::new(zerodp::zero::Stage::Zero3, 4);
+    cfg.reduce_bucket_size = 10_000;
+    cfg.overlap_comm = false;
+    cfg.max_live_parameters = 0;
+    cfg.param_persistence_threshold = 20_000;
+    let engine = zerodp::zero::buffers::plan(&spec, &cfg);
+    assert_eq!(
+        o.buffer_bytes(),
+        engine.buffer_bytes() + engine.gather_bytes()
+    );
+    // wte is gathered in forward and again in backward, the persistent units once; the grads are
+    // reduce-scattered in 11 region-sized calls; plus the two-float loss/grad-norm all-reduce.
     let n = 4;
-    let expect = (2 * (psi - persistent) + psi + persistent) * 4 * (n - 1) / n;
+    let expect =
+        (2 * (psi - persistent) + persistent + psi) * 4 * (n - 1) / n + 2 * 8 * (n - 1) / n;
     assert_eq!(o.comm_bytes_per_step, expect);
-    assert_eq!(o.collectives[0].calls, 1);
+    let calls = |what: &str| {
+        o.collectives
+            .iter()
+            .find(|t| t.what == what)
+            .map(|t| t.calls)
+    };
+    assert_eq!(calls("grads"), Some(psi.div_ceil(4).div_ceil(2_500)));
+    assert_eq!(calls("params (forward)"), Some(1));
+    assert_eq!(calls("params (backward)"), Some(1));
+    assert_eq!(calls("persistent params"), Some(3));
 }

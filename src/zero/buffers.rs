@@ -51,14 +51,37 @@ pub struct BufferPlan {
 impl BufferPlan {
     /// Bytes of the communication buckets and gradient scratch (the `buffers` kind).
     pub fn buffer_bytes(&self) -> u64 {
+        self.bucket_bytes() + self.grad_scratch_bytes()
+    }
+    /// Bytes of the reduction buckets and their one-region companions.
+    pub fn bucket_bytes(&self) -> u64 {
         let comm = self.bucket_count * (self.bucket_elems + self.region_elems);
         (comm * self.comm_dtype.size()) as u64
-            + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
+    }
+    /// Bytes of the transient full-unit gradient buffers (stages 2-3).
+    pub fn grad_scratch_bytes(&self) -> u64 {
+        (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
     }
     /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
     pub fn gather_bytes(&self) -> u64 {
         ((self.gather_pool_elems + self.kept_graph_elems) * self.param_dtype.size()) as u64
     }
+}
+
+/// Elements of weights each unit's kept stage-3 forward graph holds until its backward: the padded
+/// units it reads, for units that keep their graph, but not the last unit, whose gathered
+/// parameters simply stay for its backward; 0 for every unit below stage 3.
+pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan) -> Vec<usize> {
+    let n = spec.units.len();
+    (0..n)
+        .map(|u| match plan.keep_graph[u] && u + 1 != n {
+            true => schedule::needs_of(spec, u)
+                .into_iter()
+                .map(|k| layout.units[k].padded)
+                .sum(),
+            false => 0,
+        })
+        .collect()
 }
 
 /// Size every buffer for `spec` under `cfg`.

@@ -15,7 +15,7 @@
 //! 4. Stages 1-2 all-gather the updated shards into the full parameters; stage 3 leaves them sharded.
 
 use super::buckets::{BucketMode, Buckets, FlatState};
-use super::buffers::{plan, BufferPlan};
+use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::gather::Coordinator;
@@ -213,22 +213,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
         let visits = schedule::visits(&spec, cfg.grad_accum);
         let reads: Vec<Vec<usize>> = (0..n).map(|u| schedule::needs_of(&spec, u)).collect();
-        let kept_graph: Vec<usize> = (0..n)
-            .map(
-                |u| match stage.shards_params() && plan.keep_graph[u] && u + 1 != n {
-                    true => reads[u].iter().map(|&k| layout.units[k].padded).sum(),
-                    false => 0,
-                },
-            )
-            .collect();
+        let kept_graph = kept_graph_elems(&spec, &layout, &plan);
         // A unit that keeps its forward graph needs nothing gathered for its backward.
-        let gather_needs: Vec<Vec<usize>> = visits
-            .iter()
-            .map(|v| match (v.pass, kept_graph[v.unit] > 0) {
-                (schedule::Pass::Backward, true) => Vec::new(),
-                _ => v.needs.clone(),
-            })
-            .collect();
+        let gather_needs = schedule::gather_needs(&visits, &kept_graph);
         let coordinator = stage.shards_params().then(|| {
             let prefetch = if cfg.overlap_comm {
                 cfg.prefetch_bucket_size

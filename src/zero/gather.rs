@@ -65,6 +65,13 @@ impl GatherPool {
     }
 }
 
+/// Whether unit `unit`, used by visit `pos`, stays gathered after it: persistent units do, and so do
+/// units the next visit needs (the last unit from its forward into its backward, a tied unit
+/// between its users); every other unit is released (FSDP2's reshard after forward).
+pub fn stays_gathered(needs: &[Vec<usize>], persistent: &[bool], pos: usize, unit: usize) -> bool {
+    persistent[unit] || needs.get(pos + 1).is_some_and(|n| n.contains(&unit))
+}
+
 enum Residency {
     Released,
     /// The gather is in flight; the shard travels inside it.
@@ -212,8 +219,7 @@ impl Coordinator {
     pub fn release(&mut self, pos: usize) {
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
-            let next_needs = self.needs.get(pos + 1).is_some_and(|n| n.contains(&u));
-            if self.persistent[u] || next_needs {
+            if stays_gathered(&self.needs, &self.persistent, pos, u) {
                 continue;
             }
             self.drop_unit(u);

@@ -53,6 +53,19 @@ pub fn visits(spec: &ModelSpec, micro_steps: usize) -> Vec<Visit> {
     out
 }
 
+/// The units each of `visits` must have gathered at stage 3: the visit's `needs`, except for the
+/// backward of a unit whose forward graph was kept (`kept_graph[unit] > 0`, see
+/// [`kept_graph_elems`](super::buffers::kept_graph_elems)), which needs nothing gathered.
+pub fn gather_needs(visits: &[Visit], kept_graph: &[usize]) -> Vec<Vec<usize>> {
+    visits
+        .iter()
+        .map(|v| match (v.pass, kept_graph[v.unit] > 0) {
+            (Pass::Backward, true) => Vec::new(),
+            _ => v.needs.clone(),
+        })
+        .collect()
+}
+
 /// For each unit k, the units whose gradients become complete once the backward of unit k is done.
 /// Backward runs from the last unit to the first, so a unit is complete after the backward of the
 /// lowest-indexed unit among itself and its users.

@@ -32,6 +32,7 @@ impl ConfigKeys {
                 overlap_comm: Some(z.overlap_comm),
                 max_live_parameters: Some(z.max_live_parameters),
                 param_persistence_threshold: Some(z.param_persistence_threshold),
+                max_reuse_distance: Some(z.max_reuse_distance),
             },
         }
     }

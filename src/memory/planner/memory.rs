@@ -130,6 +130,10 @@ pub struct BufferSettings {
     /// Units with at most this many elements stay gathered at stage 3
     /// (`stage3_param_persistence_threshold`, 1e5).
     pub param_persistence_threshold: u64,
+    /// Stage 3: units this close to their backward keep their forward graph instead of being
+    /// gathered again (`stage3_max_reuse_distance`, 1e9). Only zerodp's engine path uses it (its
+    /// traffic); the estimates assume every unit is gathered again.
+    pub max_reuse_distance: u64,
 }
 
 impl BufferSettings {
@@ -140,6 +144,7 @@ impl BufferSettings {
             overlap_comm: stage == 3,
             max_live_parameters: 1_000_000_000,
             param_persistence_threshold: 100_000,
+            max_reuse_distance: 1_000_000_000,
         }
     }
 }
@@ -147,7 +152,11 @@ impl BufferSettings {
 /// The engine's communication and gather buffers, in bytes per device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineBuffers {
+    /// Reduction buckets (with their one-region companions on zerodp's engine path).
     pub reduce_buckets: u64,
+    /// Stages 2-3 on zerodp's engine path: transient full-unit gradient buffers (0 in the
+    /// estimates).
+    pub grad_buffers: u64,
     /// Stage 3: the preallocated gather pool (bounds every fetch, prefetch included).
     pub gather_pool: u64,
     /// Stage 3: units at or under the persistence threshold, kept gathered.
@@ -237,6 +246,8 @@ pub struct DeviceBytes {
     pub adam_v: u64,
     pub model_states: u64,
     pub reduce_buckets: u64,
+    /// Transient full-unit gradient buffers (zerodp's engine, stages 2-3).
+    pub grad_buffers: u64,
     pub gather_pool: u64,
     pub persistent_params: u64,
     pub activations: u64,
@@ -361,6 +372,7 @@ mod tests {
             b,
             EngineBuffers {
                 reduce_buckets: 400_000,
+                grad_buffers: 0,
                 gather_pool: 0,
                 persistent_params: 0
             }

@@ -10,10 +10,16 @@
 //! ([`engine_buffer_bytes`]), activations a GPT shape ([`activation_bytes`]), traffic the paper's
 //! 2Ψ/3Ψ counts ([`collectives`]) timed by an alpha-beta model ([`Cluster`]), and compute the
 //! 6·Ψ·tokens rule (8·Ψ·tokens with activation checkpointing, which recomputes the forward).
+//!
+//! For the model zerodp itself trains ([`ModelSize::from_model_spec`]) these estimates give way to
+//! the engine's own rules ([`EngineRun`]): its padded layout for the model states, its buffer
+//! sizing ([`crate::zero::buffers::plan`]) and its step schedule for the traffic, so that the plan
+//! equals what the run reports; `zerodp train` checks such a plan before it starts.
 
 mod chart;
 mod cluster;
 mod deepspeed;
+mod engine;
 mod memory;
 mod model;
 mod recommend;
@@ -23,6 +29,7 @@ mod traffic;
 pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
 pub use deepspeed::{config_precision, ConfigKeys};
+pub use engine::{comm_dtype, engine_config, EngineRun};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
@@ -49,6 +56,7 @@ pub struct BufferOverrides {
     pub overlap_comm: Option<bool>,
     pub max_live_parameters: Option<u64>,
     pub param_persistence_threshold: Option<u64>,
+    pub max_reuse_distance: Option<u64>,
 }
 
 impl BufferOverrides {
@@ -61,6 +69,7 @@ impl BufferOverrides {
             param_persistence_threshold: self
                 .param_persistence_threshold
                 .unwrap_or(d.param_persistence_threshold),
+            max_reuse_distance: self.max_reuse_distance.unwrap_or(d.max_reuse_distance),
         }
     }
 }
@@ -121,7 +130,7 @@ impl PlanOption {
     /// Engine buffers: reduce buckets, gather pool, persistent params.
     pub fn buffer_bytes(&self) -> u64 {
         let b = &self.bytes_per_device;
-        b.reduce_buckets + b.gather_pool + b.persistent_params
+        b.reduce_buckets + b.grad_buffers + b.gather_pool + b.persistent_params
     }
 }
 
@@ -137,15 +146,28 @@ pub struct Plan {
     pub notes: Vec<String>,
 }
 
-/// Evaluates one choice. Pure: the engine calls this with its own numbers.
+/// Evaluates one choice. Pure: `train` calls this with its own model and settings, and then the
+/// numbers follow the engine exactly ([`EngineRun`]).
 pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     let c = &input.cluster;
     let n = c.world_size();
     let settings = input.buffers.resolve(choice.stage);
-    let (mut bytes, off_per_device) =
-        model_state_bytes(choice, input.precision, input.model.params, n);
-    let buffers = engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings);
+    let engine = input
+        .model
+        .spec
+        .as_ref()
+        .map(|spec| EngineRun::new(spec, input, choice.stage));
+    // The engine stores Ψ padded per unit; the estimates ignore padding.
+    let psi = engine
+        .as_ref()
+        .map_or(input.model.params, EngineRun::padded_params);
+    let (mut bytes, off_per_device) = model_state_bytes(choice, input.precision, psi, n);
+    let buffers = match &engine {
+        Some(e) => e.buffer_bytes(),
+        None => engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings),
+    };
     bytes.reduce_buckets = buffers.reduce_buckets;
+    bytes.grad_buffers = buffers.grad_buffers;
     bytes.gather_pool = buffers.gather_pool;
     bytes.persistent_params = buffers.persistent_params;
     let activation_options = input
@@ -163,29 +185,27 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .unwrap_or(0);
     bytes.total = bytes.model_states
         + bytes.reduce_buckets
+        + bytes.grad_buffers
         + bytes.gather_pool
         + bytes.persistent_params
         + bytes.activations;
     let per_node = off_per_device.times(c.devices_per_node);
     let device_margin = c.device_memory as i64 - bytes.total as i64;
     let host_margin = c.host_memory as i64 - per_node.host as i64;
-    let colls = collectives(
-        choice,
-        input.precision,
-        &input.model,
-        &settings,
-        input.grad_accum,
-        c,
-    );
+    let colls = match &engine {
+        Some(e) => e.collectives(c),
+        None => collectives(
+            choice,
+            input.precision,
+            &input.model,
+            &settings,
+            input.grad_accum,
+            c,
+        ),
+    };
     let comm_bytes: u64 = colls.iter().map(|t| t.bytes_per_device).sum();
     let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
-    let offload = offload_traffic(
-        choice,
-        input.precision,
-        input.model.params,
-        input.grad_accum,
-        c,
-    );
+    let offload = offload_traffic(choice, input.precision, psi, input.grad_accum, c);
     let compute_s = compute_seconds(input);
     PlanOption {
         label: choice.label(),
@@ -297,9 +317,14 @@ fn positive(x: f64) -> bool {
 }
 
 fn notes(input: &PlanInput) -> Vec<String> {
+    let layout_note = if input.model.spec.is_some() {
+        "zerodp's engine layout: each unit padded to a multiple of 8 x world size elements; buffers by the engine's own sizing rules and traffic by its step schedule (plus the loss/grad-norm all-reduce)"
+    } else {
+        "padding of each unit to a multiple of the world size is ignored (under world-size elements per unit)"
+    };
     let mut notes = vec![
         "model states per the ZeRO paper (16 bytes/param in mixed precision, sharded by stage); GB = 1e9 bytes".to_string(),
-        "padding of each unit to a multiple of the world size is ignored (under world-size elements per unit)".to_string(),
+        layout_note.to_string(),
         "step time = compute + communication + offload with no overlap: an upper bound".to_string(),
         format!(
             "compute = {}·Ψ·tokens FLOPs at {:.0} TFLOP/s per device",

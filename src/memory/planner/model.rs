@@ -122,6 +122,10 @@ pub struct ModelSize {
     pub shape: Option<GptShape>,
     /// True when `largest_unit` was estimated rather than given (see [`ModelSize::from_count`]).
     pub largest_unit_estimated: bool,
+    /// The engine's own layout, when planning the model `train` builds: buffers, model states and
+    /// traffic then follow the engine exactly (see [`super::engine`]) instead of the estimates.
+    #[serde(skip)]
+    pub spec: Option<ModelSpec>,
 }
 
 impl ModelSize {
@@ -150,6 +154,7 @@ impl ModelSize {
             unit_numels: Vec::new(),
             shape: None,
             largest_unit_estimated: estimated,
+            spec: None,
         })
     }
 
@@ -163,10 +168,13 @@ impl ModelSize {
             unit_numels: units,
             shape: Some(shape),
             largest_unit_estimated: false,
+            spec: None,
         })
     }
 
-    /// The engine's own layout (what `train` builds); pass the shape too for activations.
+    /// The engine's own layout (what `train` builds); pass the shape too for activations. Plans of
+    /// this model use the engine's own rules: its padded flat layout for the model states,
+    /// [`crate::zero::buffers::plan`] for the buffers and its step schedule for the traffic.
     pub fn from_model_spec(spec: &ModelSpec, shape: Option<GptShape>) -> ModelSize {
         let units: Vec<u64> = spec.units.iter().map(|u| u.numel() as u64).collect();
         ModelSize {
@@ -175,6 +183,7 @@ impl ModelSize {
             unit_numels: units,
             shape,
             largest_unit_estimated: false,
+            spec: Some(spec.clone()),
         }
     }
 

@@ -88,23 +88,33 @@ pub fn collectives(
             }
         }
     }
-    let n = cluster.world_size();
     ops.into_iter()
         .filter(|(_, _, elems, _)| *elems > 0)
-        .map(|(op, what, elems, calls)| {
-            let full = elems * dtype;
-            let (t, algorithm) = cluster.collective_time(op, full as f64, calls);
-            CollectiveTraffic {
-                op,
-                what,
-                full_bytes: full,
-                calls,
-                bytes_per_device: op.ring_bytes_per_rank(full as f64, n).round() as u64,
-                predicted_s: t,
-                algorithm,
-            }
-        })
+        .map(|(op, what, elems, calls)| priced(op, what, elems * dtype, calls, cluster))
         .collect()
+}
+
+/// One collective's share of a step: `calls` calls moving `full_bytes` (unsharded) in all, with its
+/// ring bytes per device and its predicted time on `cluster`.
+pub(super) fn priced(
+    op: Collective,
+    what: &'static str,
+    full_bytes: u64,
+    calls: u64,
+    cluster: &Cluster,
+) -> CollectiveTraffic {
+    let (t, algorithm) = cluster.collective_time(op, full_bytes as f64, calls);
+    CollectiveTraffic {
+        op,
+        what,
+        full_bytes,
+        calls,
+        bytes_per_device: op
+            .ring_bytes_per_rank(full_bytes as f64, cluster.world_size())
+            .round() as u64,
+        predicted_s: t,
+        algorithm,
+    }
 }
 
 /// Bytes each device moves to and from host memory and NVMe per step, and the predicted time of
