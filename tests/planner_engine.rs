@@ -1,0 +1,253 @@
+//! The planner against zerodp's own runs: for the model the engine trains, the planner's model-state
+//! and buffer bytes equal the engine's memory ledger and its traffic per step equals the measured
+//! byte and call counters, stage by stage, for world sizes 1, 2 and 4.
+//!
+//! What makes the comparison exact, and how the tests set it up:
+//! - the ledger's `gather` kind at the end of a step holds the gather-pool slabs created so far; it
+//!   equals the planned budget once a step has gathered everything the budget allows at once, which
+//!   happens when the pool holds the whole model (`stage3_max_live_parameters` ≥ Ψ, the default)
+//!   and nothing of it goes to kept forward graphs: either the units are all persistent, or
+//!   `stage3_max_reuse_distance` is 0 (strict ZeRO-3) with a prefetch bucket as large as the
+//!   model. With kept graphs the planned budget is an upper bound on the peak (checked as such);
+//! - the loss and gradient-norm all-reduce moves two floats, which split unevenly over 4 ranks, so
+//!   all-reduce bytes are compared as the sum over ranks (the planner gives the mean per device);
+//!   reduce-scatter and all-gather bytes, and the calls of every kind, are compared rank by rank.
+
+mod common;
+
+use common::*;
+use zerodp::comm::CollectiveKind;
+use zerodp::memory::planner::{
+    engine_config, interconnect, plan_option, BufferOverrides, Cluster, Collective, HostLinks,
+    ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
+};
+use zerodp::model::UnitModel;
+use zerodp::zero::buffers;
+use zerodp::zero::{EngineConfig, Stage};
+
+const GLOBAL: usize = 8;
+const SEQ: usize = 4;
+const STAGES: [Stage; 4] = [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3];
+
+/// The planner's input for a run of `model` under `cfg`: the same knobs, as a config states them.
+fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
+    let pcie = interconnect("pcie").unwrap();
+    PlanInput {
+        model: ModelSize::from_model_spec(model.spec(), None),
+        cluster: Cluster {
+            nodes: 1,
+            devices_per_node: cfg.world_size as u64,
+            device_memory: 1 << 40,
+            host_memory: 1 << 40,
+            intra: pcie,
+            inter: pcie,
+            host: HostLinks::default(),
+            device_flops: 1e12,
+        },
+        precision: Precision::Fp32,
+        micro_batch: cfg.micro_batch as u64,
+        seq_len: SEQ as u64,
+        grad_accum: cfg.grad_accum as u64,
+        activation_checkpointing: cfg.activation_checkpointing,
+        buffers: BufferOverrides {
+            reduce_bucket_size: Some(cfg.reduce_bucket_size as u64),
+            overlap_comm: Some(cfg.overlap_comm),
+            max_live_parameters: Some(cfg.max_live_parameters as u64),
+            param_persistence_threshold: Some(cfg.param_persistence_threshold as u64),
+            max_reuse_distance: Some(cfg.max_reuse_distance as u64),
+        },
+        configured: None,
+    }
+}
+
+fn choice(stage: Stage) -> ZeroChoice {
+    ZeroChoice::new(stage.index(), Offload::None, Offload::None)
+}
+
+/// Planned bytes per device and calls of one collective kind.
+fn planned(o: &PlanOption, op: Collective) -> (u64, u64) {
+    o.collectives
+        .iter()
+        .filter(|t| t.op == op)
+        .fold((0, 0), |(b, c), t| (b + t.bytes_per_device, c + t.calls))
+}
+
+/// Whether the ledger's gather bytes should equal the plan (see the module docs), else be under it.
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Gather {
+    Exact,
+    AtMost,
+}
+
+/// Trains two steps and checks the second step's reports of every rank against the plan.
+fn check(model: &Toy, cfg: &EngineConfig, expect_gather: Gather) -> PlanOption {
+    let input = input_for(model, cfg);
+    let o = plan_option(&input, choice(cfg.stage));
+    // The planner sizes the run the engine will make.
+    let spec = model.spec();
+    let mine = engine_config(&input, cfg.stage.index());
+    assert_eq!(buffers::plan(spec, &mine), buffers::plan(spec, cfg));
+    assert_eq!(
+        (mine.grad_accum, mine.world_size),
+        (cfg.grad_accum, cfg.world_size)
+    );
+
+    let run = train(model, cfg, 2, GLOBAL, SEQ);
+    let what = format!(
+        "{:?} world {} ga {} bucket {} overlap {} persistence {} reuse {}",
+        cfg.stage,
+        cfg.world_size,
+        cfg.grad_accum,
+        cfg.reduce_bucket_size,
+        cfg.overlap_comm,
+        cfg.param_persistence_threshold,
+        cfg.max_reuse_distance
+    );
+    let b = &o.bytes_per_device;
+    let mut all_reduce_sent = 0;
+    for (rank, reports) in run.reports.iter().enumerate() {
+        let r = &reports[1];
+        let m = r.memory;
+        assert_eq!(
+            (m.params, m.grads, m.master, m.optimizer_states),
+            (b.params, b.grads, b.master, b.adam_m + b.adam_v),
+            "model states, {what} rank {rank}"
+        );
+        assert_eq!(
+            b.model_states,
+            m.params + m.grads + m.master + m.optimizer_states
+        );
+        assert_eq!(
+            m.buffers,
+            b.reduce_buckets + b.grad_buffers,
+            "buffers, {what}"
+        );
+        let gather = b.gather_pool + b.persistent_params;
+        match expect_gather {
+            Gather::Exact => assert_eq!(m.gather, gather, "gather, {what} rank {rank}"),
+            Gather::AtMost => assert!(m.gather <= gather, "gather, {what} rank {rank}"),
+        }
+        assert!(r.peak_gather_bytes <= gather, "gather peak, {what}");
+        let t = &r.traffic;
+        for (kind, op) in [
+            (CollectiveKind::ReduceScatter, Collective::ReduceScatter),
+            (CollectiveKind::AllGather, Collective::AllGather),
+        ] {
+            assert_eq!(
+                (t.sent(kind), t.calls(kind)),
+                planned(&o, op),
+                "{kind:?}, {what} rank {rank}"
+            );
+        }
+        let (_, ar_calls) = planned(&o, Collective::AllReduce);
+        assert_eq!(
+            t.calls(CollectiveKind::AllReduce),
+            ar_calls,
+            "all-reduce calls, {what}"
+        );
+        assert_eq!(t.total_recv(), t.total_sent());
+        all_reduce_sent += t.sent(CollectiveKind::AllReduce);
+    }
+    let world = cfg.world_size as u64;
+    assert_eq!(
+        all_reduce_sent,
+        world * planned(&o, Collective::AllReduce).0,
+        "all-reduce bytes over the ranks, {what}"
+    );
+    let rs_ag_ar: u64 = o.collectives.iter().map(|t| t.bytes_per_device).sum();
+    assert_eq!(o.comm_bytes_per_step, rs_ag_ar);
+    o
+}
+
+fn config(stage: Stage, world: usize, ga: usize) -> EngineConfig {
+    let mut cfg = test_config(stage, world, ga, GLOBAL);
+    // Several buckets per reduction, a partly filled last one.
+    cfg.reduce_bucket_size = 100;
+    cfg
+}
+
+#[test]
+fn stages_0_to_3_match_the_engine_with_the_default_knobs() {
+    // Tied head: the head reads the embedding, two gradient buffers at stages 2-3; every toy unit
+    // is under the 1e5 persistence threshold, so stage 3 keeps them all gathered.
+    let model = Toy::new(16, 8, 3, true);
+    for stage in STAGES {
+        for world in [1, 2, 4] {
+            check(&model, &config(stage, world, 1), Gather::Exact);
+        }
+    }
+}
+
+#[test]
+fn accumulation_and_one_bucket_without_overlap() {
+    let model = Toy::new(16, 8, 2, false);
+    for stage in STAGES {
+        for world in [2, 4] {
+            let mut cfg = config(stage, world, 2);
+            cfg.overlap_comm = false;
+            cfg.reduce_bucket_size = 1 << 20;
+            let o = check(&model, &cfg, Gather::Exact);
+            let (_, rs_calls) = planned(&o, Collective::ReduceScatter);
+            // One bucket per reduction: stage 1 reduces once per step, stages 2-3 per micro-step.
+            let expect = match stage {
+                Stage::Zero0 => 0,
+                Stage::Zero1 => 1,
+                _ => 2,
+            };
+            assert_eq!(rs_calls, expect, "{stage:?} world {world}");
+        }
+    }
+}
+
+#[test]
+fn strict_stage3_gathers_every_unit_again_in_backward_but_the_last() {
+    for tied in [true, false] {
+        let model = Toy::new(16, 8, 3, tied);
+        for world in [1, 2, 4] {
+            for ga in [1, 2] {
+                let mut cfg = config(Stage::Zero3, world, ga);
+                cfg.param_persistence_threshold = 0;
+                cfg.max_reuse_distance = 0;
+                cfg.prefetch_bucket_size = 1 << 20;
+                let o = check(&model, &cfg, Gather::Exact);
+                let calls = |what: &str| {
+                    o.collectives
+                        .iter()
+                        .find(|t| t.what == what)
+                        .map_or(0, |t| t.calls)
+                };
+                // Forward gathers all 5 units, and the embedding again for a tied head; the
+                // embedding stays gathered from one micro-step's backward into the next one's
+                // forward. Backward gathers all but the head, which stays from its forward with
+                // the embedding it reads.
+                let (units, ga) = (5, ga as u64);
+                let forward = ga * (units + u64::from(tied)) - (ga - 1);
+                assert_eq!(
+                    calls("params (forward)"),
+                    forward,
+                    "tied {tied} world {world}"
+                );
+                assert_eq!(calls("params (backward)"), (units - 1) * ga);
+            }
+        }
+    }
+}
+
+#[test]
+fn stage3_kept_graphs_and_checkpointing() {
+    let model = Toy::new(16, 8, 3, true);
+    for world in [2, 4] {
+        // Default reuse distance: the last units keep their forward graph and skip the second
+        // gather; the planned budget bounds the pool and the kept graphs together.
+        let mut cfg = config(Stage::Zero3, world, 1);
+        cfg.param_persistence_threshold = 0;
+        let kept = check(&model, &cfg, Gather::AtMost);
+        // Activation checkpointing keeps no graph: every unit but the last is gathered again.
+        cfg.activation_checkpointing = true;
+        cfg.prefetch_bucket_size = 1 << 20;
+        let recomputed = check(&model, &cfg, Gather::Exact);
+        assert!(
+            planned(&kept, Collective::AllGather).0 < planned(&recomputed, Collective::AllGather).0
+        );
+    }
+}
