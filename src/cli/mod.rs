@@ -6,6 +6,7 @@ pub mod bench_comm;
 pub mod bench_train;
 pub mod config;
 pub mod plan;
+pub mod preflight;
 pub mod train;
 
 #[derive(Parser, Debug)]

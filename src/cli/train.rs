@@ -78,6 +78,8 @@ pub struct TrainArgs {
     /// No progress bar (log lines at steps_per_print only).
     #[arg(long)]
     pub no_progress: bool,
+    #[command(flatten)]
+    pub preflight: super::preflight::PreflightArgs,
 }
 
 /// Which GPT to build.
@@ -139,6 +141,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
 
     let model = GptModel::new(gpt.clone())?;
+    super::preflight::check(&args.preflight, &settings, &engine_cfg, model.spec(), &gpt)?;
     let data_path = args
         .data
         .clone()

@@ -1,0 +1,276 @@
+//! `zerodp train`'s pre-flight check. Before any rank starts, the planner sizes the run as
+//! configured (the actual model, stage, buckets, batch and activation checkpointing) with the
+//! engine's own rules ([`ModelSize::from_model_spec`]), adds its activation estimate, and compares
+//! the total with the memory each rank may use. A run that cannot fit is refused with the
+//! planner's explanation: the bytes by kind, the lowest stage that would fit, and what to change in
+//! the config. Ranks are threads sharing this machine's memory, so the capacity of a rank defaults
+//! to the machine's total memory divided by the world size.
+
+use anyhow::{bail, Context};
+use zerodp::config::Settings;
+use zerodp::memory::planner::{
+    self, format_capacity, format_gb, parse_bytes, recommend, Cluster, ConfigKeys, GptShape,
+    HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption,
+};
+use zerodp::model::{GptConfig, ModelSpec};
+use zerodp::zero::EngineConfig;
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct PreflightArgs {
+    /// Memory each rank may use, checked before the run starts: 2GiB, 500MB [default: this
+    /// machine's total memory (/proc/meminfo) divided by --world-size].
+    #[arg(long, value_name = "SIZE")]
+    pub device_memory: Option<String>,
+}
+
+/// In-process ranks copy through shared memory. The pre-flight check only compares bytes, so the
+/// link only has to be valid for the planner; its predicted times are not reported.
+const SHARED_MEMORY: Link = Link {
+    bandwidth: 10e9,
+    latency: 1e-6,
+};
+
+/// Plans the configured run and logs its size; refuses it, with the planner's explanation, when it
+/// cannot fit.
+pub fn check(
+    args: &PreflightArgs,
+    settings: &Settings,
+    engine: &EngineConfig,
+    spec: &ModelSpec,
+    gpt: &GptConfig,
+) -> anyhow::Result<()> {
+    let world = engine.world_size as u64;
+    let host = host_memory()?;
+    let (capacity, source) = match &args.device_memory {
+        Some(s) => (parse_bytes(s, "--device-memory")?, "--device-memory"),
+        None => (host / world.max(1), "this machine's memory / --world-size"),
+    };
+    let input = plan_input(settings, engine, spec, gpt, capacity, host);
+    let plan = planner::plan(&input)?;
+    // The engine has no offload: only the four stages are choices for `train`.
+    let stages: Vec<PlanOption> = plan
+        .options
+        .into_iter()
+        .filter(|o| o.offload_optimizer == Offload::None && o.offload_param == Offload::None)
+        .collect();
+    let configured = stages
+        .iter()
+        .find(|o| o.stage == engine.stage.index())
+        .cloned()
+        .context("the planner has no option for the configured stage")?;
+    if configured.fits_device {
+        eprintln!(
+            "pre-flight: ZeRO {} needs {} per rank of the {} each rank may use ({source}): {}",
+            configured.label,
+            size(configured.bytes_per_device.total),
+            capacity_text(capacity),
+            by_kind(&configured)
+        );
+        return Ok(());
+    }
+    bail!("{}", refusal(&input, &stages, &configured, source));
+}
+
+/// The planner's input for this run: the engine's own model and settings on one node of `world`
+/// ranks with `capacity` bytes each.
+pub fn plan_input(
+    settings: &Settings,
+    engine: &EngineConfig,
+    spec: &ModelSpec,
+    gpt: &GptConfig,
+    capacity: u64,
+    host: u64,
+) -> PlanInput {
+    let keys = ConfigKeys::from_settings(settings);
+    let shape = GptShape {
+        layers: gpt.layers as u64,
+        width: gpt.width as u64,
+        heads: gpt.heads as u64,
+        vocab: gpt.vocab_size as u64,
+        context: gpt.context as u64,
+    };
+    PlanInput {
+        model: ModelSize::from_model_spec(spec, Some(shape)),
+        cluster: Cluster {
+            nodes: 1,
+            devices_per_node: engine.world_size as u64,
+            device_memory: capacity,
+            host_memory: host,
+            intra: SHARED_MEMORY,
+            inter: SHARED_MEMORY,
+            host: HostLinks::default(),
+            device_flops: 1e11,
+        },
+        precision: keys.precision,
+        micro_batch: engine.micro_batch as u64,
+        seq_len: gpt.context as u64,
+        grad_accum: engine.grad_accum as u64,
+        activation_checkpointing: engine.activation_checkpointing,
+        configured: Some(keys.choice()),
+        buffers: keys.buffers,
+    }
+}
+
+/// Why the run is refused, in the planner's words.
+fn refusal(
+    input: &PlanInput,
+    stages: &[PlanOption],
+    configured: &PlanOption,
+    source: &str,
+) -> String {
+    let capacity = input.cluster.device_memory;
+    let b = &configured.bytes_per_device;
+    let mut out = format!(
+        "pre-flight check: ZeRO {} needs {} per rank, more than the {} each rank may use ({source}); \
+         over by {}\n",
+        configured.label,
+        size(b.total),
+        capacity_text(capacity),
+        size(b.total - capacity)
+    );
+    out.push_str(&format!("  {}\n", by_kind(configured)));
+    match stages
+        .iter()
+        .filter(|o| o.fits_device)
+        .min_by_key(|o| o.stage)
+    {
+        Some(o) => out.push_str(&format!(
+            "  the lowest stage that fits: {} ({} per rank)\n",
+            o.label,
+            size(o.bytes_per_device.total)
+        )),
+        None => out.push_str("  no ZeRO stage fits this capacity\n"),
+    }
+    let rec = recommend(input, stages);
+    // When a stage fits, the lines above say it all (the planner's timing remarks would be about a
+    // made-up link); when none does, its reasons say how far off the run is.
+    if rec.choice.is_none() {
+        for r in &rec.reasons {
+            out.push_str(&format!("  - {r}\n"));
+        }
+    }
+    for a in &rec.config_advice {
+        out.push_str(&format!("  config: {a}\n"));
+    }
+    out.push_str(
+        "  give --device-memory SIZE if each rank may use more; `zerodp plan` shows the options in full",
+    );
+    out
+}
+
+fn capacity_text(bytes: u64) -> String {
+    if bytes >= 100_000_000 {
+        format_capacity(bytes)
+    } else {
+        size(bytes)
+    }
+}
+
+/// `params 1.2 MB, grads ..., ... = total`, the kinds that are not zero.
+fn by_kind(o: &PlanOption) -> String {
+    let b = &o.bytes_per_device;
+    let parts: Vec<String> = [
+        ("params", b.params),
+        ("grads", b.grads),
+        ("fp32 master", b.master),
+        ("Adam m+v", b.adam_m + b.adam_v),
+        ("reduce buckets", b.reduce_buckets),
+        ("gradient buffers", b.grad_buffers),
+        ("gather pool", b.gather_pool),
+        ("persistent params", b.persistent_params),
+        ("activations (estimate)", b.activations),
+    ]
+    .iter()
+    .filter(|(_, v)| *v > 0)
+    .map(|(k, v)| format!("{k} {}", size(*v)))
+    .collect();
+    format!("{} = {}", parts.join(", "), size(b.total))
+}
+
+/// Decimal units fine enough for the small models `train` runs (the planner's [`format_gb`] stops
+/// at tenths of a MB).
+fn size(bytes: u64) -> String {
+    match bytes {
+        b if b >= 100_000_000 => format_gb(b),
+        b if b >= 1_000_000 => format!("{:.2} MB", b as f64 / 1e6),
+        b => format!("{:.1} KB", b as f64 / 1e3),
+    }
+}
+
+/// This machine's total memory in bytes (`MemTotal` in /proc/meminfo).
+fn host_memory() -> anyhow::Result<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").context(
+        "reading /proc/meminfo for the memory each rank may use; give --device-memory SIZE instead",
+    )?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024)
+        .context("/proc/meminfo has no MemTotal line in kB; give --device-memory SIZE instead")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zerodp::config::{self, ResolveContext};
+    use zerodp::memory::planner::engine_config;
+    use zerodp::model::{GptModel, UnitModel};
+    use zerodp::zero::buffers;
+
+    /// `train`'s mapping of a config onto the engine and the planner's own agree on every buffer.
+    #[test]
+    fn the_planner_sizes_the_engine_train_builds() {
+        let gpt = GptConfig::tiny();
+        let model = GptModel::new(gpt.clone()).unwrap();
+        let configs = [
+            r#"{"train_batch_size": 8, "zero_optimization": {"stage": 0}}"#,
+            r#"{"train_batch_size": 8, "gradient_accumulation_steps": 2,
+                "zero_optimization": {"stage": 1, "reduce_bucket_size": 1000}}"#,
+            r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_comm": true,
+                "reduce_bucket_size": 5e3}}"#,
+            r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
+                "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 100,
+                "stage3_max_reuse_distance": 0}}"#,
+            r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": 1},
+                "zero_optimization": {"stage": 3}}"#,
+        ];
+        for text in configs {
+            let ctx = ResolveContext {
+                world_size: 2,
+                world_size_source: "test".into(),
+                hidden_size: Some(gpt.width),
+                ..Default::default()
+            };
+            let settings = config::load_str(text, "ds.json", &ctx).unwrap().settings;
+            let engine = crate::cli::train::engine_config(&settings, 2, 0).unwrap();
+            let input = plan_input(&settings, &engine, model.spec(), &gpt, 1 << 30, 1 << 34);
+            let planned = engine_config(&input, engine.stage.index());
+            assert_eq!(
+                buffers::plan(model.spec(), &planned),
+                buffers::plan(model.spec(), &engine),
+                "{text}"
+            );
+            assert_eq!(
+                (
+                    planned.grad_accum,
+                    planned.micro_batch,
+                    planned.activation_checkpointing
+                ),
+                (
+                    engine.grad_accum,
+                    engine.micro_batch,
+                    engine.activation_checkpointing
+                ),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn host_memory_is_read_from_proc_meminfo() {
+        if std::path::Path::new("/proc/meminfo").exists() {
+            assert!(host_memory().unwrap() > 1 << 20);
+        }
+    }
+}
