@@ -251,3 +251,35 @@ fn stage3_kept_graphs_and_checkpointing() {
         );
     }
 }
+
+#[test]
+fn bucket_advice_on_the_engine_path_counts_the_companions() {
+    use zerodp::memory::planner::plan;
+    let model = Toy::new(64, 16, 3, true);
+    let mut cfg = config(Stage::Zero2, 4, 1);
+    cfg.reduce_bucket_size = 1 << 30;
+    let mut input = input_for(&model, &cfg);
+    let o = plan_option(&input, choice(Stage::Zero2));
+    let b = o.bytes_per_device;
+    // A capacity the buckets alone break.
+    input.cluster.device_memory = b.total - b.reduce_buckets / 2;
+    input.configured = Some(choice(Stage::Zero2));
+    let p = plan(&input).unwrap();
+    let advice = p.recommendation.config_advice.join("\n");
+    let bound: f64 = advice
+        .split("reduce_bucket_size to at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("no bucket bound in: {advice}"))
+        .parse()
+        .unwrap();
+    // The bound it gives makes the option fit, with the engine's companions counted.
+    input.buffers.reduce_bucket_size = Some(bound as u64);
+    let fixed = plan_option(&input, choice(Stage::Zero2));
+    assert!(fixed.fits, "{advice}: {:?}", fixed.bytes_per_device);
+    cfg.reduce_bucket_size = bound as usize;
+    assert_eq!(
+        fixed.bytes_per_device.reduce_buckets,
+        buffers::plan(model.spec(), &cfg).bucket_bytes()
+    );
+}

@@ -2,7 +2,8 @@
 //! what to change in the given config. "The choice between ZeRO stages is about capacity, not speed."
 
 use super::size::{format_capacity, format_gb, format_seconds};
-use super::{Offload, PlanInput, PlanOption, ZeroChoice};
+use super::{EngineRun, Offload, PlanInput, PlanOption, ZeroChoice};
+use crate::zero::buffers;
 
 /// The chosen option (none when nothing fits) and the reasons, one sentence each.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -69,7 +70,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                         reasons.push("enabling activation checkpointing would make it fit".into());
                     } else if b.activations > mem / 4 {
                         reasons.push(
-                            "activations are a large share: lower --micro-batch or --seq-len"
+                            "activations are a large share: lower the micro-batch or the sequence length"
                                 .into(),
                         );
                     }
@@ -209,8 +210,16 @@ fn config_advice(
         let s = &o.buffer_settings;
         let copies = if s.overlap_comm { 2 } else { 1 };
         let dtype = input.precision.param_bytes();
+        // On zerodp's engine path each bucket has a companion of one rank region (1/N of it)
+        // from stage 1 on.
+        let n = input.cluster.world_size().max(1);
+        let companion = input.model.spec.is_some() && o.stage >= 1;
         if without_buckets < mem {
-            let max_bucket = (mem - without_buckets) / (dtype * copies);
+            let room = mem - without_buckets;
+            let max_bucket = match companion {
+                true => room * n / (dtype * copies * (n + 1)),
+                false => room / (dtype * copies),
+            };
             advice.push(format!(
                 "the reduce buckets alone break the budget: reduce_bucket_size {:.0e} x {} buffer(s) = {}; set reduce_bucket_size to at most {:.2e} (5e7 is a common choice)",
                 s.reduce_bucket_size as f64,
@@ -218,15 +227,32 @@ fn config_advice(
                 format_gb(b.reduce_buckets),
                 max_bucket as f64
             ));
-        } else if o.stage == 3 && without_buckets - b.gather_pool < mem {
-            let pool_floor = input.model.largest_unit * dtype;
-            let room = mem + b.gather_pool - without_buckets;
-            if room >= pool_floor {
-                advice.push(format!(
-                    "the stage-3 gather pool ({}) breaks the budget: set stage3_max_live_parameters to at most {:.2e}",
-                    format_gb(b.gather_pool),
-                    (room / dtype) as f64
-                ));
+        } else if o.stage == 3 {
+            // The budget stage3_max_live_parameters sets, its smallest value and its dtype: on
+            // zerodp's engine path the persistent units are inside it and the floor is the
+            // largest visit beside them.
+            let (budget, floor, pool_dtype) = match &input.model.spec {
+                Some(spec) => {
+                    let run = EngineRun::new(spec, input, 3);
+                    let mut smallest = run.config.clone();
+                    smallest.max_live_parameters = 0;
+                    (
+                        b.gather_pool + b.persistent_params,
+                        buffers::plan(spec, &smallest).gather_bytes(),
+                        run.buffers.param_dtype.size() as u64,
+                    )
+                }
+                None => (b.gather_pool, input.model.largest_unit * dtype, dtype),
+            };
+            if without_buckets - budget < mem {
+                let room = mem + budget - without_buckets;
+                if room >= floor {
+                    advice.push(format!(
+                        "the stage-3 gather pool ({}) breaks the budget: set stage3_max_live_parameters to at most {:.2e}",
+                        format_gb(budget),
+                        (room / pool_dtype) as f64
+                    ));
+                }
             }
         }
         if advice.is_empty() {
