@@ -119,7 +119,7 @@ fn check(model: &Toy, cfg: &EngineConfig, expect_gather: Gather) -> PlanOption {
         );
         assert_eq!(
             m.buffers,
-            b.reduce_buckets + b.grad_buffers,
+            b.reduce_buckets + b.scratch_buffers,
             "buffers, {what}"
         );
         let gather = b.gather_pool + b.persistent_params;

@@ -440,7 +440,7 @@ fn the_engine_path_uses_its_own_unit_layout() {
     // gradient buffer of the largest unit, a gather budget of the largest unit (wte) beside the
     // persistent units h.0, h.1 and ln_f (≤ 20k elements).
     assert_eq!(o.bytes_per_device.reduce_buckets, (10_000 + 2_500) * 4);
-    assert_eq!(o.bytes_per_device.grad_buffers, 1128 * 64 * 4);
+    assert_eq!(o.bytes_per_device.scratch_buffers, 1128 * 64 * 4);
     assert_eq!(o.bytes_per_device.gather_pool, 1128 * 64 * 4);
     let persistent = 2 * (64 * 192 + 192 + 64 * 64) + 128;
     assert_eq!(o.bytes_per_device.persistent_params, persistent * 4);

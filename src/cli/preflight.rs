@@ -175,7 +175,7 @@ fn by_kind(o: &PlanOption) -> String {
         ("fp32 master", b.master),
         ("Adam m+v", b.adam_m + b.adam_v),
         ("reduce buckets", b.reduce_buckets),
-        ("gradient buffers", b.grad_buffers),
+        ("scratch buffers", b.scratch_buffers),
         ("gather pool", b.gather_pool),
         ("persistent params", b.persistent_params),
         ("activations (estimate)", b.activations),

@@ -75,11 +75,11 @@ pub struct TrainArgs {
     /// activation_checkpointing block).
     #[arg(long)]
     pub checkpoint_activations: bool,
+    #[command(flatten)]
+    pub preflight: super::preflight::PreflightArgs,
     /// No progress bar (log lines at steps_per_print only).
     #[arg(long)]
     pub no_progress: bool,
-    #[command(flatten)]
-    pub preflight: super::preflight::PreflightArgs,
 }
 
 /// Which GPT to build.

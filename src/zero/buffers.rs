@@ -49,18 +49,17 @@ pub struct BufferPlan {
 }
 
 impl BufferPlan {
+    /// Bytes of the reduction buckets and their one-region companions; the rest of
+    /// [`BufferPlan::buffer_bytes`] is scratch (full-unit gradient buffers).
+    pub fn bucket_bytes(&self) -> u64 {
+        (self.bucket_count * (self.bucket_elems + self.region_elems) * self.comm_dtype.size())
+            as u64
+    }
     /// Bytes of the communication buckets and gradient scratch (the `buffers` kind).
     pub fn buffer_bytes(&self) -> u64 {
-        self.bucket_bytes() + self.grad_scratch_bytes()
-    }
-    /// Bytes of the reduction buckets and their one-region companions.
-    pub fn bucket_bytes(&self) -> u64 {
         let comm = self.bucket_count * (self.bucket_elems + self.region_elems);
         (comm * self.comm_dtype.size()) as u64
-    }
-    /// Bytes of the transient full-unit gradient buffers (stages 2-3).
-    pub fn grad_scratch_bytes(&self) -> u64 {
-        (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
+            + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
     }
     /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
     pub fn gather_bytes(&self) -> u64 {

@@ -82,8 +82,8 @@ impl<'a> EngineRun<'a> {
         self.layout.padded_numel() as u64
     }
 
-    /// The engine's buffers by the planner's kinds: buckets with their companions and the gradient
-    /// scratch (together the engine's `buffers` kind), the stage-3 persistent units and the rest of
+    /// The engine's buffers by the planner's kinds: buckets with their companions and the scratch
+    /// buffers (together the engine's `buffers` kind), the stage-3 persistent units and the rest of
     /// the gathered-parameter budget (together its `gather` kind).
     pub fn buffer_bytes(&self) -> EngineBuffers {
         let p = &self.buffers;
@@ -94,7 +94,7 @@ impl<'a> EngineRun<'a> {
         let persistent = (persistent * p.param_dtype.size()) as u64;
         EngineBuffers {
             reduce_buckets: p.bucket_bytes(),
-            grad_buffers: p.grad_scratch_bytes(),
+            scratch_buffers: p.buffer_bytes() - p.bucket_bytes(),
             gather_pool: p.gather_bytes() - persistent,
             persistent_params: persistent,
         }

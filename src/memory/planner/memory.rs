@@ -154,9 +154,9 @@ impl BufferSettings {
 pub struct EngineBuffers {
     /// Reduction buckets (with their one-region companions on zerodp's engine path).
     pub reduce_buckets: u64,
-    /// Stages 2-3 on zerodp's engine path: transient full-unit gradient buffers (0 in the
-    /// estimates).
-    pub grad_buffers: u64,
+    /// zerodp's engine path: transient full-unit scratch buffers (gradients at stages 2-3); 0 in
+    /// the estimates.
+    pub scratch_buffers: u64,
     /// Stage 3: the preallocated gather pool (bounds every fetch, prefetch included).
     pub gather_pool: u64,
     /// Stage 3: units at or under the persistence threshold, kept gathered.
@@ -246,8 +246,8 @@ pub struct DeviceBytes {
     pub adam_v: u64,
     pub model_states: u64,
     pub reduce_buckets: u64,
-    /// Transient full-unit gradient buffers (zerodp's engine, stages 2-3).
-    pub grad_buffers: u64,
+    /// Transient full-unit scratch buffers (zerodp's engine: gradients at stages 2-3).
+    pub scratch_buffers: u64,
     pub gather_pool: u64,
     pub persistent_params: u64,
     pub activations: u64,
@@ -372,7 +372,7 @@ mod tests {
             b,
             EngineBuffers {
                 reduce_buckets: 400_000,
-                grad_buffers: 0,
+                scratch_buffers: 0,
                 gather_pool: 0,
                 persistent_params: 0
             }

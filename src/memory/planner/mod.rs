@@ -130,7 +130,7 @@ impl PlanOption {
     /// Engine buffers: reduce buckets, gather pool, persistent params.
     pub fn buffer_bytes(&self) -> u64 {
         let b = &self.bytes_per_device;
-        b.reduce_buckets + b.grad_buffers + b.gather_pool + b.persistent_params
+        b.reduce_buckets + b.scratch_buffers + b.gather_pool + b.persistent_params
     }
 }
 
@@ -167,7 +167,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         None => engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings),
     };
     bytes.reduce_buckets = buffers.reduce_buckets;
-    bytes.grad_buffers = buffers.grad_buffers;
+    bytes.scratch_buffers = buffers.scratch_buffers;
     bytes.gather_pool = buffers.gather_pool;
     bytes.persistent_params = buffers.persistent_params;
     let activation_options = input
@@ -185,7 +185,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .unwrap_or(0);
     bytes.total = bytes.model_states
         + bytes.reduce_buckets
-        + bytes.grad_buffers
+        + bytes.scratch_buffers
         + bytes.gather_pool
         + bytes.persistent_params
         + bytes.activations;
