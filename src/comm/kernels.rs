@@ -185,7 +185,7 @@ unsafe fn reduce_f32(
         if n == 1 {
             pass_f32(op, target, srcs[0].add(off), None, m, div, target_store);
         } else {
-            let s = |k: usize| srcs[k].add(off) as *const f32;
+            let s = |k: usize| srcs[k].add(off);
             if n == 2 {
                 pass_f32(op, target, s(0), Some(s(1)), m, div, target_store);
             } else {
