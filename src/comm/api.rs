@@ -283,7 +283,8 @@ pub enum CommError {
 }
 
 /// The result of a finished collective: the caller's buffers handed back in the order they were
-/// given (`all_reduce`/`broadcast`: `[buf]`; `reduce_scatter`/`all_gather`: `[input, output]`;
+/// given (`all_reduce`/`broadcast` and the in-place forms: `[buf]`; `reduce_scatter`/`all_gather`:
+/// `[input, output]`;
 /// `barrier`: `[]`).
 pub type Completion = Result<Vec<Buffer>, CommError>;
 
