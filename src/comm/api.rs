@@ -284,8 +284,7 @@ pub enum CommError {
 
 /// The result of a finished collective: the caller's buffers handed back in the order they were
 /// given (`all_reduce`/`broadcast` and the in-place forms: `[buf]`; `reduce_scatter`/`all_gather`:
-/// `[input, output]`;
-/// `barrier`: `[]`).
+/// `[input, output]`; `barrier`: `[]`).
 pub type Completion = Result<Vec<Buffer>, CommError>;
 
 /// A function applied to a completion's buffers (see [`CommHandle::map_buffers`]).
