@@ -173,17 +173,27 @@ impl Lane for f32 {
     }
 }
 
-/// bf16 widening is a shift and its rounding a few integer operations, so they vectorise inside the
-/// loops. (f16 stays on the generic path: its slice conversions use the F16C instructions where
-/// the CPU has them.)
+/// bf16 widening is a shift and its rounding a few integer operations. They are written here
+/// without branches (`half`'s scalar versions branch on NaN and on the rounding bit, which keeps the
+/// loops from vectorising) but compute exactly `bf16::to_f32` and `bf16::from_f32`: NaNs get the
+/// quiet bit, other values round to nearest even. The unit tests check the bits against `half`.
+/// (f16 stays on the generic path: its slice conversions use the F16C instructions where the CPU
+/// has them.)
 impl Lane for bf16 {
     #[inline(always)]
     fn widen(self) -> f32 {
-        self.to_f32()
+        let i = self.to_bits() as u32;
+        let quiet = if i & 0x7FFF > 0x7F80 { 0x40 } else { 0 };
+        f32::from_bits((i | quiet) << 16)
     }
     #[inline(always)]
     fn narrow(x: f32) -> bf16 {
-        bf16::from_f32(x)
+        let x = x.to_bits();
+        let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
+        let round_up = (x & 0x8000 != 0) & (x & 0x1_7FFF != 0);
+        let rounded = (x >> 16) + u32::from(round_up);
+        let bits = if nan { (x >> 16) | 0x40 } else { rounded };
+        bf16::from_bits(bits as u16)
     }
 }
 
@@ -200,6 +210,44 @@ impl Lane for bf16 {
 /// # Safety
 /// As [`reduce_typed`].
 unsafe fn reduce_lanes<T: Lane>(
+    op: ReduceOp,
+    srcs: &[*const T],
+    dsts: &[*mut T],
+    len: usize,
+    store: Store,
+) {
+    // The same code compiled for AVX2 where the CPU has it (checked once, cached by std): twice the
+    // lanes per instruction, and bf16 rounding packs without SSE2's shuffles. Same IEEE operations
+    // in the same order, so the same bits.
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        return reduce_lanes_avx2(op, srcs, dsts, len, store);
+    }
+    reduce_lanes_body(op, srcs, dsts, len, store)
+}
+
+/// [`reduce_lanes_body`] compiled with AVX2 enabled.
+///
+/// # Safety
+/// As [`reduce_typed`], on a CPU with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_lanes_avx2<T: Lane>(
+    op: ReduceOp,
+    srcs: &[*const T],
+    dsts: &[*mut T],
+    len: usize,
+    store: Store,
+) {
+    reduce_lanes_body(op, srcs, dsts, len, store)
+}
+
+/// The body of [`reduce_lanes`], inlined into each instruction-set variant.
+///
+/// # Safety
+/// As [`reduce_typed`].
+#[inline(always)]
+unsafe fn reduce_lanes_body<T: Lane>(
     op: ReduceOp,
     srcs: &[*const T],
     dsts: &[*mut T],
@@ -629,6 +677,26 @@ mod tests {
                 // SAFETY: all buffers hold 3000 elements; the destination is exactly a source.
                 unsafe { reduce_lanes(ReduceOp::Sum, &srcs, &dst, 3000, Store::Cached) };
                 assert_eq!(bufs[own], want, "n {n} own {own}");
+            }
+        }
+    }
+
+    #[test]
+    fn branchless_bf16_conversions_equal_halfs() {
+        for i in 0..=u16::MAX {
+            let b = bf16::from_bits(i);
+            assert_eq!(b.widen().to_bits(), b.to_f32().to_bits(), "widen {i:#06x}");
+        }
+        // Every 16-bit top half with low halves that hit each rounding case.
+        for hi in 0..=u16::MAX as u32 {
+            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
+                let x = f32::from_bits(hi << 16 | lo);
+                assert_eq!(
+                    <bf16 as Lane>::narrow(x).to_bits(),
+                    bf16::from_f32(x).to_bits(),
+                    "narrow {:#010x}",
+                    x.to_bits()
+                );
             }
         }
     }
