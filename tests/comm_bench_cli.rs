@@ -1,9 +1,10 @@
-//! `zerodp bench comm --format json`: the schema the issue specifies, on tiny sizes.
+//! `zerodp bench comm --format json`: the schema the issue specifies, on tiny sizes, with an
+//! out-of-place and an in-place row for reduce-scatter and all-gather.
 
 use std::process::Command;
 
 #[test]
-fn bench_comm_json_has_the_memcpy_reference_and_one_result_per_op_and_size() {
+fn bench_comm_json_has_the_memcpy_reference_and_one_result_per_op_form_and_size() {
     let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
         .args([
             "bench",
@@ -33,7 +34,7 @@ fn bench_comm_json_has_the_memcpy_reference_and_one_result_per_op_and_size() {
         assert!(v["memcpy_gbps"][k].as_f64().unwrap() > 0.0, "{k}");
     }
     let results = v["results"].as_array().unwrap();
-    assert_eq!(results.len(), 9); // 3 ops x 3 sizes
+    assert_eq!(results.len(), 15); // 3 sizes x (all_reduce + 2 forms of the other two ops)
     let mut seen = Vec::new();
     for r in results {
         assert_eq!(r["world_size"], 3);
@@ -51,11 +52,21 @@ fn bench_comm_json_has_the_memcpy_reference_and_one_result_per_op_and_size() {
             2.0 / 3.0
         };
         assert!((bus - alg * factor).abs() <= 1e-9 + 1e-9 * bus);
-        seen.push((r["op"].as_str().unwrap().to_string(), bytes));
+        let in_place = r["in_place"].as_bool().expect("in_place is a bool");
+        seen.push((r["op"].as_str().unwrap().to_string(), in_place, bytes));
     }
-    for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+    for (op, in_place) in [
+        ("all_reduce", true),
+        ("reduce_scatter", false),
+        ("reduce_scatter", true),
+        ("all_gather", false),
+        ("all_gather", true),
+    ] {
         for b in [1024, 2048, 4096] {
-            assert!(seen.contains(&(op.to_string(), b)), "{op} {b}");
+            assert!(
+                seen.contains(&(op.to_string(), in_place, b)),
+                "{op} in_place={in_place} {b}"
+            );
         }
     }
 }

@@ -5,6 +5,10 @@
 //! counts as the slowest rank's time (a collective is done when its last rank is done); the table
 //! shows the median over iterations. Sizes are full tensors (nccl-tests' convention), and busbw
 //! follows nccl-tests: all-reduce algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
+//!
+//! Like nccl-tests' out-of-place and in-place columns, reduce-scatter and all-gather are measured in
+//! both forms (`reduce_scatter` / `reduce_scatter (in-place)` rows; `in_place` in JSON). All-reduce
+//! has only one form here, in place (the communicator reduces into the caller's buffer).
 
 use anyhow::{bail, Context};
 use std::time::{Duration, Instant};
@@ -139,6 +143,8 @@ pub fn parse_sizes(spec: &str) -> anyhow::Result<Vec<usize>> {
 #[derive(serde::Serialize, Debug, Clone)]
 pub struct BenchResult {
     pub op: CollectiveKind,
+    /// Whether the collective ran in place (`*_in_place` methods; all-reduce always is).
+    pub in_place: bool,
     pub world_size: usize,
     /// Full tensor bytes.
     pub bytes: usize,
@@ -224,20 +230,65 @@ fn filled(dtype: DType, len: usize, rank: usize) -> Buffer {
     }
 }
 
-/// Times every (op, size) on every rank: per case, the per-iteration times of this rank.
+/// One measured point: an op, its form and a full-tensor size in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Case {
+    kind: CollectiveKind,
+    in_place: bool,
+    bytes: usize,
+}
+
+impl Case {
+    /// The row label: `all_gather`, `all_gather (in-place)`; all-reduce is always in place and
+    /// keeps its plain name.
+    fn label(kind: CollectiveKind, in_place: bool) -> String {
+        if in_place && kind != CollectiveKind::AllReduce {
+            format!("{} (in-place)", kind.name())
+        } else {
+            kind.name().to_string()
+        }
+    }
+}
+
+/// Every case, per op and size: the out-of-place form, then the in-place one.
+fn cases(kinds: &[CollectiveKind], sizes: &[usize]) -> Vec<Case> {
+    let mut v = Vec::new();
+    for &kind in kinds {
+        for &bytes in sizes {
+            let forms: &[bool] = if kind == CollectiveKind::AllReduce {
+                &[true]
+            } else {
+                &[false, true]
+            };
+            for &in_place in forms {
+                v.push(Case {
+                    kind,
+                    in_place,
+                    bytes,
+                });
+            }
+        }
+    }
+    v
+}
+
+/// Times one case on this rank: the per-iteration times.
 fn run_case(
     comm: &dyn Communicator,
-    kind: CollectiveKind,
+    case: Case,
     dtype: DType,
-    len: usize,
     warmup: usize,
     iters: usize,
 ) -> Result<Vec<f64>, CommError> {
     let (n, rank) = (comm.world_size(), comm.rank());
+    let (kind, in_place) = (case.kind, case.in_place);
+    let len = case.bytes / dtype.size();
     let shard = shard_range(len, n, rank).len();
-    // Buffers are allocated once and travel through each call and back (llm.c style).
+    // Buffers are allocated once and travel through each call and back (llm.c style). In-place
+    // forms use one full-size buffer.
     let (mut a, mut b) = match kind {
         CollectiveKind::AllReduce => (filled(dtype, len, rank), None),
+        _ if in_place => (filled(dtype, len, rank), None),
         CollectiveKind::ReduceScatter => (filled(dtype, len, rank), Some(filled(dtype, shard, 0))),
         _ => (filled(dtype, shard, rank), Some(filled(dtype, len, 0))),
     };
@@ -248,6 +299,12 @@ fn run_case(
         match kind {
             CollectiveKind::AllReduce => {
                 a = comm.all_reduce(a, ReduceOp::Sum).wait_one()?;
+            }
+            CollectiveKind::ReduceScatter if in_place => {
+                a = comm.reduce_scatter_in_place(a, ReduceOp::Sum).wait_one()?;
+            }
+            _ if in_place => {
+                a = comm.all_gather_in_place(a).wait_one()?;
             }
             CollectiveKind::ReduceScatter => {
                 let out = b.take().expect("output buffer");
@@ -288,11 +345,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         }
         options.timeout = Duration::from_secs_f64(t);
     }
-    let kinds = args.op.kinds();
-    let cases: Vec<(CollectiveKind, usize)> = kinds
-        .iter()
-        .flat_map(|&k| sizes.iter().map(move |&s| (k, s)))
-        .collect();
+    let cases = cases(&args.op.kinds(), &sizes);
     let n = args.world_size;
 
     // Memcpy reference over a buffer above the last-level cache (at least 64 MiB) and no larger
@@ -308,16 +361,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     let per_rank = run_ranks(n, options, |comm, _rank| {
         cases
             .iter()
-            .map(|&(kind, bytes)| {
-                run_case(
-                    &*comm,
-                    kind,
-                    dtype,
-                    bytes / dtype.size(),
-                    args.warmup,
-                    args.iters,
-                )
-            })
+            .map(|&case| run_case(&*comm, case, dtype, args.warmup, args.iters))
             .collect::<Result<Vec<_>, CommError>>()
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -330,7 +374,8 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     let results: Vec<BenchResult> = cases
         .iter()
         .enumerate()
-        .map(|(c, &(op, bytes))| {
+        .map(|(c, case)| {
+            let (op, bytes) = (case.kind, case.bytes);
             // An iteration lasts as long as its slowest rank.
             let slowest: Vec<f64> = (0..args.iters)
                 .map(|i| per_rank.iter().map(|r| r[c][i]).fold(0.0, f64::max))
@@ -339,6 +384,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             let (algbw, busbw) = bandwidths(op, n, bytes as u64, Duration::from_secs_f64(time_s));
             BenchResult {
                 op,
+                in_place: case.in_place,
                 world_size: n,
                 bytes,
                 count: bytes / dtype.size(),
@@ -375,13 +421,15 @@ fn human(bytes: usize) -> String {
 /// Bytes read plus written in memory, summed over all ranks, by one collective of the in-process
 /// backend on a full tensor of `bytes` (its algorithms are traffic-minimal): all-reduce reads every
 /// buffer once and writes every buffer once (2nB); reduce-scatter reads every input once and writes
-/// the outputs with streaming stores (nB + B); all-gather copies the full tensor into every output
-/// (2nB). Dividing by the time gives the memory bandwidth the collective drew, comparable with the
-/// all-thread memcpy (which moves 2 bytes per byte copied).
-fn memory_traffic(kind: CollectiveKind, n: usize, bytes: usize) -> f64 {
+/// each shard once, with streaming stores out of place or over the lines just read in place
+/// (nB + B); all-gather copies the full tensor into every output (2nB), or in place only the other
+/// ranks' shards (2(n-1)B). Dividing by the time gives the memory bandwidth the collective drew,
+/// comparable with the all-thread memcpy (which moves 2 bytes per byte copied).
+fn memory_traffic(kind: CollectiveKind, in_place: bool, n: usize, bytes: usize) -> f64 {
     let (n, b) = (n as f64, bytes as f64);
     match kind {
         CollectiveKind::ReduceScatter => n * b + b,
+        CollectiveKind::AllGather if in_place => 2.0 * (n - 1.0) * b,
         _ => 2.0 * n * b,
     }
 }
@@ -416,7 +464,7 @@ fn print_table(
          memory traffic drawn by all ranks as % of the all-thread memcpy's"
     );
     println!(
-        "# {:>14} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
+        "# {:>25} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
         "op",
         "size",
         "count",
@@ -429,10 +477,13 @@ fn print_table(
         "%mem"
     );
     for r in results {
-        let mem = memory_traffic(r.op, n, r.bytes) / r.time_s / 1e9 / (2.0 * memcpy.all_threads);
+        let mem = memory_traffic(r.op, r.in_place, n, r.bytes)
+            / r.time_s
+            / 1e9
+            / (2.0 * memcpy.all_threads);
         println!(
-            "  {:>14} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
-            r.op.name(),
+            "  {:>25} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
+            Case::label(r.op, r.in_place),
             human(r.bytes),
             r.count,
             r.dtype.name(),

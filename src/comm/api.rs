@@ -99,6 +99,31 @@ impl Buffer {
             _ => None,
         }
     }
+    /// A new buffer holding a copy of elements `range` (allocates; for fallbacks and tests).
+    pub fn copy_range(&self, range: std::ops::Range<usize>) -> Buffer {
+        match self {
+            Buffer::F32(v) => Buffer::F32(v[range].to_vec()),
+            Buffer::BF16(v) => Buffer::BF16(v[range].to_vec()),
+            Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
+        }
+    }
+    /// Copies all of `src` into `self` from element `start` on.
+    ///
+    /// # Panics
+    /// If the dtypes differ or `src` does not fit.
+    pub fn write_at(&mut self, start: usize, src: &Buffer) {
+        let end = start + src.len();
+        match (self, src) {
+            (Buffer::F32(d), Buffer::F32(s)) => d[start..end].copy_from_slice(s),
+            (Buffer::BF16(d), Buffer::BF16(s)) => d[start..end].copy_from_slice(s),
+            (Buffer::F16(d), Buffer::F16(s)) => d[start..end].copy_from_slice(s),
+            (d, s) => panic!(
+                "Buffer::write_at: a {} buffer cannot take {} elements",
+                d.dtype(),
+                s.dtype()
+            ),
+        }
+    }
     /// Element `i` widened to f32 (for tests and small reads; not for hot loops).
     pub fn get_f32(&self, i: usize) -> f32 {
         match self {
@@ -258,22 +283,40 @@ pub enum CommError {
 }
 
 /// The result of a finished collective: the caller's buffers handed back in the order they were
-/// given (`all_reduce`/`broadcast`: `[buf]`; `reduce_scatter`/`all_gather`: `[input, output]`;
-/// `barrier`: `[]`).
+/// given (`all_reduce`/`broadcast` and the in-place forms: `[buf]`; `reduce_scatter`/`all_gather`:
+/// `[input, output]`; `barrier`: `[]`).
 pub type Completion = Result<Vec<Buffer>, CommError>;
+
+/// A function applied to a completion's buffers (see [`CommHandle::map_buffers`]).
+type MapBuffers = Box<dyn FnOnce(Vec<Buffer>) -> Vec<Buffer> + Send>;
 
 /// A collective in flight. Dropping a handle without waiting is allowed (the buffers are dropped when
 /// the collective finishes) but loses its error.
 #[must_use = "a collective's result and buffers come back through wait()"]
 pub struct CommHandle {
     rx: mpsc::Receiver<Completion>,
+    /// Applied to the buffers of a successful completion before `wait` returns them (how a
+    /// fallback built from another collective hands back the buffers its own contract promises).
+    then: Option<MapBuffers>,
 }
 
 impl CommHandle {
     /// A handle and the sender that completes it (used by backends).
     pub fn channel() -> (mpsc::Sender<Completion>, CommHandle) {
         let (tx, rx) = mpsc::channel();
-        (tx, CommHandle { rx })
+        (tx, CommHandle { rx, then: None })
+    }
+    /// This handle with `f` applied to the returned buffers when the collective succeeds (after any
+    /// function given earlier). Does not block.
+    pub fn map_buffers(
+        mut self,
+        f: impl FnOnce(Vec<Buffer>) -> Vec<Buffer> + Send + 'static,
+    ) -> CommHandle {
+        self.then = Some(match self.then.take() {
+            None => Box::new(f),
+            Some(g) => Box::new(move |b| f(g(b))),
+        });
+        self
     }
     /// A handle that is already complete (used by backends for trivial cases and errors).
     pub fn ready(result: Completion) -> CommHandle {
@@ -283,9 +326,14 @@ impl CommHandle {
     }
     /// Block until the collective finishes; returns the buffers.
     pub fn wait(self) -> Completion {
-        self.rx
+        let done = self
+            .rx
             .recv()
-            .unwrap_or_else(|_| Err(CommError::Closed("communication thread exited".into())))
+            .unwrap_or_else(|_| Err(CommError::Closed("communication thread exited".into())));
+        match self.then {
+            Some(f) => done.map(f),
+            None => done,
+        }
     }
     /// For single-buffer collectives (`all_reduce`, `broadcast`).
     pub fn wait_one(self) -> Result<Buffer, CommError> {
@@ -312,6 +360,18 @@ impl CommHandle {
 /// * `all_gather(input, output)`: `input` is this rank's shard, `output.len() == len`.
 /// * `broadcast(buf, root)`: every rank ends with root's `buf`.
 ///
+/// In-place variants (NCCL's in-place all-gather, `sendbuff == recvbuff + rank * count`, and
+/// in-place reduce-scatter, `recvbuff == sendbuff + rank * recvcount`) work on one full-size buffer:
+/// * `all_gather_in_place(buf)`: the caller has written its shard into `shard_range(len, world,
+///   rank)` of `buf`; afterwards `buf` holds every rank's shard.
+/// * `reduce_scatter_in_place(buf, op)`: afterwards this rank's `shard_range` of `buf` holds the
+///   reduced shard, bit-identical to `reduce_scatter`'s output; the rest of `buf` is unspecified.
+///
+/// Both hand back `[buf]` (use [`CommHandle::wait_one`]), count the same traffic as their
+/// out-of-place forms and match them at the rendezvous (ranks may mix the two forms). The default
+/// implementations call the out-of-place collective and copy the shard (one allocation); a backend
+/// that can reduce or gather straight into the buffer overrides them.
+///
 /// Results are deterministic: bit-identical on every rank and every run for the same inputs.
 pub trait Communicator: Send + Sync {
     fn rank(&self) -> usize;
@@ -323,4 +383,27 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> CommHandle;
     /// Cumulative traffic of this rank since the communicator was created.
     fn traffic(&self) -> TrafficCounters;
+
+    /// In-place all-gather (see the trait docs): `buf` holds this rank's shard in its
+    /// `shard_range`; returns `[buf]` holding every shard.
+    fn all_gather_in_place(&self, buf: Buffer) -> CommHandle {
+        let mine = shard_range(buf.len(), self.world_size(), self.rank());
+        let shard = buf.copy_range(mine);
+        self.all_gather(shard, buf)
+            .map_buffers(|mut bufs| vec![bufs.swap_remove(1)])
+    }
+
+    /// In-place reduce-scatter (see the trait docs): returns `[buf]` whose `shard_range` for this
+    /// rank holds the reduced shard.
+    fn reduce_scatter_in_place(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
+        let mine = shard_range(buf.len(), self.world_size(), self.rank());
+        let output = Buffer::zeros(buf.dtype(), mine.len());
+        self.reduce_scatter(buf, output, op)
+            .map_buffers(move |mut bufs| {
+                let output = bufs.swap_remove(1);
+                let mut buf = bufs.swap_remove(0);
+                buf.write_at(mine.start, &output);
+                vec![buf]
+            })
+    }
 }

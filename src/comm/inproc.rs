@@ -13,6 +13,12 @@
 //!   once and written once, instead of the reduce-scatter's write plus the all-gather's copy);
 //! * broadcast: every non-root copies the root's buffer.
 //!
+//! The in-place forms expose the same addresses as the out-of-place ones (the full input of a
+//! reduce-scatter, the start of the rank's shard for an all-gather), so ranks may mix the two forms.
+//! In-place reduce-scatter writes the reduced shard over the rank's own shard of its input (the
+//! lines it has just read, so no read-for-ownership and no streaming stores); in-place all-gather
+//! copies only the other ranks' shards: per rank (n-1)/n of the buffer moves instead of all of it.
+//!
 //! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
 //! handed back once no peer can still read them. Each element is reduced by exactly one formula
 //! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
@@ -41,6 +47,9 @@ enum Call {
     AllReduce(Buffer, ReduceOp),
     ReduceScatter(Buffer, Buffer, ReduceOp),
     AllGather(Buffer, Buffer),
+    /// In place: the rank's shard sits in its own range of the full buffer.
+    ReduceScatterInPlace(Buffer, ReduceOp),
+    AllGatherInPlace(Buffer),
     Broadcast(Buffer, usize),
     Barrier,
 }
@@ -264,6 +273,12 @@ impl Communicator for InprocComm {
     fn barrier(&self) -> CommHandle {
         self.submit(Call::Barrier)
     }
+    fn all_gather_in_place(&self, buf: Buffer) -> CommHandle {
+        self.submit(Call::AllGatherInPlace(buf))
+    }
+    fn reduce_scatter_in_place(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
+        self.submit(Call::ReduceScatterInPlace(buf, op))
+    }
     fn traffic(&self) -> TrafficCounters {
         self.shared
             .traffic
@@ -411,14 +426,14 @@ fn describe(call: &Call) -> CallDesc {
             op: Some(*op),
             root: None,
         },
-        Call::ReduceScatter(i, _, op) => CallDesc {
+        Call::ReduceScatter(i, _, op) | Call::ReduceScatterInPlace(i, op) => CallDesc {
             kind: CollectiveKind::ReduceScatter,
             dtype: Some(i.dtype()),
             len: i.len(),
             op: Some(*op),
             root: None,
         },
-        Call::AllGather(_, o) => CallDesc {
+        Call::AllGather(_, o) | Call::AllGatherInPlace(o) => CallDesc {
             kind: CollectiveKind::AllGather,
             dtype: Some(o.dtype()),
             len: o.len(),
@@ -547,6 +562,49 @@ impl Exec<'_> {
                 }
                 drop(departure);
                 Ok(vec![input, output])
+            }
+            Call::ReduceScatterInPlace(mut buf, op) => {
+                let len = buf.len();
+                let esz = buf.dtype().size();
+                let dtype = buf.dtype();
+                let mine = shard_range(len, n, r);
+                let addr = buffer_addr_mut(&mut buf);
+                self.arrive(Some(addr))?;
+                let departure = Departure::new(world, r);
+                let sc = &mut *self.scratch;
+                sc.srcs.clear();
+                sc.srcs
+                    .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+                let dst = [addr + mine.start * esz];
+                // SAFETY: until the final meeting, shard r of every buffer is read by rank r only
+                // and written by nobody else (peers write only their own shard of their own
+                // buffer); the destination is exactly this rank's source, which the kernel allows.
+                unsafe { reduce_into(dtype, op, &sc.srcs, &dst, mine.len(), Store::Cached) };
+                drop(departure);
+                Ok(vec![buf])
+            }
+            Call::AllGatherInPlace(mut buf) => {
+                let len = buf.len();
+                let esz = buf.dtype().size();
+                let addr = buffer_addr_mut(&mut buf);
+                let mine = shard_range(len, n, r);
+                self.arrive(Some(addr + mine.start * esz))?;
+                let departure = Departure::new(world, r);
+                for k in 1..n {
+                    let s = (r + k) % n;
+                    let range = shard_range(len, n, s);
+                    // SAFETY: peers only read shard s of rank s's buffer and write other ranges of
+                    // their own; this rank writes only other ranks' ranges of its own buffer.
+                    unsafe {
+                        copy_bytes(
+                            self.scratch.peers[s].input,
+                            addr + range.start * esz,
+                            range.len() * esz,
+                        )
+                    };
+                }
+                drop(departure);
+                Ok(vec![buf])
             }
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();

@@ -5,6 +5,11 @@
 //! each rank's block is read once, combined into the accumulator in rank order 0..N-1 (a fixed
 //! order, so the result is bit-identical whoever computes it), and the result is written once. 16-bit
 //! inputs are widened to f32, accumulated in f32 and rounded once (round to nearest even).
+//!
+//! f32 and bf16 take the lane path ([`reduce_lanes`]): the large reductions are memory-bound only
+//! if the core does little more than one packed operation per loaded vector, and the generic path's
+//! extra copies through L1 scratch (load into the accumulator, round into a block, copy out) made
+//! the 1 GiB reduce-scatter compute-bound on this machine's cores. f16 keeps the generic path.
 
 use crate::comm::{DType, ReduceOp};
 use half::slice::HalfFloatSliceExt;
@@ -38,6 +43,9 @@ fn combine_f32(op: ReduceOp, acc: &mut [f32], src: &[f32]) {
     }
 }
 
+/// The generic path for f32: production uses [`reduce_lanes`]; tests check the two agree bit for
+/// bit.
+#[cfg(test)]
 impl Elem for f32 {
     fn load(src: &[f32], acc: &mut [f32]) {
         acc.copy_from_slice(src);
@@ -67,6 +75,8 @@ macro_rules! half_elem {
         }
     };
 }
+// The generic path for bf16: production uses `reduce_lanes`; tests compare the two.
+#[cfg(test)]
 half_elem!(bf16);
 half_elem!(f16);
 
@@ -141,6 +151,243 @@ unsafe fn reduce_typed<T: Elem>(
     }
 }
 
+/// Lanes processed together by the lane kernel: 32 bytes of f32, so the loops below compile to
+/// packed loads, one packed operation and packed stores.
+const LANES: usize = 8;
+
+/// An element type the lane kernel reduces: widening to f32 is exact and narrowing rounds exactly
+/// as the `half` slice conversions of the generic path do, so both paths give the same bits.
+trait Lane: Copy + 'static {
+    fn widen(self) -> f32;
+    fn narrow(x: f32) -> Self;
+}
+
+impl Lane for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> f32 {
+        x
+    }
+}
+
+/// bf16 widening is a shift and its rounding a few integer operations. They are written here
+/// without branches (`half`'s scalar versions branch on NaN and on the rounding bit, which keeps the
+/// loops from vectorising) but compute exactly `bf16::to_f32` and `bf16::from_f32`: NaNs get the
+/// quiet bit, other values round to nearest even. The unit tests check the bits against `half`.
+/// (f16 stays on the generic path: its slice conversions use the F16C instructions where the CPU
+/// has them.)
+impl Lane for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        let i = self.to_bits() as u32;
+        let quiet = if i & 0x7FFF > 0x7F80 { 0x40 } else { 0 };
+        f32::from_bits((i | quiet) << 16)
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> bf16 {
+        let x = x.to_bits();
+        let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
+        let round_up = (x & 0x8000 != 0) & (x & 0x1_7FFF != 0);
+        let rounded = (x >> 16) + u32::from(round_up);
+        let bits = if nan { (x >> 16) | 0x40 } else { rounded };
+        bf16::from_bits(bits as u16)
+    }
+}
+
+/// The lane reduction (f32 and bf16): per tile of [`BLOCK`] elements, one tight pass per input
+/// over all N inputs in rank order, widening on load, the last pass rounding and writing straight to
+/// the destination.
+///
+/// With two inputs (the common world of 2) each tile is one pass `dst = src0 (op) src1`: every input
+/// byte is read once and every output byte written once, with no scratch round trip. With more
+/// inputs the running f32 sum stays in an L1-resident accumulator until the last input. The
+/// arithmetic is the generic path's, element by element and in the same order, so results are
+/// bit-identical to it.
+///
+/// # Safety
+/// As [`reduce_typed`].
+unsafe fn reduce_lanes<T: Lane>(
+    op: ReduceOp,
+    srcs: &[*const T],
+    dsts: &[*mut T],
+    len: usize,
+    store: Store,
+) {
+    // The same code compiled for AVX2 where the CPU has it (checked once, cached by std): twice the
+    // lanes per instruction, and bf16 rounding packs without SSE2's shuffles. Same IEEE operations
+    // in the same order, so the same bits.
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        return reduce_lanes_avx2(op, srcs, dsts, len, store);
+    }
+    reduce_lanes_body(op, srcs, dsts, len, store)
+}
+
+/// [`reduce_lanes_body`] compiled with AVX2 enabled.
+///
+/// # Safety
+/// As [`reduce_typed`], on a CPU with AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn reduce_lanes_avx2<T: Lane>(
+    op: ReduceOp,
+    srcs: &[*const T],
+    dsts: &[*mut T],
+    len: usize,
+    store: Store,
+) {
+    reduce_lanes_body(op, srcs, dsts, len, store)
+}
+
+/// The body of [`reduce_lanes`], inlined into each instruction-set variant.
+///
+/// # Safety
+/// As [`reduce_typed`].
+#[inline(always)]
+unsafe fn reduce_lanes_body<T: Lane>(
+    op: ReduceOp,
+    srcs: &[*const T],
+    dsts: &[*mut T],
+    len: usize,
+    store: Store,
+) {
+    let n = srcs.len();
+    let esz = std::mem::size_of::<T>();
+    let div = (op == ReduceOp::Avg).then_some(n as f32);
+    let mut acc = [0f32; BLOCK];
+    let acc_ptr = acc.as_mut_ptr();
+    // The rounded tile when several destinations take streaming stores: written once, copied to
+    // each. `T` is at most 4 bytes, so BLOCK f32 words hold BLOCK elements of it.
+    let mut out = [0f32; BLOCK];
+    let out_ptr = out.as_mut_ptr() as *mut T;
+    // Otherwise the last pass writes into the first destination directly.
+    let direct = dsts.len() == 1 || store == Store::Cached;
+    let mut off = 0;
+    while off < len {
+        let m = BLOCK.min(len - off);
+        let target = if direct { dsts[0].add(off) } else { out_ptr };
+        let target_store = if direct { store } else { Store::Cached };
+        let s = |k: usize| srcs[k].add(off);
+        match n {
+            1 => pass::<T, T, T>(op, target, s(0), None, m, div, target_store),
+            2 => pass(op, target, s(0), Some(s(1)), m, div, target_store),
+            _ => {
+                pass(op, acc_ptr, s(0), Some(s(1)), m, None, Store::Cached);
+                for k in 2..n - 1 {
+                    pass(op, acc_ptr, acc_ptr, Some(s(k)), m, None, Store::Cached);
+                }
+                pass(op, target, acc_ptr, Some(s(n - 1)), m, div, target_store);
+            }
+        }
+        let first = target as *const u8;
+        for (d, dst) in dsts.iter().enumerate() {
+            if direct && d == 0 {
+                continue;
+            }
+            let to = dst.add(off) as *mut u8;
+            match store {
+                Store::Cached => std::ptr::copy_nonoverlapping(first, to, m * esz),
+                Store::Streaming => stream_copy(first, to, m * esz),
+            }
+        }
+        off += m;
+    }
+    if store == Store::Streaming {
+        stream_fence();
+    }
+}
+
+/// `dst[i] = narrow(fin(widen(a[i]) (op) widen(b[i])))` (without `b`: of `a[i]` alone), where `fin`
+/// divides by `div` when given, for `m` elements. Each group of [`LANES`] elements is loaded before
+/// any of it is stored, so `dst` may be exactly `a` or `b` (the accumulator, an in-place
+/// destination) but must not overlap them otherwise.
+///
+/// # Safety
+/// `a`, `b` valid for reads and `dst` for writes of `m` elements.
+#[inline(always)]
+unsafe fn pass<A: Lane, B: Lane, D: Lane>(
+    op: ReduceOp,
+    dst: *mut D,
+    a: *const A,
+    b: Option<*const B>,
+    m: usize,
+    div: Option<f32>,
+    store: Store,
+) {
+    let one = |i: usize| -> D {
+        let x = (*a.add(i)).widen();
+        let x = match b {
+            Some(b) => combine_one(op, x, (*b.add(i)).widen()),
+            None => x,
+        };
+        D::narrow(div.map_or(x, |d| x / d))
+    };
+    // Streaming stores need 16-byte aligned destinations: ordinary stores up to the boundary.
+    let head = match store {
+        Store::Cached => 0,
+        Store::Streaming => ((dst as *mut u8).align_offset(16) / std::mem::size_of::<D>()).min(m),
+    };
+    for i in 0..head {
+        *dst.add(i) = one(i);
+    }
+    let mut i = head;
+    while i + LANES <= m {
+        let x: [A; LANES] = std::ptr::read_unaligned(a.add(i) as *const [A; LANES]);
+        let mut v: [f32; LANES] = x.map(A::widen);
+        if let Some(b) = b {
+            let y: [B; LANES] = std::ptr::read_unaligned(b.add(i) as *const [B; LANES]);
+            for l in 0..LANES {
+                v[l] = combine_one(op, v[l], y[l].widen());
+            }
+        }
+        if let Some(d) = div {
+            for x in v.iter_mut() {
+                *x /= d;
+            }
+        }
+        let w: [D; LANES] = v.map(D::narrow);
+        match store {
+            Store::Cached => std::ptr::write_unaligned(dst.add(i) as *mut [D; LANES], w),
+            Store::Streaming => stream_lanes(dst.add(i), &w),
+        }
+        i += LANES;
+    }
+    while i < m {
+        *dst.add(i) = one(i);
+        i += 1;
+    }
+}
+
+/// One element of `acc (op) src`, exactly as [`combine_f32`] computes it.
+#[inline(always)]
+fn combine_one(op: ReduceOp, acc: f32, src: f32) -> f32 {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => acc + src,
+        ReduceOp::Max => acc.max(src),
+    }
+}
+
+/// Writes [`LANES`] elements to a 16-byte aligned `dst` with streaming stores.
+///
+/// # Safety
+/// `dst` 16-byte aligned and valid for writes of [`LANES`] elements.
+#[inline(always)]
+unsafe fn stream_lanes<D: Lane>(dst: *mut D, v: &[D; LANES]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let (s, d) = (v.as_ptr() as *const __m128i, dst as *mut __m128i);
+        for k in 0..std::mem::size_of::<[D; LANES]>() / 16 {
+            _mm_stream_si128(d.add(k), _mm_loadu_si128(s.add(k)));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    std::ptr::write_unaligned(dst as *mut [D; LANES], *v);
+}
+
 /// Type-erased [`reduce_typed`]: addresses are of element 0 of each slice.
 ///
 /// # Safety
@@ -158,8 +405,8 @@ pub(crate) unsafe fn reduce_into(
     }
     // The casts below only reinterpret the addresses.
     match dtype {
-        DType::F32 => reduce_typed::<f32>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
-        DType::BF16 => reduce_typed::<bf16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
+        DType::F32 => reduce_lanes::<f32>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
+        DType::BF16 => reduce_lanes::<bf16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
         DType::F16 => reduce_typed::<f16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
     }
 }
@@ -335,5 +582,122 @@ mod tests {
             );
         }
         assert_eq!((c.get_f32(6), c.get_f32(4997)), (0.0, 0.0));
+    }
+
+    /// Runs the lane kernel and the generic kernel on the same inputs (given as f32 values, converted
+    /// with `conv`) and compares every bit of one and two destinations.
+    fn lanes_match_generic<T: Lane + Elem + PartialEq + std::fmt::Debug>(conv: fn(f32) -> T) {
+        // Values with rounding in every sum, signed zeros, infinities, NaNs and subnormals; lengths
+        // around the block and lane sizes; offsets that misalign the streaming stores.
+        let len = 2 * BLOCK + 13;
+        let special = [
+            0.0f32,
+            -0.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            1e-40,
+        ];
+        let input = |s: usize| -> Vec<T> {
+            (0..len + 8)
+                .map(|i| {
+                    conv(if (i * 7 + s) % 29 == 0 {
+                        special[(i + s) % special.len()]
+                    } else {
+                        ((i * 31 + s * 17) % 1000) as f32 * 0.001 + 1.0 / (1 + s) as f32
+                    })
+                })
+                .collect()
+        };
+        let fill = conv(7.0);
+        for n in 1..=5 {
+            let inputs: Vec<Vec<T>> = (0..n).map(input).collect();
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                for store in [Store::Cached, Store::Streaming] {
+                    for (m, off) in [(len, 0), (len - 3, 1), (5, 3), (LANES - 1, 2)] {
+                        let srcs: Vec<*const T> =
+                            inputs.iter().map(|v| v[off..].as_ptr()).collect();
+                        let mut fast = vec![vec![fill; len + 8]; 2];
+                        let mut slow = vec![vec![fill; len + 8]; 2];
+                        let fd: Vec<*mut T> =
+                            fast.iter_mut().map(|v| v[off..].as_mut_ptr()).collect();
+                        let sd: Vec<*mut T> =
+                            slow.iter_mut().map(|v| v[off..].as_mut_ptr()).collect();
+                        for k in 1..=2 {
+                            // SAFETY: every pointer has at least `m` elements behind it.
+                            unsafe {
+                                reduce_lanes(op, &srcs, &fd[..k], m, store);
+                                reduce_typed::<T>(op, &srcs, &sd[..k], m, store);
+                            }
+                            // Bytes, so that NaNs compare by their bits.
+                            let bytes = |v: &Vec<Vec<T>>| -> Vec<u8> {
+                                v.iter()
+                                    .flat_map(|b| {
+                                        // SAFETY: plain numbers, viewed as their bytes.
+                                        unsafe {
+                                            std::slice::from_raw_parts(
+                                                b.as_ptr() as *const u8,
+                                                std::mem::size_of_val(&b[..]),
+                                            )
+                                        }
+                                        .to_vec()
+                                    })
+                                    .collect()
+                            };
+                            assert!(
+                                bytes(&fast) == bytes(&slow),
+                                "n {n} {op:?} {store:?} m {m} k {k}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lane_path_is_bit_identical_to_the_generic_path() {
+        lanes_match_generic::<f32>(|x| x);
+        lanes_match_generic::<bf16>(bf16::from_f32);
+    }
+
+    #[test]
+    fn lane_reduction_may_write_over_one_of_its_inputs() {
+        // In-place reduce-scatter: the destination is one rank's own input, at any position.
+        for n in 1..=4 {
+            for own in 0..n {
+                let mut bufs: Vec<Vec<f32>> = (0..n)
+                    .map(|s| (0..3000).map(|i| (i * (s + 1)) as f32 * 0.5).collect())
+                    .collect();
+                let want: Vec<f32> = (0..3000)
+                    .map(|i| (0..n).fold(0.0, |a, s| a + (i * (s + 1)) as f32 * 0.5))
+                    .collect();
+                let srcs: Vec<*const f32> = bufs.iter().map(|v| v.as_ptr()).collect();
+                let dst = [bufs[own].as_mut_ptr()];
+                // SAFETY: all buffers hold 3000 elements; the destination is exactly a source.
+                unsafe { reduce_lanes(ReduceOp::Sum, &srcs, &dst, 3000, Store::Cached) };
+                assert_eq!(bufs[own], want, "n {n} own {own}");
+            }
+        }
+    }
+
+    #[test]
+    fn branchless_bf16_conversions_equal_halfs() {
+        for i in 0..=u16::MAX {
+            let b = bf16::from_bits(i);
+            assert_eq!(b.widen().to_bits(), b.to_f32().to_bits(), "widen {i:#06x}");
+        }
+        // Every 16-bit top half with low halves that hit each rounding case.
+        for hi in 0..=u16::MAX as u32 {
+            for lo in [0u32, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF] {
+                let x = f32::from_bits(hi << 16 | lo);
+                assert_eq!(
+                    <bf16 as Lane>::narrow(x).to_bits(),
+                    bf16::from_f32(x).to_bits(),
+                    "narrow {:#010x}",
+                    x.to_bits()
+                );
+            }
+        }
     }
 }
