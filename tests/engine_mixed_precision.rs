@@ -45,7 +45,8 @@ fn bf16_model_state_bytes_follow_the_zero_formulas() {
                 Stage::Zero3 => 16 * psi / n,
             };
             assert_eq!(params + grads + master + opt, formula);
-            let buffers = plan(&spec_of(&model), &cfg).buffer_bytes();
+            let plan = plan(&spec_of(&model), &cfg);
+            let buffers = plan.buffer_bytes();
             for reports in &run.reports {
                 let m = reports[0].memory;
                 assert_eq!(
@@ -54,6 +55,8 @@ fn bf16_model_state_bytes_follow_the_zero_formulas() {
                     "{stage:?} world {world}"
                 );
                 assert_eq!(m.total, formula + buffers + m.gather);
+                // Stage 3 gathers 16-bit parameters: the pool is sized in bf16.
+                assert!(reports[0].peak_gather_bytes <= plan.gather_bytes());
             }
         }
     }

@@ -65,9 +65,11 @@ impl BufferPlan {
             + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
             + (self.param_scratch_elems * self.param_scratch_count * 4) as u64
     }
-    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
+    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind). The
+    /// pool holds parameters as they travel (the parameter dtype); a kept graph holds the f32
+    /// weights the model computed with.
     pub fn gather_bytes(&self) -> u64 {
-        ((self.gather_pool_elems + self.kept_graph_elems) * self.param_dtype.size()) as u64
+        (self.gather_pool_elems * self.param_dtype.size() + self.kept_graph_elems * 4) as u64
     }
 }
 
