@@ -348,3 +348,43 @@ fn fp16_at_the_minimum_scale_is_an_error_naming_the_unit() {
         "{err}"
     );
 }
+
+#[test]
+fn fp32_reductions_and_accumulation_with_bf16_parameters() {
+    // DeepSpeed's bf16 default at stage 0 accumulates gradients in fp32, and
+    // communication_data_type fp32 reduces in fp32. Parameters still travel in bf16.
+    let model = Toy::new(16, 8, 3, true);
+    let (world, n) = (2, 2u64);
+    let psi = FlatLayout::new(&spec_of(&model), world, 0).padded_numel() as u64;
+    for stage in STAGES {
+        let fp32 = train(
+            &model,
+            &test_config(stage, world, 1, GLOBAL),
+            3,
+            GLOBAL,
+            SEQ,
+        );
+        let mut cfg = test_config(stage, world, 1, GLOBAL).with_precision(DType::BF16);
+        cfg.comm_dtype = DType::F32;
+        cfg.grad_accum_dtype = DType::F32;
+        let run = train(&model, &cfg, 3, GLOBAL, SEQ);
+        let d = curve_diff(&fp32.losses(), &run.losses());
+        assert!(d < BF16_VS_FP32, "{stage:?}: {d}");
+        let m = run.reports[0][2].memory;
+        let grads = if stage.shards_grads() {
+            4 * psi / n
+        } else {
+            4 * psi
+        };
+        assert_eq!(
+            (m.params, m.grads),
+            (2 * psi / if stage == Stage::Zero3 { n } else { 1 }, grads)
+        );
+        let (t, f) = (&run.reports[0][2].traffic, &fp32.reports[0][2].traffic);
+        for kind in [CollectiveKind::ReduceScatter, CollectiveKind::AllReduce] {
+            assert_eq!(t.sent(kind), f.sent(kind), "{stage:?} {kind:?} in f32");
+        }
+        let ag = CollectiveKind::AllGather;
+        assert_eq!(2 * t.sent(ag), f.sent(ag), "{stage:?}: parameters in bf16");
+    }
+}
