@@ -5,12 +5,6 @@ use std::process::Command;
 
 fn train(precision_block: &str, stage: u8) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
-    let text = dir.path().join("text.txt");
-    std::fs::write(
-        &text,
-        "to be or not to be, that is the question. ".repeat(200),
-    )
-    .unwrap();
     let config = dir.path().join("ds.json");
     std::fs::write(
         &config,
@@ -22,10 +16,21 @@ fn train(precision_block: &str, stage: u8) -> Vec<serde_json::Value> {
         ),
     )
     .unwrap();
-    let metrics = dir.path().join("m.jsonl");
+    train_file(&config, dir.path())
+}
+
+/// Three steps of the tiny GPT at world size 2 with `config`; the metrics lines.
+fn train_file(config: &std::path::Path, dir: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = dir.join("text.txt");
+    std::fs::write(
+        &text,
+        "to be or not to be, that is the question. ".repeat(200),
+    )
+    .unwrap();
+    let metrics = dir.join("m.jsonl");
     let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
         .args(["train", "--config"])
-        .arg(&config)
+        .arg(config)
         .args(["--world-size", "2", "--model", "tiny", "--steps", "3"])
         .args(["--no-progress", "--max-skipped-steps", "3", "--data"])
         .arg(&text)
@@ -72,5 +77,19 @@ fn fp32_metrics_report_no_scale_and_no_master() {
         assert_eq!(l["loss_scale"], 1.0);
         assert_eq!(l["skipped"], false);
         assert_eq!(l["model_state_bytes"]["master"], 0);
+    }
+}
+
+#[test]
+fn the_mixed_precision_examples_train() {
+    for (name, scale) in [("stage2_bf16.json", 1.0), ("stage2_fp16.json", 65536.0)] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("examples")
+            .join(name);
+        let lines = train_file(&path, dir.path());
+        assert_eq!(lines.len(), 6, "{name}");
+        assert!(lines.iter().all(|l| l["loss_scale"] == scale), "{name}");
+        assert!(lines.iter().all(|l| l["model_state_bytes"]["master"] != 0));
     }
 }
