@@ -12,7 +12,7 @@
 //! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
 //! | `loss` | the global-batch mean loss, the same on every rank |
 //! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
-//! | `grad_norm` | the global gradient norm before clipping (unscaled; Inf/NaN on a skipped step) |
+//! | `grad_norm` | the global gradient norm before clipping (unscaled; `null` on a skipped step, whose norm is Inf/NaN) |
 //! | `loss_scale` | the fp16 loss scale this step's loss was multiplied by (1 in bf16 and fp32) |
 //! | `skipped` | whether the step was skipped because its gradients held Inf/NaN (no update; the scheduler does not advance) |
 //! | `tokens_per_s` | the global batch's tokens over this rank's step time |

@@ -13,6 +13,15 @@
 //! 3. Adam/AdamW on the rank's part (everything at stage 0, the own shard otherwise), with the clip
 //!    factor fused into the gradient scale.
 //! 4. Stages 1-2 all-gather the updated shards into the full parameters; stage 3 leaves them sharded.
+//!
+//! Mixed precision (`param_dtype` bf16/f16, see [`super::precision`]): parameters, gradients and
+//! buckets are 16-bit, the model reads parameters widened into f32 scratch and writes f32
+//! gradients that are cast (or, at stages 0-1, accumulated) into the kept 16-bit ones; Adam updates
+//! the fp32 master of the rank's part and writes its rounded copy in the same pass. The squared
+//! norm of step 2 doubles as the overflow check: a non-finite total on every rank alike means
+//! some rank's gradients held Inf/NaN, and the step is skipped everywhere (no Adam update, no
+//! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
+//! it out in the fused unscale-and-clip factor.
 
 use super::buckets::{BucketMode, Buckets, FlatState};
 use super::buffers::{plan, BufferPlan};
