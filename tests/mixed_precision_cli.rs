@@ -16,11 +16,15 @@ fn train(precision_block: &str, stage: u8) -> Vec<serde_json::Value> {
         ),
     )
     .unwrap();
-    train_file(&config, dir.path())
+    train_file(&config, dir.path(), 3)
 }
 
-/// Three steps of the tiny GPT at world size 2 with `config`; the metrics lines.
-fn train_file(config: &std::path::Path, dir: &std::path::Path) -> Vec<serde_json::Value> {
+/// `steps` steps of the tiny GPT at world size 2 with `config`; the metrics lines.
+fn train_file(
+    config: &std::path::Path,
+    dir: &std::path::Path,
+    steps: u32,
+) -> Vec<serde_json::Value> {
     let text = dir.join("text.txt");
     std::fs::write(
         &text,
@@ -31,7 +35,8 @@ fn train_file(config: &std::path::Path, dir: &std::path::Path) -> Vec<serde_json
     let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
         .args(["train", "--config"])
         .arg(config)
-        .args(["--world-size", "2", "--model", "tiny", "--steps", "3"])
+        .args(["--world-size", "2", "--model", "tiny", "--steps"])
+        .arg(steps.to_string())
         .args(["--no-progress", "--max-skipped-steps", "3", "--data"])
         .arg(&text)
         .arg("--metrics")
@@ -87,9 +92,65 @@ fn the_mixed_precision_examples_train() {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("examples")
             .join(name);
-        let lines = train_file(&path, dir.path());
+        let lines = train_file(&path, dir.path(), 3);
         assert_eq!(lines.len(), 6, "{name}");
         assert!(lines.iter().all(|l| l["loss_scale"] == scale), "{name}");
         assert!(lines.iter().all(|l| l["model_state_bytes"]["master"] != 0));
     }
+}
+
+#[test]
+fn fp16_overflows_skip_steps_halve_the_scale_and_hold_the_scheduler() {
+    // 2^20 overflows the tiny GPT's fp16 gradients: the first steps are skipped while the scale
+    // halves (hysteresis 1), and the warmup schedule waits for the first applied step.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+             "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
+             "scheduler": { "type": "WarmupLR", "params": { "warmup_min_lr": 1e-4,
+                 "warmup_max_lr": 1e-3, "warmup_num_steps": 100, "warmup_type": "linear" } },
+             "fp16": { "enabled": true, "initial_scale_power": 20, "hysteresis": 1 },
+             "zero_optimization": { "stage": 2 } }"#,
+    )
+    .unwrap();
+    let lines: Vec<_> = train_file(&config, dir.path(), 10)
+        .into_iter()
+        .filter(|l| l["rank"] == 0)
+        .collect();
+    let skipped = lines.iter().filter(|l| l["skipped"] == true).count();
+    assert!(skipped >= 1 && skipped < 10, "{skipped} of 10 skipped");
+    // The lr is a function of the applied steps before it (DeepSpeed: skipped steps do not step
+    // the scheduler): by_applied[k] is the lr after k applied steps.
+    let mut by_applied: Vec<f64> = Vec::new();
+    let mut applied = 0;
+    for w in lines.windows(2) {
+        let (a, b) = (&w[0], &w[1]);
+        let (sa, sb) = (
+            a["loss_scale"].as_f64().unwrap(),
+            b["loss_scale"].as_f64().unwrap(),
+        );
+        if a["skipped"] == true {
+            assert_eq!(sb, sa / 2.0, "an overflow halves the scale: {a} {b}");
+            assert!(a["grad_norm"].is_null());
+        }
+    }
+    for l in &lines {
+        let lr = l["lr"].as_f64().unwrap();
+        match by_applied.get(applied) {
+            Some(&seen) => assert_eq!(lr, seen, "step {}", l["step"]),
+            None => by_applied.push(lr),
+        }
+        if l["skipped"] == false {
+            applied += 1;
+        }
+    }
+    assert!(by_applied.len() >= 3, "{by_applied:?}");
+    // WarmupLR: the first two applied steps run at warmup_min_lr, then the lr rises.
+    assert!(
+        by_applied[1..].windows(2).all(|w| w[1] > w[0]),
+        "{by_applied:?}"
+    );
+    assert!((lines[0]["lr"].as_f64().unwrap() - 1e-4).abs() < 1e-9);
 }
