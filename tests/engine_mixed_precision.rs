@@ -388,3 +388,35 @@ fn fp32_reductions_and_accumulation_with_bf16_parameters() {
         assert_eq!(2 * t.sent(ag), f.sent(ag), "{stage:?}: parameters in bf16");
     }
 }
+
+#[test]
+fn strict_bf16_stage3_gathers_in_16_bits_and_matches_stage_0() {
+    // Nothing persistent, nothing kept between forward and backward: every unit is gathered in
+    // bf16 from its shards before each use, recomputed in backward, and released.
+    let model = Toy::new(16, 8, 4, true);
+    const G16: usize = 16;
+    for world in [2, 4] {
+        let s0 = train(
+            &model,
+            &test_config(Stage::Zero0, world, 2, G16).with_precision(DType::BF16),
+            5,
+            G16,
+            SEQ,
+        );
+        let mut cfg = test_config(Stage::Zero3, world, 2, G16).with_precision(DType::BF16);
+        cfg.param_persistence_threshold = 0;
+        cfg.max_reuse_distance = 0;
+        cfg.prefetch_bucket_size = 1 << 20;
+        let run = train(&model, &cfg, 5, G16, SEQ);
+        let d = curve_diff(&s0.losses(), &run.losses());
+        assert!(d < 1.0 / 512.0, "world {world}: {d}");
+        let plan = plan(&spec_of(&model), &cfg);
+        let largest = FlatLayout::new(&spec_of(&model), world, 0).largest_padded() as u64;
+        for r in &run.reports {
+            let peak = r[4].peak_gather_bytes;
+            // The pool holds bf16: at least one whole unit was gathered, 2 bytes per element.
+            assert!(peak >= 2 * largest && peak <= plan.gather_bytes(), "{peak}");
+            assert!(r.iter().all(|s| !s.skipped));
+        }
+    }
+}
