@@ -12,11 +12,19 @@
 //! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
 //! | `loss` | the global-batch mean loss, the same on every rank |
 //! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
-//! | `grad_norm` | the global gradient norm before clipping |
+//! | `grad_norm` | the global gradient norm before clipping (unscaled; `null` on a skipped step, whose norm is Inf/NaN) |
+//! | `loss_scale` | the fp16 loss scale this step's loss was multiplied by (1 in bf16 and fp32) |
+//! | `skipped` | whether the step was skipped because its gradients held Inf/NaN (no update; the scheduler does not advance) |
 //! | `tokens_per_s` | the global batch's tokens over this rank's step time |
 //! | `step_time_s` | this rank's step time |
 //! | `num_params` | Ψ, the model's parameter count (tied weights once) |
-//! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (0 in fp32), `optimizer_states`, `buffers` (buckets, gradient scratch), `gather` (stage-3 pool), `total` |
+//! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (the fp32 master shard under bf16/fp16, 0 in fp32), `optimizer_states`, `buffers` (buckets, gradient and parameter scratch), `gather` (stage-3 pool), `total` |
+//!
+//! Mixed precision comes from the config's `bf16` or `fp16` block: 16-bit parameters and
+//! gradients, fp32 master weights and Adam moments on the owning shard. A step whose gradients
+//! hold Inf/NaN is skipped on every rank and logged with the units involved; fp16 lowers its loss
+//! scale (DeepSpeed's dynamic scaling, at the documented 2^16 and hysteresis 2 even when the block
+//! sets no dynamic key), bf16 and fp32 stop after `--max-skipped-steps` such steps in a row.
 //! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
@@ -27,7 +35,7 @@ use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, TraceLevel};
+use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, DType, TraceLevel};
 use zerodp::config::{self, OffloadDevice, Precision, ResolveContext, Settings};
 use zerodp::memory::accounting::TrafficByKind;
 use zerodp::model::{
@@ -36,6 +44,8 @@ use zerodp::model::{
 };
 use zerodp::optim::adam::AdamParams;
 use zerodp::optim::scheduler::lr_at;
+use zerodp::zero::loss_scaler::DynamicScaleParams;
+use zerodp::zero::precision::OverflowPolicy;
 use zerodp::zero::{Engine, EngineConfig, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
@@ -80,6 +90,11 @@ pub struct TrainArgs {
     /// No progress bar (log lines at steps_per_print only).
     #[arg(long)]
     pub no_progress: bool,
+    /// Stop with an error after this many optimizer steps in a row had Inf/NaN gradients (each is
+    /// skipped). Applies to bf16, fp32 and fp16 with a static loss scale; dynamic fp16 scaling
+    /// stops at `min_loss_scale` instead.
+    #[arg(long, default_value_t = 10)]
+    pub max_skipped_steps: u64,
 }
 
 /// Which GPT to build.
@@ -139,6 +154,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let mut engine_cfg = engine_config(&settings, args.world_size, args.seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
+    if args.max_skipped_steps == 0 {
+        bail!("--max-skipped-steps must be at least 1 (1 stops at the first step with Inf/NaN gradients)");
+    }
+    engine_cfg.max_skipped_steps = args.max_skipped_steps;
 
     let model = GptModel::new(gpt.clone())?;
     super::preflight::check(&args.preflight, &settings, &engine_cfg, model.spec(), &gpt)?;
@@ -209,8 +228,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
                 }
             }
             let mut last = None;
+            // Optimizer steps actually applied: skipped steps do not advance the scheduler
+            // (DeepSpeed's rule).
+            let mut applied = 0;
             for step in 0..args.steps {
-                let lr = lr_at_step(&settings, base_lr, step);
+                let lr = lr_at_step(&settings, base_lr, applied);
                 let batches = (0..batch.gradient_accumulation_steps)
                     .map(|m| {
                         data.micro_batch(
@@ -224,6 +246,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 let report = engine.train_step(&batches, lr)?;
+                if !report.skipped {
+                    applied += 1;
+                }
                 let tokens_per_s = tokens_per_step as f64 / report.elapsed.as_secs_f64();
                 if let Some(m) = &metrics {
                     let line = metrics_line(
@@ -238,6 +263,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
                     writeln!(w, "{line}")?;
                 }
                 if rank == 0 {
+                    if let Some(line) = step_log_line(&report) {
+                        if progress.is_hidden() {
+                            eprintln!("{line}");
+                        } else {
+                            progress.println(line);
+                        }
+                    }
                     let msg = format!(
                         "loss {:.4} lr {:.2e} {:.0} tok/s mem {}",
                         report.loss,
@@ -301,11 +333,10 @@ pub fn engine_config(s: &Settings, world: usize, seed: u64) -> anyhow::Result<En
     let stage = Stage::from_index(z.stage).ok_or_else(|| {
         anyhow::anyhow!("zero_optimization.stage is {}; use 0, 1, 2 or 3", z.stage)
     })?;
-    if s.precision != Precision::Fp32 {
+    if s.fp16.fp16_master_weights_and_grads {
         bail!(
-            "{} training is not supported yet (mixed precision is the next milestone); set \
-             \"enabled\": false in the fp16/bf16 block to train in fp32",
-            s.precision.as_str()
+            "fp16.fp16_master_weights_and_grads is not supported: zerodp keeps fp32 master weights; \
+             remove the key or set it to false"
         );
     }
     if z.offload_optimizer.device != OffloadDevice::None
@@ -343,7 +374,50 @@ pub fn engine_config(s: &Settings, world: usize, seed: u64) -> anyhow::Result<En
         };
     }
     cfg.seed = seed;
+    cfg.param_dtype = dtype_of(s.precision);
+    cfg.comm_dtype = dtype_of(s.communication_data_type);
+    cfg.grad_accum_dtype = dtype_of(s.grad_accum_dtype);
+    if s.precision == Precision::Fp16 {
+        let f = &s.fp16;
+        cfg.overflow = OverflowPolicy::LossScale {
+            loss_scale: f.loss_scale,
+            dynamic: DynamicScaleParams {
+                initial_scale_power: f.initial_scale_power,
+                scale_window: f.loss_scale_window,
+                hysteresis: u32::try_from(f.hysteresis).unwrap_or(u32::MAX),
+                consecutive_hysteresis: f.consecutive_hysteresis,
+                min_scale: f.min_loss_scale,
+            },
+        };
+    }
     Ok(cfg)
+}
+
+fn dtype_of(p: Precision) -> DType {
+    match p {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::Fp16 => DType::F16,
+    }
+}
+
+/// What rank 0 logs about a step besides the progress bar: fp16 scale changes and skipped steps
+/// with the units whose gradients held Inf/NaN.
+pub fn step_log_line(r: &StepReport) -> Option<String> {
+    match (&r.scale_message, r.skipped) {
+        (Some(m), true) => Some(format!(
+            "step {}: {m} (Inf/NaN gradients in: {})",
+            r.step,
+            r.non_finite_units.join(", ")
+        )),
+        (Some(m), false) => Some(format!("step {}: {m}", r.step)),
+        (None, true) => Some(format!(
+            "step {}: skipped, gradients held Inf/NaN in: {}",
+            r.step,
+            r.non_finite_units.join(", ")
+        )),
+        (None, false) => None,
+    }
 }
 
 fn usize_of(v: u64) -> usize {
@@ -424,6 +498,8 @@ pub fn metrics_line(
         "loss": r.loss,
         "lr": r.lr,
         "grad_norm": r.grad_norm,
+        "loss_scale": r.loss_scale,
+        "skipped": r.skipped,
         "tokens_per_s": tokens_per_s,
         "step_time_s": r.elapsed.as_secs_f64(),
         "num_params": num_params,

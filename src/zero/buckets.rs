@@ -14,8 +14,8 @@
 
 use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
-use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
-use crate::optim::kernels::add_in_place;
+use super::precision::{FlatBuffer, Slice, SliceMut};
+use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType, ReduceOp};
 
 /// What a bucket does and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,15 +34,36 @@ pub enum BucketMode {
 }
 
 /// The flat buffers buckets read from and write to.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FlatState {
-    /// Full padded parameters per unit (stages 0-2; empty at stage 3).
-    pub params: Vec<Vec<f32>>,
-    /// Full padded gradients per unit: persistent at stages 0-1, transient at stages 2-3 (a unit's
-    /// entry is empty while it holds no gradient).
+    /// Full padded parameters per unit in the parameter dtype (stages 0-2; empty at stage 3).
+    pub params: Vec<Buffer>,
+    /// Full padded f32 gradients per unit, as the model writes them: persistent at stages 0-1 with
+    /// f32 gradients, transient otherwise (a unit's entry is empty while it holds no gradient).
     pub grads: Vec<Vec<f32>>,
-    /// The rank's gradient shards of every unit, concatenated (stages 2-3).
-    pub grad_shards: Vec<f32>,
+    /// Stages 0-1 with non-f32 gradients: the kept full gradients per unit, in the accumulation
+    /// dtype (empty otherwise).
+    pub kept_grads: Vec<Buffer>,
+    /// The rank's gradient shards of every unit, concatenated, in the accumulation dtype
+    /// (stages 2-3).
+    pub grad_shards: Buffer,
+}
+
+impl FlatState {
+    /// Unit `unit`'s full gradient as the stage 0-1 buckets read it.
+    pub fn full_grad(&self, unit: usize, r: std::ops::Range<usize>) -> Slice<'_> {
+        match self.kept_grads.get(unit) {
+            Some(b) => b.slice(r),
+            None => Slice::F32(&self.grads[unit][r]),
+        }
+    }
+    /// Unit `unit`'s full gradient as the stage 0-1 buckets write it.
+    pub fn full_grad_mut(&mut self, unit: usize, r: std::ops::Range<usize>) -> SliceMut<'_> {
+        match self.kept_grads.get_mut(unit) {
+            Some(b) => b.slice_mut(r),
+            None => SliceMut::F32(&mut self.grads[unit][r]),
+        }
+    }
 }
 
 /// A piece of one unit in a bucket.
@@ -56,12 +77,11 @@ struct Segment {
     offset: usize,
 }
 
-#[derive(Default)]
 struct Slot {
     /// `world * region` elements (or the whole bucket at stage 0).
-    big: Vec<f32>,
+    big: Buffer,
     /// One region (reduce-scatter output, all-gather input).
-    small: Vec<f32>,
+    small: Buffer,
     segments: Vec<Segment>,
     used: usize,
     flight: Option<CommHandle>,
@@ -75,6 +95,10 @@ pub struct Buckets {
     world: usize,
     overlap: bool,
     mode: BucketMode,
+    /// Dtype of gradient reductions (`communication_data_type`).
+    comm_dtype: DType,
+    /// Dtype of the post-step all-gather (the parameters').
+    param_dtype: DType,
 }
 
 impl Buckets {
@@ -83,9 +107,11 @@ impl Buckets {
         let region = plan.bucket_elems / world;
         let slots = (0..plan.bucket_count)
             .map(|_| Slot {
-                big: vec![0.0; plan.bucket_elems],
-                small: vec![0.0; plan.region_elems],
-                ..Slot::default()
+                big: Buffer::zeros(plan.comm_dtype, plan.bucket_elems),
+                small: Buffer::zeros(plan.comm_dtype, plan.region_elems),
+                segments: Vec::new(),
+                used: 0,
+                flight: None,
             })
             .collect();
         Buckets {
@@ -95,16 +121,30 @@ impl Buckets {
             world,
             overlap: plan.bucket_count > 1,
             mode: BucketMode::AllReduce,
+            comm_dtype: plan.comm_dtype,
+            param_dtype: plan.param_dtype,
         }
     }
 
-    /// Switch what the buckets do; only between flushes.
+    /// Switch what the buckets do; only between flushes. The all-gather moves parameters in their
+    /// own dtype: where gradients are reduced in another (16-bit parameters, f32 reductions) the
+    /// buckets are re-typed, never larger than planned since the reduction dtype is the wider.
     pub fn set_mode(&mut self, mode: BucketMode) {
         assert!(
             self.is_idle(),
             "bucket mode changed while a bucket is in use"
         );
         self.mode = mode;
+        let dtype = match mode {
+            BucketMode::AllGather => self.param_dtype,
+            _ => self.comm_dtype,
+        };
+        for slot in &mut self.slots {
+            if slot.big.dtype() != dtype {
+                slot.big = Buffer::zeros(dtype, slot.big.len());
+                slot.small = Buffer::zeros(dtype, slot.small.len());
+            }
+        }
     }
 
     fn is_idle(&self) -> bool {
@@ -151,21 +191,34 @@ impl Buckets {
             };
             match self.mode {
                 BucketMode::AllReduce => {
-                    slot.big[seg.offset..seg.offset + len]
-                        .copy_from_slice(&state.grads[unit][start..start + len]);
+                    slot.big
+                        .slice_mut(seg.offset..seg.offset + len)
+                        .copy_from(state.full_grad(unit, start..start + len));
                 }
-                BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
+                BucketMode::ReduceScatterStore => {
+                    for q in 0..self.world {
+                        let from = q * u.shard_len + start;
+                        let to = q * region + seg.offset;
+                        slot.big
+                            .slice_mut(to..to + len)
+                            .copy_from(state.full_grad(unit, from..from + len));
+                    }
+                }
+                BucketMode::ReduceScatterAccumulate => {
                     let src = &state.grads[unit];
                     for q in 0..self.world {
                         let from = q * u.shard_len + start;
                         let to = q * region + seg.offset;
-                        slot.big[to..to + len].copy_from_slice(&src[from..from + len]);
+                        slot.big
+                            .slice_mut(to..to + len)
+                            .copy_from(Slice::F32(&src[from..from + len]));
                     }
                 }
                 BucketMode::AllGather => {
                     let from = own.start + start;
-                    slot.small[seg.offset..seg.offset + len]
-                        .copy_from_slice(&state.params[unit][from..from + len]);
+                    slot.small
+                        .slice_mut(seg.offset..seg.offset + len)
+                        .copy_from(state.params[unit].slice(from..from + len));
                 }
             }
             slot.segments.push(seg);
@@ -208,15 +261,16 @@ impl Buckets {
         let (world, region, mode) = (self.world, self.region, self.mode);
         let slot = &mut self.slots[idx];
         let used = slot.used;
-        let mut big = std::mem::take(&mut slot.big);
+        let dtype = slot.big.dtype();
+        let mut big = std::mem::replace(&mut slot.big, Buffer::zeros(dtype, 0));
         let mut small = match mode {
-            BucketMode::AllReduce => Vec::new(),
-            _ => std::mem::take(&mut slot.small),
+            BucketMode::AllReduce => Buffer::zeros(dtype, 0),
+            _ => std::mem::replace(&mut slot.small, Buffer::zeros(dtype, 0)),
         };
         let handle = match mode {
             BucketMode::AllReduce => {
                 big.truncate(used);
-                comm.all_reduce(Buffer::F32(big), ReduceOp::Avg)
+                comm.all_reduce(big, ReduceOp::Avg)
             }
             BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
                 // Close the gaps between partly filled regions: region q moves from q*region to
@@ -226,12 +280,12 @@ impl Buckets {
                 }
                 big.truncate(world * used);
                 small.truncate(used);
-                comm.reduce_scatter(Buffer::F32(big), Buffer::F32(small), ReduceOp::Avg)
+                comm.reduce_scatter(big, small, ReduceOp::Avg)
             }
             BucketMode::AllGather => {
                 small.truncate(used);
                 big.truncate(world * used);
-                comm.all_gather(Buffer::F32(small), Buffer::F32(big))
+                comm.all_gather(small, big)
             }
         };
         slot.flight = Some(handle);
@@ -253,7 +307,7 @@ impl Buckets {
         let slot = &mut self.slots[idx];
         let handle = slot.flight.take().expect("bucket in flight");
         let used = slot.used;
-        let (big, small) = match mode {
+        let (mut big, mut small) = match mode {
             BucketMode::AllReduce => (handle.wait_one()?, Buffer::F32(Vec::new())),
             BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
                 let (input, output) = handle.wait_pair()?;
@@ -264,38 +318,43 @@ impl Buckets {
                 (output, input)
             }
         };
-        let mut big = big.into_f32().expect("f32 bucket");
-        let mut small = small.into_f32().expect("f32 bucket");
         for seg in slot.segments.drain(..) {
             let u = layout.units[seg.unit];
             let res = seg.offset..seg.offset + seg.len;
             match mode {
                 BucketMode::AllReduce => {
-                    state.grads[seg.unit][seg.start..seg.start + seg.len]
-                        .copy_from_slice(&big[res]);
+                    state
+                        .full_grad_mut(seg.unit, seg.start..seg.start + seg.len)
+                        .copy_from(big.slice(res));
                 }
                 BucketMode::ReduceScatterStore => {
                     let at = layout.own_shard(seg.unit).start + seg.start;
-                    state.grads[seg.unit][at..at + seg.len].copy_from_slice(&small[res]);
+                    state
+                        .full_grad_mut(seg.unit, at..at + seg.len)
+                        .copy_from(small.slice(res));
                 }
                 BucketMode::ReduceScatterAccumulate => {
                     let at = layout.shard_slot(seg.unit).start + seg.start;
-                    add_in_place(&mut state.grad_shards[at..at + seg.len], &small[res]);
+                    state
+                        .grad_shards
+                        .slice_mut(at..at + seg.len)
+                        .add(small.slice(res));
                 }
                 BucketMode::AllGather => {
                     for q in 0..world {
                         let to = q * u.shard_len + seg.start;
                         let from = q * used + seg.offset;
-                        state.params[seg.unit][to..to + seg.len]
-                            .copy_from_slice(&big[from..from + seg.len]);
+                        state.params[seg.unit]
+                            .slice_mut(to..to + seg.len)
+                            .copy_from(big.slice(from..from + seg.len));
                     }
                 }
             }
         }
-        big.resize(region * world, 0.0);
+        big.resize_zeroed(region * world);
         slot.big = big;
         if mode != BucketMode::AllReduce {
-            small.resize(region, 0.0);
+            small.resize_zeroed(region);
             slot.small = small;
         }
         slot.used = 0;

@@ -5,8 +5,12 @@
 //!   of the world size so that a bucket splits into equal rank regions) in the communication dtype;
 //!   two when `overlap_comm` (one fills while the other is in flight), else one. Each bucket has a
 //!   companion of one rank region (the reduce-scatter output / all-gather input), stages 1-3.
-//! * Stages 2-3: transient full-unit gradient buffers, each the size of the largest padded unit, as
+//! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each the size of the largest padded unit, as
 //!   many as a backward holds at once (a tied unit's gradient waits for its last user).
+//! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
+//!   unit a visit reads, each the size of the largest padded unit. Stages 0-1 with 16-bit gradients
+//!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
+//!   kept 16-bit gradients when complete).
 //! * Stage 3: the gathered-parameter budget, `max(working set, min(max_live_parameters, Ψ))`
 //!   elements in the parameter dtype, where the working set is the largest visit (a unit plus the
 //!   units it uses) plus the persistent units. Units within `max_reuse_distance` keep their forward
@@ -46,6 +50,11 @@ pub struct BufferPlan {
     pub persistent: Vec<bool>,
     /// Dtype of the gathered parameters.
     pub param_dtype: DType,
+    /// Mixed precision: elements of each f32 scratch 16-bit parameters are widened into before
+    /// the model runs (the largest padded unit).
+    pub param_scratch_elems: usize,
+    /// How many of them (the most units one visit reads).
+    pub param_scratch_count: usize,
 }
 
 impl BufferPlan {
@@ -60,10 +69,13 @@ impl BufferPlan {
         let comm = self.bucket_count * (self.bucket_elems + self.region_elems);
         (comm * self.comm_dtype.size()) as u64
             + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
+            + (self.param_scratch_elems * self.param_scratch_count * 4) as u64
     }
-    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind).
+    /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind). The
+    /// pool holds parameters as they travel (the parameter dtype); a kept graph holds the f32
+    /// weights the model computed with.
     pub fn gather_bytes(&self) -> u64 {
-        ((self.gather_pool_elems + self.kept_graph_elems) * self.param_dtype.size()) as u64
+        (self.gather_pool_elems * self.param_dtype.size() + self.kept_graph_elems * 4) as u64
     }
 }
 
@@ -91,7 +103,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     let region = (cfg.reduce_bucket_size.min(total) / world).max(1);
     let bucket_count = if cfg.overlap_comm { 2 } else { 1 };
     let stage = cfg.stage;
-    let (grad_scratch_elems, grad_scratch_count) = if stage.shards_grads() {
+    let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
         (layout.largest_padded(), schedule::max_grads_held(spec))
     } else {
         (0, 0)
@@ -148,7 +160,21 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         keep_graph,
         kept_graph_elems,
         persistent,
-        param_dtype: DType::F32,
+        param_dtype: cfg.param_dtype,
+        // 16-bit parameters are widened into f32 for the model: one scratch per unit a visit reads.
+        param_scratch_elems: if cfg.is_mixed() {
+            layout.largest_padded()
+        } else {
+            0
+        },
+        param_scratch_count: if cfg.is_mixed() {
+            (0..n)
+                .map(|u| schedule::needs_of(spec, u).len())
+                .max()
+                .unwrap_or(0)
+        } else {
+            0
+        },
     }
 }
 

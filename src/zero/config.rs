@@ -3,6 +3,7 @@
 
 use crate::comm::DType;
 use crate::optim::adam::AdamParams;
+use crate::zero::precision::OverflowPolicy;
 
 /// Which redundancy ZeRO removes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -80,8 +81,20 @@ pub struct EngineConfig {
     pub adam: AdamParams,
     /// Seed of the parameter initialisation.
     pub seed: u64,
-    /// Element type of gradient reduction buffers. Only `F32` is supported until mixed precision.
+    /// Element type of gradient reduction buffers (`communication_data_type`); 16-bit only with
+    /// 16-bit parameters. Reductions accumulate in f32 whatever this is.
     pub comm_dtype: DType,
+    /// Element type of the parameters the model computes with: `F32` trains in fp32; `BF16` or
+    /// `F16` is mixed precision, with an fp32 master copy beside Adam's moments on the own shard.
+    pub param_dtype: DType,
+    /// Element type the gradients are kept and accumulated in across micro-steps
+    /// (`data_types.grad_accum_dtype`).
+    pub grad_accum_dtype: DType,
+    /// fp16 loss scaling, or the Inf/NaN guard alone.
+    pub overflow: OverflowPolicy,
+    /// Steps in a row with Inf/NaN gradients that are skipped before the run stops with an error
+    /// (everything but dynamic fp16 loss scaling, which has its own minimum-scale error).
+    pub max_skipped_steps: u64,
 }
 
 impl EngineConfig {
@@ -104,6 +117,40 @@ impl EngineConfig {
             adam: AdamParams::default(),
             seed: 0,
             comm_dtype: DType::F32,
+            param_dtype: DType::F32,
+            grad_accum_dtype: DType::F32,
+            overflow: OverflowPolicy::Guard,
+            max_skipped_steps: 10,
         }
+    }
+}
+
+impl EngineConfig {
+    /// Mixed precision in `dtype` (`BF16` or `F16`) with gradients reduced and accumulated in
+    /// `dtype` too; for `F16` dynamic loss scaling with the documented defaults (2^16, hysteresis
+    /// 2). `F32` restores fp32 training.
+    pub fn with_precision(mut self, dtype: DType) -> Self {
+        self.param_dtype = dtype;
+        self.comm_dtype = dtype;
+        self.grad_accum_dtype = dtype;
+        self.overflow = match dtype {
+            DType::F16 => OverflowPolicy::LossScale {
+                loss_scale: 0.0,
+                dynamic: crate::zero::loss_scaler::DynamicScaleParams::DOCUMENTED_DEFAULTS,
+            },
+            _ => OverflowPolicy::Guard,
+        };
+        self
+    }
+
+    /// Whether the parameters are 16-bit beside an fp32 master copy.
+    pub fn is_mixed(&self) -> bool {
+        self.param_dtype != DType::F32
+    }
+
+    /// Whether gradients reach the model through transient f32 buffers: always where a rank keeps
+    /// only its gradient shard, and at stages 0-1 when the kept gradients are not f32.
+    pub fn transient_grads(&self) -> bool {
+        self.stage.shards_grads() || self.grad_accum_dtype != DType::F32
     }
 }

@@ -13,18 +13,28 @@
 //! 3. Adam/AdamW on the rank's part (everything at stage 0, the own shard otherwise), with the clip
 //!    factor fused into the gradient scale.
 //! 4. Stages 1-2 all-gather the updated shards into the full parameters; stage 3 leaves them sharded.
+//!
+//! Mixed precision (`param_dtype` bf16/f16, see [`super::precision`]): parameters, gradients and
+//! buckets are 16-bit, the model reads parameters widened into f32 scratch and writes f32
+//! gradients that are cast (or, at stages 0-1, accumulated) into the kept 16-bit ones; Adam updates
+//! the fp32 master of the rank's part and writes its rounded copy in the same pass. The squared
+//! norm of step 2 doubles as the overflow check: a non-finite total on every rank alike means
+//! some rank's gradients held Inf/NaN, and the step is skipped everywhere (no Adam update, no
+//! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
+//! it out in the fused unscale-and-clip factor.
 
 use super::buckets::{BucketMode, Buckets, FlatState};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::gather::Coordinator;
+use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
+use super::precision::{adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy};
 use super::schedule;
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes};
 use crate::model::{Batch, ForwardMode, ModelError, ModelSpec, UnitModel};
 use crate::optim::adam::AdamState;
-use crate::optim::kernels::sum_of_squares;
 use std::time::{Duration, Instant};
 
 /// Why the engine could not be built or could not take a step.
@@ -34,6 +44,9 @@ pub enum EngineError {
     Comm(#[from] CommError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// fp16 at its minimum loss scale, or too many skipped steps in a row.
+    #[error(transparent)]
+    LossScale(#[from] LossScaleError),
     #[error("invalid engine configuration: {0}")]
     Config(String),
     #[error(
@@ -72,8 +85,17 @@ pub struct StepReport {
     pub step: u64,
     /// The global-batch mean loss (the same on every rank).
     pub loss: f32,
-    /// The global gradient norm before clipping.
+    /// The global gradient norm before clipping (unscaled; Inf/NaN on a skipped step).
     pub grad_norm: f32,
+    /// The loss scale this step's loss was multiplied by (1 without fp16 loss scaling).
+    pub loss_scale: f32,
+    /// Whether the step was skipped (its gradients held Inf/NaN on some rank): no parameter or
+    /// Adam update.
+    pub skipped: bool,
+    /// On a skipped step, the units whose gradients held Inf/NaN on some rank.
+    pub non_finite_units: Vec<String>,
+    /// fp16: DeepSpeed's log line when the loss scale changed or a step overflowed.
+    pub scale_message: Option<String>,
     pub lr: f32,
     /// Tokens this rank trained on in this step.
     pub tokens: usize,
@@ -125,6 +147,13 @@ pub struct Engine<'a, M: UnitModel> {
     buckets: Buckets,
     /// Adam state per unit, over the part of the unit this rank updates.
     adam: Vec<AdamState>,
+    /// Mixed precision: the fp32 master weights per unit, over the part this rank updates
+    /// (empty in fp32, where the parameters are their own master).
+    master: Vec<Vec<f32>>,
+    /// Mixed precision: f32 scratch the 16-bit parameters of a visit are widened into.
+    widened: Vec<Vec<f32>>,
+    /// Loss scale and Inf/NaN skipping.
+    policy: StepPolicy,
     /// Free transient full-unit gradient buffers (stages 2-3).
     grad_free: Vec<Vec<f32>>,
     complete_after: Vec<Vec<usize>>,
@@ -157,17 +186,22 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let stage = cfg.stage;
         let n = spec.units.len();
         let mut ledger = MemoryLedger::new();
-        let bytes = |elems: usize| (elems * 4) as u64;
+        let (pdt, gdt) = (cfg.param_dtype, cfg.grad_accum_dtype);
+        let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision_name(pdt))?;
 
         let mut params = Vec::with_capacity(n);
         let mut shards = Vec::new();
+        let mut master = Vec::new();
         for (u, ul) in layout.units.iter().enumerate() {
             let mut full = vec![0.0f32; ul.padded];
             model.init_params(u, cfg.seed, &mut full[..ul.numel]);
+            if cfg.is_mixed() {
+                master.push(full[updated_part(&layout, stage, u)].to_vec());
+            }
             if stage.shards_params() {
-                shards.push(full[layout.own_shard(u)].to_vec());
+                shards.push(buffer_from_f32(pdt, &full[layout.own_shard(u)]));
             } else {
-                params.push(full);
+                params.push(buffer_from_f32(pdt, &full));
             }
         }
         let param_elems = if stage.shards_params() {
@@ -175,19 +209,31 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         } else {
             layout.padded_numel()
         };
-        ledger.alloc(MemoryKind::Params, bytes(param_elems));
+        ledger.alloc(MemoryKind::Params, (param_elems * pdt.size()) as u64);
+        let master_elems: usize = master.iter().map(Vec::len).sum();
+        ledger.alloc(MemoryKind::Master, (master_elems * 4) as u64);
 
-        let (grads, grad_shards, grad_elems) = if stage.shards_grads() {
+        let no_grads = Buffer::zeros(gdt, 0);
+        let (grads, kept_grads, grad_shards, grad_elems) = if stage.shards_grads() {
+            let shards = Buffer::zeros(gdt, layout.shard_numel());
             (
                 vec![Vec::new(); n],
-                vec![0.0; layout.shard_numel()],
+                Vec::new(),
+                shards,
                 layout.shard_numel(),
             )
+        } else if cfg.transient_grads() {
+            let kept = layout
+                .units
+                .iter()
+                .map(|u| Buffer::zeros(gdt, u.padded))
+                .collect();
+            (vec![Vec::new(); n], kept, no_grads, layout.padded_numel())
         } else {
             let g = layout.units.iter().map(|u| vec![0.0; u.padded]).collect();
-            (g, Vec::new(), layout.padded_numel())
+            (g, Vec::new(), no_grads, layout.padded_numel())
         };
-        ledger.alloc(MemoryKind::Grads, bytes(grad_elems));
+        ledger.alloc(MemoryKind::Grads, (grad_elems * gdt.size()) as u64);
 
         let adam: Vec<AdamState> = layout
             .units
@@ -208,6 +254,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let buckets = Buckets::new(&plan, world);
         let grad_free = (0..plan.grad_scratch_count)
             .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
+            .collect();
+        let widened = (0..plan.param_scratch_count)
+            .map(|_| vec![0.0f32; plan.param_scratch_elems])
             .collect();
         ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
 
@@ -248,11 +297,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             state: FlatState {
                 params,
                 grads,
+                kept_grads,
                 grad_shards,
             },
             coordinator,
             buckets,
             adam,
+            master,
+            widened,
+            policy,
             grad_free,
             complete_after,
             reads,
@@ -295,36 +348,58 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 got: values.len(),
             });
         }
+        if self.cfg.is_mixed() {
+            let part = updated_part(&self.layout, self.cfg.stage, unit);
+            let m = &mut self.master[unit];
+            m.fill(0.0);
+            let end = part.end.min(ul.numel);
+            if part.start < end {
+                m[..end - part.start].copy_from_slice(&values[part.start..end]);
+            }
+        }
         match &mut self.coordinator {
             Some(c) => {
                 c.invalidate()?;
                 let own = self.layout.own_shard(unit);
                 let shard = &mut c.shards_mut()[unit];
-                shard.fill(0.0);
+                shard.fill_zero();
                 let end = own.end.min(ul.numel);
                 if own.start < end {
-                    shard[..end - own.start].copy_from_slice(&values[own.start..end]);
+                    shard
+                        .slice_mut(0..end - own.start)
+                        .copy_from(Slice::F32(&values[own.start..end]));
                 }
             }
-            None => self.state.params[unit][..ul.numel].copy_from_slice(values),
+            None => self.state.params[unit]
+                .slice_mut(0..ul.numel)
+                .copy_from(Slice::F32(values)),
         }
         Ok(())
     }
 
-    /// The full, unpadded parameters of every unit. A collective at stage 3 (every rank must call
-    /// it); a copy otherwise.
+    /// The full, unpadded parameters of every unit: under mixed precision the fp32 master weights.
+    /// A collective at stage 3, and at stages 1-3 under mixed precision (every rank must call it);
+    /// a copy otherwise.
     pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut out = Vec::with_capacity(self.layout.num_units());
+        let mixed = self.cfg.is_mixed();
+        let gather = |shard: Buffer, padded: usize| -> Result<Vec<f32>, EngineError> {
+            let full = self
+                .comm
+                .all_gather(shard, Buffer::zeros(DType::F32, padded));
+            Ok(full.wait_pair()?.1.into_f32().expect("f32 gather"))
+        };
         for (u, ul) in self.layout.units.iter().enumerate() {
             let mut full = match &self.coordinator {
-                Some(c) => {
-                    let h = self.comm.all_gather(
-                        Buffer::F32(c.shards()[u].clone()),
-                        Buffer::zeros(DType::F32, ul.padded),
-                    );
-                    h.wait_pair()?.1.into_f32().expect("f32 gather")
+                _ if mixed && self.cfg.stage.shards_optimizer() => {
+                    gather(Buffer::F32(self.master[u].clone()), ul.padded)?
                 }
-                None => self.state.params[u].clone(),
+                _ if mixed => self.master[u].clone(),
+                Some(c) => gather(c.shards()[u].clone(), ul.padded)?,
+                None => self.state.params[u]
+                    .as_f32()
+                    .expect("f32 parameters")
+                    .to_vec(),
             };
             full.truncate(ul.numel);
             out.push(full);
@@ -356,10 +431,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             Stage::Zero2 | Stage::Zero3 => BucketMode::ReduceScatterAccumulate,
         });
         if stage.shards_grads() {
-            self.state.grad_shards.fill(0.0);
+            self.state.grad_shards.fill_zero();
+        } else if self.cfg.transient_grads() {
+            self.state.kept_grads.iter_mut().for_each(|g| g.fill_zero());
         } else {
             self.state.grads.iter_mut().for_each(|g| g.fill(0.0));
         }
+        let loss_scale = self.policy.loss_scale();
 
         let mut loss_sum = 0.0f64;
         let mut tokens = 0;
@@ -373,14 +451,16 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
 
         // The global-batch loss and the squared norm of the reduced gradient, in one collective.
+        // The squared norm also carries the overflow verdict: a sum with an Inf/NaN term is
+        // Inf/NaN, so every rank sees a non-finite total exactly when some rank's shard held one.
         let world = self.cfg.world_size as f64;
+        let unit_sq: Vec<f64> = (0..self.layout.num_units())
+            .map(|u| self.reduced_grad(u).sum_of_squares())
+            .collect();
         let local_sq = match stage {
             // Every rank holds the whole averaged gradient: its norm needs no communication.
             Stage::Zero0 => 0.0,
-            Stage::Zero1 => (0..self.layout.num_units())
-                .map(|u| sum_of_squares(&self.state.grads[u][self.layout.own_shard(u)]))
-                .sum(),
-            Stage::Zero2 | Stage::Zero3 => sum_of_squares(&self.state.grad_shards),
+            _ => unit_sq.iter().sum(),
         };
         let mut scalars = std::mem::take(&mut self.scalars);
         scalars[0] = (loss_sum / ga as f64 / world) as f32;
@@ -392,24 +472,33 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.scalars = reduced.into_f32().expect("f32 scalars");
         let loss = self.scalars[0];
         let sq = if stage == Stage::Zero0 {
-            self.state
-                .grads
-                .iter()
-                .map(|g| sum_of_squares(g))
-                .sum::<f64>()
+            unit_sq.iter().sum::<f64>()
         } else {
             f64::from(self.scalars[1])
         };
-        let grad_norm = sq.sqrt() as f32;
-        let grad_scale = self.clip_scale(grad_norm);
+        let finite = sq.is_finite();
+        let non_finite_units = match finite {
+            true => Vec::new(),
+            false => self.non_finite_units(&unit_sq)?,
+        };
+        let verdict = self.policy.record(finite, &non_finite_units)?;
+        let grad_norm = (sq.sqrt() / loss_scale) as f32;
+        let grad_scale = if loss_scale == 1.0 {
+            self.clip_scale(grad_norm)
+        } else {
+            let clip = f64::from(self.cfg.gradient_clipping);
+            unscale_and_clip_factor(sq.sqrt(), loss_scale, clip)
+        };
         self.phases.comm += t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        self.optimizer_step(lr, grad_scale);
+        if !verdict.skipped {
+            self.optimizer_step(lr, grad_scale);
+        }
         self.phases.optimizer += t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        if matches!(stage, Stage::Zero1 | Stage::Zero2) {
+        if matches!(stage, Stage::Zero1 | Stage::Zero2) && !verdict.skipped {
             self.buckets.set_mode(BucketMode::AllGather);
             for u in 0..self.layout.num_units() {
                 self.buckets
@@ -424,6 +513,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             step: self.step,
             loss,
             grad_norm,
+            loss_scale: loss_scale as f32,
+            skipped: verdict.skipped,
+            non_finite_units,
+            scale_message: verdict.message,
             lr,
             tokens,
             elapsed: start.elapsed(),
@@ -451,40 +544,65 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
         let stage = self.cfg.stage;
+        let FlatState {
+            params,
+            grads,
+            kept_grads,
+            grad_shards,
+        } = &mut self.state;
         for u in 0..self.layout.num_units() {
-            let own = self.layout.own_shard(u);
+            let part = updated_part(&self.layout, stage, u);
             let slot = self.layout.shard_slot(u);
-            let adam = &mut self.adam[u];
-            match stage {
-                Stage::Zero0 => adam.update(
-                    &mut self.state.params[u],
-                    &self.state.grads[u],
-                    &hp,
-                    grad_scale,
+            let (p, g) = match stage {
+                Stage::Zero0 | Stage::Zero1 => (
+                    params[u].slice_mut(part.clone()),
+                    full_grad_in(kept_grads, grads, u, part),
                 ),
-                Stage::Zero1 => adam.update(
-                    &mut self.state.params[u][own.clone()],
-                    &self.state.grads[u][own],
-                    &hp,
-                    grad_scale,
-                ),
-                Stage::Zero2 => adam.update(
-                    &mut self.state.params[u][own],
-                    &self.state.grad_shards[slot],
-                    &hp,
-                    grad_scale,
-                ),
+                Stage::Zero2 => (params[u].slice_mut(part), grad_shards.slice(slot)),
                 Stage::Zero3 => {
                     let shards = self.coordinator.as_mut().expect("stage 3").shards_mut();
-                    adam.update(
-                        &mut shards[u],
-                        &self.state.grad_shards[slot],
-                        &hp,
-                        grad_scale,
-                    )
+                    (shards[u].all_mut(), grad_shards.slice(slot))
                 }
+            };
+            let master = self.master.get_mut(u).map(Vec::as_mut_slice);
+            adam_update(&mut self.adam[u], master, p, g, &hp, grad_scale);
+        }
+    }
+
+    /// Unit `unit`'s reduced gradient as this rank holds it after the reductions: all of it at
+    /// stage 0, the own shard otherwise.
+    fn reduced_grad(&self, unit: usize) -> Slice<'_> {
+        let part = updated_part(&self.layout, self.cfg.stage, unit);
+        match self.cfg.stage {
+            Stage::Zero0 | Stage::Zero1 => self.state.full_grad(unit, part),
+            Stage::Zero2 | Stage::Zero3 => {
+                self.state.grad_shards.slice(self.layout.shard_slot(unit))
             }
         }
+    }
+
+    /// The names of the units whose reduced gradient held Inf/NaN on some rank, from each unit's
+    /// local squared sum. Every rank calls it on the same steps (the verdict is agreed), so the
+    /// small all-reduce of per-unit flags matches; stage 0 needs none (every rank holds the same
+    /// averaged gradient).
+    fn non_finite_units(&self, unit_sq: &[f64]) -> Result<Vec<String>, EngineError> {
+        let mut flags: Vec<f32> = unit_sq
+            .iter()
+            .map(|s| if s.is_finite() { 0.0 } else { 1.0 })
+            .collect();
+        if self.cfg.stage != Stage::Zero0 && self.cfg.world_size > 1 {
+            let reduced = self
+                .comm
+                .all_reduce(Buffer::F32(flags), ReduceOp::Max)
+                .wait_one()?;
+            flags = reduced.into_f32().expect("f32 flags");
+        }
+        Ok(flags
+            .iter()
+            .zip(&self.spec.units)
+            .filter(|(f, _)| **f > 0.0)
+            .map(|(_, u)| u.name.clone())
+            .collect())
     }
 
     /// Forward and backward of one micro-batch; returns its loss.
@@ -510,6 +628,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             };
             let t = Instant::now();
             let out = {
+                self.widen_params(u);
                 let params = self.param_slices(u);
                 model.forward(u, &params, x.as_ref(), batch, mode)?
             };
@@ -534,13 +653,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             ))
         })?;
 
-        let weight = 1.0 / ga as f32;
+        // fp16 scales the loss (and so every gradient) by the loss scale; 1 otherwise.
+        let weight = self.policy.loss_scale() as f32 / ga as f32;
         let mut grad: Option<M::Act> = None;
         for u in (0..n).rev() {
             let pos = base + 2 * n - 1 - u;
             self.acquire(pos)?;
             let s = if self.recompute[u] {
                 let t = Instant::now();
+                self.widen_params(u);
                 let params = self.param_slices(u);
                 let out =
                     model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
@@ -556,7 +677,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     u, self.spec.units[u].name
                 ))
             })?;
-            if stage.shards_grads() {
+            if self.cfg.transient_grads() {
                 for &k in &self.reads[u] {
                     if self.state.grads[k].is_empty() {
                         let mut g = self
@@ -578,9 +699,16 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
             self.release(pos);
             let t = Instant::now();
-            if reduce_now {
-                for i in 0..self.complete_after[u].len() {
-                    let k = self.complete_after[u][i];
+            for i in 0..self.complete_after[u].len() {
+                let k = self.complete_after[u][i];
+                if !self.state.kept_grads.is_empty() {
+                    // Stages 0-1 with non-f32 gradients: accumulate into the kept gradient.
+                    let mut g = std::mem::take(&mut self.state.grads[k]);
+                    self.state.kept_grads[k].all_mut().add(Slice::F32(&g));
+                    g.clear();
+                    self.grad_free.push(g);
+                }
+                if reduce_now {
                     self.buckets
                         .push(self.comm, k, &mut self.state, &self.layout)?;
                     if stage.shards_grads() {
@@ -616,18 +744,70 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
     }
 
-    /// The unpadded parameters unit `unit` reads: its own, then those of the units it uses.
+    /// Mixed precision: widen the 16-bit parameters unit `unit` reads into the f32 scratch the
+    /// model reads them from (nothing to do in fp32).
+    fn widen_params(&mut self, unit: usize) {
+        if !self.cfg.is_mixed() {
+            return;
+        }
+        for (i, &k) in self.reads[unit].iter().enumerate() {
+            let numel = self.layout.units[k].numel;
+            let src = match &self.coordinator {
+                Some(c) => c.params(k),
+                None => &self.state.params[k],
+            };
+            src.slice(0..numel)
+                .widen_into(&mut self.widened[i][..numel]);
+        }
+    }
+
+    /// The unpadded f32 parameters unit `unit` reads: its own, then those of the units it uses
+    /// (under mixed precision, as [`Engine::widen_params`] left them).
     fn param_slices(&self, unit: usize) -> Vec<&[f32]> {
+        let mixed = self.cfg.is_mixed();
         self.reads[unit]
             .iter()
-            .map(|&k| {
+            .enumerate()
+            .map(|(i, &k)| {
                 let numel = self.layout.units[k].numel;
-                match &self.coordinator {
-                    Some(c) => &c.params(k)[..numel],
-                    None => &self.state.params[k][..numel],
-                }
+                let full = match &self.coordinator {
+                    _ if mixed => return &self.widened[i][..numel],
+                    Some(c) => c.params(k),
+                    None => &self.state.params[k],
+                };
+                &full.as_f32().expect("f32 parameters")[..numel]
             })
             .collect()
+    }
+}
+
+/// The part of unit `unit`'s flat buffer this rank updates: all of it at stage 0, its own shard
+/// otherwise.
+fn updated_part(layout: &FlatLayout, stage: Stage, unit: usize) -> std::ops::Range<usize> {
+    match stage.shards_optimizer() {
+        true => layout.own_shard(unit),
+        false => 0..layout.units[unit].padded,
+    }
+}
+
+fn full_grad_in<'g>(
+    kept_grads: &'g [Buffer],
+    grads: &'g [Vec<f32>],
+    unit: usize,
+    r: std::ops::Range<usize>,
+) -> Slice<'g> {
+    match kept_grads.get(unit) {
+        Some(b) => b.slice(r),
+        None => Slice::F32(&grads[unit][r]),
+    }
+}
+
+/// The training precision's name in messages.
+fn precision_name(param_dtype: DType) -> &'static str {
+    match param_dtype {
+        DType::F32 => "fp32",
+        DType::BF16 => "bf16",
+        DType::F16 => "fp16",
     }
 }
 
@@ -665,10 +845,13 @@ fn validate(
     if cfg.grad_accum == 0 || cfg.micro_batch == 0 {
         return bad("micro_batch and grad_accum must be at least 1".into());
     }
-    if cfg.comm_dtype != DType::F32 {
+    if cfg.comm_dtype != DType::F32 && cfg.comm_dtype != cfg.param_dtype {
         return bad(format!(
-            "communication dtype {} needs mixed precision, which this engine does not support yet; use f32",
-            cfg.comm_dtype
+            "communication_data_type {} does not match the {} parameters; use {} or fp32 \
+             (16-bit communication needs the same 16-bit parameters: enable the bf16 or fp16 block)",
+            cfg.comm_dtype,
+            precision_name(cfg.param_dtype),
+            precision_name(cfg.param_dtype),
         ));
     }
     if spec.units.is_empty() {

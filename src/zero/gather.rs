@@ -12,22 +12,26 @@
 //! through the pool, so steady-state steps allocate nothing.
 
 use super::flat::FlatLayout;
-use crate::comm::{Buffer, CommError, CommHandle, Communicator};
+use super::precision::FlatBuffer;
+use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType};
 use crate::memory::accounting::{MemoryKind, MemoryLedger};
 
 /// Recycled gathered-parameter slabs whose capacities never add up to more than `limit` elements.
 #[derive(Debug)]
 pub struct GatherPool {
     limit: usize,
-    free: Vec<Vec<f32>>,
+    /// The parameters' dtype: slabs hold gathered parameters as they travel.
+    dtype: DType,
+    free: Vec<Buffer>,
     /// Elements of every slab in existence, free or in use.
     held: usize,
 }
 
 impl GatherPool {
-    pub fn new(limit: usize) -> Self {
+    pub fn new(limit: usize, dtype: DType) -> Self {
         GatherPool {
             limit,
+            dtype,
             free: Vec::new(),
             held: 0,
         }
@@ -36,16 +40,17 @@ impl GatherPool {
     /// reused (units recur with the same sizes every step, so this is the common case), so the slabs
     /// in use add up to exactly the live elements, which the coordinator keeps within the limit;
     /// free slabs are dropped when a new one is needed to keep to it.
-    fn take(&mut self, len: usize, ledger: &mut MemoryLedger) -> Vec<f32> {
+    fn take(&mut self, len: usize, ledger: &mut MemoryLedger) -> Buffer {
+        let size = self.dtype.size() as u64;
         if let Some(i) = self.free.iter().position(|v| v.capacity() == len) {
             let mut v = self.free.swap_remove(i);
-            v.resize(len, 0.0);
+            v.resize_zeroed(len);
             return v;
         }
         while self.held + len > self.limit {
             let Some(v) = self.free.pop() else { break };
             self.held -= v.capacity();
-            ledger.free(MemoryKind::Gather, (v.capacity() * 4) as u64);
+            ledger.free(MemoryKind::Gather, v.capacity() as u64 * size);
         }
         assert!(
             self.held + len <= self.limit,
@@ -54,13 +59,12 @@ impl GatherPool {
             len,
             self.limit
         );
-        let mut v = Vec::with_capacity(len);
-        v.resize(len, 0.0);
+        let v = Buffer::zeros(self.dtype, len);
         self.held += v.capacity();
-        ledger.alloc(MemoryKind::Gather, (v.capacity() * 4) as u64);
+        ledger.alloc(MemoryKind::Gather, v.capacity() as u64 * size);
         v
     }
-    fn give(&mut self, v: Vec<f32>) {
+    fn give(&mut self, v: Buffer) {
         self.free.push(v);
     }
 }
@@ -76,13 +80,13 @@ enum Residency {
     Released,
     /// The gather is in flight; the shard travels inside it.
     InFlight(CommHandle),
-    Ready(Vec<f32>),
+    Ready(Buffer),
 }
 
 /// Gathers, prefetches and releases the units of a stage-3 step.
 pub struct Coordinator {
     /// The rank's parameter shard of every unit (empty while its gather is in flight).
-    shards: Vec<Vec<f32>>,
+    shards: Vec<Buffer>,
     residency: Vec<Residency>,
     persistent: Vec<bool>,
     padded: Vec<usize>,
@@ -98,7 +102,7 @@ pub struct Coordinator {
 
 impl Coordinator {
     pub fn new(
-        shards: Vec<Vec<f32>>,
+        shards: Vec<Buffer>,
         layout: &FlatLayout,
         persistent: Vec<bool>,
         pool_elems: usize,
@@ -106,12 +110,13 @@ impl Coordinator {
         needs: Vec<Vec<usize>>,
     ) -> Self {
         let n = layout.num_units();
+        let dtype = shards.first().map_or(DType::F32, Buffer::dtype);
         Coordinator {
             shards,
             residency: (0..n).map(|_| Residency::Released).collect(),
             persistent,
             padded: layout.units.iter().map(|u| u.padded).collect(),
-            pool: GatherPool::new(pool_elems),
+            pool: GatherPool::new(pool_elems, dtype),
             live: 0,
             prefetch_limit,
             needs,
@@ -120,19 +125,19 @@ impl Coordinator {
     }
 
     /// The shards, for the optimizer step. Only valid after [`Coordinator::invalidate`].
-    pub fn shards_mut(&mut self) -> &mut [Vec<f32>] {
+    pub fn shards_mut(&mut self) -> &mut [Buffer] {
         debug_assert!(self
             .residency
             .iter()
             .all(|r| matches!(r, Residency::Released)));
         &mut self.shards
     }
-    pub fn shards(&self) -> &[Vec<f32>] {
+    pub fn shards(&self) -> &[Buffer] {
         &self.shards
     }
 
     /// The gathered parameters of `unit` (padded), which must be ready.
-    pub fn params(&self, unit: usize) -> &[f32] {
+    pub fn params(&self, unit: usize) -> &Buffer {
         match &self.residency[unit] {
             Residency::Ready(v) => v,
             _ => panic!("unit {unit} used while not gathered"),
@@ -141,8 +146,8 @@ impl Coordinator {
 
     fn issue(&mut self, comm: &dyn Communicator, unit: usize, ledger: &mut MemoryLedger) {
         let out = self.pool.take(self.padded[unit], ledger);
-        let shard = std::mem::take(&mut self.shards[unit]);
-        let h = comm.all_gather(Buffer::F32(shard), Buffer::F32(out));
+        let shard = std::mem::replace(&mut self.shards[unit], Buffer::F32(Vec::new()));
+        let h = comm.all_gather(shard, out);
         self.residency[unit] = Residency::InFlight(h);
         self.live += self.padded[unit];
     }
@@ -155,8 +160,8 @@ impl Coordinator {
                 unreachable!()
             };
             let (shard, full) = h.wait_pair()?;
-            self.shards[unit] = shard.into_f32().expect("f32 shard");
-            self.residency[unit] = Residency::Ready(full.into_f32().expect("f32 gather"));
+            self.shards[unit] = shard;
+            self.residency[unit] = Residency::Ready(full);
         }
         Ok(())
     }

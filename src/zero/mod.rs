@@ -8,7 +8,8 @@
 //!   post-step all-gather (stages 1-2).
 //! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
 //! * [`engine`]: one rank's [`Engine`] and its [`StepReport`].
-//! * [`loss_scaler`]: fp16 loss scaling (for mixed precision).
+//! * [`loss_scaler`]: fp16 loss scaling and the Inf/NaN guard.
+//! * [`precision`]: dtype-tagged flat storage (f32, bf16, f16) and the per-step overflow policy.
 
 pub mod buckets;
 pub mod buffers;
@@ -17,6 +18,7 @@ pub mod engine;
 pub mod flat;
 pub mod gather;
 pub mod loss_scaler;
+pub mod precision;
 pub mod schedule;
 
 pub use config::{EngineConfig, Stage};

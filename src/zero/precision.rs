@@ -1,0 +1,345 @@
+//! Mixed precision for the engine: dtype-tagged flat storage, the handful of operations the engine
+//! does on it, and the per-step overflow policy.
+//!
+//! The engine keeps its flat buffers as [`Buffer`]s (f32, bf16 or f16), so that 16-bit parameters,
+//! gradients and communication buckets really take 2 bytes per element. Everything the engine does
+//! to them is here, dispatched once per slice (not per element) onto the generic kernels of
+//! [`crate::optim::kernels`]: copies that cast with round-to-nearest-even, accumulation, squared
+//! norms, and the Adam update that writes the fp32 master shard and its 16-bit copy in one pass.
+//! The model itself always computes in f32: 16-bit parameters are widened into a preallocated f32
+//! scratch before each unit runs (candle's bf16 matmuls are several times slower on CPU).
+//!
+//! [`StepPolicy`] decides, once per optimizer step and with the verdict agreed across ranks, whether
+//! a step is skipped: fp16 uses DeepSpeed's [`LossScaler`], bf16 and fp32 (and fp16 with a static
+//! scale) a [`NonFiniteGuard`] that stops the run after too many skipped steps in a row.
+
+use super::loss_scaler::{DynamicScaleParams, LossScaleError, LossScaler, NonFiniteGuard};
+use crate::comm::{Buffer, DType};
+use crate::optim::adam::{AdamParams, AdamState};
+use crate::optim::kernels;
+use half::{bf16, f16};
+use std::ops::Range;
+
+/// A borrowed flat slice of any element type the engine stores.
+#[derive(Clone, Copy, Debug)]
+pub enum Slice<'a> {
+    F32(&'a [f32]),
+    BF16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// A mutably borrowed flat slice of any element type the engine stores.
+#[derive(Debug)]
+pub enum SliceMut<'a> {
+    F32(&'a mut [f32]),
+    BF16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// Runs `$body` with `$v` bound to the typed slice inside a [`Slice`] or [`SliceMut`].
+macro_rules! with_slice {
+    ($ty:ident, $s:expr, $v:ident => $body:expr) => {
+        match $s {
+            $ty::F32($v) => $body,
+            $ty::BF16($v) => $body,
+            $ty::F16($v) => $body,
+        }
+    };
+}
+
+/// Runs `$body` with `$v` bound to the typed vector inside a [`Buffer`].
+macro_rules! with_buffer {
+    ($b:expr, $v:ident => $body:expr) => {
+        match $b {
+            Buffer::F32($v) => $body,
+            Buffer::BF16($v) => $body,
+            Buffer::F16($v) => $body,
+        }
+    };
+}
+
+impl<'a> Slice<'a> {
+    pub fn len(&self) -> usize {
+        with_slice!(Slice, self, v => v.len())
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The sum of squares in f64 (non-finite exactly when an element is Inf or NaN).
+    pub fn sum_of_squares(&self) -> f64 {
+        with_slice!(Slice, *self, v => kernels::sum_of_squares(v))
+    }
+    /// Writes the elements widened to f32 into `dst` (same length).
+    pub fn widen_into(&self, dst: &mut [f32]) {
+        SliceMut::F32(dst).copy_from(*self);
+    }
+}
+
+impl SliceMut<'_> {
+    /// `self = src`, cast with round to nearest even where the types differ.
+    pub fn copy_from(self, src: Slice<'_>) {
+        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => kernels::cast(d, s)))
+    }
+    /// `self += src`, accumulated in f32 and rounded once into the destination type.
+    pub fn add(self, src: Slice<'_>) {
+        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => kernels::add_in_place(d, s)))
+    }
+}
+
+/// The range operations the engine needs on a [`Buffer`], whatever its element type.
+pub trait FlatBuffer {
+    fn slice(&self, r: Range<usize>) -> Slice<'_>;
+    fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_>;
+    fn all(&self) -> Slice<'_> {
+        self.slice(0..self.elems())
+    }
+    fn all_mut(&mut self) -> SliceMut<'_> {
+        let n = self.elems();
+        self.slice_mut(0..n)
+    }
+    fn elems(&self) -> usize;
+    fn capacity(&self) -> usize;
+    fn truncate(&mut self, len: usize);
+    /// Grows (with zeros) or shrinks to `len` elements.
+    fn resize_zeroed(&mut self, len: usize);
+    fn copy_within(&mut self, src: Range<usize>, dest: usize);
+    fn fill_zero(&mut self);
+}
+
+impl FlatBuffer for Buffer {
+    fn slice(&self, r: Range<usize>) -> Slice<'_> {
+        match self {
+            Buffer::F32(v) => Slice::F32(&v[r]),
+            Buffer::BF16(v) => Slice::BF16(&v[r]),
+            Buffer::F16(v) => Slice::F16(&v[r]),
+        }
+    }
+    fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
+        match self {
+            Buffer::F32(v) => SliceMut::F32(&mut v[r]),
+            Buffer::BF16(v) => SliceMut::BF16(&mut v[r]),
+            Buffer::F16(v) => SliceMut::F16(&mut v[r]),
+        }
+    }
+    fn elems(&self) -> usize {
+        self.len()
+    }
+    fn capacity(&self) -> usize {
+        with_buffer!(self, v => v.capacity())
+    }
+    fn truncate(&mut self, len: usize) {
+        with_buffer!(self, v => v.truncate(len))
+    }
+    fn resize_zeroed(&mut self, len: usize) {
+        with_buffer!(self, v => v.resize(len, Default::default()))
+    }
+    fn copy_within(&mut self, src: Range<usize>, dest: usize) {
+        with_buffer!(self, v => v.copy_within(src, dest))
+    }
+    fn fill_zero(&mut self) {
+        with_buffer!(self, v => v.fill(Default::default()))
+    }
+}
+
+/// `values` (f32) cast into a new buffer of `dtype`, rounded to nearest even.
+pub fn buffer_from_f32(dtype: DType, values: &[f32]) -> Buffer {
+    let mut b = Buffer::zeros(dtype, values.len());
+    b.all_mut().copy_from(Slice::F32(values));
+    b
+}
+
+/// One Adam/AdamW update of a shard. Without a master copy `params` is the f32 shard itself;
+/// with one, the fp32 `master` is updated and `params` (16-bit) receives its rounded copy in the
+/// same pass. `grads` may be of any element type.
+pub fn adam_update(
+    state: &mut AdamState,
+    master: Option<&mut [f32]>,
+    params: SliceMut<'_>,
+    grads: Slice<'_>,
+    hp: &AdamParams,
+    grad_scale: f32,
+) {
+    match master {
+        None => {
+            let SliceMut::F32(p) = params else {
+                panic!("16-bit parameters need an fp32 master copy")
+            };
+            with_slice!(Slice, grads, g => state.update(p, g, hp, grad_scale))
+        }
+        Some(m) => with_slice!(SliceMut, params, p => with_slice!(Slice, grads, g => {
+            state.update_with_copy(m, g, hp, grad_scale, p)
+        })),
+    }
+}
+
+/// How a run treats Inf/NaN gradients and, for fp16, the loss scale.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OverflowPolicy {
+    /// Skip non-finite steps; error after `max_skipped_steps` in a row (bf16, fp32).
+    Guard,
+    /// fp16: multiply the loss by a scale (`loss_scale > 0`: that static scale, skipped steps
+    /// counted by the guard; `0`: DeepSpeed's dynamic scaling with `dynamic`).
+    LossScale {
+        loss_scale: f64,
+        dynamic: DynamicScaleParams,
+    },
+}
+
+/// The per-step decision: the loss scale to use and whether a step is skipped.
+#[derive(Clone, Debug)]
+pub struct StepPolicy {
+    scaler: Option<LossScaler>,
+    /// Counts skipped steps in a row wherever the scale does not (everything but dynamic fp16).
+    guard: Option<NonFiniteGuard>,
+}
+
+/// The verdict on one optimizer step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepVerdict {
+    pub skipped: bool,
+    /// The scale the step's loss was multiplied by.
+    pub loss_scale: f64,
+    /// DeepSpeed's log line for an fp16 step (overflow or scale change), if any.
+    pub message: Option<String>,
+}
+
+impl StepPolicy {
+    /// `precision` names the gradients in the guard's error (`"bf16"`, `"fp32"`, `"fp16"`).
+    pub fn new(
+        policy: &OverflowPolicy,
+        max_skipped_steps: u64,
+        precision: &'static str,
+    ) -> Result<Self, LossScaleError> {
+        Ok(match policy {
+            OverflowPolicy::Guard => StepPolicy {
+                scaler: None,
+                guard: Some(NonFiniteGuard::new(max_skipped_steps, precision)?),
+            },
+            OverflowPolicy::LossScale {
+                loss_scale,
+                dynamic,
+            } => {
+                let scaler = LossScaler::new(*loss_scale, *dynamic)?;
+                let guard = match scaler.is_dynamic() {
+                    true => None,
+                    false => Some(NonFiniteGuard::new(max_skipped_steps, precision)?),
+                };
+                StepPolicy {
+                    scaler: Some(scaler),
+                    guard,
+                }
+            }
+        })
+    }
+
+    /// The scale to multiply the next step's loss by (1 without loss scaling).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::loss_scale)
+    }
+
+    /// Record one step: `finite` as agreed across ranks, `bad_units` the units whose gradients
+    /// held Inf/NaN. Errors at the minimum fp16 scale or after too many skipped steps in a row.
+    pub fn record(
+        &mut self,
+        finite: bool,
+        bad_units: &[String],
+    ) -> Result<StepVerdict, LossScaleError> {
+        let loss_scale = self.loss_scale();
+        let mut message = None;
+        if let Some(s) = &mut self.scaler {
+            let update = s.update_scale(!finite, bad_units)?;
+            if update.skipped || update.next_scale != update.attempted_scale {
+                message = Some(update.to_string());
+            }
+        }
+        if let Some(g) = &mut self.guard {
+            g.check(finite, bad_units)?;
+        }
+        Ok(StepVerdict {
+            skipped: !finite,
+            loss_scale,
+            message,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_round_to_nearest_even_and_add_accumulates_in_f32() {
+        let mut b = Buffer::zeros(DType::BF16, 3);
+        // 1 + 2^-8 is a tie between 1 and 1 + 2^-7 in bf16: to even gives 1.
+        b.all_mut()
+            .copy_from(Slice::F32(&[1.0 + 1.0 / 256.0, 2.0, -3.0]));
+        assert_eq!(b.get_f32(0), 1.0);
+        b.slice_mut(1..3).add(Slice::F32(&[0.5, 0.25]));
+        assert_eq!((b.get_f32(1), b.get_f32(2)), (2.5, -2.75));
+        let mut wide = [0.0f32; 3];
+        b.all().widen_into(&mut wide);
+        assert_eq!(wide, [1.0, 2.5, -2.75]);
+        assert_eq!(b.all().sum_of_squares(), 1.0 + 6.25 + 7.5625);
+    }
+
+    #[test]
+    fn buffer_range_operations_keep_the_dtype() {
+        let mut b = buffer_from_f32(DType::F16, &[1.0, 2.0, 3.0, 4.0]);
+        b.copy_within(2..4, 0);
+        b.truncate(2);
+        assert_eq!((b.get_f32(0), b.get_f32(1), b.elems()), (3.0, 4.0, 2));
+        b.resize_zeroed(3);
+        assert_eq!(b.get_f32(2), 0.0);
+        b.fill_zero();
+        assert_eq!(b.all().sum_of_squares(), 0.0);
+        assert_eq!(b.dtype(), DType::F16);
+    }
+
+    #[test]
+    fn adam_with_a_master_writes_the_rounded_copy() {
+        let hp = AdamParams::default();
+        let mut master = vec![1.0f32, -1.0];
+        let mut p16 = buffer_from_f32(DType::BF16, &master);
+        let mut state = AdamState::new(2);
+        let g = buffer_from_f32(DType::BF16, &[0.5, -0.5]);
+        adam_update(
+            &mut state,
+            Some(&mut master),
+            p16.all_mut(),
+            g.all(),
+            &hp,
+            1.0,
+        );
+        assert_eq!(state.step, 1);
+        assert!(master[0] < 1.0 && master[1] > -1.0);
+        assert_eq!(p16.get_f32(0), bf16::from_f32(master[0]).to_f32());
+        assert_eq!(p16.get_f32(1), bf16::from_f32(master[1]).to_f32());
+    }
+
+    #[test]
+    fn the_guard_skips_and_stops_after_the_limit() {
+        let mut p = StepPolicy::new(&OverflowPolicy::Guard, 2, "bf16").unwrap();
+        assert_eq!(p.loss_scale(), 1.0);
+        let units = vec!["layer1".to_string()];
+        assert!(p.record(false, &units).unwrap().skipped);
+        assert!(!p.record(true, &[]).unwrap().skipped);
+        assert!(p.record(false, &units).unwrap().skipped);
+        let err = p.record(false, &units).unwrap_err();
+        assert!(err.to_string().contains("layer1"), "{err}");
+    }
+
+    #[test]
+    fn dynamic_fp16_halves_after_the_hysteresis() {
+        let policy = OverflowPolicy::LossScale {
+            loss_scale: 0.0,
+            dynamic: DynamicScaleParams::DOCUMENTED_DEFAULTS,
+        };
+        let mut p = StepPolicy::new(&policy, 1, "fp16").unwrap();
+        assert_eq!(p.loss_scale(), 65536.0);
+        let v = p.record(false, &[]).unwrap();
+        assert!(v.skipped && v.message.is_some());
+        assert_eq!(p.loss_scale(), 65536.0);
+        assert_eq!(p.record(false, &[]).unwrap().loss_scale, 65536.0);
+        assert_eq!(p.loss_scale(), 32768.0);
+    }
+}
