@@ -234,6 +234,12 @@ mod tests {
                 "stage3_max_reuse_distance": 0}}"#,
             r#"{"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": 1},
                 "zero_optimization": {"stage": 3}}"#,
+            r#"{"train_batch_size": 8, "bf16": {"enabled": true},
+                "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e3}}"#,
+            r#"{"train_batch_size": 8, "fp16": {"enabled": true},
+                "zero_optimization": {"stage": 3, "stage3_max_reuse_distance": 0}}"#,
+            r#"{"train_batch_size": 8, "bf16": {"enabled": true},
+                "data_types": {"grad_accum_dtype": "bf16"}, "zero_optimization": {"stage": 1}}"#,
         ];
         for text in configs {
             let ctx = ResolveContext {

@@ -41,7 +41,10 @@ pub fn engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     // ZeroChoice stages are 0-3; the config reader refuses any other.
     let stage = Stage::from_index(stage).unwrap_or(Stage::Zero3);
-    let mut cfg = EngineConfig::new(stage, size(input.cluster.world_size()));
+    // Mixed precision sets the parameter, reduction and accumulation dtypes together, as `train`
+    // does for a bf16/fp16 config without `communication_data_type` / `grad_accum_dtype`.
+    let mut cfg = EngineConfig::new(stage, size(input.cluster.world_size()))
+        .with_precision(comm_dtype(input.precision));
     cfg.micro_batch = size(input.micro_batch);
     cfg.grad_accum = size(input.grad_accum.max(1));
     cfg.reduce_bucket_size = size(s.reduce_bucket_size);
@@ -50,7 +53,6 @@ pub fn engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
     cfg.max_live_parameters = size(s.max_live_parameters);
     cfg.max_reuse_distance = size(s.max_reuse_distance);
     cfg.activation_checkpointing = input.activation_checkpointing;
-    cfg.comm_dtype = comm_dtype(input.precision);
     cfg
 }
 
