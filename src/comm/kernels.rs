@@ -188,13 +188,23 @@ impl Lane for bf16 {
     }
     #[inline(always)]
     fn narrow(x: f32) -> bf16 {
-        let x = x.to_bits();
-        let nan = x & 0x7FFF_FFFF > 0x7F80_0000;
-        let round_up = (x & 0x8000 != 0) & (x & 0x1_7FFF != 0);
-        let rounded = (x >> 16) + u32::from(round_up);
-        let bits = if nan { (x >> 16) | 0x40 } else { rounded };
-        bf16::from_bits(bits as u16)
+        bf16::from_bits(f32_to_bf16_bits(x))
     }
+}
+
+/// `f32` -> bf16 bits, round to nearest even, NaN kept NaN (quietened), overflow to Inf: the same
+/// bits as `bf16::from_f32`, but branch-free so that slice loops vectorise (the `half` crate
+/// converts bf16 one element at a time with branches). The one copy of this rounding in the crate:
+/// the reduction kernels here and the slice casts of `optim::kernels` both use it.
+#[inline(always)]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
+    // half is above one half-ulp, or equal to it with an odd kept half (ties to even).
+    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+    let quiet_nan = (b >> 16) | 0x0040;
+    let is_nan = b & 0x7fff_ffff > 0x7f80_0000;
+    (if is_nan { quiet_nan } else { rounded }) as u16
 }
 
 /// The lane reduction (f32 and bf16): per tile of [`BLOCK`] elements, one tight pass per input

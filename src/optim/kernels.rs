@@ -79,20 +79,6 @@ impl Element for f32 {
     }
 }
 
-/// `f32` -> bf16 bits, round to nearest even, NaN kept NaN (quietened), overflow to Inf: the
-/// same bits as `bf16::from_f32`, but branch-free so that slice loops vectorise (the `half`
-/// crate converts bf16 slices one element at a time with branches).
-#[inline(always)]
-fn f32_to_bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    // Adding 0x7fff plus the lowest kept bit carries into the kept half exactly when the dropped
-    // half is above one half-ulp, or equal to it with an odd kept half (ties to even).
-    let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
-    let quiet_nan = (b >> 16) | 0x0040;
-    let is_nan = b & 0x7fff_ffff > 0x7f80_0000;
-    (if is_nan { quiet_nan } else { rounded }) as u16
-}
-
 impl Element for bf16 {
     const IS_F32: bool = false;
     const NAME: &'static str = "bf16";
@@ -109,7 +95,7 @@ impl Element for bf16 {
         assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
         let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
         for (d, &x) in bits.iter_mut().zip(src) {
-            *d = f32_to_bf16_bits(x);
+            *d = crate::comm::kernels::f32_to_bf16_bits(x);
         }
     }
 
