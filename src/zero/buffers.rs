@@ -130,7 +130,12 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
             })
             .max()
             .unwrap_or(0);
-        let budget = (persistent_elems + largest_visit).max(cfg.max_live_parameters.min(total));
+        // The most that can be live at once is every unit's kept graph plus the visit being
+        // gathered: capping the budget there (rather than at Ψ) lets a model that fits under
+        // `max_live_parameters` keep every graph, as DeepSpeed keeps such a model gathered,
+        // instead of releasing and recomputing its first units for want of one visit's room.
+        let most_live = total + largest_visit;
+        let budget = (persistent_elems + largest_visit).max(cfg.max_live_parameters.min(most_live));
         let mut room = budget - persistent_elems - largest_visit;
         if !cfg.activation_checkpointing {
             // Units closest to the end first: their reuse distance is the shortest.
@@ -145,7 +150,8 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
                 room -= cost;
             }
         }
-        budget - kept_graph_elems
+        // The pool never needs more than the whole model, whatever the budget.
+        (budget - kept_graph_elems).min(total)
     } else {
         0
     };
