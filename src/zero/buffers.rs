@@ -64,12 +64,16 @@ impl BufferPlan {
         (self.bucket_count * (self.bucket_elems + self.region_elems) * self.comm_dtype.size())
             as u64
     }
-    /// Bytes of the communication buckets and gradient scratch (the `buffers` kind).
+    /// Bytes of the f32 scratch the model reads and writes: transient gradient buffers and, under
+    /// mixed precision, the widened parameters.
+    pub fn scratch_bytes(&self) -> u64 {
+        ((self.grad_scratch_elems * self.grad_scratch_count
+            + self.param_scratch_elems * self.param_scratch_count)
+            * 4) as u64
+    }
+    /// Bytes of the communication buckets and the scratch (the `buffers` kind).
     pub fn buffer_bytes(&self) -> u64 {
-        let comm = self.bucket_count * (self.bucket_elems + self.region_elems);
-        (comm * self.comm_dtype.size()) as u64
-            + (self.grad_scratch_elems * self.grad_scratch_count * 4) as u64
-            + (self.param_scratch_elems * self.param_scratch_count * 4) as u64
+        self.bucket_bytes() + self.scratch_bytes()
     }
     /// Bytes of gathered parameters at the fullest, pool and kept graphs (the `gather` kind). The
     /// pool holds parameters as they travel (the parameter dtype); a kept graph holds the f32

@@ -96,7 +96,7 @@ impl<'a> EngineRun<'a> {
         let persistent = (persistent * p.param_dtype.size()) as u64;
         EngineBuffers {
             reduce_buckets: p.bucket_bytes(),
-            scratch_buffers: p.buffer_bytes() - p.bucket_bytes(),
+            scratch_buffers: p.scratch_bytes(),
             gather_pool: p.gather_bytes() - persistent,
             persistent_params: persistent,
         }
