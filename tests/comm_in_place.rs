@@ -127,8 +127,8 @@ fn bits(b: &Buffer) -> Vec<u32> {
 }
 
 /// Checks every rank's results against the out-of-place ones and the serial reference.
-fn check(n: usize, results: &[Vec<(Buffer, Buffer)>], what: &str) {
-    for (c, &case) in cases(n).iter().enumerate() {
+fn check(n: usize, cases: &[Case], results: &[Vec<(Buffer, Buffer)>], what: &str) {
+    for (c, &case) in cases.iter().enumerate() {
         for (rank, per_rank) in results.iter().enumerate() {
             let (got, out_of_place) = &per_rank[c];
             let want = match case {
@@ -162,7 +162,7 @@ fn in_place_collectives_match_out_of_place_and_the_reference_for_world_sizes_1_t
             run_cases(&*comm, &cs, |_| true)
         })
         .unwrap_or_else(|e| panic!("world of {n}: {e}"));
-        check(n, &results, "native");
+        check(n, &cs, &results, "native");
     }
 }
 
@@ -174,7 +174,28 @@ fn ranks_may_mix_in_place_and_out_of_place_forms() {
             run_cases(&*comm, &cs, |r| r % 2 == 0)
         })
         .unwrap_or_else(|e| panic!("world of {n}: {e}"));
-        check(n, &results, "mixed");
+        check(n, &cs, &results, "mixed");
+    }
+}
+
+/// Shards of several MiB take the streaming-store paths (the all-gather's fan-out copy, the
+/// reduce-scatter's streamed output) at lengths that leave every shard boundary unaligned.
+#[test]
+fn large_messages_on_the_streaming_path_match_the_reference() {
+    for n in [2, 3] {
+        let cs = [
+            Case::AllGather(DType::F32, n * (1 << 20) + 5),
+            Case::AllGather(DType::BF16, n * (2 << 20) + 7),
+            Case::ReduceScatter(DType::F32, ReduceOp::Sum, n * (1 << 20) + 5),
+            Case::ReduceScatter(DType::BF16, ReduceOp::Avg, n * (2 << 20) + 7),
+        ];
+        for (what, in_place_on) in [("all in place", 1), ("mixed", 2)] {
+            let results = run_ranks(n, CommOptions::default(), |comm, _| {
+                run_cases(&*comm, &cs, |r| r % in_place_on == 0)
+            })
+            .unwrap_or_else(|e| panic!("world of {n}: {e}"));
+            check(n, &cs, &results, what);
+        }
     }
 }
 
@@ -216,7 +237,7 @@ fn default_in_place_methods_fall_back_to_the_out_of_place_collectives() {
             run_cases(&OutOfPlaceOnly(comm), &cs, |_| true)
         })
         .unwrap_or_else(|e| panic!("world of {n}: {e}"));
-        check(n, &results, "default methods");
+        check(n, &cs, &results, "default methods");
     }
 }
 

@@ -6,30 +6,36 @@
 //! each thread then reads its peers' buffers directly (no staging copies on the large-message path):
 //!
 //! * reduce-scatter: rank r reduces shard r of every rank's input, in rank order, into its output;
-//! * all-gather: rank r copies every rank's shard into its output, starting with its right neighbour
-//!   so that the ranks do not all read the same owner at once;
+//! * all-gather: rank r pushes its shard into range r of every rank's output (its right neighbour's
+//!   first), block by block, so the shard is read from memory once and written n times: per rank
+//!   1/n read and 1 write of the buffer, against 1 read and 1 write for pulling every shard;
 //! * all-reduce: rank r reduces shard r of every rank's buffer and writes the result into shard r of
 //!   every rank's buffer, in one pass (a reduce-scatter and an all-gather fused: each byte is read
 //!   once and written once, instead of the reduce-scatter's write plus the all-gather's copy);
 //! * broadcast: every non-root copies the root's buffer.
 //!
-//! The in-place forms expose the same addresses as the out-of-place ones (the full input of a
-//! reduce-scatter, the start of the rank's shard for an all-gather), so ranks may mix the two forms.
+//! Each rank exposes an input and an output address. The in-place forms expose the same ones as
+//! the out-of-place forms (for reduce-scatter: the full input and the rank's shard of it as the
+//! output; for all-gather: the rank's shard as the input and the full buffer as the output), so
+//! ranks may mix the two forms.
 //! In-place reduce-scatter writes the reduced shard over the rank's own shard of its input (the
 //! lines it has just read, so no read-for-ownership and no streaming stores); in-place all-gather
-//! copies only the other ranks' shards: per rank (n-1)/n of the buffer moves instead of all of it.
+//! skips the copy of a rank's shard onto itself: per rank (n-1)/n of the buffer is written instead
+//! of all of it.
 //!
 //! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
 //! handed back once no peer can still read them. Each element is reduced by exactly one formula
 //! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
 //! bits.
 
-use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
+use crate::comm::kernels::{
+    buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
+};
 use crate::comm::rendezvous::{CallDesc, Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::{bandwidths, count_traffic, CommStats};
 use crate::comm::{
     shard_range, Buffer, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
-    Completion, ReduceOp, TraceLevel, TrafficCounters,
+    Completion, DType, ReduceOp, TraceLevel, TrafficCounters,
 };
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -41,6 +47,11 @@ use std::time::{Duration, Instant};
 /// Reduce-scatter outputs of at least this many bytes are written with streaming stores: far
 /// larger than a core's share of the last-level cache, they would be evicted before use anyway.
 const STREAMING_STORE_BYTES: usize = 4 << 20;
+
+/// What a rank publishes at a collective's meeting.
+fn expose(input: usize, output: usize) -> Exposed {
+    Exposed { input, output }
+}
 
 /// A collective as queued to the communication thread.
 enum Call {
@@ -462,13 +473,51 @@ struct Exec<'a> {
 impl Exec<'_> {
     /// The arrival meeting: waits for every rank (or fails: timeout, peer failure, mismatch); with
     /// `input`, publishes this rank's buffer and fills `scratch.peers` with every rank's.
-    fn arrive(&mut self, input: Option<usize>) -> Result<(), CommError> {
+    fn arrive(&mut self, exposed: Option<Exposed>) -> Result<(), CommError> {
         let threshold = self.world.options.straggler_threshold;
-        let expose = input.map(|a| (Exposed { input: a }, &mut self.scratch.peers));
+        let expose = exposed.map(|e| (e, &mut self.scratch.peers));
         self.straggler = self
             .world
             .rendezvous
             .meet(&self.meeting, expose, threshold)?;
+        Ok(())
+    }
+
+    /// All-gather by pushing: rank r reads its shard once and writes it into range r of every
+    /// rank's output (its own last, and not at all when the shard already sits there: the in-place
+    /// form). Per rank that is one read of a shard and n writes of it, against n reads and n
+    /// writes for pulling every shard: the least memory traffic an out-of-place all-gather can
+    /// draw. `len` and `dtype` describe the full output.
+    fn push_gather(
+        &mut self,
+        shard: usize,
+        output: usize,
+        len: usize,
+        dtype: DType,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.world.size, self.meeting.rank);
+        let esz = dtype.size();
+        let mine = shard_range(len, n, r);
+        self.arrive(Some(expose(shard, output)))?;
+        let departure = Departure::new(self.world, r);
+        let sc = &mut *self.scratch;
+        sc.srcs.clear();
+        sc.srcs.extend(
+            (1..=n)
+                .map(|k| sc.peers[(r + k) % n].output + mine.start * esz)
+                .filter(|&dst| dst != shard),
+        );
+        let bytes = mine.len() * esz;
+        let store = if bytes >= STREAMING_STORE_BYTES {
+            Store::Streaming
+        } else {
+            Store::Cached
+        };
+        // SAFETY: range r of every output is written by rank r alone until the final meeting,
+        // and nobody reads an output before it; the shard is only read; the meeting compared
+        // descriptors, so every output holds `len` elements of `dtype`.
+        unsafe { fan_out_copy(shard, &sc.srcs, bytes, store) };
+        drop(departure);
         Ok(())
     }
 
@@ -491,7 +540,7 @@ impl Exec<'_> {
                     return Ok(vec![buf]);
                 }
                 let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(addr))?;
+                self.arrive(Some(expose(addr, addr)))?;
                 let departure = Departure::new(world, r);
                 // Rank r alone owns shard r of every buffer until the final meeting: it reduces
                 // shard r of all ranks block by block and writes the result back into shard r of
@@ -513,7 +562,8 @@ impl Exec<'_> {
                 let len = input.len();
                 let esz = input.dtype().size();
                 let mine = shard_range(len, n, r);
-                self.arrive(Some(buffer_addr(&input)))?;
+                let dst = [buffer_addr_mut(&mut output)];
+                self.arrive(Some(expose(buffer_addr(&input), dst[0])))?;
                 let departure = Departure::new(world, r);
                 self.scratch.srcs.clear();
                 self.scratch.srcs.extend(
@@ -522,7 +572,6 @@ impl Exec<'_> {
                         .iter()
                         .map(|p| p.input + mine.start * esz),
                 );
-                let dst = [buffer_addr_mut(&mut output)];
                 let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
                     Store::Streaming
                 } else {
@@ -543,24 +592,8 @@ impl Exec<'_> {
                 Ok(vec![input, output])
             }
             Call::AllGather(input, mut output) => {
-                let len = output.len();
-                let esz = output.dtype().size();
-                self.arrive(Some(buffer_addr(&input)))?;
-                let departure = Departure::new(world, r);
                 let out = buffer_addr_mut(&mut output);
-                for k in 0..n {
-                    let s = (r + k) % n;
-                    let range = shard_range(len, n, s);
-                    // SAFETY: inputs are only read until the final meeting; the output is private.
-                    unsafe {
-                        copy_bytes(
-                            self.scratch.peers[s].input,
-                            out + range.start * esz,
-                            range.len() * esz,
-                        )
-                    };
-                }
-                drop(departure);
+                self.push_gather(buffer_addr(&input), out, output.len(), output.dtype())?;
                 Ok(vec![input, output])
             }
             Call::ReduceScatterInPlace(mut buf, op) => {
@@ -569,7 +602,7 @@ impl Exec<'_> {
                 let dtype = buf.dtype();
                 let mine = shard_range(len, n, r);
                 let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(addr))?;
+                self.arrive(Some(expose(addr, addr + mine.start * esz)))?;
                 let departure = Departure::new(world, r);
                 let sc = &mut *self.scratch;
                 sc.srcs.clear();
@@ -584,32 +617,16 @@ impl Exec<'_> {
                 Ok(vec![buf])
             }
             Call::AllGatherInPlace(mut buf) => {
-                let len = buf.len();
-                let esz = buf.dtype().size();
+                let (len, esz) = (buf.len(), buf.dtype().size());
                 let addr = buffer_addr_mut(&mut buf);
                 let mine = shard_range(len, n, r);
-                self.arrive(Some(addr + mine.start * esz))?;
-                let departure = Departure::new(world, r);
-                for k in 1..n {
-                    let s = (r + k) % n;
-                    let range = shard_range(len, n, s);
-                    // SAFETY: peers only read shard s of rank s's buffer and write other ranges of
-                    // their own; this rank writes only other ranks' ranges of its own buffer.
-                    unsafe {
-                        copy_bytes(
-                            self.scratch.peers[s].input,
-                            addr + range.start * esz,
-                            range.len() * esz,
-                        )
-                    };
-                }
-                drop(departure);
+                self.push_gather(addr + mine.start * esz, addr, len, buf.dtype())?;
                 Ok(vec![buf])
             }
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(addr))?;
+                self.arrive(Some(expose(addr, addr)))?;
                 let departure = Departure::new(world, r);
                 if r != root {
                     // SAFETY: the root's buffer is only read until the final meeting.

@@ -54,7 +54,11 @@ impl fmt::Display for CallDesc {
 /// Addresses a rank exposes to its peers for one collective.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Exposed {
+    /// Where the rank's contribution starts: its input (its own shard for an all-gather).
     pub input: usize,
+    /// Where the rank's result starts: the full output of an all-gather (pushed into by every
+    /// rank), the shard output of a reduce-scatter, the buffer itself for all-reduce and broadcast.
+    pub output: usize,
 }
 
 /// The first thing that went wrong in a world; every later wait fails with it.
