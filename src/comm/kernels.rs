@@ -6,19 +6,23 @@
 //! order, so the result is bit-identical whoever computes it), and the result is written once. 16-bit
 //! inputs are widened to f32, accumulated in f32 and rounded once (round to nearest even).
 //!
-//! f32 and bf16 take the lane path ([`reduce_lanes`]): the large reductions are memory-bound only
-//! if the core does little more than one packed operation per loaded vector, and the generic path's
-//! extra copies through L1 scratch (load into the accumulator, round into a block, copy out) made
-//! the 1 GiB reduce-scatter compute-bound on this machine's cores. f16 keeps the generic path.
+//! Every dtype takes the lane path ([`reduce_lanes`]): the large reductions are memory-bound only
+//! if the core does little more than one packed operation per loaded vector, and the generic
+//! path's extra copies through L1 scratch (load into the accumulator, round into a block, copy
+//! out) made the 1 GiB reduce-scatter compute-bound on this machine's cores. The generic path,
+//! built on `half`'s slice conversions, stays in the tests as the oracle the lane path must match
+//! bit for bit.
 
 use crate::comm::{DType, ReduceOp};
+#[cfg(test)]
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 /// Elements per accumulator block: 2 x 8 KiB of f32 scratch, well inside L1.
 const BLOCK: usize = 2048;
 
-/// An element type that can be reduced in f32.
+/// An element type that can be reduced in f32 (the generic path).
+#[cfg(test)]
 trait Elem: Copy + 'static {
     /// `acc = src` widened.
     fn load(src: &[Self], acc: &mut [f32]);
@@ -28,6 +32,7 @@ trait Elem: Copy + 'static {
     fn store(acc: &[f32], dst: &mut [Self]);
 }
 
+#[cfg(test)]
 fn combine_f32(op: ReduceOp, acc: &mut [f32], src: &[f32]) {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => {
@@ -43,8 +48,6 @@ fn combine_f32(op: ReduceOp, acc: &mut [f32], src: &[f32]) {
     }
 }
 
-/// The generic path for f32: production uses [`reduce_lanes`]; tests check the two agree bit for
-/// bit.
 #[cfg(test)]
 impl Elem for f32 {
     fn load(src: &[f32], acc: &mut [f32]) {
@@ -58,6 +61,7 @@ impl Elem for f32 {
     }
 }
 
+#[cfg(test)]
 macro_rules! half_elem {
     ($t:ty) => {
         impl Elem for $t {
@@ -75,9 +79,9 @@ macro_rules! half_elem {
         }
     };
 }
-// The generic path for bf16: production uses `reduce_lanes`; tests compare the two.
 #[cfg(test)]
 half_elem!(bf16);
+#[cfg(test)]
 half_elem!(f16);
 
 /// How a reduced block is written to its destinations.
@@ -92,14 +96,12 @@ pub(crate) enum Store {
     Streaming,
 }
 
-/// Reduces `len` elements of type `T` from every source, in source order, and writes the result to
-/// every destination.
+/// The generic path: reduces `len` elements of type `T` from every source, in source order, and
+/// writes the result to every destination.
 ///
 /// # Safety
-/// Every `srcs[s]` must be valid for reads and every `dsts[d]` for writes of `len` elements, for the
-/// whole call, with no other thread accessing the destinations or writing the sources. A
-/// destination may alias a source (in-place all-reduce): each block is fully read before any of it
-/// is written.
+/// As [`reduce_lanes`].
+#[cfg(test)]
 unsafe fn reduce_typed<T: Elem>(
     op: ReduceOp,
     srcs: &[*const T],
@@ -160,6 +162,17 @@ const LANES: usize = 8;
 trait Lane: Copy + 'static {
     fn widen(self) -> f32;
     fn narrow(x: f32) -> Self;
+    /// [`LANES`] elements widened at once. `F16C`: the caller is the build compiled with the F16C
+    /// conversion instructions (checked at run time), which f16 uses.
+    #[inline(always)]
+    fn widen_lanes<const F16C: bool>(x: [Self; LANES]) -> [f32; LANES] {
+        x.map(Self::widen)
+    }
+    /// [`LANES`] elements narrowed at once; `F16C` as for [`Lane::widen_lanes`].
+    #[inline(always)]
+    fn narrow_lanes<const F16C: bool>(v: [f32; LANES]) -> [Self; LANES] {
+        v.map(Self::narrow)
+    }
 }
 
 impl Lane for f32 {
@@ -177,8 +190,6 @@ impl Lane for f32 {
 /// without branches (`half`'s scalar versions branch on NaN and on the rounding bit, which keeps the
 /// loops from vectorising) but compute exactly `bf16::to_f32` and `bf16::from_f32`: NaNs get the
 /// quiet bit, other values round to nearest even. The unit tests check the bits against `half`.
-/// (f16 stays on the generic path: its slice conversions use the F16C instructions where the CPU
-/// has them.)
 impl Lane for bf16 {
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -189,6 +200,118 @@ impl Lane for bf16 {
     #[inline(always)]
     fn narrow(x: f32) -> bf16 {
         bf16::from_bits(f32_to_bf16_bits(x))
+    }
+}
+
+/// f16 as bf16: branch-free conversions with the bits of `f16::to_f32` / `f16::from_f32` (and of
+/// the F16C instructions that `half`'s slice conversions use): exact widening with NaNs quietened,
+/// narrowing to nearest even with subnormals, overflow to Inf and NaN payloads kept. Every select
+/// below computes both sides. They are the portable path; where the CPU has F16C the lane kernel
+/// converts eight at a time with its instructions (the same bits). The unit tests check the bits
+/// against `half` for every f16 and for every rounding case of f32.
+impl Lane for f16 {
+    #[inline(always)]
+    fn widen_lanes<const F16C: bool>(x: [f16; LANES]) -> [f32; LANES] {
+        #[cfg(target_arch = "x86_64")]
+        if F16C {
+            // SAFETY: `F16C` is only set in the build compiled with F16C, run on CPUs that have it.
+            return unsafe { f16c::widen(x) };
+        }
+        x.map(Self::widen)
+    }
+    #[inline(always)]
+    fn narrow_lanes<const F16C: bool>(v: [f32; LANES]) -> [f16; LANES] {
+        #[cfg(target_arch = "x86_64")]
+        if F16C {
+            // SAFETY: as in `widen_lanes`.
+            return unsafe { f16c::narrow(v) };
+        }
+        v.map(Self::narrow)
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        let h = self.to_bits() as u32;
+        let sign = (h & 0x8000) << 16;
+        let bits = (h & 0x7fff) << 13;
+        let exp = bits & (0x7c00 << 13);
+        // Normal numbers: rebias the exponent (112 = 127 - 15).
+        let normal = bits + (112 << 23);
+        // Inf and NaN: exponent all ones; NaNs also get the quiet bit, as F16C and `half` do.
+        let quiet = if bits & (0x3ff << 13) != 0 {
+            0x0040_0000
+        } else {
+            0
+        };
+        let special = (normal + ((128 - 16) << 23)) | quiet;
+        // Zero and subnormals: the mantissa scaled by 2^-24, exactly (one f32 subtraction).
+        let magic = f32::from_bits(113 << 23);
+        let sub = (f32::from_bits(normal + (1 << 23)) - magic).to_bits();
+        let o = if exp == 0x7c00 << 13 {
+            special
+        } else if exp == 0 {
+            sub
+        } else {
+            normal
+        };
+        f32::from_bits(o | sign)
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> f16 {
+        let b = x.to_bits();
+        let sign = ((b >> 16) & 0x8000) as u16;
+        let a = b & 0x7fff_ffff;
+        // NaN keeps the top of its payload with the quiet bit set; Inf and overflow give Inf.
+        let nan = (0x7e00 | ((a & 0x007f_ffff) >> 13)) as u16;
+        let big = if a > 0x7f80_0000 { nan } else { 0x7c00 };
+        // Subnormal results (and zero): adding 0.5 lines the 10 kept bits up at the bottom of the
+        // f32 mantissa, the FPU rounding to nearest even on the way.
+        let denorm_magic = ((127 - 15) + (23 - 10) + 1) << 23;
+        let sub =
+            ((f32::from_bits(a) + f32::from_bits(denorm_magic)).to_bits() - denorm_magic) as u16;
+        // Normal results: rebias, add just under half an ulp plus the lowest kept bit, truncate.
+        let odd = (a >> 13) & 1;
+        let normal = (a.wrapping_sub(112 << 23).wrapping_add(0xfff + odd) >> 13) as u16;
+        let o = if a >= (127 + 16) << 23 {
+            big
+        } else if a < 113 << 23 {
+            sub
+        } else {
+            normal
+        };
+        f16::from_bits(o | sign)
+    }
+}
+
+/// The F16C conversions of eight lanes: IEEE widening, and narrowing rounded to nearest even.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use super::LANES;
+    use half::f16;
+    use std::arch::x86_64::{
+        __m128i, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_storeu_ps,
+        _mm_loadu_si128, _mm_storeu_si128, _MM_FROUND_TO_NEAREST_INT,
+    };
+
+    /// # Safety
+    /// The CPU has F16C.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    pub(super) unsafe fn widen(x: [f16; LANES]) -> [f32; LANES] {
+        let mut out = [0f32; LANES];
+        let v = _mm256_cvtph_ps(_mm_loadu_si128(x.as_ptr() as *const __m128i));
+        _mm256_storeu_ps(out.as_mut_ptr(), v);
+        out
+    }
+
+    /// # Safety
+    /// The CPU has F16C.
+    #[target_feature(enable = "f16c")]
+    #[inline]
+    pub(super) unsafe fn narrow(v: [f32; LANES]) -> [f16; LANES] {
+        let mut out = [f16::ZERO; LANES];
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(v.as_ptr()));
+        _mm_storeu_si128(out.as_mut_ptr() as *mut __m128i, h);
+        out
     }
 }
 
@@ -207,7 +330,7 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
     (if is_nan { quiet_nan } else { rounded }) as u16
 }
 
-/// The lane reduction (f32 and bf16): per tile of [`BLOCK`] elements, one tight pass per input
+/// The lane reduction: per tile of [`BLOCK`] elements, one tight pass per input
 /// over all N inputs in rank order, widening on load, the last pass rounding and writing straight to
 /// the destination.
 ///
@@ -218,7 +341,10 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 /// bit-identical to it.
 ///
 /// # Safety
-/// As [`reduce_typed`].
+/// Every `srcs[s]` must be valid for reads and every `dsts[d]` for writes of `len` elements, for
+/// the whole call, with no other thread accessing the destinations or writing the sources. A
+/// destination may alias a source (in-place all-reduce): each block is fully read before any of it
+/// is written.
 unsafe fn reduce_lanes<T: Lane>(
     op: ReduceOp,
     srcs: &[*const T],
@@ -230,18 +356,18 @@ unsafe fn reduce_lanes<T: Lane>(
     // lanes per instruction, and bf16 rounding packs without SSE2's shuffles. Same IEEE operations
     // in the same order, so the same bits.
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
         return reduce_lanes_avx2(op, srcs, dsts, len, store);
     }
-    reduce_lanes_body(op, srcs, dsts, len, store)
+    reduce_lanes_body::<T, false>(op, srcs, dsts, len, store)
 }
 
-/// [`reduce_lanes_body`] compiled with AVX2 enabled.
+/// [`reduce_lanes_body`] compiled with AVX2 and F16C enabled.
 ///
 /// # Safety
-/// As [`reduce_typed`], on a CPU with AVX2.
+/// As [`reduce_lanes`], on a CPU with AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_lanes_avx2<T: Lane>(
     op: ReduceOp,
     srcs: &[*const T],
@@ -249,15 +375,15 @@ unsafe fn reduce_lanes_avx2<T: Lane>(
     len: usize,
     store: Store,
 ) {
-    reduce_lanes_body(op, srcs, dsts, len, store)
+    reduce_lanes_body::<T, true>(op, srcs, dsts, len, store)
 }
 
 /// The body of [`reduce_lanes`], inlined into each instruction-set variant.
 ///
 /// # Safety
-/// As [`reduce_typed`].
+/// As [`reduce_lanes`].
 #[inline(always)]
-unsafe fn reduce_lanes_body<T: Lane>(
+unsafe fn reduce_lanes_body<T: Lane, const F16C: bool>(
     op: ReduceOp,
     srcs: &[*const T],
     dsts: &[*mut T],
@@ -282,14 +408,22 @@ unsafe fn reduce_lanes_body<T: Lane>(
         let target_store = if direct { store } else { Store::Cached };
         let s = |k: usize| srcs[k].add(off);
         match n {
-            1 => pass::<T, T, T>(op, target, s(0), None, m, div, target_store),
-            2 => pass(op, target, s(0), Some(s(1)), m, div, target_store),
+            1 => pass::<T, T, T, F16C>(op, target, s(0), None, m, div, target_store),
+            2 => pass::<T, T, T, F16C>(op, target, s(0), Some(s(1)), m, div, target_store),
             _ => {
-                pass(op, acc_ptr, s(0), Some(s(1)), m, None, Store::Cached);
+                pass::<T, T, f32, F16C>(op, acc_ptr, s(0), Some(s(1)), m, None, Store::Cached);
                 for k in 2..n - 1 {
-                    pass(op, acc_ptr, acc_ptr, Some(s(k)), m, None, Store::Cached);
+                    pass::<f32, T, f32, F16C>(
+                        op,
+                        acc_ptr,
+                        acc_ptr,
+                        Some(s(k)),
+                        m,
+                        None,
+                        Store::Cached,
+                    );
                 }
-                pass(op, target, acc_ptr, Some(s(n - 1)), m, div, target_store);
+                pass::<f32, T, T, F16C>(op, target, acc_ptr, Some(s(n - 1)), m, div, target_store);
             }
         }
         let first = target as *const u8;
@@ -318,7 +452,7 @@ unsafe fn reduce_lanes_body<T: Lane>(
 /// # Safety
 /// `a`, `b` valid for reads and `dst` for writes of `m` elements.
 #[inline(always)]
-unsafe fn pass<A: Lane, B: Lane, D: Lane>(
+unsafe fn pass<A: Lane, B: Lane, D: Lane, const F16C: bool>(
     op: ReduceOp,
     dst: *mut D,
     a: *const A,
@@ -346,11 +480,11 @@ unsafe fn pass<A: Lane, B: Lane, D: Lane>(
     let mut i = head;
     while i + LANES <= m {
         let x: [A; LANES] = std::ptr::read_unaligned(a.add(i) as *const [A; LANES]);
-        let mut v: [f32; LANES] = x.map(A::widen);
+        let mut v: [f32; LANES] = A::widen_lanes::<F16C>(x);
         if let Some(b) = b {
-            let y: [B; LANES] = std::ptr::read_unaligned(b.add(i) as *const [B; LANES]);
+            let y = B::widen_lanes::<F16C>(std::ptr::read_unaligned(b.add(i) as *const [B; LANES]));
             for l in 0..LANES {
-                v[l] = combine_one(op, v[l], y[l].widen());
+                v[l] = combine_one(op, v[l], y[l]);
             }
         }
         if let Some(d) = div {
@@ -358,7 +492,7 @@ unsafe fn pass<A: Lane, B: Lane, D: Lane>(
                 *x /= d;
             }
         }
-        let w: [D; LANES] = v.map(D::narrow);
+        let w: [D; LANES] = D::narrow_lanes::<F16C>(v);
         match store {
             Store::Cached => std::ptr::write_unaligned(dst.add(i) as *mut [D; LANES], w),
             Store::Streaming => stream_lanes(dst.add(i), &w),
@@ -398,10 +532,10 @@ unsafe fn stream_lanes<D: Lane>(dst: *mut D, v: &[D; LANES]) {
     std::ptr::write_unaligned(dst as *mut [D; LANES], *v);
 }
 
-/// Type-erased [`reduce_typed`]: addresses are of element 0 of each slice.
+/// Type-erased [`reduce_lanes`]: addresses are of element 0 of each slice.
 ///
 /// # Safety
-/// As [`reduce_typed`], with `len` elements of `dtype` at every address, suitably aligned.
+/// As [`reduce_lanes`], with `len` elements of `dtype` at every address, suitably aligned.
 pub(crate) unsafe fn reduce_into(
     dtype: DType,
     op: ReduceOp,
@@ -417,7 +551,7 @@ pub(crate) unsafe fn reduce_into(
     match dtype {
         DType::F32 => reduce_lanes::<f32>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
         DType::BF16 => reduce_lanes::<bf16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
-        DType::F16 => reduce_typed::<f16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
+        DType::F16 => reduce_lanes::<f16>(op, cast_ptrs(srcs), cast_ptrs_mut(dsts), len, store),
     }
 }
 
@@ -669,11 +803,22 @@ mod tests {
                             fast.iter_mut().map(|v| v[off..].as_mut_ptr()).collect();
                         let sd: Vec<*mut T> =
                             slow.iter_mut().map(|v| v[off..].as_mut_ptr()).collect();
-                        for k in 1..=2 {
+                        for k in 1..=4 {
                             // SAFETY: every pointer has at least `m` elements behind it.
                             unsafe {
-                                reduce_lanes(op, &srcs, &fd[..k], m, store);
-                                reduce_typed::<T>(op, &srcs, &sd[..k], m, store);
+                                // The build this CPU runs, then the portable one.
+                                if k <= 2 {
+                                    reduce_lanes(op, &srcs, &fd[..k], m, store);
+                                } else {
+                                    reduce_lanes_body::<T, false>(
+                                        op,
+                                        &srcs,
+                                        &fd[..k - 2],
+                                        m,
+                                        store,
+                                    );
+                                }
+                                reduce_typed::<T>(op, &srcs, &sd[..(k - 1) % 2 + 1], m, store);
                             }
                             // Bytes, so that NaNs compare by their bits.
                             let bytes = |v: &Vec<Vec<T>>| -> Vec<u8> {
@@ -705,6 +850,29 @@ mod tests {
     fn lane_path_is_bit_identical_to_the_generic_path() {
         lanes_match_generic::<f32>(|x| x);
         lanes_match_generic::<bf16>(bf16::from_f32);
+        lanes_match_generic::<f16>(f16::from_f32);
+    }
+
+    #[test]
+    fn branchless_f16_conversions_equal_halfs() {
+        for i in 0..=u16::MAX {
+            let h = f16::from_bits(i);
+            assert_eq!(h.widen().to_bits(), h.to_f32().to_bits(), "widen {i:#06x}");
+        }
+        // Every sign, exponent and top-10 mantissa pattern of f32, with low 13 bits that hit each
+        // rounding case of a normal result (a subnormal result rounds at a higher bit, which the
+        // top patterns enumerate with these lows).
+        for hi in 0..1u32 << 19 {
+            for lo in [0u32, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF] {
+                let x = f32::from_bits(hi << 13 | lo);
+                assert_eq!(
+                    <f16 as Lane>::narrow(x).to_bits(),
+                    f16::from_f32(x).to_bits(),
+                    "narrow {:#010x}",
+                    x.to_bits()
+                );
+            }
+        }
     }
 
     #[test]
