@@ -253,7 +253,7 @@ fn stage3_kept_graphs_and_checkpointing() {
 }
 
 #[test]
-fn bucket_advice_on_the_engine_path_counts_the_companions() {
+fn bucket_advice_on_the_engine_path_counts_the_buckets_alone() {
     use zerodp::memory::planner::plan;
     let model = Toy::new(64, 16, 3, true);
     let mut cfg = config(Stage::Zero2, 4, 1);
@@ -261,8 +261,9 @@ fn bucket_advice_on_the_engine_path_counts_the_companions() {
     let mut input = input_for(&model, &cfg);
     let o = plan_option(&input, choice(Stage::Zero2));
     let b = o.bytes_per_device;
-    // A capacity the buckets alone break.
-    input.cluster.device_memory = b.total - b.reduce_buckets / 2;
+    // A capacity the buckets alone break: half of them fits beside everything else.
+    let room = b.reduce_buckets / 2;
+    input.cluster.device_memory = b.total - b.reduce_buckets + room;
     input.configured = Some(choice(Stage::Zero2));
     let p = plan(&input).unwrap();
     let advice = p.recommendation.config_advice.join("\n");
@@ -273,7 +274,15 @@ fn bucket_advice_on_the_engine_path_counts_the_companions() {
         .unwrap_or_else(|| panic!("no bucket bound in: {advice}"))
         .parse()
         .unwrap();
-    // The bound it gives makes the option fit, with the engine's companions counted.
+    // The buckets' collectives run in place, so the bound is the room over the two f32 buckets,
+    // up to the advice's three significant digits (counting a second, one-region buffer per bucket
+    // would give only 4/5 of it at world size 4).
+    let exact = (room / (2 * 4)) as f64;
+    assert!(
+        bound <= exact && bound >= exact * 0.99,
+        "{advice}: the room holds two f32 buckets of {exact} elements"
+    );
+    // The bound it gives makes the option fit, and the planner counts the engine's buckets.
     input.buffers.reduce_bucket_size = Some(bound as u64);
     let fixed = plan_option(&input, choice(Stage::Zero2));
     assert!(fixed.fits, "{advice}: {:?}", fixed.bytes_per_device);

@@ -436,10 +436,10 @@ fn the_engine_path_uses_its_own_unit_layout() {
     let o = plan_option(&inp, none(3));
     // Every unit is already a multiple of 4 x 8 elements: no padding.
     let psi = spec.num_params() as u64;
-    // The engine's own rules: one f32 bucket of 10k elements plus its 2.5k-element companion, one
-    // gradient buffer of the largest unit, a gather budget of the largest unit (wte) beside the
-    // persistent units h.0, h.1 and ln_f (≤ 20k elements).
-    assert_eq!(o.bytes_per_device.reduce_buckets, (10_000 + 2_500) * 4);
+    // The engine's own rules: one f32 bucket of 10k elements (nothing beside it: its collectives
+    // run in place), one gradient buffer of the largest unit, a gather budget of the largest unit
+    // (wte) beside the persistent units h.0, h.1 and ln_f (≤ 20k elements).
+    assert_eq!(o.bytes_per_device.reduce_buckets, 10_000 * 4);
     assert_eq!(o.bytes_per_device.scratch_buffers, 1128 * 64 * 4);
     assert_eq!(o.bytes_per_device.gather_pool, 1128 * 64 * 4);
     let persistent = 2 * (64 * 192 + 192 + 64 * 64) + 128;

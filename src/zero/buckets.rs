@@ -8,6 +8,12 @@
 //! and a unit larger than a bucket is split into pieces at the same shard offsets on every rank. An
 //! all-gather bucket is the mirror image. An all-reduce bucket (stage 0) is plain concatenation.
 //!
+//! The sharded collectives run in place (NCCL's in-place forms): the reduce-scatter leaves the
+//! rank's reduced pieces in its own region of the bucket, and the all-gather takes the rank's
+//! pieces from there. A bucket therefore needs no second, one-region buffer for the shard: it
+//! costs exactly its own bytes (as DeepSpeed's `reduce_bucket_size` reads), and the in-place forms
+//! also skip the copy between the two buffers.
+//!
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
 //! is waited for as soon as it is launched. Every decision depends only on the layout and the order
 //! of pushes, never on timing, so every rank issues the same collectives in the same order.
@@ -78,10 +84,9 @@ struct Segment {
 }
 
 struct Slot {
-    /// `world * region` elements (or the whole bucket at stage 0).
+    /// `world * region` elements (or the whole bucket at stage 0); the sharded collectives work
+    /// on it in place.
     big: Buffer,
-    /// One region (reduce-scatter output, all-gather input).
-    small: Buffer,
     segments: Vec<Segment>,
     used: usize,
     flight: Option<CommHandle>,
@@ -108,7 +113,6 @@ impl Buckets {
         let slots = (0..plan.bucket_count)
             .map(|_| Slot {
                 big: Buffer::zeros(plan.comm_dtype, plan.bucket_elems),
-                small: Buffer::zeros(plan.comm_dtype, plan.region_elems),
                 segments: Vec::new(),
                 used: 0,
                 flight: None,
@@ -142,7 +146,6 @@ impl Buckets {
         for slot in &mut self.slots {
             if slot.big.dtype() != dtype {
                 slot.big = Buffer::zeros(dtype, slot.big.len());
-                slot.small = Buffer::zeros(dtype, slot.small.len());
             }
         }
     }
@@ -215,9 +218,11 @@ impl Buckets {
                     }
                 }
                 BucketMode::AllGather => {
+                    // The rank's own region, as the reduce-scatter lays regions out.
                     let from = own.start + start;
-                    slot.small
-                        .slice_mut(seg.offset..seg.offset + len)
+                    let to = layout.rank * region + seg.offset;
+                    slot.big
+                        .slice_mut(to..to + len)
                         .copy_from(state.params[unit].slice(from..from + len));
                 }
             }
@@ -263,10 +268,6 @@ impl Buckets {
         let used = slot.used;
         let dtype = slot.big.dtype();
         let mut big = std::mem::replace(&mut slot.big, Buffer::zeros(dtype, 0));
-        let mut small = match mode {
-            BucketMode::AllReduce => Buffer::zeros(dtype, 0),
-            _ => std::mem::replace(&mut slot.small, Buffer::zeros(dtype, 0)),
-        };
         let handle = match mode {
             BucketMode::AllReduce => {
                 big.truncate(used);
@@ -279,13 +280,15 @@ impl Buckets {
                     big.copy_within(q * region..q * region + used, q * used);
                 }
                 big.truncate(world * used);
-                small.truncate(used);
-                comm.reduce_scatter(big, small, ReduceOp::Avg)
+                comm.reduce_scatter_in_place(big, ReduceOp::Avg)
             }
             BucketMode::AllGather => {
-                small.truncate(used);
+                // The rank's region moves to where the gathered bucket of `world * used` elements
+                // has it (leftwards, as above; the other regions are overwritten by the gather).
+                let own = layout.rank * region;
+                big.copy_within(own..own + used, layout.rank * used);
                 big.truncate(world * used);
-                comm.all_gather(small, big)
+                comm.all_gather_in_place(big)
             }
         };
         slot.flight = Some(handle);
@@ -307,17 +310,9 @@ impl Buckets {
         let slot = &mut self.slots[idx];
         let handle = slot.flight.take().expect("bucket in flight");
         let used = slot.used;
-        let (mut big, mut small) = match mode {
-            BucketMode::AllReduce => (handle.wait_one()?, Buffer::F32(Vec::new())),
-            BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
-                let (input, output) = handle.wait_pair()?;
-                (input, output)
-            }
-            BucketMode::AllGather => {
-                let (input, output) = handle.wait_pair()?;
-                (output, input)
-            }
-        };
+        let mut big = handle.wait_one()?;
+        // The reduce-scatter leaves the rank's reduced region at its place in the closed-up bucket.
+        let own = layout.rank * used;
         for seg in slot.segments.drain(..) {
             let u = layout.units[seg.unit];
             let res = seg.offset..seg.offset + seg.len;
@@ -331,14 +326,14 @@ impl Buckets {
                     let at = layout.own_shard(seg.unit).start + seg.start;
                     state
                         .full_grad_mut(seg.unit, at..at + seg.len)
-                        .copy_from(small.slice(res));
+                        .copy_from(big.slice(own + res.start..own + res.end));
                 }
                 BucketMode::ReduceScatterAccumulate => {
                     let at = layout.shard_slot(seg.unit).start + seg.start;
                     state
                         .grad_shards
                         .slice_mut(at..at + seg.len)
-                        .add(small.slice(res));
+                        .add(big.slice(own + res.start..own + res.end));
                 }
                 BucketMode::AllGather => {
                     for q in 0..world {
@@ -353,10 +348,6 @@ impl Buckets {
         }
         big.resize_zeroed(region * world);
         slot.big = big;
-        if mode != BucketMode::AllReduce {
-            small.resize_zeroed(region);
-            slot.small = small;
-        }
         slot.used = 0;
         Ok(())
     }

@@ -3,8 +3,9 @@
 //!
 //! * Reduction buckets: `min(reduce_bucket_size, Ψ)` elements (padded Ψ, rounded down to a multiple
 //!   of the world size so that a bucket splits into equal rank regions) in the communication dtype;
-//!   two when `overlap_comm` (one fills while the other is in flight), else one. Each bucket has a
-//!   companion of one rank region (the reduce-scatter output / all-gather input), stages 1-3.
+//!   two when `overlap_comm` (one fills while the other is in flight), else one. The sharded
+//!   collectives run in place in the bucket, so it needs no second buffer for the rank's shard: a
+//!   bucket costs exactly its own bytes, which is also what DeepSpeed's `reduce_bucket_size` means.
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each the size of the largest padded unit, as
 //!   many as a backward holds at once (a tied unit's gradient waits for its last user).
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
@@ -31,8 +32,6 @@ pub struct BufferPlan {
     pub bucket_elems: usize,
     /// Number of buckets (2 with `overlap_comm`).
     pub bucket_count: usize,
-    /// Elements of each bucket's one-region companion (0 at stage 0, which only all-reduces).
-    pub region_elems: usize,
     /// Dtype of the buckets.
     pub comm_dtype: DType,
     /// Elements of each transient full-unit gradient buffer (stages 2-3).
@@ -58,11 +57,10 @@ pub struct BufferPlan {
 }
 
 impl BufferPlan {
-    /// Bytes of the reduction buckets and their one-region companions; the rest of
-    /// [`BufferPlan::buffer_bytes`] is scratch (full-unit gradient buffers).
+    /// Bytes of the reduction buckets (the collectives run in place: nothing beside them); the
+    /// rest of [`BufferPlan::buffer_bytes`] is scratch (full-unit gradient buffers).
     pub fn bucket_bytes(&self) -> u64 {
-        (self.bucket_count * (self.bucket_elems + self.region_elems) * self.comm_dtype.size())
-            as u64
+        (self.bucket_count * self.bucket_elems * self.comm_dtype.size()) as u64
     }
     /// Bytes of the f32 scratch the model reads and writes: transient gradient buffers and, under
     /// mixed precision, the widened parameters.
@@ -162,7 +160,6 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     BufferPlan {
         bucket_elems: region * world,
         bucket_count,
-        region_elems: if stage == Stage::Zero0 { 0 } else { region },
         comm_dtype: cfg.comm_dtype,
         grad_scratch_elems,
         grad_scratch_count,
@@ -217,16 +214,15 @@ mod tests {
         let p = plan(&spec(), &cfg);
         assert_eq!(p.bucket_elems, 64 + 128 + 16);
         assert_eq!(p.bucket_count, 2);
-        assert_eq!(p.region_elems, 104);
+        assert_eq!(p.bucket_bytes(), 2 * 208 * 4);
         assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2));
         cfg.overlap_comm = false;
         cfg.reduce_bucket_size = 33;
         let p = plan(&spec(), &cfg);
-        assert_eq!(
-            (p.bucket_elems, p.bucket_count, p.region_elems),
-            (32, 1, 16)
-        );
-        assert_eq!(p.buffer_bytes(), (32 + 16 + 128 * 2) * 4);
+        assert_eq!((p.bucket_elems, p.bucket_count), (32, 1));
+        // The bucket alone (its collectives run in place) and two gradient buffers.
+        assert_eq!(p.bucket_bytes(), 32 * 4);
+        assert_eq!(p.buffer_bytes(), (32 + 128 * 2) * 4);
     }
 
     #[test]

@@ -84,7 +84,7 @@ impl<'a> EngineRun<'a> {
         self.layout.padded_numel() as u64
     }
 
-    /// The engine's buffers by the planner's kinds: buckets with their companions and the scratch
+    /// The engine's buffers by the planner's kinds: the reduction buckets and the scratch
     /// buffers (together the engine's `buffers` kind), the stage-3 persistent units and the rest of
     /// the gathered-parameter budget (together its `gather` kind).
     pub fn buffer_bytes(&self) -> EngineBuffers {

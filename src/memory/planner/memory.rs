@@ -152,7 +152,8 @@ impl BufferSettings {
 /// The engine's communication and gather buffers, in bytes per device.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct EngineBuffers {
-    /// Reduction buckets (with their one-region companions on zerodp's engine path).
+    /// Reduction buckets (on zerodp's engine path too, exactly the buckets: their collectives run
+    /// in place).
     pub reduce_buckets: u64,
     /// zerodp's engine path: transient full-unit scratch buffers (gradients at stages 2-3); 0 in
     /// the estimates.

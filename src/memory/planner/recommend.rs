@@ -1,7 +1,7 @@
 //! The recommendation: the lowest stage that fits, what the network does to the alternatives, and
 //! what to change in the given config. "The choice between ZeRO stages is about capacity, not speed."
 
-use super::size::{format_capacity, format_gb, format_seconds};
+use super::size::{format_at_most, format_capacity, format_gb, format_seconds};
 use super::{EngineRun, Offload, PlanInput, PlanOption, ZeroChoice};
 use crate::zero::buffers;
 
@@ -210,22 +210,16 @@ fn config_advice(
         let s = &o.buffer_settings;
         let copies = if s.overlap_comm { 2 } else { 1 };
         let dtype = input.precision.param_bytes();
-        // On zerodp's engine path each bucket has a companion of one rank region (1/N of it)
-        // from stage 1 on.
-        let n = input.cluster.world_size().max(1);
-        let companion = input.model.spec.is_some() && o.stage >= 1;
         if without_buckets < mem {
-            let room = mem - without_buckets;
-            let max_bucket = match companion {
-                true => room * n / (dtype * copies * (n + 1)),
-                false => room / (dtype * copies),
-            };
+            // A bucket costs exactly its own bytes, on zerodp's engine path too (its collectives
+            // run in place, with no second buffer for the shard).
+            let max_bucket = (mem - without_buckets) / (dtype * copies);
             advice.push(format!(
-                "the reduce buckets alone break the budget: reduce_bucket_size {:.0e} x {} buffer(s) = {}; set reduce_bucket_size to at most {:.2e} (5e7 is a common choice)",
+                "the reduce buckets alone break the budget: reduce_bucket_size {:.0e} x {} buffer(s) = {}; set reduce_bucket_size to at most {} (5e7 is a common choice)",
                 s.reduce_bucket_size as f64,
                 copies,
                 format_gb(b.reduce_buckets),
-                max_bucket as f64
+                format_at_most(max_bucket)
             ));
         } else if o.stage == 3 {
             // The budget stage3_max_live_parameters sets, its smallest value and its dtype: on
@@ -248,9 +242,9 @@ fn config_advice(
                 let room = mem + budget - without_buckets;
                 if room >= floor {
                     advice.push(format!(
-                        "the stage-3 gather pool ({}) breaks the budget: set stage3_max_live_parameters to at most {:.2e}",
+                        "the stage-3 gather pool ({}) breaks the budget: set stage3_max_live_parameters to at most {}",
                         format_gb(budget),
-                        (room / pool_dtype) as f64
+                        format_at_most(room / pool_dtype)
                     ));
                 }
             }

@@ -119,6 +119,16 @@ pub fn format_capacity(bytes: u64) -> String {
     }
 }
 
+/// An upper bound on a count (a config value to set at most) in the `1.23e6` form, rounded down
+/// to its three digits: rounding to nearest could print a value above the bound, which breaks it.
+pub fn format_at_most(count: u64) -> String {
+    let mut scale = 1;
+    while count / scale >= 1000 {
+        scale *= 10;
+    }
+    format!("{:.2e}", (count / scale * scale) as f64)
+}
+
 /// Seconds in the unit that keeps three significant digits readable.
 pub fn format_seconds(s: f64) -> String {
     if s >= 1.0 {
@@ -171,6 +181,14 @@ fn bad_size(text: &str, what: &str, hint: &str) -> PlanError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bounds_round_down_to_three_digits() {
+        assert_eq!(format_at_most(12_399), "1.23e4");
+        assert_eq!(format_at_most(999), "9.99e2");
+        assert_eq!(format_at_most(7), "7.00e0");
+        assert_eq!(format_at_most(50_000_000), "5.00e7");
+    }
 
     #[test]
     fn byte_sizes_binary_and_decimal() {
