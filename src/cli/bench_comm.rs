@@ -3,7 +3,8 @@
 //!
 //! Each iteration starts behind a barrier, every rank times its own collective, and the iteration
 //! counts as the slowest rank's time (a collective is done when its last rank is done); the table
-//! shows the median over iterations. Sizes are full tensors (nccl-tests' convention), and busbw
+//! shows the median over iterations. The ops and forms of one size run interleaved, one iteration
+//! of each per round, so that a drifting load on a shared host weighs on all of them alike. Sizes are full tensors (nccl-tests' convention), and busbw
 //! follows nccl-tests: all-reduce algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
 //!
 //! Like nccl-tests' out-of-place and in-place columns, reduce-scatter and all-gather are measured in
@@ -17,6 +18,7 @@ use zerodp::comm::{
     run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
     ReduceOp,
 };
+use zerodp::zero::precision::FlatBuffer;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchCommArgs {
@@ -30,10 +32,11 @@ pub struct BenchCommArgs {
     /// `1K..1G` doubling from the first to the last.
     #[arg(long, default_value = "1K..256M")]
     pub sizes: String,
-    /// Timed iterations per size (the median is reported).
+    /// Timed rounds per size: each round runs one iteration of every op and form of the size, in
+    /// turn (the median over rounds is reported).
     #[arg(long, default_value_t = 5)]
     pub iters: usize,
-    /// Untimed iterations per size before the timed ones (first touch of the pages, caches).
+    /// Untimed rounds per size before the timed ones (first touch of the pages, caches).
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
     /// Element type of the buffers.
@@ -272,53 +275,57 @@ fn cases(kinds: &[CollectiveKind], sizes: &[usize]) -> Vec<Case> {
     v
 }
 
-/// Times one case on this rank: the per-iteration times.
-fn run_case(
+/// Times every case of one size on this rank, round by round: each round runs one iteration of
+/// every case in turn (the first `warmup` rounds untimed), so a drift in the machine's load (other
+/// tenants of a shared host, whose memory bandwidth comes and goes over seconds) falls on every
+/// case alike instead of on whichever case ran during it. Returns the times per case.
+///
+/// Two full-size buffers per rank serve every form (llm.c style: allocated once, travelling through
+/// each call and back): all-reduce and the in-place forms use `a`; the out-of-place reduce-scatter
+/// reduces `a` into `b` cut to the shard, the out-of-place all-gather gathers `a` cut to the shard
+/// into `b`. Cutting and restoring the lengths happens outside the timed region and never
+/// reallocates.
+fn run_size(
     comm: &dyn Communicator,
-    case: Case,
+    cases: &[Case],
     dtype: DType,
     warmup: usize,
     iters: usize,
-) -> Result<Vec<f64>, CommError> {
+) -> Result<Vec<Vec<f64>>, CommError> {
     let (n, rank) = (comm.world_size(), comm.rank());
-    let (kind, in_place) = (case.kind, case.in_place);
-    let len = case.bytes / dtype.size();
+    let len = cases.first().map_or(0, |c| c.bytes / dtype.size());
     let shard = shard_range(len, n, rank).len();
-    // Buffers are allocated once and travel through each call and back (llm.c style). In-place
-    // forms use one full-size buffer.
-    let (mut a, mut b) = match kind {
-        CollectiveKind::AllReduce => (filled(dtype, len, rank), None),
-        _ if in_place => (filled(dtype, len, rank), None),
-        CollectiveKind::ReduceScatter => (filled(dtype, len, rank), Some(filled(dtype, shard, 0))),
-        _ => (filled(dtype, shard, rank), Some(filled(dtype, len, 0))),
-    };
-    let mut times = Vec::with_capacity(iters);
-    for it in 0..warmup + iters {
-        comm.barrier().wait()?;
-        let t0 = Instant::now();
-        match kind {
-            CollectiveKind::AllReduce => {
-                a = comm.all_reduce(a, ReduceOp::Sum).wait_one()?;
+    let mut a = filled(dtype, len, rank);
+    let mut b = filled(dtype, len, 0);
+    let mut times = vec![Vec::with_capacity(iters); cases.len()];
+    for round in 0..warmup + iters {
+        for (c, case) in cases.iter().enumerate() {
+            a.resize_zeroed(len);
+            b.resize_zeroed(len);
+            comm.barrier().wait()?;
+            let t0 = Instant::now();
+            match (case.kind, case.in_place) {
+                (CollectiveKind::AllReduce, _) => {
+                    a = comm.all_reduce(a, ReduceOp::Sum).wait_one()?;
+                }
+                (CollectiveKind::ReduceScatter, true) => {
+                    a = comm.reduce_scatter_in_place(a, ReduceOp::Sum).wait_one()?;
+                }
+                (_, true) => {
+                    a = comm.all_gather_in_place(a).wait_one()?;
+                }
+                (CollectiveKind::ReduceScatter, false) => {
+                    b.truncate(shard);
+                    (a, b) = comm.reduce_scatter(a, b, ReduceOp::Sum).wait_pair()?;
+                }
+                (_, false) => {
+                    a.truncate(shard);
+                    (a, b) = comm.all_gather(a, b).wait_pair()?;
+                }
             }
-            CollectiveKind::ReduceScatter if in_place => {
-                a = comm.reduce_scatter_in_place(a, ReduceOp::Sum).wait_one()?;
+            if round >= warmup {
+                times[c].push(t0.elapsed().as_secs_f64());
             }
-            _ if in_place => {
-                a = comm.all_gather_in_place(a).wait_one()?;
-            }
-            CollectiveKind::ReduceScatter => {
-                let out = b.take().expect("output buffer");
-                let (i, o) = comm.reduce_scatter(a, out, ReduceOp::Sum).wait_pair()?;
-                (a, b) = (i, Some(o));
-            }
-            _ => {
-                let out = b.take().expect("output buffer");
-                let (i, o) = comm.all_gather(a, out).wait_pair()?;
-                (a, b) = (i, Some(o));
-            }
-        }
-        if it >= warmup {
-            times.push(t0.elapsed().as_secs_f64());
         }
     }
     Ok(times)
@@ -358,11 +365,24 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     let half = args.iters.div_ceil(2);
     let (mut one, mut all) = memcpy_times(memcpy_bytes, half, threads);
 
+    // Per rank, the times of every case in `cases` order: sizes one after the other, the cases of
+    // one size interleaved.
     let per_rank = run_ranks(n, options, |comm, _rank| {
-        cases
-            .iter()
-            .map(|&case| run_case(&*comm, case, dtype, args.warmup, args.iters))
-            .collect::<Result<Vec<_>, CommError>>()
+        let mut times = vec![Vec::new(); cases.len()];
+        let mut distinct = sizes.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        for &size in &distinct {
+            let of_size: Vec<usize> = (0..cases.len())
+                .filter(|&c| cases[c].bytes == size)
+                .collect();
+            let picked: Vec<Case> = of_size.iter().map(|&c| cases[c]).collect();
+            let measured = run_size(&*comm, &picked, dtype, args.warmup, args.iters)?;
+            for (c, t) in of_size.into_iter().zip(measured) {
+                times[c] = t;
+            }
+        }
+        Ok::<_, CommError>(times)
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
 
