@@ -201,6 +201,14 @@ impl Lane for bf16 {
     fn narrow(x: f32) -> bf16 {
         bf16::from_bits(f32_to_bf16_bits(x))
     }
+    /// A shift alone, without `widen`'s quiet bit: in the kernel every widened lane reaches the
+    /// output through arithmetic (which quietens a NaN) or through `narrow` (which quietens it
+    /// too), and quietening sets one bit without choosing among NaNs, so the output bits are the
+    /// same. Saves a third of the instructions of a two-input bf16 lane group.
+    #[inline(always)]
+    fn widen_lanes<const F16C: bool>(x: [bf16; LANES]) -> [f32; LANES] {
+        x.map(|h| f32::from_bits((h.to_bits() as u32) << 16))
+    }
 }
 
 /// f16 as bf16: branch-free conversions with the bits of `f16::to_f32` / `f16::from_f32` (and of
@@ -766,9 +774,15 @@ mod tests {
 
     /// Runs the lane kernel and the generic kernel on the same inputs (given as f32 values, converted
     /// with `conv`) and compares every bit of one and two destinations.
-    fn lanes_match_generic<T: Lane + Elem + PartialEq + std::fmt::Debug>(conv: fn(f32) -> T) {
-        // Values with rounding in every sum, signed zeros, infinities, NaNs and subnormals; lengths
-        // around the block and lane sizes; offsets that misalign the streaming stores.
+    /// `snan` is a signalling NaN of the type (which no conversion from f32 produces): its bits in
+    /// the output show whether every path quietens NaNs alike.
+    fn lanes_match_generic<T: Lane + Elem + PartialEq + std::fmt::Debug>(
+        conv: fn(f32) -> T,
+        snan: T,
+    ) {
+        // Values with rounding in every sum, signed zeros, infinities, NaNs with different signs
+        // and payloads, quiet and signalling, and subnormals; lengths around the block and lane
+        // sizes; offsets that misalign the streaming stores.
         let len = 2 * BLOCK + 13;
         let special = [
             0.0f32,
@@ -776,16 +790,20 @@ mod tests {
             f32::INFINITY,
             f32::NEG_INFINITY,
             f32::NAN,
+            f32::from_bits(0xFFE1_2345),
             1e-40,
         ];
         let input = |s: usize| -> Vec<T> {
             (0..len + 8)
                 .map(|i| {
-                    conv(if (i * 7 + s) % 29 == 0 {
-                        special[(i + s) % special.len()]
+                    let k = (i + s) % (special.len() + 1);
+                    if (i * 7 + s) % 29 != 0 {
+                        conv(((i * 31 + s * 17) % 1000) as f32 * 0.001 + 1.0 / (1 + s) as f32)
+                    } else if k == special.len() {
+                        snan
                     } else {
-                        ((i * 31 + s * 17) % 1000) as f32 * 0.001 + 1.0 / (1 + s) as f32
-                    })
+                        conv(special[k])
+                    }
                 })
                 .collect()
         };
@@ -848,9 +866,9 @@ mod tests {
 
     #[test]
     fn lane_path_is_bit_identical_to_the_generic_path() {
-        lanes_match_generic::<f32>(|x| x);
-        lanes_match_generic::<bf16>(bf16::from_f32);
-        lanes_match_generic::<f16>(f16::from_f32);
+        lanes_match_generic::<f32>(|x| x, f32::from_bits(0x7F80_0123));
+        lanes_match_generic::<bf16>(bf16::from_f32, bf16::from_bits(0x7F83));
+        lanes_match_generic::<f16>(f16::from_f32, f16::from_bits(0x7C05));
     }
 
     #[test]
