@@ -23,8 +23,8 @@
 //! skips the copy of a rank's shard onto itself: per rank (n-1)/n of the buffer is written instead
 //! of all of it.
 //!
-//! Every collective ends with a meeting after the last read of a peer's buffer, so buffers are only
-//! handed back once no peer can still read them. Each element is reduced by exactly one formula
+//! Every collective ends with a meeting after the last read of or write into a peer's buffer, so
+//! buffers are only handed back once no peer can still touch them. Each element is reduced by exactly one formula
 //! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
 //! bits.
 
@@ -303,7 +303,8 @@ impl Communicator for InprocComm {
 #[derive(Default)]
 struct Scratch {
     peers: Vec<Exposed>,
-    srcs: Vec<usize>,
+    /// The addresses one collective reads from or writes to (reduction sources, gather targets).
+    addrs: Vec<usize>,
 }
 
 fn comm_thread(world: Arc<World>, shared: Arc<RankShared>, rank: usize, rx: mpsc::Receiver<Job>) {
@@ -501,8 +502,8 @@ impl Exec<'_> {
         self.arrive(Some(expose(shard, output)))?;
         let departure = Departure::new(self.world, r);
         let sc = &mut *self.scratch;
-        sc.srcs.clear();
-        sc.srcs.extend(
+        sc.addrs.clear();
+        sc.addrs.extend(
             (1..=n)
                 .map(|k| sc.peers[(r + k) % n].output + mine.start * esz)
                 .filter(|&dst| dst != shard),
@@ -516,7 +517,7 @@ impl Exec<'_> {
         // SAFETY: range r of every output is written by rank r alone until the final meeting,
         // and nobody reads an output before it; the shard is only read; the meeting compared
         // descriptors, so every output holds `len` elements of `dtype`.
-        unsafe { fan_out_copy(shard, &sc.srcs, bytes, store) };
+        unsafe { fan_out_copy(shard, &sc.addrs, bytes, store) };
         drop(departure);
         Ok(())
     }
@@ -548,13 +549,13 @@ impl Exec<'_> {
                 // read and one write of each byte, no second phase and no staging copy.
                 let mine = shard_range(len, n, r);
                 let sc = &mut *self.scratch;
-                sc.srcs.clear();
-                sc.srcs
+                sc.addrs.clear();
+                sc.addrs
                     .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
                 // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
                 // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
                 // and lives until the final meeting.
-                unsafe { reduce_into(dtype, op, &sc.srcs, &sc.srcs, mine.len(), Store::Cached) };
+                unsafe { reduce_into(dtype, op, &sc.addrs, &sc.addrs, mine.len(), Store::Cached) };
                 drop(departure);
                 Ok(vec![buf])
             }
@@ -565,8 +566,8 @@ impl Exec<'_> {
                 let dst = [buffer_addr_mut(&mut output)];
                 self.arrive(Some(expose(buffer_addr(&input), dst[0])))?;
                 let departure = Departure::new(world, r);
-                self.scratch.srcs.clear();
-                self.scratch.srcs.extend(
+                self.scratch.addrs.clear();
+                self.scratch.addrs.extend(
                     self.scratch
                         .peers
                         .iter()
@@ -582,7 +583,7 @@ impl Exec<'_> {
                     reduce_into(
                         input.dtype(),
                         op,
-                        &self.scratch.srcs,
+                        &self.scratch.addrs,
                         &dst,
                         mine.len(),
                         store,
@@ -605,14 +606,14 @@ impl Exec<'_> {
                 self.arrive(Some(expose(addr, addr + mine.start * esz)))?;
                 let departure = Departure::new(world, r);
                 let sc = &mut *self.scratch;
-                sc.srcs.clear();
-                sc.srcs
+                sc.addrs.clear();
+                sc.addrs
                     .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
                 let dst = [addr + mine.start * esz];
                 // SAFETY: until the final meeting, shard r of every buffer is read by rank r only
                 // and written by nobody else (peers write only their own shard of their own
                 // buffer); the destination is exactly this rank's source, which the kernel allows.
-                unsafe { reduce_into(dtype, op, &sc.srcs, &dst, mine.len(), Store::Cached) };
+                unsafe { reduce_into(dtype, op, &sc.addrs, &dst, mine.len(), Store::Cached) };
                 drop(departure);
                 Ok(vec![buf])
             }
