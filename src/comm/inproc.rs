@@ -114,9 +114,10 @@ impl InprocComm {
                 what: "world size 0: a world needs at least one rank".into(),
             });
         }
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
         let world = Arc::new(World {
             size: world_size,
-            rendezvous: Rendezvous::new(world_size),
+            rendezvous: Rendezvous::new(world_size, options.spin.resolve(world_size, cores)),
             options,
         });
         (0..world_size)

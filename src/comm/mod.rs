@@ -16,5 +16,5 @@ pub mod stats;
 
 pub use api::*;
 pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
-pub use options::{CommOptions, CommOptionsError, TraceLevel, TraceSink};
+pub use options::{CommOptions, CommOptionsError, Spin, TraceLevel, TraceSink};
 pub use stats::{CommStats, OpRow, OpStats};

@@ -8,6 +8,7 @@
 
 use crate::comm::{CollectiveKind, CommError, DType, ReduceOp};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -103,6 +104,10 @@ pub(crate) struct Straggler {
 
 pub(crate) struct Rendezvous {
     world: usize,
+    /// `State::generation`, mirrored for waiters that poll it without the lock.
+    completed: AtomicU64,
+    /// How long a waiter polls `completed` before sleeping on the condition variable.
+    spin: Duration,
     state: Mutex<State>,
     cv: Condvar,
 }
@@ -118,9 +123,11 @@ pub(crate) struct Meeting<'a> {
 }
 
 impl Rendezvous {
-    pub fn new(world: usize) -> Rendezvous {
+    pub fn new(world: usize, spin: Duration) -> Rendezvous {
         Rendezvous {
             world,
+            completed: AtomicU64::new(0),
+            spin,
             state: Mutex::new(State {
                 generation: 0,
                 arrived: vec![false; world],
@@ -131,6 +138,19 @@ impl Rendezvous {
                 failure: None,
             }),
             cv: Condvar::new(),
+        }
+    }
+
+    /// Polls for the end of meeting `generation` for at most `self.spin`, without the lock. The
+    /// caller then takes the lock and checks (and sleeps) as usual, so a spin that ends early or
+    /// late changes nothing but latency; failures and timeouts are seen after it.
+    fn poll(&self, generation: u64) {
+        let start = Instant::now();
+        while self.completed.load(Ordering::Acquire) == generation {
+            if start.elapsed() >= self.spin {
+                return;
+            }
+            std::hint::spin_loop();
         }
     }
 
@@ -167,12 +187,18 @@ impl Rendezvous {
         let generation = st.generation;
         if st.count == self.world {
             st.generation += 1;
+            self.completed.store(st.generation, Ordering::Release);
             st.count = 0;
             st.first = None;
             st.arrived.iter_mut().for_each(|a| *a = false);
             drop(st);
             self.cv.notify_all();
             return;
+        }
+        if self.spin > Duration::ZERO {
+            drop(st);
+            self.poll(generation);
+            st = self.lock();
         }
         while st.generation == generation {
             st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
@@ -227,6 +253,7 @@ impl Rendezvous {
                 p.extend_from_slice(&st.exposed);
             }
             st.generation += 1;
+            self.completed.store(st.generation, Ordering::Release);
             st.count = 0;
             st.first = None;
             st.arrived.iter_mut().for_each(|a| *a = false);
@@ -237,6 +264,11 @@ impl Rendezvous {
             return Ok(straggler);
         }
         let deadline = m.started + m.timeout;
+        if self.spin > Duration::ZERO {
+            drop(st);
+            self.poll(generation);
+            st = self.lock();
+        }
         loop {
             if st.generation != generation {
                 // Peers cannot republish before this rank reaches the collective's next meeting, so
