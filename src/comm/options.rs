@@ -3,7 +3,8 @@
 //!
 //! Precedence, most specific last: [`CommOptions::default`] (DeepSpeed's 30-minute timeout, tracing
 //! off), then the config's `comms_logger` (set by the engine), then the environment
-//! ([`CommOptions::with_env`]: `ZERODP_DEBUG`, `ZERODP_TIMEOUT`, `ZERODP_SPIN_US`), then the command line (the CLI sets
+//! ([`CommOptions::with_env`]: `ZERODP_DEBUG`, `ZERODP_TIMEOUT`, `ZERODP_STRAGGLER_MS`,
+//! `ZERODP_SPIN_US`), then the command line (the CLI sets
 //! the fields directly after reading the environment).
 
 use std::fmt;
@@ -160,15 +161,34 @@ impl CommOptions {
     }
 
     /// Applies `ZERODP_DEBUG` (`INFO`, `WARN` or `OFF`), `ZERODP_TIMEOUT` (seconds, may be
-    /// fractional) and `ZERODP_SPIN_US` (`auto` or microseconds) when they are set; unset variables
-    /// leave the field as it is.
+    /// fractional), `ZERODP_STRAGGLER_MS` (milliseconds) and `ZERODP_SPIN_US` (`auto` or
+    /// microseconds) when they are set; unset variables leave the field as it is.
     pub fn with_env(self) -> Result<CommOptions, CommOptionsError> {
-        let spin = std::env::var("ZERODP_SPIN_US").ok();
+        let var = |name: &str| std::env::var(name).ok();
         self.with_vars(
-            std::env::var("ZERODP_DEBUG").ok().as_deref(),
-            std::env::var("ZERODP_TIMEOUT").ok().as_deref(),
+            var("ZERODP_DEBUG").as_deref(),
+            var("ZERODP_TIMEOUT").as_deref(),
         )?
-        .with_spin_var(spin.as_deref())
+        .with_straggler_var(var("ZERODP_STRAGGLER_MS").as_deref())?
+        .with_spin_var(var("ZERODP_SPIN_US").as_deref())
+    }
+
+    /// Applies a `ZERODP_STRAGGLER_MS` value when given.
+    pub fn with_straggler_var(
+        mut self,
+        straggler_ms: Option<&str>,
+    ) -> Result<CommOptions, CommOptionsError> {
+        if let Some(v) = straggler_ms {
+            self.straggler_threshold = parse_positive(v)
+                .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+                .ok_or_else(|| CommOptionsError::BadEnv {
+                    var: "ZERODP_STRAGGLER_MS",
+                    value: v.to_string(),
+                    expected: "give the lateness that marks a straggler in milliseconds, a \
+                               positive number such as 1000",
+                })?;
+        }
+        Ok(self)
     }
 
     /// Applies a `ZERODP_SPIN_US` value when given.
@@ -210,12 +230,13 @@ impl CommOptions {
 
 /// Seconds (integer or fractional, > 0) as a duration.
 pub fn parse_timeout_secs(s: &str) -> Option<Duration> {
-    let secs: f64 = s.trim().parse().ok()?;
-    if secs.is_finite() && secs > 0.0 && secs < 1e12 {
-        Some(Duration::from_secs_f64(secs))
-    } else {
-        None
-    }
+    parse_positive(s).map(Duration::from_secs_f64)
+}
+
+/// A positive, finite number below 1e12 (integer or fractional).
+fn parse_positive(s: &str) -> Option<f64> {
+    let x: f64 = s.trim().parse().ok()?;
+    (x.is_finite() && x > 0.0 && x < 1e12).then_some(x)
 }
 
 #[cfg(test)]
@@ -260,6 +281,14 @@ mod tests {
                 .spin,
             Spin::Auto
         );
+        let o = CommOptions::default()
+            .with_straggler_var(Some("250"))
+            .unwrap();
+        assert_eq!(o.straggler_threshold, Duration::from_millis(250));
+        let e = CommOptions::default()
+            .with_straggler_var(Some("late"))
+            .unwrap_err();
+        assert!(e.to_string().contains("ZERODP_STRAGGLER_MS"), "{e}");
         for bad in ["-1", "fast", "2000000"] {
             let e = CommOptions::default().with_spin_var(Some(bad)).unwrap_err();
             assert!(e.to_string().contains("ZERODP_SPIN_US"), "{e}");
