@@ -519,8 +519,7 @@ impl Exec<'_> {
         // and nobody reads an output before it; the shard is only read; the meeting compared
         // descriptors, so every output holds `len` elements of `dtype`.
         unsafe { fan_out_copy(shard, &sc.addrs, bytes, store) };
-        drop(departure);
-        Ok(())
+        departure.finish_written_by_peers(&self.meeting)
     }
 
     fn execute(&mut self, call: Call) -> Completion {
@@ -557,7 +556,7 @@ impl Exec<'_> {
                 // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
                 // and lives until the final meeting.
                 unsafe { reduce_into(dtype, op, &sc.addrs, &sc.addrs, mine.len(), Store::Cached) };
-                drop(departure);
+                departure.finish_written_by_peers(&self.meeting)?;
                 Ok(vec![buf])
             }
             Call::ReduceScatter(input, mut output, op) => {
@@ -658,6 +657,16 @@ impl<'a> Departure<'a> {
             rendezvous: &world.rendezvous,
             rank,
         }
+    }
+
+    /// Holds the final meeting of a collective in which peers write parts of this rank's result
+    /// (all-reduce, all-gather), then fails if the world failed meanwhile: a peer that panicked in
+    /// its data phase may have left its part unwritten, and a result with a hole must not be handed
+    /// back as if whole.
+    fn finish_written_by_peers(self, m: &Meeting<'_>) -> Result<(), CommError> {
+        let rendezvous = self.rendezvous;
+        drop(self);
+        rendezvous.check(m)
     }
 }
 

@@ -169,6 +169,14 @@ impl Rendezvous {
         self.cv.notify_all();
     }
 
+    /// The world's failure, if any, as this rank's error in meeting `m`.
+    pub fn check(&self, m: &Meeting<'_>) -> Result<(), CommError> {
+        match &self.lock().failure {
+            Some(f) => Err(to_error(f, m)),
+            None => Ok(()),
+        }
+    }
+
     /// Marks `rank` as gone after `issued` collectives: it will never arrive again.
     pub fn depart(&self, rank: usize, issued: u64) {
         let mut st = self.lock();
