@@ -179,14 +179,13 @@ impl CommOptions {
         straggler_ms: Option<&str>,
     ) -> Result<CommOptions, CommOptionsError> {
         if let Some(v) = straggler_ms {
-            self.straggler_threshold = parse_positive(v)
-                .map(|ms| Duration::from_secs_f64(ms / 1000.0))
-                .ok_or_else(|| CommOptionsError::BadEnv {
-                    var: "ZERODP_STRAGGLER_MS",
-                    value: v.to_string(),
-                    expected: "give the lateness that marks a straggler in milliseconds, a \
-                               positive number such as 1000",
-                })?;
+            self.straggler_threshold = env_value(
+                "ZERODP_STRAGGLER_MS",
+                v,
+                |v| parse_positive(v).map(|ms| Duration::from_secs_f64(ms / 1000.0)),
+                "give the lateness that marks a straggler in milliseconds, a positive number \
+                 such as 1000",
+            )?;
         }
         Ok(self)
     }
@@ -194,11 +193,12 @@ impl CommOptions {
     /// Applies a `ZERODP_SPIN_US` value when given.
     pub fn with_spin_var(mut self, spin_us: Option<&str>) -> Result<CommOptions, CommOptionsError> {
         if let Some(v) = spin_us {
-            self.spin = Spin::parse(v).ok_or_else(|| CommOptionsError::BadEnv {
-                var: "ZERODP_SPIN_US",
-                value: v.to_string(),
-                expected: "use auto, or whole microseconds from 0 (never spin) to 1000000",
-            })?;
+            self.spin = env_value(
+                "ZERODP_SPIN_US",
+                v,
+                Spin::parse,
+                "use auto, or whole microseconds from 0 (never spin) to 1000000",
+            )?;
         }
         Ok(self)
     }
@@ -211,21 +211,38 @@ impl CommOptions {
         timeout_secs: Option<&str>,
     ) -> Result<CommOptions, CommOptionsError> {
         if let Some(v) = debug {
-            self.trace = TraceLevel::parse(v).ok_or_else(|| CommOptionsError::BadEnv {
-                var: "ZERODP_DEBUG",
-                value: v.to_string(),
-                expected: "use INFO (one line per collective), WARN (stragglers only) or OFF",
-            })?;
+            self.trace = env_value(
+                "ZERODP_DEBUG",
+                v,
+                TraceLevel::parse,
+                "use INFO (one line per collective), WARN (stragglers only) or OFF",
+            )?;
         }
         if let Some(v) = timeout_secs {
-            self.timeout = parse_timeout_secs(v).ok_or_else(|| CommOptionsError::BadEnv {
-                var: "ZERODP_TIMEOUT",
-                value: v.to_string(),
-                expected: "give the collective timeout in seconds, a positive number such as 1800",
-            })?;
+            self.timeout = env_value(
+                "ZERODP_TIMEOUT",
+                v,
+                parse_timeout_secs,
+                "give the collective timeout in seconds, a positive number such as 1800",
+            )?;
         }
         Ok(self)
     }
+}
+
+/// `value` of the environment variable `var` parsed, or the error that names both and says what
+/// is `expected`.
+fn env_value<T>(
+    var: &'static str,
+    value: &str,
+    parse: impl Fn(&str) -> Option<T>,
+    expected: &'static str,
+) -> Result<T, CommOptionsError> {
+    parse(value).ok_or_else(|| CommOptionsError::BadEnv {
+        var,
+        value: value.to_string(),
+        expected,
+    })
 }
 
 /// Seconds (integer or fractional, > 0) as a duration.
