@@ -4,8 +4,9 @@
 //! Each iteration starts behind a barrier, every rank times its own collective, and the iteration
 //! counts as the slowest rank's time (a collective is done when its last rank is done); the table
 //! shows the median over iterations. The ops and forms of one size run interleaved, one iteration
-//! of each per round, so that a drifting load on a shared host weighs on all of them alike. Sizes are full tensors (nccl-tests' convention), and busbw
-//! follows nccl-tests: all-reduce algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
+//! of each per round, so that a drifting load on a shared host weighs on all of them alike. Sizes
+//! are full tensors (nccl-tests' convention), and busbw follows nccl-tests: all-reduce
+//! algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
 //!
 //! Like nccl-tests' out-of-place and in-place columns, reduce-scatter and all-gather are measured in
 //! both forms (`reduce_scatter` / `reduce_scatter (in-place)` rows; `in_place` in JSON). All-reduce

@@ -24,9 +24,9 @@
 //! of all of it.
 //!
 //! Every collective ends with a meeting after the last read of or write into a peer's buffer, so
-//! buffers are only handed back once no peer can still touch them. Each element is reduced by exactly one formula
-//! (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every run gets the same
-//! bits.
+//! buffers are only handed back once no peer can still touch them. Each element is reduced by
+//! exactly one formula (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every
+//! run gets the same bits.
 
 use crate::comm::kernels::{
     buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
