@@ -141,17 +141,35 @@ impl Rendezvous {
         }
     }
 
-    /// Polls for the end of meeting `generation` for at most `self.spin`, without the lock. The
-    /// caller then takes the lock and checks (and sleeps) as usual, so a spin that ends early or
-    /// late changes nothing but latency; failures and timeouts are seen after it.
-    fn poll(&self, generation: u64) {
+    /// Ends the current meeting (the last rank has arrived): the next generation starts, and
+    /// every waiter, polling or sleeping, is released.
+    fn complete(&self, mut st: MutexGuard<'_, State>) {
+        st.generation += 1;
+        self.completed.store(st.generation, Ordering::Release);
+        st.count = 0;
+        st.first = None;
+        st.arrived.iter_mut().for_each(|a| *a = false);
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Releases the lock and polls for the end of meeting `generation` for at most `self.spin`,
+    /// then takes the lock again. The caller checks (and sleeps) under the lock as usual, so a spin
+    /// that ends early or late changes nothing but latency; failures and timeouts are seen after it.
+    fn poll_then_lock<'a>(
+        &'a self,
+        st: MutexGuard<'a, State>,
+        generation: u64,
+    ) -> MutexGuard<'a, State> {
+        if self.spin == Duration::ZERO {
+            return st;
+        }
+        drop(st);
         let start = Instant::now();
-        while self.completed.load(Ordering::Acquire) == generation {
-            if start.elapsed() >= self.spin {
-                return;
-            }
+        while self.completed.load(Ordering::Acquire) == generation && start.elapsed() < self.spin {
             std::hint::spin_loop();
         }
+        self.lock()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -194,20 +212,10 @@ impl Rendezvous {
         st.count += 1;
         let generation = st.generation;
         if st.count == self.world {
-            st.generation += 1;
-            self.completed.store(st.generation, Ordering::Release);
-            st.count = 0;
-            st.first = None;
-            st.arrived.iter_mut().for_each(|a| *a = false);
-            drop(st);
-            self.cv.notify_all();
+            self.complete(st);
             return;
         }
-        if self.spin > Duration::ZERO {
-            drop(st);
-            self.poll(generation);
-            st = self.lock();
-        }
+        st = self.poll_then_lock(st, generation);
         while st.generation == generation {
             st = self.cv.wait(st).unwrap_or_else(|e| e.into_inner());
         }
@@ -260,23 +268,13 @@ impl Rendezvous {
                 p.clear();
                 p.extend_from_slice(&st.exposed);
             }
-            st.generation += 1;
-            self.completed.store(st.generation, Ordering::Release);
-            st.count = 0;
-            st.first = None;
-            st.arrived.iter_mut().for_each(|a| *a = false);
-            drop(st);
-            self.cv.notify_all();
+            self.complete(st);
             let straggler = (self.world > 1 && late > straggler_threshold)
                 .then_some(Straggler { late, first_rank });
             return Ok(straggler);
         }
         let deadline = m.started + m.timeout;
-        if self.spin > Duration::ZERO {
-            drop(st);
-            self.poll(generation);
-            st = self.lock();
-        }
+        st = self.poll_then_lock(st, generation);
         loop {
             if st.generation != generation {
                 // Peers cannot republish before this rank reaches the collective's next meeting, so
