@@ -6,7 +6,8 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use zerodp::model::{Batch, ForwardMode, GptConfig, GptModel, SplitMix64, UnitModel};
+use zerodp::model::{GptConfig, GptModel, SplitMix64, TokenBatch as Batch};
+use zerodp::zero::unit::{ForwardMode, UnitModel};
 
 /// CPU time of the whole process (all threads) in seconds, from /proc/self/stat (Linux; 0 elsewhere).
 /// Under a loaded machine this is a steadier measure than wall time when running single-threaded.

@@ -19,4 +19,6 @@ pub mod config;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod setup;
+pub mod trainer;
 pub mod zero;

@@ -1,8 +1,8 @@
 //! The GPT reference model trained through the engine: the loss falls, and stages agree.
 
-use zerodp::comm::{run_ranks, CommOptions};
 use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
-use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
+use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::zero::{EngineConfig, Stage};
 
 const GLOBAL: usize = 8;
 
@@ -26,21 +26,26 @@ fn losses(stage: Stage, world: usize, ga: usize, steps: usize, reuse: usize) -> 
     cfg.reduce_bucket_size = 5000;
     cfg.seed = 11;
     cfg.max_reuse_distance = reuse;
-    let out = run_ranks(world, CommOptions::default(), |comm, rank| {
-        let mut engine = Engine::new(&model, &*comm, cfg.clone())?;
-        let mut losses = Vec::new();
-        for step in 0..steps {
-            let batches: Vec<_> = (0..ga)
-                .map(|m| {
-                    data.micro_batch(step as u64, GLOBAL, world, rank, micro, m)
-                        .unwrap()
-                })
-                .collect();
-            losses.push(engine.train_step(&batches, 3e-3)?.loss);
-        }
-        Ok::<_, EngineError>(losses)
-    })
-    .unwrap_or_else(|e| panic!("{e}"));
+    let source = |at: BatchIndex| {
+        data.micro_batch(
+            at.step,
+            at.train_batch_size,
+            at.world_size,
+            at.rank,
+            at.micro_batch_size,
+            at.micro,
+        )
+    };
+    let log = ReportLog::new();
+    Trainer::new(&model, cfg)
+        .with_schedule(LrSchedule::Constant(3e-3))
+        .run(&source, steps as u64, &[&log])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let out: Vec<Vec<f32>> = log
+        .into_reports()
+        .iter()
+        .map(|r| r.iter().map(|s| s.loss).collect())
+        .collect();
     for l in &out {
         assert_eq!(l, &out[0], "ranks disagree on the loss");
     }

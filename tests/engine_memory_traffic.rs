@@ -47,8 +47,8 @@ fn model_state_bytes_follow_the_zero_formulas() {
     }
 }
 
-fn model_spec(model: &Toy) -> zerodp::model::ModelSpec {
-    use zerodp::model::UnitModel;
+fn model_spec(model: &Toy) -> zerodp::zero::unit::ModelSpec {
+    use zerodp::zero::unit::UnitModel;
     model.spec().clone()
 }
 

@@ -6,9 +6,10 @@ mod common;
 
 use common::*;
 use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, DType};
-use zerodp::model::{Batch, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
+use zerodp::model::TokenBatch as Batch;
 use zerodp::zero::buffers::plan;
 use zerodp::zero::flat::FlatLayout;
+use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use zerodp::zero::{Engine, EngineConfig, EngineError, Stage, StepReport};
 
 const GLOBAL: usize = 12;
@@ -187,8 +188,13 @@ struct Poisoned {
 }
 
 impl UnitModel for Poisoned {
+    type Batch = Batch;
     type Act = Act;
     type Saved = (Saved, bool);
+
+    fn batch_counts(&self, batch: &Batch) -> BatchCounts {
+        batch.counts()
+    }
 
     fn spec(&self) -> &ModelSpec {
         self.inner.spec()

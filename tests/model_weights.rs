@@ -5,7 +5,8 @@ use std::path::Path;
 use half::bf16;
 use safetensors::tensor::{Dtype, TensorView};
 use zerodp::model::weights::{load_safetensors, save_safetensors, WeightsError};
-use zerodp::model::{GptConfig, GptModel, ModelSpec, UnitModel};
+use zerodp::model::{GptConfig, GptModel};
+use zerodp::zero::unit::{ModelSpec, UnitModel};
 
 fn init_all(model: &GptModel, seed: u64) -> Vec<Vec<f32>> {
     (0..model.spec().units.len())

@@ -21,8 +21,8 @@ use zerodp::memory::planner::{
     engine_config, interconnect, plan_option, BufferOverrides, Cluster, Collective, HostLinks,
     ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
 };
-use zerodp::model::UnitModel;
 use zerodp::zero::buffers;
+use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};
 
 const GLOBAL: usize = 8;

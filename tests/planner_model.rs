@@ -399,7 +399,7 @@ fn config_advice_names_a_bucket_size_that_breaks_the_budget() {
 
 #[test]
 fn the_engine_path_uses_its_own_unit_layout() {
-    use zerodp::model::{ModelSpec, ParamSpec, UnitSpec};
+    use zerodp::zero::unit::{ModelSpec, ParamSpec, UnitSpec};
     let unit = |name: &str, shapes: &[&[usize]]| UnitSpec {
         name: name.into(),
         params: shapes

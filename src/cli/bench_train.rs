@@ -6,11 +6,13 @@
 //! all rounds (a shared machine's load drifts; interleaving spreads the drift evenly). fp32, DeepSpeed's default bucket and stage-3 knobs unless overridden. The data
 //! are seeded random ASCII bytes (the corpus must be UTF-8): throughput does not depend on the text.
 
-use super::train::{in_rank_pool, rank_threads, ModelArgs};
+use super::train::ModelArgs;
 use anyhow::bail;
-use zerodp::comm::{run_ranks, CommOptions};
-use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64, UnitModel};
-use zerodp::zero::{Engine, EngineConfig, PhaseTimes, Stage, StepReport};
+use zerodp::comm::CommOptions;
+use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
+use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::zero::unit::UnitModel;
+use zerodp::zero::{EngineConfig, PhaseTimes, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTrainArgs {
@@ -202,26 +204,27 @@ fn measure(
     cfg.overlap_comm = !args.no_overlap;
     cfg.activation_checkpointing = args.checkpoint_activations;
     cfg.max_reuse_distance = args.max_reuse_distance;
-    let global = args.per_rank * world;
-    let threads = rank_threads(world);
-    let total = args.warmup + args.steps;
-    let per_rank = run_ranks(
-        world,
-        CommOptions::from_env()?,
-        |comm, rank| -> anyhow::Result<_> {
-            in_rank_pool(threads, || {
-                let mut engine = Engine::new(model, &*comm, cfg.clone())?;
-                let mut reports = Vec::with_capacity(total);
-                for step in 0..total {
-                    let batch =
-                        data.micro_batch(step as u64, global, world, rank, args.per_rank, 0)?;
-                    reports.push(engine.train_step(std::slice::from_ref(&batch), 1e-4)?);
-                }
-                Ok(reports.split_off(args.warmup))
-            })
-        },
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let trainer = Trainer::new(model, cfg)
+        .with_schedule(LrSchedule::Constant(1e-4))
+        .with_comm_options(CommOptions::from_env()?);
+    let threads = trainer.threads_per_rank();
+    let source = |at: BatchIndex| {
+        data.micro_batch(
+            at.step,
+            at.train_batch_size,
+            at.world_size,
+            at.rank,
+            at.micro_batch_size,
+            at.micro,
+        )
+    };
+    let log = ReportLog::new();
+    trainer.run(&source, (args.warmup + args.steps) as u64, &[&log])?;
+    let per_rank: Vec<Vec<StepReport>> = log
+        .into_reports()
+        .into_iter()
+        .map(|mut r| r.split_off(args.warmup))
+        .collect();
     // A step takes as long as its slowest rank.
     let steps = (0..args.steps)
         .map(|i| {

@@ -12,7 +12,8 @@ use zerodp::memory::planner::{
     self, format_capacity, format_gb, parse_bytes, recommend, Cluster, ConfigKeys, GptShape,
     HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption,
 };
-use zerodp::model::{GptConfig, ModelSpec};
+use zerodp::model::GptConfig;
+use zerodp::zero::unit::ModelSpec;
 use zerodp::zero::EngineConfig;
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -215,8 +216,9 @@ mod tests {
     use super::*;
     use zerodp::config::{self, ResolveContext};
     use zerodp::memory::planner::engine_config;
-    use zerodp::model::{GptModel, UnitModel};
+    use zerodp::model::GptModel;
     use zerodp::zero::buffers;
+    use zerodp::zero::unit::UnitModel;
 
     /// `train`'s mapping of a config onto the engine and the planner's own agree on every buffer.
     #[test]
@@ -249,7 +251,7 @@ mod tests {
                 ..Default::default()
             };
             let settings = config::load_str(text, "ds.json", &ctx).unwrap().settings;
-            let engine = crate::cli::train::engine_config(&settings, 2, 0).unwrap();
+            let engine = zerodp::setup::engine_config(&settings, 2, 0).unwrap();
             let input = plan_input(&settings, &engine, model.spec(), &gpt, 1 << 30, 1 << 34);
             let planned = engine_config(&input, engine.stage.index());
             assert_eq!(

@@ -31,22 +31,19 @@
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::BufWriter;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
-use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, DType, TraceLevel};
-use zerodp::config::{self, OffloadDevice, Precision, ResolveContext, Settings};
-use zerodp::memory::accounting::TrafficByKind;
+use zerodp::comm::{CommOptions, TraceLevel};
+use zerodp::config::{self, ResolveContext};
 use zerodp::model::{
-    load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel, UnitModel,
+    load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel,
     DEFAULT_CORPUS_PATH,
 };
-use zerodp::optim::adam::AdamParams;
-use zerodp::optim::scheduler::lr_at;
-use zerodp::zero::loss_scaler::DynamicScaleParams;
-use zerodp::zero::precision::OverflowPolicy;
-use zerodp::zero::{Engine, EngineConfig, Stage, StepReport};
+use zerodp::trainer::{
+    step_log_line, BatchIndex, MetricsWriter, StepEvent, StepObserver, Trainer, TrainerError,
+};
+use zerodp::zero::unit::UnitModel;
 
 #[derive(clap::Args, Debug)]
 pub struct TrainArgs {
@@ -151,15 +148,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         eprintln!("warning: {w}");
     }
     let settings = loaded.settings;
-    let mut engine_cfg = engine_config(&settings, args.world_size, args.seed)
+    let model = GptModel::new(gpt.clone())?;
+    let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, args.seed)
         .with_context(|| format!("config {}", args.config.display()))?;
+    let engine_cfg = trainer.engine_config_mut();
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
     if args.max_skipped_steps == 0 {
         bail!("--max-skipped-steps must be at least 1 (1 stops at the first step with Inf/NaN gradients)");
     }
     engine_cfg.max_skipped_steps = args.max_skipped_steps;
+    let engine_cfg = engine_cfg.clone();
 
-    let model = GptModel::new(gpt.clone())?;
     super::preflight::check(&args.preflight, &settings, &engine_cfg, model.spec(), &gpt)?;
     let data_path = args
         .data
@@ -170,10 +169,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         gpt.context,
         args.seed,
     )?;
-    let init = match &args.init {
-        Some(p) => Some(load_safetensors(p, model.spec())?),
-        None => None,
-    };
+    if let Some(p) = &args.init {
+        trainer = trainer.with_init(load_safetensors(p, model.spec())?);
+    }
 
     let mut comm_options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
@@ -188,13 +186,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
         comm_options.trace = TraceLevel::Info;
     }
+    let trainer = trainer
+        .with_comm_options(comm_options)
+        .keep_params(args.save.is_some());
     let metrics = match &args.metrics {
-        Some(p) => Some(Mutex::new(BufWriter::new(
+        Some(p) => Some(MetricsWriter::new(BufWriter::new(
             File::create(p).with_context(|| format!("creating metrics file {}", p.display()))?,
         ))),
         None => None,
     };
-    let base_lr = settings.optimizer.as_ref().map_or(1e-3, |o| o.lr);
     let num_params = model.spec().num_params();
     let world = args.world_size;
     let batch = settings.batch.clone();
@@ -215,99 +215,29 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         data.corpus().name(),
         data.num_windows(),
     );
-    let progress = progress_bar(args.steps, args.no_progress);
-    let threads = rank_threads(world);
+    let progress = ProgressLog::new(args.steps, args.no_progress, settings.steps_per_print);
     let started = Instant::now();
-
-    let finals = run_ranks(world, comm_options, |comm, rank| -> anyhow::Result<_> {
-        in_rank_pool(threads, || {
-            let mut engine = Engine::new(&model, &*comm, engine_cfg.clone())?;
-            if let Some(init) = &init {
-                for (u, values) in init.iter().enumerate() {
-                    engine.load_unit_params(u, values)?;
-                }
-            }
-            let mut last = None;
-            // Optimizer steps actually applied: skipped steps do not advance the scheduler
-            // (DeepSpeed's rule).
-            let mut applied = 0;
-            for step in 0..args.steps {
-                let lr = lr_at_step(&settings, base_lr, applied);
-                let batches = (0..batch.gradient_accumulation_steps)
-                    .map(|m| {
-                        data.micro_batch(
-                            step,
-                            batch.train_batch_size,
-                            world,
-                            rank,
-                            batch.micro_batch_per_gpu,
-                            m,
-                        )
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                let report = engine.train_step(&batches, lr)?;
-                if !report.skipped {
-                    applied += 1;
-                }
-                let tokens_per_s = tokens_per_step as f64 / report.elapsed.as_secs_f64();
-                if let Some(m) = &metrics {
-                    let line = metrics_line(
-                        rank,
-                        world,
-                        engine_cfg.stage,
-                        num_params,
-                        tokens_per_s,
-                        &report,
-                    );
-                    let mut w = m.lock().unwrap_or_else(|e| e.into_inner());
-                    writeln!(w, "{line}")?;
-                }
-                if rank == 0 {
-                    if let Some(line) = step_log_line(&report) {
-                        if progress.is_hidden() {
-                            eprintln!("{line}");
-                        } else {
-                            progress.println(line);
-                        }
-                    }
-                    let msg = format!(
-                        "loss {:.4} lr {:.2e} {:.0} tok/s mem {}",
-                        report.loss,
-                        report.lr,
-                        tokens_per_s,
-                        human_bytes(report.memory.total)
-                    );
-                    progress.set_message(msg.clone());
-                    progress.inc(1);
-                    if settings
-                        .steps_per_print
-                        .is_some_and(|p| p > 0 && report.step % p == 0)
-                    {
-                        let line = format!("step {} {msg}", report.step);
-                        if progress.is_hidden() {
-                            eprintln!("{line}");
-                        } else {
-                            progress.println(line);
-                        }
-                    }
-                }
-                last = Some(report);
-            }
-            let params = if args.save.is_some() {
-                Some(engine.full_params()?)
-            } else {
-                None
-            };
-            Ok((last, params))
-        })
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    progress.finish_and_clear();
+    let source = |at: BatchIndex| {
+        data.micro_batch(
+            at.step,
+            at.train_batch_size,
+            at.world_size,
+            at.rank,
+            at.micro_batch_size,
+            at.micro,
+        )
+    };
+    let mut observers: Vec<&dyn StepObserver> = vec![&progress];
+    if let Some(m) = &metrics {
+        observers.push(m);
+    }
+    let outcome = trainer.run(&source, args.steps, &observers)?;
+    progress.bar.finish_and_clear();
     if let Some(m) = metrics {
-        m.into_inner().unwrap_or_else(|e| e.into_inner()).flush()?;
+        m.into_inner()?;
     }
     let elapsed = started.elapsed().as_secs_f64();
-    if let Some((Some(last), _)) = finals.first() {
+    if let Some(Some(last)) = outcome.last.first() {
         eprintln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
@@ -318,7 +248,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             human_bytes(last.peak_bytes)
         );
     }
-    if let (Some(path), Some((_, Some(params)))) = (&args.save, finals.first()) {
+    if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
         eprintln!("saved weights to {}", path.display());
@@ -326,109 +256,55 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// The engine's settings from a resolved DeepSpeed config. Features the engine does not have yet
-/// are refused with a way out rather than silently ignored.
-pub fn engine_config(s: &Settings, world: usize, seed: u64) -> anyhow::Result<EngineConfig> {
-    let z = &s.zero_optimization;
-    let stage = Stage::from_index(z.stage).ok_or_else(|| {
-        anyhow::anyhow!("zero_optimization.stage is {}; use 0, 1, 2 or 3", z.stage)
-    })?;
-    if s.fp16.fp16_master_weights_and_grads {
-        bail!(
-            "fp16.fp16_master_weights_and_grads is not supported: zerodp keeps fp32 master weights; \
-             remove the key or set it to false"
+/// Rank 0's progress bar and log lines: the step's loss, rate and memory on the bar, fp16 scale
+/// changes and skipped steps always, and a step line every `steps_per_print` steps.
+struct ProgressLog {
+    bar: ProgressBar,
+    steps_per_print: Option<u64>,
+}
+
+impl ProgressLog {
+    fn new(steps: u64, hidden: bool, steps_per_print: Option<u64>) -> Self {
+        ProgressLog {
+            bar: progress_bar(steps, hidden),
+            steps_per_print,
+        }
+    }
+
+    fn println(&self, line: String) {
+        if self.bar.is_hidden() {
+            eprintln!("{line}");
+        } else {
+            self.bar.println(line);
+        }
+    }
+}
+
+impl StepObserver for ProgressLog {
+    fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
+        if e.rank != 0 {
+            return Ok(());
+        }
+        let report = e.report;
+        if let Some(line) = step_log_line(report) {
+            self.println(line);
+        }
+        let msg = format!(
+            "loss {:.4} lr {:.2e} {:.0} tok/s mem {}",
+            report.loss,
+            report.lr,
+            e.tokens_per_s,
+            human_bytes(report.memory.total)
         );
-    }
-    if z.offload_optimizer.device != OffloadDevice::None
-        || z.offload_param.device != OffloadDevice::None
-    {
-        bail!(
-            "offloading (zero_optimization.offload_optimizer / offload_param) is not supported by the \
-             in-process engine; remove the offload blocks or set their device to \"none\""
-        );
-    }
-    let mut cfg = EngineConfig::new(stage, world);
-    cfg.micro_batch = s.batch.micro_batch_per_gpu;
-    cfg.grad_accum = s.batch.gradient_accumulation_steps;
-    cfg.reduce_bucket_size = usize_of(z.reduce_bucket_size);
-    cfg.overlap_comm = z.overlap_comm;
-    cfg.gradient_clipping = s.gradient_clipping as f32;
-    cfg.prefetch_bucket_size = usize_of(z.prefetch_bucket_size);
-    cfg.param_persistence_threshold = usize_of(z.param_persistence_threshold);
-    cfg.max_live_parameters = usize_of(z.max_live_parameters);
-    cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
-    let ac = &s.activation_checkpointing;
-    cfg.activation_checkpointing = ac.number_checkpoints.is_some()
-        || ac.partition_activations
-        || ac.cpu_checkpointing
-        || ac.contiguous_memory_optimization;
-    if let Some(o) = &s.optimizer {
-        cfg.adam = AdamParams {
-            lr: o.lr,
-            beta1: o.betas[0],
-            beta2: o.betas[1],
-            eps: o.eps,
-            weight_decay: o.weight_decay,
-            adam_w_mode: o.adam_w_mode,
-            bias_correction: o.bias_correction,
-        };
-    }
-    cfg.seed = seed;
-    cfg.param_dtype = dtype_of(s.precision);
-    cfg.comm_dtype = dtype_of(s.communication_data_type);
-    cfg.grad_accum_dtype = dtype_of(s.grad_accum_dtype);
-    if s.precision == Precision::Fp16 {
-        let f = &s.fp16;
-        cfg.overflow = OverflowPolicy::LossScale {
-            loss_scale: f.loss_scale,
-            dynamic: DynamicScaleParams {
-                initial_scale_power: f.initial_scale_power,
-                scale_window: f.loss_scale_window,
-                hysteresis: u32::try_from(f.hysteresis).unwrap_or(u32::MAX),
-                consecutive_hysteresis: f.consecutive_hysteresis,
-                min_scale: f.min_loss_scale,
-            },
-        };
-    }
-    Ok(cfg)
-}
-
-fn dtype_of(p: Precision) -> DType {
-    match p {
-        Precision::Fp32 => DType::F32,
-        Precision::Bf16 => DType::BF16,
-        Precision::Fp16 => DType::F16,
-    }
-}
-
-/// What rank 0 logs about a step besides the progress bar: fp16 scale changes and skipped steps
-/// with the units whose gradients held Inf/NaN.
-pub fn step_log_line(r: &StepReport) -> Option<String> {
-    match (&r.scale_message, r.skipped) {
-        (Some(m), true) => Some(format!(
-            "step {}: {m} (Inf/NaN gradients in: {})",
-            r.step,
-            r.non_finite_units.join(", ")
-        )),
-        (Some(m), false) => Some(format!("step {}: {m}", r.step)),
-        (None, true) => Some(format!(
-            "step {}: skipped, gradients held Inf/NaN in: {}",
-            r.step,
-            r.non_finite_units.join(", ")
-        )),
-        (None, false) => None,
-    }
-}
-
-fn usize_of(v: u64) -> usize {
-    usize::try_from(v).unwrap_or(usize::MAX)
-}
-
-/// The learning rate of optimizer step `step` (0-based): the scheduler's, else the optimizer's.
-pub fn lr_at_step(s: &Settings, base_lr: f64, step: u64) -> f32 {
-    match &s.scheduler {
-        Some(sched) => lr_at(sched, base_lr, step) as f32,
-        None => base_lr as f32,
+        self.bar.set_message(msg.clone());
+        self.bar.inc(1);
+        if self
+            .steps_per_print
+            .is_some_and(|p| p > 0 && report.step % p == 0)
+        {
+            self.println(format!("step {} {msg}", report.step));
+        }
+        Ok(())
     }
 }
 
@@ -446,25 +322,6 @@ fn read_corpus(path: &Path, is_default: bool) -> anyhow::Result<Corpus> {
     Ok(Corpus::from_file(path)?)
 }
 
-/// Rayon threads per rank: the cores shared out among the ranks.
-pub fn rank_threads(world: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores / world.max(1)).max(1)
-}
-
-/// Run `f` inside a fresh rayon pool of `threads` threads: candle's matmuls then use this rank's
-/// share of the cores instead of competing for the global pool.
-pub fn in_rank_pool<T: Send>(
-    threads: usize,
-    f: impl FnOnce() -> anyhow::Result<T> + Send,
-) -> anyhow::Result<T> {
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .context("building the rank's thread pool")?;
-    pool.install(f)
-}
-
 fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {
     if hidden {
         return ProgressBar::hidden();
@@ -477,50 +334,6 @@ fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {
         .expect("valid progress template"),
     );
     pb
-}
-
-/// One metrics line: what rank `rank` did in one optimizer step.
-pub fn metrics_line(
-    rank: usize,
-    world: usize,
-    stage: Stage,
-    num_params: usize,
-    tokens_per_s: f64,
-    r: &StepReport,
-) -> serde_json::Value {
-    let traffic = TrafficByKind::from_counters(&r.traffic);
-    let m = r.memory;
-    serde_json::json!({
-        "rank": rank,
-        "world_size": world,
-        "stage": stage.index(),
-        "step": r.step,
-        "loss": r.loss,
-        "lr": r.lr,
-        "grad_norm": r.grad_norm,
-        "loss_scale": r.loss_scale,
-        "skipped": r.skipped,
-        "tokens_per_s": tokens_per_s,
-        "step_time_s": r.elapsed.as_secs_f64(),
-        "num_params": num_params,
-        "model_state_bytes": {
-            "params": m.params,
-            "grads": m.grads,
-            "master": m.master,
-            "optimizer_states": m.optimizer_states,
-            "buffers": m.buffers,
-            "gather": m.gather,
-            "total": m.total,
-        },
-        "peak_bytes": r.peak_bytes,
-        "sent_bytes": traffic.sent_bytes,
-        "recv_bytes": traffic.recv_bytes,
-        "calls": CollectiveKind::ALL
-            .iter()
-            .filter(|k| **k != CollectiveKind::Barrier)
-            .map(|k| (k.name().to_string(), r.traffic.calls(*k)))
-            .collect::<std::collections::BTreeMap<_, _>>(),
-    })
 }
 
 fn human_bytes(b: u64) -> String {

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::rng::{mix_seed, SplitMix64};
-use super::unit::Batch;
+use crate::zero::unit::BatchCounts;
 
 /// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
 pub const DEFAULT_CORPUS_PATH: &str = "data/corpus.txt";
@@ -233,7 +233,7 @@ impl DataLoader {
         rank: usize,
         micro_batch_size: usize,
         micro_index: usize,
-    ) -> Result<Batch, DataError> {
+    ) -> Result<TokenBatch, DataError> {
         let samples = self.micro_batch_samples(
             step,
             train_batch_size,
@@ -251,11 +251,31 @@ impl DataLoader {
             tokens.extend(window[..t].iter().map(|&b| u32::from(b)));
             targets.extend(window[1..].iter().map(|&b| u32::from(b)));
         }
-        Ok(Batch {
+        Ok(TokenBatch {
             tokens,
             targets,
             batch_size: micro_batch_size,
             seq_len: t,
         })
+    }
+}
+
+/// A language model's micro-batch: `batch_size` windows of `seq_len` tokens and their next-token
+/// targets, row-major.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenBatch {
+    pub tokens: Vec<u32>,
+    pub targets: Vec<u32>,
+    pub batch_size: usize,
+    pub seq_len: usize,
+}
+
+impl TokenBatch {
+    /// Samples are the windows, tokens their positions.
+    pub fn counts(&self) -> BatchCounts {
+        BatchCounts {
+            samples: self.batch_size,
+            tokens: self.tokens.len(),
+        }
     }
 }

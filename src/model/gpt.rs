@@ -67,10 +67,11 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Storage, Tensor, Var, D};
 
+use super::data::TokenBatch;
 use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
-use super::unit::{
-    Batch, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
+use crate::zero::unit::{
+    BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };
 
 /// LayerNorm epsilon (GPT-2's value).
@@ -460,7 +461,7 @@ impl GptModel {
         Ok(m)
     }
 
-    fn validate_batch(&self, batch: &Batch) -> Result<(), ModelError> {
+    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
         let n = batch.batch_size * batch.seq_len;
         if batch.batch_size == 0 || batch.seq_len == 0 {
             return Err(ModelError::Invalid(format!(
@@ -499,7 +500,7 @@ impl GptModel {
         kind: UnitKind,
         p: &[Tensor],
         input: Option<&Tensor>,
-        batch: &Batch,
+        batch: &TokenBatch,
     ) -> candle_core::Result<Tensor> {
         let (b, t) = (batch.batch_size, batch.seq_len);
         let c = self.config.width;
@@ -625,7 +626,7 @@ impl GptModel {
     pub fn end_to_end(
         &self,
         params: &[&[f32]],
-        batch: &Batch,
+        batch: &TokenBatch,
         loss_weight: f32,
     ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
         let n_units = self.spec.units.len();
@@ -739,11 +740,16 @@ fn add_into(t: &Tensor, out: &mut [f32]) -> candle_core::Result<()> {
 }
 
 impl UnitModel for GptModel {
+    type Batch = TokenBatch;
     type Act = Tensor;
     type Saved = GptSaved;
 
     fn spec(&self) -> &ModelSpec {
         &self.spec
+    }
+
+    fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
+        batch.counts()
     }
 
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
@@ -781,7 +787,7 @@ impl UnitModel for GptModel {
         unit: usize,
         params: &[&[f32]],
         input: Option<&Tensor>,
-        batch: &Batch,
+        batch: &TokenBatch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Tensor, GptSaved>, ModelError> {
         let kind = self.kind(unit)?;

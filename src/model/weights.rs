@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 
-use super::unit::ModelSpec;
+use crate::zero::unit::ModelSpec;
 
 /// Names a checkpoint may carry for a tied tensor, and the parameter they must equal.
 pub const TIED_ALIASES: [(&str, &str); 1] = [("lm_head.weight", "wte.weight")];

@@ -23,7 +23,7 @@ use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::schedule;
 use crate::comm::DType;
-use crate::model::ModelSpec;
+use crate::zero::unit::ModelSpec;
 
 /// The buffers a configuration allocates, in elements, with their dtypes.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -188,7 +188,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ParamSpec, UnitSpec};
+    use crate::zero::unit::{ParamSpec, UnitSpec};
 
     fn spec() -> ModelSpec {
         let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {

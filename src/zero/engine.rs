@@ -31,9 +31,9 @@ use super::gather::Coordinator;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy};
 use super::schedule;
+use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitModel};
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes};
-use crate::model::{Batch, ForwardMode, ModelError, ModelSpec, UnitModel};
 use crate::optim::adam::AdamState;
 use std::time::{Duration, Instant};
 
@@ -97,7 +97,9 @@ pub struct StepReport {
     /// fp16: DeepSpeed's log line when the loss scale changed or a step overflowed.
     pub scale_message: Option<String>,
     pub lr: f32,
-    /// Tokens this rank trained on in this step.
+    /// Samples this rank trained on in this step (as the model counts them).
+    pub samples: usize,
+    /// Tokens this rank trained on in this step (as the model counts them).
     pub tokens: usize,
     pub elapsed: Duration,
     /// This rank's traffic during the step.
@@ -410,7 +412,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// One optimizer step on this rank's micro-batches (`grad_accum` of them) at learning rate `lr`.
     pub fn train_step(
         &mut self,
-        micro_batches: &[Batch],
+        micro_batches: &[M::Batch],
         lr: f32,
     ) -> Result<StepReport, EngineError> {
         let ga = self.cfg.grad_accum;
@@ -440,10 +442,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let loss_scale = self.policy.loss_scale();
 
         let mut loss_sum = 0.0f64;
-        let mut tokens = 0;
+        let mut counts = BatchCounts::default();
         for (m, batch) in micro_batches.iter().enumerate() {
             loss_sum += f64::from(self.micro_step(m, batch)?);
-            tokens += batch.tokens.len();
+            counts = counts + self.model.batch_counts(batch);
         }
         let t = Instant::now();
         if let Some(c) = &mut self.coordinator {
@@ -518,7 +520,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             non_finite_units,
             scale_message: verdict.message,
             lr,
-            tokens,
+            samples: counts.samples,
+            tokens: counts.tokens,
             elapsed: start.elapsed(),
             traffic: self.comm.traffic().since(&traffic_before),
             memory: self.ledger.snapshot(),
@@ -606,7 +609,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Forward and backward of one micro-batch; returns its loss.
-    fn micro_step(&mut self, micro: usize, batch: &Batch) -> Result<f32, EngineError> {
+    fn micro_step(&mut self, micro: usize, batch: &M::Batch) -> Result<f32, EngineError> {
         let n = self.layout.num_units();
         let ga = self.cfg.grad_accum;
         let stage = self.cfg.stage;

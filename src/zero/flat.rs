@@ -6,7 +6,7 @@
 //! reduce-scatter, and every shard starts on an aligned element.
 
 use crate::comm::shard_range;
-use crate::model::ModelSpec;
+use crate::zero::unit::ModelSpec;
 use std::ops::Range;
 
 /// Every shard is a multiple of this many elements (32 bytes of f32, 16-bit friendly too).
@@ -118,7 +118,7 @@ impl FlatLayout {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ParamSpec, UnitSpec};
+    use crate::zero::unit::{ParamSpec, UnitSpec};
 
     fn spec(sizes: &[usize]) -> ModelSpec {
         ModelSpec {

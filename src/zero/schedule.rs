@@ -5,7 +5,7 @@
 //! parameters and those of the units it [`uses`](crate::model::UnitSpec::uses). A tied unit's
 //! gradient is complete only after the backward of its last user, so its reduction waits for that.
 
-use crate::model::ModelSpec;
+use crate::zero::unit::ModelSpec;
 
 /// Forward or backward visit of a unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,7 +112,7 @@ pub fn max_grads_held(spec: &ModelSpec) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{ParamSpec, UnitSpec};
+    use crate::zero::unit::{ParamSpec, UnitSpec};
 
     fn tied(n: usize) -> ModelSpec {
         ModelSpec {

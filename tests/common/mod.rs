@@ -4,11 +4,12 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use zerodp::comm::{run_ranks, CommOptions};
-use zerodp::model::{
-    Batch, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
+use zerodp::model::TokenBatch as Batch;
+use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::zero::unit::{
+    BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };
-use zerodp::zero::{Engine, EngineConfig, EngineError, Stage, StepReport};
+use zerodp::zero::{EngineConfig, Stage, StepReport};
 
 /// Embedding (unit 0), `layers` tanh layers, head (gain `s`, logits `(x*s) E^T`, tied to unit 0's
 /// table when `tied`, else its own `[vocab, dim]` matrix).
@@ -106,8 +107,13 @@ fn uniform(state: &mut u64) -> f32 {
 }
 
 impl UnitModel for Toy {
+    type Batch = Batch;
     type Act = Act;
     type Saved = Saved;
+
+    fn batch_counts(&self, batch: &Batch) -> BatchCounts {
+        batch.counts()
+    }
 
     fn spec(&self) -> &ModelSpec {
         &self.spec
@@ -388,32 +394,31 @@ pub fn test_config(stage: Stage, world: usize, ga: usize, global: usize) -> Engi
 
 pub const LR: f32 = 0.01;
 
-/// Train `model` for `steps` steps on every rank of a world of `cfg.world_size`.
+/// Train `model` for `steps` steps on every rank of a world of `cfg.world_size`, through the
+/// library's [`Trainer`] (which checks that every rank ends with the same parameters).
 pub fn train(model: &Toy, cfg: &EngineConfig, steps: usize, global: usize, seq: usize) -> Run {
-    let world = cfg.world_size;
-    let out = run_ranks(world, CommOptions::default(), |comm, rank| {
-        let mut engine = Engine::new(model, &*comm, cfg.clone())?;
-        let mut reports = Vec::new();
-        for step in 0..steps {
-            let batches = rank_batches(step, rank, world, cfg.grad_accum, global, seq, model.vocab);
-            reports.push(engine.train_step(&batches, LR)?);
-        }
-        let params = engine.full_params()?;
-        Ok::<_, EngineError>((reports, params))
-    })
-    .unwrap_or_else(|e| panic!("training failed: {e}"));
-    let mut reports = Vec::new();
-    let mut params = None;
-    for (r, p) in out {
-        match &params {
-            None => params = Some(p),
-            Some(p0) => assert_eq!(p0, &p, "ranks disagree on the final parameters"),
-        }
-        reports.push(r);
-    }
+    let source = |at: BatchIndex| -> Result<Batch, String> {
+        let step = at.step as usize;
+        let batches = rank_batches(
+            step,
+            at.rank,
+            at.world_size,
+            at.grad_accum,
+            global,
+            seq,
+            model.vocab,
+        );
+        Ok(batches[at.micro].clone())
+    };
+    let log = ReportLog::new();
+    let outcome = Trainer::new(model, cfg.clone())
+        .with_schedule(LrSchedule::Constant(LR))
+        .keep_params(true)
+        .run(&source, steps as u64, &[&log])
+        .unwrap_or_else(|e| panic!("training failed: {e}"));
     Run {
-        reports,
-        params: params.expect("at least one rank"),
+        reports: log.into_reports(),
+        params: outcome.params.expect("kept parameters"),
     }
 }
 

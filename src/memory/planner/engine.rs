@@ -16,11 +16,11 @@ use super::memory::{EngineBuffers, Precision};
 use super::traffic::{priced, CollectiveTraffic};
 use super::PlanInput;
 use crate::comm::DType;
-use crate::model::ModelSpec;
 use crate::zero::buffers::{self, BufferPlan};
 use crate::zero::flat::FlatLayout;
 use crate::zero::gather::stays_gathered;
 use crate::zero::schedule::{self, Pass};
+use crate::zero::unit::ModelSpec;
 use crate::zero::{EngineConfig, Stage};
 
 /// The engine's gradient-communication dtype for a training precision.

@@ -2,7 +2,7 @@
 //! given, a GPT shape for activations.
 
 use super::PlanError;
-use crate::model::ModelSpec;
+use crate::zero::unit::ModelSpec;
 
 /// A GPT-2-architecture shape (learned positions, tied LM head, 4x MLP, biases everywhere).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]

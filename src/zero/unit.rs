@@ -1,6 +1,34 @@
 //! The contract between the engine and a model: an ordered list of **units** (FSDP's word: a block
 //! whose parameters are gathered, used and released together) plus a loss computed by the last unit.
 //!
+//! # What a unit is
+//! A unit is the granularity of ZeRO-3: its parameters are all-gathered together before it runs
+//! and released together after it (one all-gather and one reduce-scatter per unit, as in FSDP2).
+//! Choose units so that the largest fits the gather budget and there are enough of them to overlap
+//! communication with compute: a transformer block each, the embeddings and the head on their own.
+//! Units run in order in forward (`0, 1, ..., n-1`) and in reverse in backward; activations flow
+//! from one unit to the next as [`UnitModel::Act`].
+//!
+//! # Tied weights
+//! A unit may read the parameters of other units ([`UnitSpec::uses`]), for example a language
+//! model's head reusing the token embedding. The parameters have one owner (they are stored,
+//! sharded and updated once); the reader receives the owner's flat buffer after its own in
+//! `params`, and adds its gradient contribution into the owner's gradient slice in `grads`. The
+//! engine reduces the owner's gradient only after its last use in backward.
+//!
+//! # What the engine guarantees
+//! * `params` holds exactly the unit's own flat buffer and then each used unit's, unpadded, in
+//!   [`ParamSpec`] order, as `f32` (under bf16/fp16 training they are the 16-bit values widened).
+//! * `grads` has the same lengths; the model *adds* into it (the engine zeroes, accumulates over
+//!   micro-batches, reduces and shards).
+//! * `backward(unit)` is called once per `Train` forward of that unit, with what that forward
+//!   saved, in reverse unit order; a unit run `NoGrad` in forward is run again in `Train` mode just
+//!   before its backward (stage 3 and activation checkpointing), with the same input.
+//! * Every rank calls the model with the same parameters and its own micro-batches; the model must
+//!   be deterministic given those, so that every world size trains alike.
+//! * The batch is a type of the model's choosing ([`UnitModel::Batch`]); the engine never looks
+//!   inside it, and asks [`UnitModel::batch_counts`] only for reports.
+//!
 //! The engine owns every parameter and gradient as flat `f32` buffers, one per unit, laid out as the
 //! concatenation of the unit's [`ParamSpec`]s in order (row-major, no padding; the engine adds the
 //! padding it needs for sharding). A model never keeps parameters between calls: each call gets the
@@ -68,13 +96,24 @@ impl ModelSpec {
     }
 }
 
-/// One micro-batch of token windows: `batch_size` rows of `seq_len` tokens, row-major.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Batch {
-    pub tokens: Vec<u32>,
-    pub targets: Vec<u32>,
-    pub batch_size: usize,
-    pub seq_len: usize,
+/// How much data a micro-batch holds, for reports (tokens/s, samples/s); the engine computes
+/// nothing from it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchCounts {
+    /// Samples (sequences, images, rows).
+    pub samples: usize,
+    /// Tokens (sequence models), or the samples again for models without tokens.
+    pub tokens: usize,
+}
+
+impl std::ops::Add for BatchCounts {
+    type Output = BatchCounts;
+    fn add(self, o: BatchCounts) -> BatchCounts {
+        BatchCounts {
+            samples: self.samples + o.samples,
+            tokens: self.tokens + o.tokens,
+        }
+    }
 }
 
 /// Whether a forward must be differentiable.
@@ -91,7 +130,7 @@ pub enum ForwardMode {
 pub struct UnitForward<A, S> {
     /// The activation passed to the next unit; `None` from the last unit.
     pub output: Option<A>,
-    /// The mean loss over the micro-batch's tokens; `Some` only from the last unit.
+    /// The mean loss over the micro-batch; `Some` only from the last unit.
     pub loss: Option<f32>,
     /// What backward needs; `Some` only in [`ForwardMode::Train`].
     pub saved: Option<S>,
@@ -120,6 +159,9 @@ pub enum ModelError {
 /// `params` and `grads` in every call hold one slice per parameter group the unit reads: first the
 /// unit's own flat buffer, then the flat buffer of each unit in [`UnitSpec::uses`], in that order.
 pub trait UnitModel: Send + Sync {
+    /// One rank's micro-batch: whatever the model reads (token ids and targets, images and
+    /// labels, ...).
+    type Batch;
     /// An activation flowing between units (cheap to clone).
     type Act: Clone + Send;
     /// What a unit keeps from its forward for its backward.
@@ -127,18 +169,21 @@ pub trait UnitModel: Send + Sync {
 
     fn spec(&self) -> &ModelSpec;
 
+    /// How many samples and tokens `batch` holds (for reports only).
+    fn batch_counts(&self, batch: &Self::Batch) -> BatchCounts;
+
     /// Deterministic initial values of unit `unit`'s own flat parameters (length `spec().units[unit]
     /// .numel()`), a function of `seed` alone, so that every rank and every world size starts equal.
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]);
 
-    /// Run unit `unit`. `input` is `None` for the first unit (which reads `batch.tokens`); the last
-    /// unit reads `batch.targets` and returns the loss.
+    /// Run unit `unit`. `input` is `None` for the first unit (which reads its input from the
+    /// batch); the last unit returns the loss (typically reading its targets from the batch).
     fn forward(
         &self,
         unit: usize,
         params: &[&[f32]],
         input: Option<&Self::Act>,
-        batch: &Batch,
+        batch: &Self::Batch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Self::Act, Self::Saved>, ModelError>;
 

@@ -1,0 +1,123 @@
+//! The one mapping from a resolved DeepSpeed config ([`Settings`]) to the engine's configuration
+//! ([`EngineConfig`]).
+//!
+//! `zerodp train`, `zerodp bench train`, the pre-flight check, the planner and library users all
+//! come through [`engine_config`], so a key means the same thing everywhere. DeepSpeed's defaults
+//! are not written here: the config reader resolves every key (a config's value or DeepSpeed's
+//! default, [`crate::config::defaults`]) before this mapping sees it.
+//!
+//! Layering: this module sits above `config` and `zero` and below the trainer and the planner; it
+//! is the only place that knows both the config's and the engine's vocabulary.
+
+use crate::comm::DType;
+use crate::config::{OffloadDevice, Precision, Settings};
+use crate::optim::adam::AdamParams;
+use crate::zero::loss_scaler::DynamicScaleParams;
+use crate::zero::precision::OverflowPolicy;
+use crate::zero::{EngineConfig, Stage};
+
+/// A resolved config asks for something the engine does not do.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SetupError {
+    #[error("zero_optimization.stage is {0}; use 0, 1, 2 or 3")]
+    Stage(u8),
+    #[error(
+        "fp16.fp16_master_weights_and_grads is not supported: zerodp keeps fp32 master weights; \
+         remove the key or set it to false"
+    )]
+    Fp16MasterWeights,
+    #[error(
+        "offloading (zero_optimization.offload_optimizer / offload_param) is not supported by the \
+         in-process engine; remove the offload blocks or set their device to \"none\""
+    )]
+    Offload,
+    #[error("world size must be at least 1")]
+    WorldSize,
+}
+
+/// The engine's configuration for `world_size` ranks from resolved settings; `seed` seeds the
+/// parameter initialisation. Features the engine does not have yet are refused with a way out
+/// rather than silently ignored.
+pub fn engine_config(
+    s: &Settings,
+    world_size: usize,
+    seed: u64,
+) -> Result<EngineConfig, SetupError> {
+    let z = &s.zero_optimization;
+    let stage = Stage::from_index(z.stage).ok_or(SetupError::Stage(z.stage))?;
+    if world_size == 0 {
+        return Err(SetupError::WorldSize);
+    }
+    if s.fp16.fp16_master_weights_and_grads {
+        return Err(SetupError::Fp16MasterWeights);
+    }
+    if z.offload_optimizer.device != OffloadDevice::None
+        || z.offload_param.device != OffloadDevice::None
+    {
+        return Err(SetupError::Offload);
+    }
+    let mut cfg = EngineConfig::new(stage, world_size);
+    cfg.micro_batch = s.batch.micro_batch_per_gpu;
+    cfg.grad_accum = s.batch.gradient_accumulation_steps;
+    cfg.reduce_bucket_size = usize_of(z.reduce_bucket_size);
+    cfg.overlap_comm = z.overlap_comm;
+    cfg.gradient_clipping = s.gradient_clipping as f32;
+    cfg.prefetch_bucket_size = usize_of(z.prefetch_bucket_size);
+    cfg.param_persistence_threshold = usize_of(z.param_persistence_threshold);
+    cfg.max_live_parameters = usize_of(z.max_live_parameters);
+    cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
+    let ac = &s.activation_checkpointing;
+    cfg.activation_checkpointing = ac.number_checkpoints.is_some()
+        || ac.partition_activations
+        || ac.cpu_checkpointing
+        || ac.contiguous_memory_optimization;
+    if let Some(o) = &s.optimizer {
+        cfg.adam = AdamParams {
+            lr: o.lr,
+            beta1: o.betas[0],
+            beta2: o.betas[1],
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            adam_w_mode: o.adam_w_mode,
+            bias_correction: o.bias_correction,
+        };
+    }
+    cfg.seed = seed;
+    cfg.param_dtype = dtype_of(s.precision);
+    cfg.comm_dtype = dtype_of(s.communication_data_type);
+    cfg.grad_accum_dtype = dtype_of(s.grad_accum_dtype);
+    cfg.overflow = overflow_policy(s);
+    Ok(cfg)
+}
+
+/// fp16 loss scaling as the config's `fp16` block states it; the Inf/NaN guard alone otherwise.
+fn overflow_policy(s: &Settings) -> OverflowPolicy {
+    if s.precision != Precision::Fp16 {
+        return OverflowPolicy::Guard;
+    }
+    let f = &s.fp16;
+    OverflowPolicy::LossScale {
+        loss_scale: f.loss_scale,
+        dynamic: DynamicScaleParams {
+            initial_scale_power: f.initial_scale_power,
+            scale_window: f.loss_scale_window,
+            hysteresis: u32::try_from(f.hysteresis).unwrap_or(u32::MAX),
+            consecutive_hysteresis: f.consecutive_hysteresis,
+            min_scale: f.min_loss_scale,
+        },
+    }
+}
+
+/// The engine's element type for a config precision.
+pub fn dtype_of(p: Precision) -> DType {
+    match p {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16 => DType::BF16,
+        Precision::Fp16 => DType::F16,
+    }
+}
+
+/// Sizes in the config are u64 (DeepSpeed's integers); the engine counts in usize.
+fn usize_of(v: u64) -> usize {
+    usize::try_from(v).unwrap_or(usize::MAX)
+}

@@ -1,0 +1,388 @@
+//! The [`Trainer`]: one rank loop for every way zerodp trains.
+//!
+//! A trainer holds a model that implements the unit contract ([`crate::zero::unit`]), the
+//! engine's configuration (from a DeepSpeed config file, resolved [`Settings`], or built by
+//! hand) and a learning-rate schedule. [`Trainer::run`] starts the ranks on a backend (today the
+//! in-process one: ranks as threads, [`crate::comm::run_ranks`]), gives each rank its own compute
+//! pool, builds one [`Engine`] per rank, and runs the optimizer steps: each rank draws its
+//! micro-batches from a [`DataSource`], takes the step, and hands one [`StepEvent`] per step to
+//! the [`StepObserver`]s (metrics lines, progress bars, logs, a test's record). What it hands back
+//! is each rank's last report and, on request, the trained parameters.
+//!
+//! ```no_run
+//! use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+//! use zerodp::trainer::{BatchIndex, Trainer};
+//!
+//! let model = GptModel::new(GptConfig::tiny()).unwrap();
+//! let data = DataLoader::new(Corpus::from_text("t", &"some text ".repeat(100)), 16, 0).unwrap();
+//! let trainer = Trainer::from_config_file(&model, "ds_config.json", 2, 42).unwrap();
+//! let outcome = trainer
+//!     .run(&|at: BatchIndex| data.micro_batch(at.step, at.train_batch_size, at.world_size,
+//!         at.rank, at.micro_batch_size, at.micro), 10, &[])
+//!     .unwrap();
+//! println!("final loss {}", outcome.last[0].as_ref().unwrap().loss);
+//! ```
+
+mod observers;
+
+pub use observers::{metrics_line, step_log_line, MetricsWriter, ReportLog};
+
+use crate::comm::{run_ranks, CommError, CommOptions};
+use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settings};
+use crate::optim::scheduler::lr_at;
+use crate::setup::{self, SetupError};
+use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
+use std::path::Path;
+
+/// Why training could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainerError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{0}")]
+    Setup(#[from] SetupError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// The data source could not produce a micro-batch.
+    #[error("data for step {step}, rank {rank}, micro-batch {micro}: {message}")]
+    Data {
+        step: u64,
+        rank: usize,
+        micro: usize,
+        message: String,
+    },
+    /// An observer (metrics file, log) failed.
+    #[error("{0}")]
+    Observer(String),
+    #[error("building rank {rank}'s thread pool: {message}")]
+    Pool { rank: usize, message: String },
+    /// One or more ranks failed; the message names the first and lists the others.
+    #[error("{0}")]
+    Ranks(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Which micro-batch a rank needs: everything a data source needs to cut the same global batch
+/// the same way at every world size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchIndex {
+    /// Optimizer step, from 0.
+    pub step: u64,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Micro-batch within the step, `0..grad_accum`.
+    pub micro: usize,
+    /// Samples in this micro-batch (`train_micro_batch_size_per_gpu`).
+    pub micro_batch_size: usize,
+    pub grad_accum: usize,
+    /// Samples in the global batch: `micro_batch_size * grad_accum * world_size`.
+    pub train_batch_size: usize,
+}
+
+/// Where a rank's micro-batches come from. Every rank calls it from its own thread, so it must be
+/// `Sync`; a closure `Fn(BatchIndex) -> Result<B, E>` is one.
+pub trait DataSource<B>: Sync {
+    fn micro_batch(&self, at: BatchIndex) -> Result<B, String>;
+}
+
+impl<B, E, F> DataSource<B> for F
+where
+    F: Fn(BatchIndex) -> Result<B, E> + Sync,
+    E: std::fmt::Display,
+{
+    fn micro_batch(&self, at: BatchIndex) -> Result<B, String> {
+        self(at).map_err(|e| e.to_string())
+    }
+}
+
+/// One rank's optimizer step, as observers see it.
+#[derive(Clone, Copy, Debug)]
+pub struct StepEvent<'a> {
+    pub rank: usize,
+    pub world_size: usize,
+    pub stage: Stage,
+    /// Ψ: the model's parameter count (tied parameters once).
+    pub num_params: usize,
+    /// Steps the run will take.
+    pub total_steps: u64,
+    /// The global batch's tokens over this rank's step time.
+    pub tokens_per_s: f64,
+    pub report: &'a StepReport,
+}
+
+/// Receives every rank's step reports, on the rank's thread (so it must be `Sync`). An error
+/// stops the run.
+pub trait StepObserver: Sync {
+    fn on_step(&self, event: &StepEvent<'_>) -> Result<(), TrainerError>;
+}
+
+/// The learning rate of each optimizer step.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LrSchedule {
+    Constant(f32),
+    /// A DeepSpeed scheduler from the optimizer's base learning rate.
+    Scheduler {
+        scheduler: SchedulerSettings,
+        base_lr: f64,
+    },
+}
+
+impl LrSchedule {
+    /// The learning rate of the `applied`-th applied optimizer step (0-based). Skipped steps do
+    /// not count (DeepSpeed does not advance its scheduler on them).
+    pub fn lr(&self, applied: u64) -> f32 {
+        match self {
+            LrSchedule::Constant(lr) => *lr,
+            LrSchedule::Scheduler { scheduler, base_lr } => {
+                lr_at(scheduler, *base_lr, applied) as f32
+            }
+        }
+    }
+
+    /// The config's scheduler if it has one, else the optimizer's constant rate.
+    pub fn from_settings(s: &Settings) -> LrSchedule {
+        let base_lr = s
+            .optimizer
+            .as_ref()
+            .map_or(config::OptimizerSettings::default().lr, |o| o.lr);
+        match &s.scheduler {
+            Some(sched) => LrSchedule::Scheduler {
+                scheduler: sched.clone(),
+                base_lr,
+            },
+            None => LrSchedule::Constant(base_lr as f32),
+        }
+    }
+}
+
+/// What a finished run hands back.
+#[derive(Debug)]
+pub struct TrainOutcome {
+    /// Each rank's last step report (`None` for a run of 0 steps), in rank order.
+    pub last: Vec<Option<StepReport>>,
+    /// The trained full parameters per unit (unpadded, under mixed precision the fp32 master
+    /// weights), when [`Trainer::keep_params`] asked for them. Every rank's copy is checked equal.
+    pub params: Option<Vec<Vec<f32>>>,
+}
+
+/// One training run's setup; see the [module docs](self).
+pub struct Trainer<'m, M: UnitModel> {
+    model: &'m M,
+    engine: EngineConfig,
+    schedule: LrSchedule,
+    comm: CommOptions,
+    init: Option<Vec<Vec<f32>>>,
+    threads_per_rank: usize,
+    keep_params: bool,
+}
+
+impl<'m, M: UnitModel> Trainer<'m, M> {
+    /// A trainer with a hand-built engine configuration and the optimizer's learning rate
+    /// (`engine.adam.lr`) at every step.
+    pub fn new(model: &'m M, engine: EngineConfig) -> Self {
+        let lr = engine.adam.lr as f32;
+        Trainer {
+            model,
+            threads_per_rank: rank_threads(engine.world_size),
+            engine,
+            schedule: LrSchedule::Constant(lr),
+            comm: CommOptions::default(),
+            init: None,
+            keep_params: false,
+        }
+    }
+
+    /// A trainer for resolved DeepSpeed settings on `world_size` ranks, with the config's scheduler.
+    pub fn from_settings(
+        model: &'m M,
+        settings: &Settings,
+        world_size: usize,
+        seed: u64,
+    ) -> Result<Self, TrainerError> {
+        let engine = setup::engine_config(settings, world_size, seed)?;
+        Ok(Trainer::new(model, engine).with_schedule(LrSchedule::from_settings(settings)))
+    }
+
+    /// A trainer from a DeepSpeed JSON config file on `world_size` ranks. The config's warnings
+    /// go to stderr; use [`config::load_file`] and [`Trainer::from_settings`] to handle them.
+    pub fn from_config_file(
+        model: &'m M,
+        path: impl AsRef<Path>,
+        world_size: usize,
+        seed: u64,
+    ) -> Result<Self, TrainerError> {
+        let ctx = ResolveContext {
+            world_size,
+            world_size_source: "the trainer's world size".into(),
+            ..Default::default()
+        };
+        let loaded = config::load_file(path, &ctx)?;
+        for w in &loaded.warnings {
+            eprintln!("warning: {w}");
+        }
+        Trainer::from_settings(model, &loaded.settings, world_size, seed)
+    }
+
+    pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
+        self.schedule = schedule;
+        self
+    }
+    pub fn with_comm_options(mut self, options: CommOptions) -> Self {
+        self.comm = options;
+        self
+    }
+    /// Start from these per-unit parameters (unpadded, `UnitSpec` order) instead of the model's
+    /// seeded initialisation.
+    pub fn with_init(mut self, params: Vec<Vec<f32>>) -> Self {
+        self.init = Some(params);
+        self
+    }
+    /// Rayon threads each rank computes on [default: the cores shared out among the ranks].
+    pub fn with_threads_per_rank(mut self, threads: usize) -> Self {
+        self.threads_per_rank = threads.max(1);
+        self
+    }
+    /// Hand back the trained parameters in [`TrainOutcome::params`].
+    pub fn keep_params(mut self, keep: bool) -> Self {
+        self.keep_params = keep;
+        self
+    }
+    pub fn engine_config(&self) -> &EngineConfig {
+        &self.engine
+    }
+    pub fn engine_config_mut(&mut self) -> &mut EngineConfig {
+        &mut self.engine
+    }
+    pub fn threads_per_rank(&self) -> usize {
+        self.threads_per_rank
+    }
+    pub fn model(&self) -> &'m M {
+        self.model
+    }
+
+    /// Train for `steps` optimizer steps on every rank; see the [module docs](self).
+    pub fn run(
+        &self,
+        data: &dyn DataSource<M::Batch>,
+        steps: u64,
+        observers: &[&dyn StepObserver],
+    ) -> Result<TrainOutcome, TrainerError> {
+        let world = self.engine.world_size;
+        if world == 0 {
+            return Err(SetupError::WorldSize.into());
+        }
+        let finals = run_ranks(world, self.comm.clone(), |comm, rank| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(self.threads_per_rank)
+                .build()
+                .map_err(|e| TrainerError::Pool {
+                    rank,
+                    message: e.to_string(),
+                })?;
+            pool.install(|| self.rank_loop(&*comm, rank, data, steps, observers))
+        })
+        .map_err(|e| TrainerError::Ranks(e.to_string()))?;
+        let mut last = Vec::with_capacity(world);
+        let mut params: Option<Vec<Vec<f32>>> = None;
+        for (rank, (report, p)) in finals.into_iter().enumerate() {
+            last.push(report);
+            if let (Some(p0), Some(p)) = (&params, &p) {
+                if p0 != p {
+                    return Err(TrainerError::Invalid(format!(
+                        "rank {rank}'s trained parameters differ from rank 0's"
+                    )));
+                }
+            } else if params.is_none() {
+                params = p;
+            }
+        }
+        Ok(TrainOutcome { last, params })
+    }
+
+    /// One rank: build its engine, then step, report, repeat.
+    fn rank_loop(
+        &self,
+        comm: &dyn crate::comm::Communicator,
+        rank: usize,
+        data: &dyn DataSource<M::Batch>,
+        steps: u64,
+        observers: &[&dyn StepObserver],
+    ) -> Result<RankFinal, TrainerError> {
+        let mut engine = Engine::new(self.model, comm, self.engine.clone())?;
+        if let Some(init) = &self.init {
+            for (u, values) in init.iter().enumerate() {
+                engine.load_unit_params(u, values)?;
+            }
+        }
+        let world = self.engine.world_size;
+        let ga = self.engine.grad_accum;
+        let num_params = self.model.spec().num_params();
+        let mut last = None;
+        // Optimizer steps actually applied: skipped steps do not advance the scheduler.
+        let mut applied = 0;
+        for step in 0..steps {
+            let batches = (0..ga)
+                .map(|micro| self.micro_batch(data, step, rank, micro))
+                .collect::<Result<Vec<_>, _>>()?;
+            let report = engine.train_step(&batches, self.schedule.lr(applied))?;
+            if !report.skipped {
+                applied += 1;
+            }
+            let event = StepEvent {
+                rank,
+                world_size: world,
+                stage: self.engine.stage,
+                num_params,
+                total_steps: steps,
+                tokens_per_s: (report.tokens * world) as f64 / report.elapsed.as_secs_f64(),
+                report: &report,
+            };
+            for o in observers {
+                o.on_step(&event)?;
+            }
+            last = Some(report);
+        }
+        let params = match self.keep_params {
+            true => Some(engine.full_params()?),
+            false => None,
+        };
+        Ok((last, params))
+    }
+
+    fn micro_batch(
+        &self,
+        data: &dyn DataSource<M::Batch>,
+        step: u64,
+        rank: usize,
+        micro: usize,
+    ) -> Result<M::Batch, TrainerError> {
+        let e = &self.engine;
+        let at = BatchIndex {
+            step,
+            rank,
+            world_size: e.world_size,
+            micro,
+            micro_batch_size: e.micro_batch,
+            grad_accum: e.grad_accum,
+            train_batch_size: e.micro_batch * e.grad_accum * e.world_size,
+        };
+        data.micro_batch(at).map_err(|message| TrainerError::Data {
+            step,
+            rank,
+            micro,
+            message,
+        })
+    }
+}
+
+/// A rank's last report and, when kept, its trained parameters.
+type RankFinal = (Option<StepReport>, Option<Vec<Vec<f32>>>);
+
+/// Rayon threads per rank: the cores shared out among the ranks.
+pub fn rank_threads(world: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / world.max(1)).max(1)
+}

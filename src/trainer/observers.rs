@@ -1,0 +1,150 @@
+//! Observers every front end shares: the metrics lines of `--metrics`, rank 0's log lines, and a
+//! record of every report (tests, benchmarks).
+//!
+//! `--metrics FILE` gets one JSON object per optimizer step and rank:
+//!
+//! | key | meaning |
+//! | --- | --- |
+//! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
+//! | `loss` | the global-batch mean loss, the same on every rank |
+//! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
+//! | `grad_norm` | the global gradient norm before clipping (unscaled; `null` on a skipped step, whose norm is Inf/NaN) |
+//! | `loss_scale` | the fp16 loss scale this step's loss was multiplied by (1 in bf16 and fp32) |
+//! | `skipped` | whether the step was skipped because its gradients held Inf/NaN (no update; the scheduler does not advance) |
+//! | `tokens_per_s` | the global batch's tokens over this rank's step time |
+//! | `step_time_s` | this rank's step time |
+//! | `num_params` | Ψ, the model's parameter count (tied weights once) |
+//! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (the fp32 master shard under bf16/fp16, 0 in fp32), `optimizer_states`, `buffers` (buckets, gradient and parameter scratch), `gather` (stage-3 pool), `total` |
+//! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
+//! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
+
+use super::{StepEvent, StepObserver, TrainerError};
+use crate::comm::CollectiveKind;
+use crate::memory::accounting::TrafficByKind;
+use crate::zero::{Stage, StepReport};
+use std::io::Write;
+use std::sync::Mutex;
+
+/// One metrics line: what rank `rank` did in one optimizer step.
+pub fn metrics_line(
+    rank: usize,
+    world: usize,
+    stage: Stage,
+    num_params: usize,
+    tokens_per_s: f64,
+    r: &StepReport,
+) -> serde_json::Value {
+    let traffic = TrafficByKind::from_counters(&r.traffic);
+    let m = r.memory;
+    serde_json::json!({
+        "rank": rank,
+        "world_size": world,
+        "stage": stage.index(),
+        "step": r.step,
+        "loss": r.loss,
+        "lr": r.lr,
+        "grad_norm": r.grad_norm,
+        "loss_scale": r.loss_scale,
+        "skipped": r.skipped,
+        "tokens_per_s": tokens_per_s,
+        "step_time_s": r.elapsed.as_secs_f64(),
+        "num_params": num_params,
+        "model_state_bytes": {
+            "params": m.params,
+            "grads": m.grads,
+            "master": m.master,
+            "optimizer_states": m.optimizer_states,
+            "buffers": m.buffers,
+            "gather": m.gather,
+            "total": m.total,
+        },
+        "peak_bytes": r.peak_bytes,
+        "sent_bytes": traffic.sent_bytes,
+        "recv_bytes": traffic.recv_bytes,
+        "calls": CollectiveKind::ALL
+            .iter()
+            .filter(|k| **k != CollectiveKind::Barrier)
+            .map(|k| (k.name().to_string(), r.traffic.calls(*k)))
+            .collect::<std::collections::BTreeMap<_, _>>(),
+    })
+}
+
+/// What rank 0 logs about a step besides the progress bar: fp16 scale changes and skipped steps
+/// with the units whose gradients held Inf/NaN.
+pub fn step_log_line(r: &StepReport) -> Option<String> {
+    match (&r.scale_message, r.skipped) {
+        (Some(m), true) => Some(format!(
+            "step {}: {m} (Inf/NaN gradients in: {})",
+            r.step,
+            r.non_finite_units.join(", ")
+        )),
+        (Some(m), false) => Some(format!("step {}: {m}", r.step)),
+        (None, true) => Some(format!(
+            "step {}: skipped, gradients held Inf/NaN in: {}",
+            r.step,
+            r.non_finite_units.join(", ")
+        )),
+        (None, false) => None,
+    }
+}
+
+/// Writes every rank's metrics lines ([`metrics_line`]) to one writer, a whole line at a time.
+pub struct MetricsWriter<W: Write + Send> {
+    out: Mutex<W>,
+}
+
+impl<W: Write + Send> MetricsWriter<W> {
+    pub fn new(out: W) -> Self {
+        MetricsWriter {
+            out: Mutex::new(out),
+        }
+    }
+    /// The writer back, flushed.
+    pub fn into_inner(self) -> std::io::Result<W> {
+        let mut w = self.out.into_inner().unwrap_or_else(|e| e.into_inner());
+        w.flush()?;
+        Ok(w)
+    }
+}
+
+impl<W: Write + Send> StepObserver for MetricsWriter<W> {
+    fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
+        let line = metrics_line(
+            e.rank,
+            e.world_size,
+            e.stage,
+            e.num_params,
+            e.tokens_per_s,
+            e.report,
+        );
+        let mut w = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        writeln!(w, "{line}").map_err(|err| TrainerError::Observer(format!("metrics: {err}")))
+    }
+}
+
+/// Keeps every rank's reports, in step order: `reports()[rank][step]`.
+#[derive(Default)]
+pub struct ReportLog {
+    reports: Mutex<Vec<Vec<StepReport>>>,
+}
+
+impl ReportLog {
+    pub fn new() -> Self {
+        ReportLog::default()
+    }
+    /// The reports per rank.
+    pub fn into_reports(self) -> Vec<Vec<StepReport>> {
+        self.reports.into_inner().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl StepObserver for ReportLog {
+    fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
+        let mut all = self.reports.lock().unwrap_or_else(|e| e.into_inner());
+        if all.len() < e.world_size {
+            all.resize_with(e.world_size, Vec::new);
+        }
+        all[e.rank].push(e.report.clone());
+        Ok(())
+    }
+}
