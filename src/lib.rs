@@ -2,23 +2,30 @@
 //!
 //! Modules follow the data flow of a training step:
 //!
-//! * [`config`]: a DeepSpeed JSON config in, validated settings out.
-//! * [`comm`]: the [`comm::Communicator`] trait, its asynchronous handles, backends and traces.
-//! * [`zero`]: flat buffers and partitions, the stage 0-3 logic, the stage-3 fetch/release
-//!   coordinator, clipping.
+//! * [`config`]: a DeepSpeed JSON config in, validated settings out (DeepSpeed's defaults in
+//!   [`config::defaults`]). Depends on nothing else in the crate.
+//! * [`zero`]: the unit contract a model implements ([`zero::unit::UnitModel`]), flat buffers and
+//!   partitions, the stage 0-3 engine, the stage-3 fetch/release coordinator, loss scaling,
+//!   clipping. Knows no model and no tensor library.
 //! * [`optim`]: Adam/AdamW kernels over flat shards and the learning-rate schedulers.
-//! * [`memory`]: byte accounting per tier and kind, and the planner.
-//! * [`model`]: the [`model::UnitModel`] trait the engine trains, a GPT reference model on candle,
-//!   and data loading.
+//! * [`comm`]: the [`comm::Communicator`] trait, its asynchronous handles, backends and traces.
+//!   Knows nothing of ZeRO.
+//! * [`memory`]: the byte accountant the engine charges (below `zero`).
+//! * [`setup`]: the one mapping from resolved settings to the engine's configuration.
+//! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports).
+//! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
+//! * [`model`]: a GPT reference model on candle implementing the unit contract, and data loading.
 //!
-//! The engine core (`zero`, `optim`, `comm`) works on flat `f32`/16-bit buffers and knows no tensor
-//! library; only `model` uses candle.
+//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory` <- `zero` <- `setup` <-
+//! {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
+//! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
 pub mod comm;
 pub mod config;
 pub mod memory;
 pub mod model;
 pub mod optim;
+pub mod planner;
 pub mod setup;
 pub mod trainer;
 pub mod zero;

@@ -16,10 +16,10 @@
 mod common;
 
 use common::*;
-use zerodp::comm::CollectiveKind;
-use zerodp::memory::planner::{
-    engine_config, interconnect, plan_option, BufferOverrides, Cluster, Collective, HostLinks,
-    ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
+use zerodp::comm::{CollectiveKind, DType};
+use zerodp::planner::{
+    engine_config, interconnect, plan_option, BufferOverrides, Cluster, Collective, DtypeOverrides,
+    HostLinks, ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
 };
 use zerodp::zero::buffers;
 use zerodp::zero::unit::UnitModel;
@@ -44,7 +44,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             host: HostLinks::default(),
             device_flops: 1e12,
         },
-        precision: Precision::Fp32,
+        precision: precision_of(cfg.param_dtype),
         micro_batch: cfg.micro_batch as u64,
         seq_len: SEQ as u64,
         grad_accum: cfg.grad_accum as u64,
@@ -55,8 +55,21 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             max_live_parameters: Some(cfg.max_live_parameters as u64),
             param_persistence_threshold: Some(cfg.param_persistence_threshold as u64),
             max_reuse_distance: Some(cfg.max_reuse_distance as u64),
+            prefetch_bucket_size: Some(cfg.prefetch_bucket_size as u64),
+        },
+        dtypes: DtypeOverrides {
+            communication: Some(precision_of(cfg.comm_dtype)),
+            grad_accum: Some(precision_of(cfg.grad_accum_dtype)),
         },
         configured: None,
+    }
+}
+
+fn precision_of(d: DType) -> Precision {
+    match d {
+        DType::F32 => Precision::Fp32,
+        DType::BF16 => Precision::Bf16,
+        DType::F16 => Precision::Fp16,
     }
 }
 
@@ -87,6 +100,10 @@ fn check(model: &Toy, cfg: &EngineConfig, expect_gather: Gather) -> PlanOption {
     let spec = model.spec();
     let mine = engine_config(&input, cfg.stage.index());
     assert_eq!(buffers::plan(spec, &mine), buffers::plan(spec, cfg));
+    assert_eq!(
+        (mine.param_dtype, mine.comm_dtype, mine.grad_accum_dtype),
+        (cfg.param_dtype, cfg.comm_dtype, cfg.grad_accum_dtype)
+    );
     assert_eq!(
         (mine.grad_accum, mine.world_size),
         (cfg.grad_accum, cfg.world_size)
@@ -254,7 +271,7 @@ fn stage3_kept_graphs_and_checkpointing() {
 
 #[test]
 fn bucket_advice_on_the_engine_path_counts_the_buckets_alone() {
-    use zerodp::memory::planner::plan;
+    use zerodp::planner::plan;
     let model = Toy::new(64, 16, 3, true);
     let mut cfg = config(Stage::Zero2, 4, 1);
     cfg.reduce_bucket_size = 1 << 30;
@@ -291,4 +308,57 @@ fn bucket_advice_on_the_engine_path_counts_the_buckets_alone() {
         fixed.bytes_per_device.reduce_buckets,
         buffers::plan(model.spec(), &cfg).bucket_bytes()
     );
+}
+
+#[test]
+fn mixed_precision_with_every_grad_accum_and_communication_dtype() {
+    // bf16 and fp16 parameters, gradients kept in fp32 or the 16-bit type, reduced in fp32 or the
+    // 16-bit type: the planner sizes what the engine's ledger holds, through the one mapping.
+    let model = Toy::new(16, 8, 2, true);
+    for dtype in [DType::BF16, DType::F16] {
+        for grad_accum in [DType::F32, dtype] {
+            for comm in [DType::F32, dtype] {
+                for stage in STAGES {
+                    for world in [1, 2] {
+                        let mut cfg = config(stage, world, 2).with_precision(dtype);
+                        cfg.grad_accum_dtype = grad_accum;
+                        cfg.comm_dtype = comm;
+                        check(&model, &cfg, Gather::Exact);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_planner_resolves_unset_dtypes_as_the_config_reader_does() {
+    use zerodp::config::{load_str, ResolveContext};
+    use zerodp::planner::config_precision;
+    let model = Toy::new(16, 8, 2, true);
+    for (block, precision) in [("bf16", Precision::Bf16), ("fp16", Precision::Fp16)] {
+        for stage in 0..=3u8 {
+            let text = format!(
+                r#"{{"train_batch_size": 4, "zero_optimization": {{"stage": {stage}}},
+                    "{block}": {{"enabled": true}}}}"#
+            );
+            let ctx = ResolveContext {
+                world_size: 2,
+                ..Default::default()
+            };
+            let settings = load_str(&text, "<test>", &ctx).unwrap().settings;
+            let engine = zerodp::setup::engine_config(&settings, 2, 0).unwrap();
+            let mut input = input_for(&model, &engine);
+            // A plan made without a config: precision alone, every dtype unset.
+            input.dtypes = DtypeOverrides::default();
+            input.buffers = BufferOverrides::default();
+            assert_eq!(config_precision(precision), settings.precision);
+            let planned = engine_config(&input, stage);
+            assert_eq!(
+                (planned.comm_dtype, planned.grad_accum_dtype),
+                (engine.comm_dtype, engine.grad_accum_dtype),
+                "{block} stage {stage}"
+            );
+        }
+    }
 }

@@ -1,7 +1,7 @@
 //! The planner's memory, traffic and time model against the ZeRO paper's formulas, DeepSpeed's
 //! estimators and the classic worked examples.
 
-use zerodp::memory::planner::{
+use zerodp::planner::{
     engine_buffer_bytes, interconnect, model_state_bytes, plan, plan_option, BufferOverrides,
     Cluster, Collective, HostLinks, ModelSize, Offload, PlanInput, Precision, ZeroChoice,
 };
@@ -31,6 +31,7 @@ fn input(params: u64, largest: u64, c: Cluster) -> PlanInput {
         grad_accum: 1,
         activation_checkpointing: false,
         buffers: BufferOverrides::default(),
+        dtypes: Default::default(),
         configured: None,
     }
 }
@@ -432,6 +433,7 @@ fn the_engine_path_uses_its_own_unit_layout() {
         max_live_parameters: Some(0),
         param_persistence_threshold: Some(20_000),
         max_reuse_distance: None,
+        prefetch_bucket_size: None,
     };
     let o = plan_option(&inp, none(3));
     // Every unit is already a multiple of 4 x 8 elements: no padding.

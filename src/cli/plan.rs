@@ -1,10 +1,10 @@
 //! `zerodp plan`: memory per device and per node, traffic and predicted times for every ZeRO stage
 //! and offload choice, and a recommendation, before a run. The numbers come from
-//! [`zerodp::memory::planner::plan`]; this file only turns flags into a [`PlanInput`] and prints.
+//! [`zerodp::planner::plan`]; this file only turns flags into a [`PlanInput`] and prints.
 
 use anyhow::Context;
 use zerodp::config;
-use zerodp::memory::planner::{
+use zerodp::planner::{
     self, config_precision, format_capacity, format_gb, format_seconds, interconnect,
     memory_chart_svg, parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm,
     BufferOverrides, Cluster, Collective, ConfigKeys, GptShape, HostLinks, ModelSize, Offload,
@@ -242,6 +242,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
             .as_ref()
             .map(|k| k.buffers)
             .unwrap_or(BufferOverrides::default()),
+        dtypes: keys.as_ref().map(|k| k.dtypes).unwrap_or_default(),
         configured: keys.as_ref().map(ConfigKeys::choice),
         model,
     })

@@ -8,11 +8,11 @@
 
 use anyhow::{bail, Context};
 use zerodp::config::Settings;
-use zerodp::memory::planner::{
+use zerodp::model::GptConfig;
+use zerodp::planner::{
     self, format_capacity, format_gb, parse_bytes, recommend, Cluster, ConfigKeys, GptShape,
     HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption,
 };
-use zerodp::model::GptConfig;
 use zerodp::zero::unit::ModelSpec;
 use zerodp::zero::EngineConfig;
 
@@ -109,6 +109,7 @@ pub fn plan_input(
         activation_checkpointing: engine.activation_checkpointing,
         configured: Some(keys.choice()),
         buffers: keys.buffers,
+        dtypes: keys.dtypes,
     }
 }
 
@@ -215,8 +216,8 @@ fn host_memory() -> anyhow::Result<u64> {
 mod tests {
     use super::*;
     use zerodp::config::{self, ResolveContext};
-    use zerodp::memory::planner::engine_config;
     use zerodp::model::GptModel;
+    use zerodp::planner::engine_config;
     use zerodp::zero::buffers;
     use zerodp::zero::unit::UnitModel;
 

@@ -46,6 +46,7 @@
 #![allow(clippy::result_large_err)]
 
 mod batch;
+pub mod defaults;
 mod error;
 mod json;
 mod parse;

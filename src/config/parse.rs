@@ -111,11 +111,8 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
                 _ => dtype(r, p, n, &["fp32", "fp16", "bf16"]).map(Some),
             },
         )?
-        .unwrap_or(precision);
-    let mut grad_accum_dtype = match (precision, zero.stage) {
-        (Precision::Bf16, 0) => Precision::Fp32,
-        (p, _) => p,
-    };
+        .unwrap_or(super::defaults::communication_data_type(precision));
+    let mut grad_accum_dtype = super::defaults::grad_accum_dtype(precision, zero.stage);
     if let Some(m) = root.get("data_types") {
         let dt = r.object("data_types", &m.node)?;
         r.collect_unknown(dt, &["grad_accum_dtype"]);

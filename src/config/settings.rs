@@ -6,6 +6,8 @@ use std::path::PathBuf;
 
 use serde::Serialize;
 
+use super::defaults;
+
 /// The dtype of model weights and activations during compute (also used for the communication
 /// and gradient-accumulation dtypes, which take the same three values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -176,21 +178,21 @@ impl Default for ZeroSettings {
             stage: 0,
             contiguous_gradients: true,
             reduce_scatter: true,
-            reduce_bucket_size: 500_000_000,
+            reduce_bucket_size: defaults::REDUCE_BUCKET_SIZE,
             use_multi_rank_bucket_allreduce: true,
             allgather_partitions: true,
-            allgather_bucket_size: 500_000_000,
-            overlap_comm: false,
+            allgather_bucket_size: defaults::REDUCE_BUCKET_SIZE,
+            overlap_comm: defaults::overlap_comm(0),
             load_from_fp32_weights: true,
             elastic_checkpoint: false,
             offload_param: OffloadParamSettings::default(),
             offload_optimizer: OffloadOptimizerSettings::default(),
-            sub_group_size: 1_000_000_000,
-            prefetch_bucket_size: 50_000_000,
-            param_persistence_threshold: 100_000,
+            sub_group_size: defaults::SUB_GROUP_SIZE,
+            prefetch_bucket_size: defaults::PREFETCH_BUCKET_SIZE,
+            param_persistence_threshold: defaults::PARAM_PERSISTENCE_THRESHOLD,
             model_persistence_threshold: i64::MAX as u64,
-            max_live_parameters: 1_000_000_000,
-            max_reuse_distance: 1_000_000_000,
+            max_live_parameters: defaults::MAX_LIVE_PARAMETERS,
+            max_reuse_distance: defaults::MAX_REUSE_DISTANCE,
             gather_16bit_weights_on_model_save: false,
             module_granularity_threshold: 0,
             use_all_reduce_for_fetch_params: false,
@@ -474,6 +476,37 @@ pub struct Settings {
     /// and must not be trained with.
     #[serde(skip)]
     pub unresolved: Vec<String>,
+}
+
+impl Default for Settings {
+    /// What an empty config resolves to on one rank: fp32, stage 0, one sample per step, no
+    /// optimizer or scheduler block, every other key DeepSpeed's default.
+    fn default() -> Self {
+        let precision = Precision::Fp32;
+        Settings {
+            zero_optimization: ZeroSettings::default(),
+            batch: BatchSettings {
+                train_batch_size: 1,
+                micro_batch_per_gpu: 1,
+                gradient_accumulation_steps: 1,
+                world_size: 1,
+            },
+            precision,
+            fp16: Fp16Settings::default(),
+            bf16: Bf16Settings::default(),
+            optimizer: None,
+            scheduler: None,
+            gradient_clipping: 0.0,
+            steps_per_print: None,
+            wall_clock_breakdown: false,
+            communication_data_type: defaults::communication_data_type(precision),
+            grad_accum_dtype: defaults::grad_accum_dtype(precision, 0),
+            comms_logger: CommsLoggerSettings::default(),
+            checkpoint: CheckpointSettings::default(),
+            activation_checkpointing: ActivationCheckpointingSettings::default(),
+            unresolved: Vec::new(),
+        }
+    }
 }
 
 impl Settings {

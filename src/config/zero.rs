@@ -1,6 +1,7 @@
 //! `zero_optimization`: every key of DeepSpeedZeroConfig with its code default, the offload
 //! blocks, the `stage3_` aliases, the legacy forms, and the "no effect at this stage" warnings.
 
+use super::defaults;
 use super::error::ConfigError;
 use super::json::{Member, Node, Value};
 use super::reader::{join, Obj, Reader, HINT};
@@ -348,11 +349,11 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     z.overlap_comm = r.read(
         &opath,
         obj.get("overlap_comm"),
-        stage == 3,
+        defaults::overlap_comm(stage),
         None,
         HINT,
         |r, p, n| match n.value {
-            Value::Null => Ok(stage == 3),
+            Value::Null => Ok(defaults::overlap_comm(stage)),
             _ => r.node_bool(p, n),
         },
     )?;

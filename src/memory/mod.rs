@@ -1,5 +1,5 @@
-//! Memory: byte accounting per kind (what a rank holds now and at its peak) and the planner
-//! (what a configuration will hold, before a run).
+//! Memory: the byte accountant, what a rank holds now and at its peak, by kind. It sits below the
+//! engine (`zero` charges every allocation to it); the planner, which predicts the same bytes before
+//! a run, lives above the engine in [`crate::planner`].
 
 pub mod accounting;
-pub mod planner;

@@ -52,15 +52,17 @@ pub struct AdamParams {
 }
 
 impl Default for AdamParams {
+    /// The config's optimizer defaults ([`crate::config::OptimizerSettings`]), written once there.
     fn default() -> Self {
+        let d = crate::config::OptimizerSettings::default();
         Self {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            adam_w_mode: true,
-            bias_correction: true,
+            lr: d.lr,
+            beta1: d.betas[0],
+            beta2: d.betas[1],
+            eps: d.eps,
+            weight_decay: d.weight_decay,
+            adam_w_mode: d.adam_w_mode,
+            bias_correction: d.bias_correction,
         }
     }
 }

@@ -1,5 +1,5 @@
 //! The sizing rules of every buffer the engine allocates besides the model states, in one pure
-//! function, so that the engine and the planner (`memory::planner`) cannot disagree.
+//! function, so that the engine and the planner (`planner`) cannot disagree.
 //!
 //! * Reduction buckets: `min(reduce_bucket_size, Ψ)` elements (padded Ψ, rounded down to a multiple
 //!   of the world size so that a bucket splits into equal rank regions) in the communication dtype;

@@ -2,6 +2,7 @@
 //! DeepSpeed config parser (`zerodp train` maps resolved settings onto it).
 
 use crate::comm::DType;
+use crate::config::defaults;
 use crate::optim::adam::AdamParams;
 use crate::zero::precision::OverflowPolicy;
 
@@ -98,21 +99,24 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// DeepSpeed's defaults for a stage and world size: micro-batch 1, no accumulation, 5e8-element
-    /// buckets, overlap on, no clipping, stage-3 knobs 5e7 / 1e5 / 1e9 / 1e9.
+    /// DeepSpeed's defaults for a stage and world size ([`crate::config::defaults`]): micro-batch
+    /// 1, no accumulation, 5e8-element buckets, no clipping, stage-3 knobs 5e7 / 1e5 / 1e9 / 1e9 —
+    /// except `overlap_comm`, which is on at every stage here (DeepSpeed turns it on at stage 3
+    /// only; it changes no result, only when collectives run).
     pub fn new(stage: Stage, world_size: usize) -> Self {
+        let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
         EngineConfig {
             stage,
             world_size,
             micro_batch: 1,
             grad_accum: 1,
-            reduce_bucket_size: 500_000_000,
+            reduce_bucket_size: size(defaults::REDUCE_BUCKET_SIZE),
             overlap_comm: true,
             gradient_clipping: 0.0,
-            prefetch_bucket_size: 50_000_000,
-            param_persistence_threshold: 100_000,
-            max_live_parameters: 1_000_000_000,
-            max_reuse_distance: 1_000_000_000,
+            prefetch_bucket_size: size(defaults::PREFETCH_BUCKET_SIZE),
+            param_persistence_threshold: size(defaults::PARAM_PERSISTENCE_THRESHOLD),
+            max_live_parameters: size(defaults::MAX_LIVE_PARAMETERS),
+            max_reuse_distance: size(defaults::MAX_REUSE_DISTANCE),
             activation_checkpointing: false,
             adam: AdamParams::default(),
             seed: 0,

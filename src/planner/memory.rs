@@ -1,6 +1,7 @@
 //! Bytes per device and per node, by kind, for one stage and offload choice.
 
 use super::model::{GptShape, ModelSize};
+use crate::config::defaults;
 
 /// Training precision. Mixed precision keeps 16-bit params and grads plus an fp32 master copy;
 /// fp32 training has no separate master (the params are the master).
@@ -140,11 +141,11 @@ impl BufferSettings {
     /// DeepSpeed's defaults for `stage` (`overlap_comm` defaults to true only at stage 3).
     pub fn deepspeed_defaults(stage: u8) -> Self {
         BufferSettings {
-            reduce_bucket_size: 500_000_000,
-            overlap_comm: stage == 3,
-            max_live_parameters: 1_000_000_000,
-            param_persistence_threshold: 100_000,
-            max_reuse_distance: 1_000_000_000,
+            reduce_bucket_size: defaults::REDUCE_BUCKET_SIZE,
+            overlap_comm: defaults::overlap_comm(stage),
+            max_live_parameters: defaults::MAX_LIVE_PARAMETERS,
+            param_persistence_threshold: defaults::PARAM_PERSISTENCE_THRESHOLD,
+            max_reuse_distance: defaults::MAX_REUSE_DISTANCE,
         }
     }
 }

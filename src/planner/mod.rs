@@ -29,7 +29,7 @@ mod traffic;
 pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
 pub use deepspeed::{config_precision, ConfigKeys};
-pub use engine::{comm_dtype, engine_config, EngineRun};
+pub use engine::{comm_dtype, engine_config, run_settings, EngineRun};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
@@ -53,6 +53,8 @@ pub enum PlanError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct BufferOverrides {
     pub reduce_bucket_size: Option<u64>,
+    /// Stage 3's prefetch bucket: it changes when gathers run, not the bytes planned.
+    pub prefetch_bucket_size: Option<u64>,
     pub overlap_comm: Option<bool>,
     pub max_live_parameters: Option<u64>,
     pub param_persistence_threshold: Option<u64>,
@@ -74,6 +76,17 @@ impl BufferOverrides {
     }
 }
 
+/// The element types a config states beside its precision; unset ones resolve as the config
+/// reader resolves them ([`crate::config::defaults`]: the precision's dtype, bf16 stage 0
+/// accumulating in fp32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DtypeOverrides {
+    /// `communication_data_type`.
+    pub communication: Option<Precision>,
+    /// `data_types.grad_accum_dtype`.
+    pub grad_accum: Option<Precision>,
+}
+
 /// Everything the planner needs.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct PlanInput {
@@ -87,6 +100,7 @@ pub struct PlanInput {
     pub grad_accum: u64,
     pub activation_checkpointing: bool,
     pub buffers: BufferOverrides,
+    pub dtypes: DtypeOverrides,
     /// The choice a DeepSpeed config makes, if one was given: the recommendation comments on it.
     pub configured: Option<ZeroChoice>,
 }
@@ -162,6 +176,13 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .as_ref()
         .map_or(input.model.params, EngineRun::padded_params);
     let (mut bytes, off_per_device) = model_state_bytes(choice, input.precision, psi, n);
+    if let Some(e) = &engine {
+        // The engine keeps its gradients in `grad_accum_dtype`, which need not be the
+        // precision's (bf16 stage 0 accumulates in fp32 by default).
+        let grads = e.grad_bytes();
+        bytes.model_states = bytes.model_states - bytes.grads + grads;
+        bytes.grads = grads;
+    }
     let buffers = match &engine {
         Some(e) => e.buffer_bytes(),
         None => engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings),

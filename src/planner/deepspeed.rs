@@ -1,7 +1,7 @@
 //! The DeepSpeed config keys the planner reads, taken from zerodp's resolved config
 //! ([`crate::config::Settings`]): stage, offload devices, buffer knobs, precision and batch.
 
-use super::{BufferOverrides, Offload, Precision, ZeroChoice};
+use super::{BufferOverrides, DtypeOverrides, Offload, Precision, ZeroChoice};
 use crate::config::{self, OffloadDevice, Settings};
 
 /// What a resolved DeepSpeed config says about the planner's inputs.
@@ -15,6 +15,8 @@ pub struct ConfigKeys {
     pub grad_accum: u64,
     /// Every knob is set: the config's value or DeepSpeed's default for its stage.
     pub buffers: BufferOverrides,
+    /// As the config resolved them.
+    pub dtypes: DtypeOverrides,
 }
 
 impl ConfigKeys {
@@ -29,10 +31,15 @@ impl ConfigKeys {
             grad_accum: s.batch.gradient_accumulation_steps as u64,
             buffers: BufferOverrides {
                 reduce_bucket_size: Some(z.reduce_bucket_size),
+                prefetch_bucket_size: Some(z.prefetch_bucket_size),
                 overlap_comm: Some(z.overlap_comm),
                 max_live_parameters: Some(z.max_live_parameters),
                 param_persistence_threshold: Some(z.param_persistence_threshold),
                 max_reuse_distance: Some(z.max_reuse_distance),
+            },
+            dtypes: DtypeOverrides {
+                communication: Some(precision(s.communication_data_type)),
+                grad_accum: Some(precision(s.grad_accum_dtype)),
             },
         }
     }

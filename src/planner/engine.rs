@@ -6,16 +6,19 @@
 //! ([`crate::zero::schedule`]) with the stage-3 coordinator's release rule
 //! ([`stays_gathered`]). Its numbers then equal what a zerodp run reports in its `StepReport`.
 //!
-//! Layering: `memory::planner` calls into `zero`, as `zero` calls into `memory::accounting`; the
-//! leaf modules stay acyclic (accounting <- zero <- planner). The sizing rules stay in
+//! Layering: `planner` calls into `zero` and `setup`, as `zero` calls into `memory::accounting`;
+//! the modules stay acyclic (accounting <- zero <- setup <- planner). The sizing rules stay in
 //! `zero::buffers`, next to the engine that allocates what they size, rather than moving to a
 //! module both would share: the engine's rules keep one home and the planner is one more caller.
 
 use super::cluster::{Cluster, Collective};
+use super::deepspeed::config_precision;
 use super::memory::{EngineBuffers, Precision};
 use super::traffic::{priced, CollectiveTraffic};
 use super::PlanInput;
 use crate::comm::DType;
+use crate::config::{self, defaults, Settings};
+use crate::setup;
 use crate::zero::buffers::{self, BufferPlan};
 use crate::zero::flat::FlatLayout;
 use crate::zero::gather::stays_gathered;
@@ -25,34 +28,64 @@ use crate::zero::{EngineConfig, Stage};
 
 /// The engine's gradient-communication dtype for a training precision.
 pub fn comm_dtype(precision: Precision) -> DType {
-    match precision {
-        Precision::Fp32 => DType::F32,
-        Precision::Bf16 => DType::BF16,
-        Precision::Fp16 => DType::F16,
-    }
+    setup::dtype_of(config_precision(precision))
 }
 
-/// The engine configuration a zerodp run of `stage` would use for `input`: the buffer knobs as a
-/// config resolves them for that stage (DeepSpeed's defaults for unset ones), the batch,
-/// activation checkpointing and the cluster's world size. `zerodp train` maps a resolved config
-/// onto the same fields.
-pub fn engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
-    let s = input.buffers.resolve(stage);
+/// The resolved DeepSpeed settings of a zerodp run of `stage` for `input`: what the config reader
+/// makes of a config stating the input's knobs (unset ones take DeepSpeed's default for that
+/// stage, [`crate::config::defaults`]). Offload is left out: the engine path sizes the stages
+/// alone.
+pub fn run_settings(input: &PlanInput, stage: u8) -> Settings {
+    let b = input.buffers.resolve(stage);
+    let mut s = Settings::default();
+    let precision = config_precision(input.precision);
+    s.precision = precision;
+    s.fp16.enabled = precision == config::Precision::Fp16;
+    s.bf16.enabled = precision == config::Precision::Bf16;
+    s.communication_data_type = input.dtypes.communication.map_or(
+        defaults::communication_data_type(precision),
+        config_precision,
+    );
+    s.grad_accum_dtype = input.dtypes.grad_accum.map_or(
+        defaults::grad_accum_dtype(precision, stage),
+        config_precision,
+    );
+    let world = usize::try_from(input.cluster.world_size()).unwrap_or(usize::MAX);
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    // ZeroChoice stages are 0-3; the config reader refuses any other.
-    let stage = Stage::from_index(stage).unwrap_or(Stage::Zero3);
-    // Mixed precision sets the parameter, reduction and accumulation dtypes together, as `train`
-    // does for a bf16/fp16 config without `communication_data_type` / `grad_accum_dtype`.
-    let mut cfg = EngineConfig::new(stage, size(input.cluster.world_size()))
-        .with_precision(comm_dtype(input.precision));
-    cfg.micro_batch = size(input.micro_batch);
-    cfg.grad_accum = size(input.grad_accum.max(1));
-    cfg.reduce_bucket_size = size(s.reduce_bucket_size);
-    cfg.overlap_comm = s.overlap_comm;
-    cfg.param_persistence_threshold = size(s.param_persistence_threshold);
-    cfg.max_live_parameters = size(s.max_live_parameters);
-    cfg.max_reuse_distance = size(s.max_reuse_distance);
-    cfg.activation_checkpointing = input.activation_checkpointing;
+    s.batch.micro_batch_per_gpu = size(input.micro_batch);
+    s.batch.gradient_accumulation_steps = size(input.grad_accum.max(1));
+    s.batch.world_size = world;
+    s.batch.train_batch_size = s
+        .batch
+        .micro_batch_per_gpu
+        .saturating_mul(s.batch.gradient_accumulation_steps)
+        .saturating_mul(world);
+    let z = &mut s.zero_optimization;
+    z.stage = stage;
+    z.reduce_bucket_size = b.reduce_bucket_size;
+    z.overlap_comm = b.overlap_comm;
+    z.max_live_parameters = b.max_live_parameters;
+    z.param_persistence_threshold = b.param_persistence_threshold;
+    z.max_reuse_distance = b.max_reuse_distance;
+    if let Some(p) = input.buffers.prefetch_bucket_size {
+        z.prefetch_bucket_size = p;
+    }
+    s
+}
+
+/// The engine configuration a zerodp run of `stage` would use for `input`: [`run_settings`]
+/// through the one settings-to-engine mapping ([`setup::engine_config`]) that `zerodp train` and
+/// the [`crate::trainer::Trainer`] use, plus the input's activation checkpointing (a `train` flag
+/// as much as a config key).
+pub fn engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
+    let settings = run_settings(input, stage);
+    let world = settings.batch.world_size.max(1);
+    // run_settings states a stage of 0-3 (ZeroChoice stages), no offload and no fp16 master
+    // weights, so the mapping has nothing to refuse; fall back to the defaults if it ever does.
+    let mut cfg = setup::engine_config(&settings, world, 0).unwrap_or_else(|_| {
+        EngineConfig::new(Stage::from_index(stage).unwrap_or(Stage::Zero3), world)
+    });
+    cfg.activation_checkpointing |= input.activation_checkpointing;
     cfg
 }
 
@@ -82,6 +115,16 @@ impl<'a> EngineRun<'a> {
     /// that a shard is exactly 1/N of it.
     pub fn padded_params(&self) -> u64 {
         self.layout.padded_numel() as u64
+    }
+
+    /// The gradients a rank keeps between micro-steps: the whole padded model at stages 0-1, the
+    /// own shard at stages 2-3, in `grad_accum_dtype`.
+    pub fn grad_bytes(&self) -> u64 {
+        let elems = match self.config.stage.shards_grads() {
+            true => self.layout.shard_numel(),
+            false => self.layout.padded_numel(),
+        };
+        (elems * self.config.grad_accum_dtype.size()) as u64
     }
 
     /// The engine's buffers by the planner's kinds: the reduction buckets and the scratch
