@@ -5,34 +5,24 @@
 //! candle's matmuls run in), its own engine and its own share of every batch. Rank 0 draws the
 //! progress bar; every rank writes its metrics lines.
 //!
-//! `--metrics FILE` gets one JSON object per optimizer step and rank:
-//!
-//! | key | meaning |
-//! | --- | --- |
-//! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
-//! | `loss` | the global-batch mean loss, the same on every rank |
-//! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
-//! | `grad_norm` | the global gradient norm before clipping (unscaled; `null` on a skipped step, whose norm is Inf/NaN) |
-//! | `loss_scale` | the fp16 loss scale this step's loss was multiplied by (1 in bf16 and fp32) |
-//! | `skipped` | whether the step was skipped because its gradients held Inf/NaN (no update; the scheduler does not advance) |
-//! | `tokens_per_s` | the global batch's tokens over this rank's step time |
-//! | `step_time_s` | this rank's step time |
-//! | `num_params` | Ψ, the model's parameter count (tied weights once) |
-//! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (the fp32 master shard under bf16/fp16, 0 in fp32), `optimizer_states`, `buffers` (buckets, gradient and parameter scratch), `gather` (stage-3 pool), `total` |
+//! `--metrics FILE` gets one JSON object per optimizer step and rank, a whole line at a time; the
+//! keys are documented in `zerodp::trainer` (`observers.rs`).
 //!
 //! Mixed precision comes from the config's `bf16` or `fp16` block: 16-bit parameters and
 //! gradients, fp32 master weights and Adam moments on the owning shard. A step whose gradients
 //! hold Inf/NaN is skipped on every rank and logged with the units involved; fp16 lowers its loss
 //! scale (DeepSpeed's dynamic scaling, at the documented 2^16 and hysteresis 2 even when the block
 //! sets no dynamic key), bf16 and fp32 stop after `--max-skipped-steps` such steps in a row.
-//! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
-//! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
+//!
+//! Reliability: output paths are checked against the inputs before any work
+//! ([`zerodp::trainer::outputs`]); SIGINT/SIGTERM end the run after the current step (exit 130 /
+//! 143); a run whose loss ends non-finite or whose every step was skipped exits 1.
 
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
-use std::fs::File;
-use std::io::BufWriter;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use zerodp::comm::{CommOptions, TraceLevel};
 use zerodp::config::{self, ResolveContext};
@@ -40,8 +30,10 @@ use zerodp::model::{
     load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel,
     DEFAULT_CORPUS_PATH,
 };
+use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
-    step_log_line, BatchIndex, MetricsWriter, StepEvent, StepObserver, Trainer, TrainerError,
+    step_log_line, BatchIndex, MetricsFile, StepEvent, StepObserver, TrainOutcome, Trainer,
+    TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -148,6 +140,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         eprintln!("warning: {w}");
     }
     let settings = loaded.settings;
+    let data_path = args
+        .data
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
+    check_paths(&args, &data_path)?;
     let model = GptModel::new(gpt.clone())?;
     let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, args.seed)
         .with_context(|| format!("config {}", args.config.display()))?;
@@ -160,10 +157,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let engine_cfg = engine_cfg.clone();
 
     super::preflight::check(&args.preflight, &settings, &engine_cfg, model.spec(), &gpt)?;
-    let data_path = args
-        .data
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
     let data = DataLoader::new(
         read_corpus(&data_path, args.data.is_none())?,
         gpt.context,
@@ -186,13 +179,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
         comm_options.trace = TraceLevel::Info;
     }
+    let signals = Signals::register()?;
     let trainer = trainer
         .with_comm_options(comm_options)
+        .with_stop_flag(signals.flag.clone())
         .keep_params(args.save.is_some());
     let metrics = match &args.metrics {
-        Some(p) => Some(MetricsWriter::new(BufWriter::new(
-            File::create(p).with_context(|| format!("creating metrics file {}", p.display()))?,
-        ))),
+        Some(p) => Some(
+            MetricsFile::create(p)
+                .with_context(|| format!("creating metrics file {}", p.display()))?,
+        ),
         None => None,
     };
     let num_params = model.spec().num_params();
@@ -233,9 +229,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     }
     let outcome = trainer.run(&source, args.steps, &observers)?;
     progress.bar.finish_and_clear();
-    if let Some(m) = metrics {
-        m.into_inner()?;
-    }
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(Some(last)) = outcome.last.first() {
         eprintln!(
@@ -243,11 +236,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
              (peak {})",
             last.step,
             last.loss,
-            (args.steps as usize * tokens_per_step) as f64 / elapsed,
+            (outcome.steps as usize * tokens_per_step) as f64 / elapsed,
             human_bytes(last.memory.total),
             human_bytes(last.peak_bytes)
         );
     }
+    if let Some(code) = signals.exit_code() {
+        eprintln!(
+            "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
+            signals.name(),
+            outcome.steps,
+            args.steps,
+            if args.save.is_some() {
+                "; nothing was saved (--save writes only at the end of a run)"
+            } else {
+                ""
+            }
+        );
+        return Ok(code);
+    }
+    check_final(&outcome)?;
     if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
@@ -305,6 +313,106 @@ impl StepObserver for ProgressLog {
             self.println(format!("step {} {msg}", report.step));
         }
         Ok(())
+    }
+}
+
+/// Every output must be a new or replaceable file in a writable directory, and none may be an
+/// input: checked before the first step, so no input is ever overwritten and no run fails to save
+/// at its end.
+fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
+    let mut inputs = vec![
+        NamedPath {
+            name: "--config",
+            path: &args.config,
+        },
+        NamedPath {
+            name: "--data",
+            path: data,
+        },
+    ];
+    if let Some(p) = &args.init {
+        inputs.push(NamedPath {
+            name: "--init",
+            path: p,
+        });
+    }
+    let outputs: Vec<NamedPath<'_>> = [("--save", &args.save), ("--metrics", &args.metrics)]
+        .into_iter()
+        .filter_map(|(name, p)| p.as_deref().map(|path| NamedPath { name, path }))
+        .collect();
+    check_outputs(&inputs, &outputs)?;
+    Ok(())
+}
+
+/// A run must end with a finite loss and at least one applied update; otherwise it exits non-zero
+/// (and saves nothing).
+fn check_final(outcome: &TrainOutcome) -> anyhow::Result<()> {
+    let Some(Some(last)) = outcome.last.first() else {
+        return Ok(());
+    };
+    if outcome.applied_steps == 0 {
+        bail!(
+            "every one of the {} steps was skipped because its gradients held Inf/NaN (last in: \
+             {}); nothing was trained. Check the --init weights and the data, lower the learning \
+             rate, or use fp32",
+            outcome.steps,
+            last.non_finite_units.join(", ")
+        );
+    }
+    if !last.loss.is_finite() {
+        bail!(
+            "the run ended with a non-finite loss ({}) at step {}; nothing was saved. Lower the \
+             learning rate, enable gradient_clipping, or check the --init weights",
+            last.loss,
+            last.step
+        );
+    }
+    Ok(())
+}
+
+/// SIGINT and SIGTERM set one flag the trainer polls between steps (the ranks agree on it), so
+/// the run ends after the current step with whole metrics lines; the exit status says which signal
+/// (130, 143). A second SIGINT ends the process at once.
+struct Signals {
+    flag: Arc<AtomicBool>,
+    term: Arc<AtomicBool>,
+    int: Arc<AtomicBool>,
+}
+
+impl Signals {
+    fn register() -> anyhow::Result<Self> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        use signal_hook::flag;
+        let s = Signals {
+            flag: Arc::new(AtomicBool::new(false)),
+            term: Arc::new(AtomicBool::new(false)),
+            int: Arc::new(AtomicBool::new(false)),
+        };
+        // Registered first, so a second SIGINT finds the flag already set and exits.
+        flag::register_conditional_shutdown(SIGINT, 130, s.int.clone())
+            .context("installing the SIGINT handler")?;
+        for (sig, which) in [(SIGINT, &s.int), (SIGTERM, &s.term)] {
+            flag::register(sig, which.clone()).context("installing a signal handler")?;
+            flag::register(sig, s.flag.clone()).context("installing a signal handler")?;
+        }
+        Ok(s)
+    }
+
+    fn exit_code(&self) -> Option<i32> {
+        if self.int.load(Ordering::SeqCst) {
+            Some(130)
+        } else if self.term.load(Ordering::SeqCst) {
+            Some(143)
+        } else {
+            None
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self.exit_code() {
+            Some(130) => "SIGINT",
+            _ => "SIGTERM",
+        }
     }
 }
 

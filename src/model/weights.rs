@@ -53,6 +53,16 @@ pub enum WeightsError {
         alias: String,
         target: String,
     },
+    #[error(
+        "{path}: tensor {name} holds {value} at flat index {index}; training from non-finite \
+         weights gives a NaN loss, so fix or regenerate the file"
+    )]
+    NonFinite {
+        path: PathBuf,
+        name: String,
+        index: usize,
+        value: f32,
+    },
     #[error("cannot save: {got} unit buffers given, the model has {expected} units")]
     UnitCount { expected: usize, got: usize },
     #[error("cannot save: unit {unit} buffer has {got} elements, the model needs {expected}")]
@@ -171,6 +181,14 @@ pub fn load_safetensors(path: &Path, spec: &ModelSpec) -> Result<Vec<Vec<f32>>, 
     let mut buffers: Vec<Vec<f32>> = spec.units.iter().map(|u| vec![0.0; u.numel()]).collect();
     for (name, &(u, off, shape)) in &wanted {
         let values = to_f32(path, name, &views[*name])?;
+        if let Some(index) = values.iter().position(|x| !x.is_finite()) {
+            return Err(WeightsError::NonFinite {
+                path: path.to_path_buf(),
+                name: name.to_string(),
+                index,
+                value: values[index],
+            });
+        }
         let n: usize = shape.iter().product();
         buffers[u][off..off + n].copy_from_slice(&values);
     }
@@ -238,15 +256,32 @@ pub fn save_safetensors(
         s.push(".tmp");
         PathBuf::from(s)
     };
-    safetensors::serialize_to_file(views, None, &tmp).map_err(|e| match e {
-        safetensors::SafeTensorError::IoError(source) => WeightsError::Write {
-            path: tmp.clone(),
-            source,
-        },
-        other => format_err(other.to_string()),
-    })?;
-    std::fs::rename(&tmp, path).map_err(|source| WeightsError::Write {
-        path: path.to_path_buf(),
-        source,
-    })
+    // Written beside the target and renamed over it only once complete and on disk, so a crash,
+    // a full disk or a signal leaves the previous file whole; a failed write leaves no temporary.
+    let written = safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(source) => WeightsError::Write {
+                path: tmp.clone(),
+                source,
+            },
+            other => format_err(other.to_string()),
+        })
+        .and_then(|()| {
+            std::fs::File::open(&tmp)
+                .and_then(|f| f.sync_all())
+                .map_err(|source| WeightsError::Write {
+                    path: tmp.clone(),
+                    source,
+                })
+        })
+        .and_then(|()| {
+            std::fs::rename(&tmp, path).map_err(|source| WeightsError::Write {
+                path: path.to_path_buf(),
+                source,
+            })
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }

@@ -24,15 +24,18 @@
 //! ```
 
 mod observers;
+pub mod outputs;
 
-pub use observers::{metrics_line, step_log_line, MetricsWriter, ReportLog};
+pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
 
-use crate::comm::{run_ranks, CommError, CommOptions};
+use crate::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
 use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settings};
 use crate::optim::scheduler::lr_at;
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Why training could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -169,6 +172,12 @@ impl LrSchedule {
 pub struct TrainOutcome {
     /// Each rank's last step report (`None` for a run of 0 steps), in rank order.
     pub last: Vec<Option<StepReport>>,
+    /// Optimizer steps taken (the same on every rank): fewer than asked when stopped.
+    pub steps: u64,
+    /// Of those, the steps whose update was applied (not skipped for Inf/NaN gradients).
+    pub applied_steps: u64,
+    /// Whether the stop flag ([`Trainer::with_stop_flag`]) ended the run early.
+    pub stopped: bool,
     /// The trained full parameters per unit (unpadded, under mixed precision the fp32 master
     /// weights), when [`Trainer::keep_params`] asked for them. Every rank's copy is checked equal.
     pub params: Option<Vec<Vec<f32>>>,
@@ -183,6 +192,7 @@ pub struct Trainer<'m, M: UnitModel> {
     init: Option<Vec<Vec<f32>>>,
     threads_per_rank: usize,
     keep_params: bool,
+    stop: Option<Arc<AtomicBool>>,
 }
 
 impl<'m, M: UnitModel> Trainer<'m, M> {
@@ -198,6 +208,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             comm: CommOptions::default(),
             init: None,
             keep_params: false,
+            stop: None,
         }
     }
 
@@ -251,6 +262,13 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.threads_per_rank = threads.max(1);
         self
     }
+    /// Stop after the step during which `flag` became true (a signal handler sets it). The ranks
+    /// agree on it with a one-float all-reduce after every step, so every rank stops after the
+    /// same step and no collective is left waiting for a rank that already stopped.
+    pub fn with_stop_flag(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.stop = Some(flag);
+        self
+    }
     /// Hand back the trained parameters in [`TrainOutcome::params`].
     pub fn keep_params(mut self, keep: bool) -> Self {
         self.keep_params = keep;
@@ -293,7 +311,12 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         .map_err(|e| TrainerError::Ranks(e.to_string()))?;
         let mut last = Vec::with_capacity(world);
         let mut params: Option<Vec<Vec<f32>>> = None;
-        for (rank, (report, p)) in finals.into_iter().enumerate() {
+        let (mut taken, mut applied_steps, mut stopped) = (0, 0, false);
+        for (rank, f) in finals.into_iter().enumerate() {
+            let (report, p) = (f.last, f.params);
+            if rank == 0 {
+                (taken, applied_steps, stopped) = (f.steps, f.applied, f.stopped);
+            }
             last.push(report);
             if let (Some(p0), Some(p)) = (&params, &p) {
                 if p0 != p {
@@ -305,13 +328,19 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
                 params = p;
             }
         }
-        Ok(TrainOutcome { last, params })
+        Ok(TrainOutcome {
+            last,
+            steps: taken,
+            applied_steps,
+            stopped,
+            params,
+        })
     }
 
     /// One rank: build its engine, then step, report, repeat.
     fn rank_loop(
         &self,
-        comm: &dyn crate::comm::Communicator,
+        comm: &dyn Communicator,
         rank: usize,
         data: &dyn DataSource<M::Batch>,
         steps: u64,
@@ -329,6 +358,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         let mut last = None;
         // Optimizer steps actually applied: skipped steps do not advance the scheduler.
         let mut applied = 0;
+        let mut taken = 0;
+        let mut stopped = false;
         for step in 0..steps {
             let batches = (0..ga)
                 .map(|micro| self.micro_batch(data, step, rank, micro))
@@ -350,12 +381,39 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
                 o.on_step(&event)?;
             }
             last = Some(report);
+            taken += 1;
+            if step + 1 < steps && self.stop_agreed(comm)? {
+                stopped = true;
+                break;
+            }
         }
-        let params = match self.keep_params {
+        let params = match self.keep_params && !stopped {
             true => Some(engine.full_params()?),
             false => None,
         };
-        Ok((last, params))
+        Ok(RankFinal {
+            last,
+            params,
+            steps: taken,
+            applied,
+            stopped,
+        })
+    }
+
+    /// Whether any rank's stop flag is set, agreed by every rank (false without a flag).
+    fn stop_agreed(&self, comm: &dyn Communicator) -> Result<bool, TrainerError> {
+        let Some(flag) = &self.stop else {
+            return Ok(false);
+        };
+        let mine = if flag.load(Ordering::SeqCst) {
+            1.0
+        } else {
+            0.0
+        };
+        let all = comm
+            .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)
+            .wait_one()?;
+        Ok(all.get_f32(0) > 0.0)
     }
 
     fn micro_batch(
@@ -384,8 +442,15 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
     }
 }
 
-/// A rank's last report and, when kept, its trained parameters.
-type RankFinal = (Option<StepReport>, Option<Vec<Vec<f32>>>);
+/// How a rank's loop ended.
+struct RankFinal {
+    last: Option<StepReport>,
+    /// Its trained parameters, when kept (not after a stop).
+    params: Option<Vec<Vec<f32>>>,
+    steps: u64,
+    applied: u64,
+    stopped: bool,
+}
 
 /// Rayon threads per rank: the cores shared out among the ranks.
 pub fn rank_threads(world: usize) -> usize {

@@ -22,7 +22,9 @@ use super::{StepEvent, StepObserver, TrainerError};
 use crate::comm::CollectiveKind;
 use crate::memory::accounting::TrafficByKind;
 use crate::zero::{Stage, StepReport};
-use std::io::Write;
+use std::fs::File;
+use std::io::{Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// One metrics line: what rank `rank` did in one optimizer step.
@@ -88,28 +90,57 @@ pub fn step_log_line(r: &StepReport) -> Option<String> {
     }
 }
 
-/// Writes every rank's metrics lines ([`metrics_line`]) to one writer, a whole line at a time.
-pub struct MetricsWriter<W: Write + Send> {
-    out: Mutex<W>,
+/// Writes every rank's metrics lines ([`metrics_line`]) to a file, one whole line per write,
+/// flushed at once: a reader (or a run stopped by a signal) never sees a torn line. If a write
+/// fails (a full disk), the file is cut back to its last whole line, a warning is printed once,
+/// and training goes on without metrics: a log that cannot be written is no reason to lose a run.
+pub struct MetricsFile {
+    path: PathBuf,
+    state: Mutex<MetricsState>,
 }
 
-impl<W: Write + Send> MetricsWriter<W> {
-    pub fn new(out: W) -> Self {
-        MetricsWriter {
-            out: Mutex::new(out),
-        }
+struct MetricsState {
+    file: File,
+    /// Bytes of whole lines written so far.
+    good_len: u64,
+    /// The first write error; nothing is written after it.
+    failed: Option<String>,
+    line: String,
+}
+
+impl MetricsFile {
+    /// Create (truncate) `path`.
+    pub fn create(path: &Path) -> std::io::Result<Self> {
+        let file = File::create(path)?;
+        Ok(MetricsFile {
+            path: path.to_path_buf(),
+            state: Mutex::new(MetricsState {
+                file,
+                good_len: 0,
+                failed: None,
+                line: String::new(),
+            }),
+        })
     }
-    /// The writer back, flushed.
-    pub fn into_inner(self) -> std::io::Result<W> {
-        let mut w = self.out.into_inner().unwrap_or_else(|e| e.into_inner());
-        w.flush()?;
-        Ok(w)
+
+    /// The write error that stopped the metrics, if any.
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failed.clone()
+    }
+
+    /// Whole lines written so far, in bytes.
+    pub fn bytes_written(&self) -> u64 {
+        self.lock().good_len
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MetricsState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-impl<W: Write + Send> StepObserver for MetricsWriter<W> {
+impl StepObserver for MetricsFile {
     fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
-        let line = metrics_line(
+        let value = metrics_line(
             e.rank,
             e.world_size,
             e.stage,
@@ -117,9 +148,39 @@ impl<W: Write + Send> StepObserver for MetricsWriter<W> {
             e.tokens_per_s,
             e.report,
         );
-        let mut w = self.out.lock().unwrap_or_else(|e| e.into_inner());
-        writeln!(w, "{line}").map_err(|err| TrainerError::Observer(format!("metrics: {err}")))
+        let mut st = self.lock();
+        if st.failed.is_some() {
+            return Ok(());
+        }
+        let st = &mut *st;
+        st.line.clear();
+        st.line.push_str(&value.to_string());
+        st.line.push('\n');
+        match st.file.write_all(st.line.as_bytes()) {
+            Ok(()) => st.good_len += st.line.len() as u64,
+            Err(err) => {
+                // Cut a partly written line off, so the file stays whole lines.
+                let _ = st.file.set_len(st.good_len);
+                let _ = st.file.seek(SeekFrom::Start(st.good_len));
+                let msg = format!(
+                    "metrics file {}: {err}; training goes on, metrics from rank {} step {} on are \
+                     not recorded",
+                    self.path.display(),
+                    e.rank,
+                    e.report.step
+                );
+                eprintln_quiet(&format!("warning: {msg}"));
+                st.failed = Some(msg);
+            }
+        }
+        Ok(())
     }
+}
+
+/// A line to stderr that cannot panic (a closed or full stderr loses the line, nothing else).
+pub fn eprintln_quiet(line: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}");
 }
 
 /// Keeps every rank's reports, in step order: `reports()[rank][step]`.
