@@ -1,6 +1,6 @@
 //! Flat buffers and their partition (FSDP2-style per-unit sharding).
 //!
-//! Each unit's parameters live in one contiguous flat buffer in [`UnitSpec`](crate::model::UnitSpec) order, padded with
+//! Each unit's parameters live in one contiguous flat buffer in [`UnitSpec`](crate::zero::unit::UnitSpec) order, padded with
 //! zeros to a multiple of `world_size * SHARD_ALIGN` elements and split into `world_size` equal
 //! shards: rank r owns shard r of every unit. So one unit costs exactly one all-gather and one
 //! reduce-scatter, and every shard starts on an aligned element.

@@ -1,6 +1,6 @@
 //! The ZeRO engine: flat buffers, partitions, stages 0-3.
 //!
-//! * [`unit`]: the contract a model implements to be trained: units, parameters, batches.
+//! * [`unit`](mod@unit): the contract a model implements to be trained: units, parameters, batches.
 //! * [`config`]: [`EngineConfig`], a plain struct (the CLI maps DeepSpeed settings onto it).
 //! * [`flat`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
 //! * [`schedule`]: the static visit order of a step and when tied gradients are complete.

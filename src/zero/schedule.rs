@@ -2,7 +2,7 @@
 //! that every rank issues the same collectives in the same order without talking about it.
 //!
 //! A micro-step visits units forward `0..U` then backward `U-1..=0`; each visit needs the unit's own
-//! parameters and those of the units it [`uses`](crate::model::UnitSpec::uses). A tied unit's
+//! parameters and those of the units it [`uses`](crate::zero::unit::UnitSpec::uses). A tied unit's
 //! gradient is complete only after the backward of its last user, so its reduction waits for that.
 
 use crate::zero::unit::ModelSpec;
