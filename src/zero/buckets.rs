@@ -20,7 +20,8 @@
 
 use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
-use super::precision::{FlatBuffer, Slice, SliceMut};
+use super::precision::{FlatBuffer, Slice};
+use super::state::FlatState;
 use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType, ReduceOp};
 
 /// What a bucket does and where its results go.
@@ -37,39 +38,6 @@ pub enum BucketMode {
     /// Stages 1-2 after the optimizer step: all-gather the updated parameter shards into the full
     /// parameter buffers.
     AllGather,
-}
-
-/// The flat buffers buckets read from and write to.
-#[derive(Debug)]
-pub struct FlatState {
-    /// Full padded parameters per unit in the parameter dtype (stages 0-2; empty at stage 3).
-    pub params: Vec<Buffer>,
-    /// Full padded f32 gradients per unit, as the model writes them: persistent at stages 0-1 with
-    /// f32 gradients, transient otherwise (a unit's entry is empty while it holds no gradient).
-    pub grads: Vec<Vec<f32>>,
-    /// Stages 0-1 with non-f32 gradients: the kept full gradients per unit, in the accumulation
-    /// dtype (empty otherwise).
-    pub kept_grads: Vec<Buffer>,
-    /// The rank's gradient shards of every unit, concatenated, in the accumulation dtype
-    /// (stages 2-3).
-    pub grad_shards: Buffer,
-}
-
-impl FlatState {
-    /// Unit `unit`'s full gradient as the stage 0-1 buckets read it.
-    pub fn full_grad(&self, unit: usize, r: std::ops::Range<usize>) -> Slice<'_> {
-        match self.kept_grads.get(unit) {
-            Some(b) => b.slice(r),
-            None => Slice::F32(&self.grads[unit][r]),
-        }
-    }
-    /// Unit `unit`'s full gradient as the stage 0-1 buckets write it.
-    pub fn full_grad_mut(&mut self, unit: usize, r: std::ops::Range<usize>) -> SliceMut<'_> {
-        match self.kept_grads.get_mut(unit) {
-            Some(b) => b.slice_mut(r),
-            None => SliceMut::F32(&mut self.grads[unit][r]),
-        }
-    }
 }
 
 /// A piece of one unit in a bucket.
@@ -223,7 +191,7 @@ impl Buckets {
                     let to = layout.rank * region + seg.offset;
                     slot.big
                         .slice_mut(to..to + len)
-                        .copy_from(state.params[unit].slice(from..from + len));
+                        .copy_from(state.params(unit).slice(from..from + len));
                 }
             }
             slot.segments.push(seg);
@@ -331,7 +299,7 @@ impl Buckets {
                 BucketMode::ReduceScatterAccumulate => {
                     let at = layout.shard_slot(seg.unit).start + seg.start;
                     state
-                        .grad_shards
+                        .grad_shards_mut()
                         .slice_mut(at..at + seg.len)
                         .add(big.slice(own + res.start..own + res.end));
                 }
@@ -339,7 +307,8 @@ impl Buckets {
                     for q in 0..world {
                         let to = q * u.shard_len + seg.start;
                         let from = q * used + seg.offset;
-                        state.params[seg.unit]
+                        state
+                            .full_params_mut(seg.unit)
                             .slice_mut(to..to + seg.len)
                             .copy_from(big.slice(from..from + seg.len));
                     }

@@ -1,18 +1,26 @@
 //! The ZeRO engine: one rank's training step at stages 0-3 over a [`UnitModel`].
 //!
-//! One step, in order (every rank runs the same sequence, so collectives always match):
-//! 1. For each micro-batch: forward unit by unit, then backward unit by unit. Stage 3 gathers each
-//!    visit's units through the [`Coordinator`]. Units under activation checkpointing, and at stage
-//!    3 units beyond `max_reuse_distance` or the `max_live_parameters` budget, run their forward
-//!    without a graph (keeping only their input) and are gathered again and recomputed in backward:
-//!    a candle graph holds the weights it was built from, so keeping it would keep the gathered
-//!    weights alive. As soon as a unit's gradient is complete (after its last user's backward) it
-//!    goes into the reduction [`Buckets`]: on every micro-step at stages 2-3, on the last one at
-//!    stages 0-1.
-//! 2. One two-float all-reduce: the global-batch loss and the squared gradient norm of all shards.
-//! 3. Adam/AdamW on the rank's part (everything at stage 0, the own shard otherwise), with the clip
-//!    factor fused into the gradient scale.
-//! 4. Stages 1-2 all-gather the updated shards into the full parameters; stage 3 leaves them sharded.
+//! A rank keeps its parameters and gradients in a [`FlatState`], whose [`StageState`] has one
+//! variant per stage layout (replicated at stages 0-1, sharded gradients at stage 2, sharded
+//! parameters with their [`Coordinator`] at stage 3), and what it knows about each unit (Adam
+//! state, fp32 master, schedule facts) in one `UnitState` per unit.
+//!
+//! One step, in order (every rank runs the same sequence, so collectives always match), each phase
+//! one method of [`Engine`] that [`Engine::train_step`] calls in turn:
+//! 1. `zero_grads`, then for each micro-batch `forward` unit by unit and `backward` unit by unit.
+//!    Stage 3 gathers each visit's units through the coordinator. Units under activation
+//!    checkpointing, and at stage 3 units beyond `max_reuse_distance` or the `max_live_parameters`
+//!    budget, run their forward without a graph (keeping only their input) and are gathered again
+//!    and recomputed in backward: a candle graph holds the weights it was built from, so keeping it
+//!    would keep the gathered weights alive. As soon as a unit's gradient is complete (after its
+//!    last user's backward, `grad_complete`) it goes into the reduction [`Buckets`]: on every
+//!    micro-step at stages 2-3, on the last one at stages 0-1 (`finish_reduction` waits for them).
+//! 2. `global_norm_and_loss`: one two-float all-reduce, the global-batch loss and the squared
+//!    gradient norm of all shards; `judge` turns it into the skip verdict and the gradient factor.
+//! 3. `update`: Adam/AdamW on the rank's part (everything at stage 0, the own shard otherwise),
+//!    with the clip factor fused into the gradient scale.
+//! 4. `gather_updated`: stages 1-2 all-gather the updated shards into the full parameters; stage 3
+//!    leaves them sharded.
 //!
 //! Mixed precision (`param_dtype` bf16/f16, see [`super::precision`]): parameters, gradients and
 //! buckets are 16-bit, the model reads parameters widened into f32 scratch and writes f32
@@ -23,18 +31,20 @@
 //! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
 //! it out in the fused unscale-and-clip factor.
 
-use super::buckets::{BucketMode, Buckets, FlatState};
+use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::gather::Coordinator;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
-use super::precision::{adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy};
+use super::precision::{adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy, StepVerdict};
 use super::schedule;
-use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitModel};
+use super::state::{full_grad_of, FlatState, StageState};
+use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes};
 use crate::optim::adam::AdamState;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 /// Why the engine could not be built or could not take a step.
@@ -143,33 +153,100 @@ pub struct Engine<'a, M: UnitModel> {
     spec: ModelSpec,
     layout: FlatLayout,
     plan: BufferPlan,
+    /// The parameters and gradients, as the stage keeps them.
     state: FlatState,
-    /// Stage 3 only.
-    coordinator: Option<Coordinator>,
+    /// What the engine keeps per unit besides its flat buffers, in unit order.
+    units: Vec<UnitState>,
     buckets: Buckets,
-    /// Adam state per unit, over the part of the unit this rank updates.
-    adam: Vec<AdamState>,
-    /// Mixed precision: the fp32 master weights per unit, over the part this rank updates
-    /// (empty in fp32, where the parameters are their own master).
-    master: Vec<Vec<f32>>,
-    /// Mixed precision: f32 scratch the 16-bit parameters of a visit are widened into.
+    /// Mixed precision: f32 scratch the 16-bit parameters of a visit are widened into, one per
+    /// unit the visit reads.
     widened: Vec<Vec<f32>>,
+    grad_pool: GradPool,
     /// Loss scale and Inf/NaN skipping.
     policy: StepPolicy,
-    /// Free transient full-unit gradient buffers (stages 2-3).
-    grad_free: Vec<Vec<f32>>,
-    complete_after: Vec<Vec<usize>>,
-    /// The units each unit reads: itself, then its `uses`.
-    reads: Vec<Vec<usize>>,
-    /// Elements of weights a kept stage-3 forward graph holds until backward, per unit (0 for units
-    /// that are recomputed, and for the last unit, whose gathered parameters simply stay).
-    kept_graph: Vec<usize>,
-    /// Units whose forward runs without a graph and is recomputed in backward.
-    recompute: Vec<bool>,
     ledger: MemoryLedger,
     step: u64,
+    /// The two floats of the step's all-reduce (loss, squared norm), reused every step.
     scalars: Vec<f32>,
     phases: PhaseTimes,
+}
+
+/// What the engine keeps about one unit besides its flat buffers.
+struct UnitState {
+    /// The units the unit's forward and backward read: itself, then its `uses`.
+    reads: Vec<usize>,
+    /// The units whose gradients are complete once this unit's backward is done.
+    complete_after: Vec<usize>,
+    /// Whether its forward runs without a graph and is recomputed in backward.
+    recompute: bool,
+    /// Elements of weights its kept stage-3 forward graph holds until backward (0 for units that
+    /// are recomputed, and for the last unit, whose gathered parameters simply stay).
+    kept_graph: usize,
+    /// The part of its flat buffer this rank updates: all of it at stage 0, its own shard
+    /// otherwise.
+    updated: Range<usize>,
+    /// Adam state over `updated`.
+    adam: AdamState,
+    /// Mixed precision: the fp32 master weights over `updated` (`None` in fp32, where the
+    /// parameters are their own master).
+    master: Option<Vec<f32>>,
+}
+
+/// What a unit's forward leaves for its backward.
+enum Stash<M: UnitModel> {
+    /// A recomputed unit: its input, to run the forward again from in backward.
+    Input(Option<M::Act>),
+    /// What the forward kept for backward.
+    Saved(Option<M::Saved>),
+}
+
+/// The free transient full-unit f32 gradient buffers, allocated once (as many and as large as
+/// the plan says): a unit takes one when a backward first writes its gradient and gives it back
+/// once the gradient has been accumulated or reduced.
+struct GradPool {
+    free: Vec<Vec<f32>>,
+}
+
+impl GradPool {
+    fn new(plan: &BufferPlan) -> Self {
+        let free = (0..plan.grad_scratch_count)
+            .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
+            .collect();
+        GradPool { free }
+    }
+    /// A zeroed buffer of `len` elements.
+    fn take(&mut self, len: usize) -> Vec<f32> {
+        let mut g = self.free.pop().expect("gradient scratch sized by the plan");
+        g.resize(len, 0.0);
+        g
+    }
+    /// Take the buffer out of `slot` (leaving it empty) and keep it for reuse.
+    fn give(&mut self, slot: &mut Vec<f32>) {
+        let mut g = std::mem::take(slot);
+        g.clear();
+        self.free.push(g);
+    }
+}
+
+/// The step's agreed scalars.
+struct GlobalNorm {
+    /// The global-batch mean loss.
+    loss: f32,
+    /// The squared norm of the reduced gradient (loss-scaled under fp16).
+    sq: f64,
+    /// This rank's squared sum per unit of the reduced gradient it holds.
+    unit_sq: Vec<f64>,
+}
+
+/// What the step does with its gradients, and what it reports about them.
+struct Outcome {
+    loss: f32,
+    verdict: StepVerdict,
+    non_finite_units: Vec<String>,
+    /// The unscaled global norm before clipping.
+    grad_norm: f32,
+    /// The factor Adam applies to the gradients: unscale and clip in one.
+    grad_scale: f32,
 }
 
 impl<'a, M: UnitModel> Engine<'a, M> {
@@ -182,137 +259,32 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     ) -> Result<Self, EngineError> {
         let spec = model.spec().clone();
         validate(&spec, &cfg, comm)?;
-        let world = cfg.world_size;
-        let layout = FlatLayout::new(&spec, world, comm.rank());
+        let layout = FlatLayout::new(&spec, cfg.world_size, comm.rank());
         let plan = plan(&spec, &cfg);
-        let stage = cfg.stage;
-        let n = spec.units.len();
-        let mut ledger = MemoryLedger::new();
-        let (pdt, gdt) = (cfg.param_dtype, cfg.grad_accum_dtype);
-        let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision_name(pdt))?;
+        let precision = precision_name(cfg.param_dtype);
+        let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision)?;
 
-        let mut params = Vec::with_capacity(n);
-        let mut shards = Vec::new();
-        let mut master = Vec::new();
-        for (u, ul) in layout.units.iter().enumerate() {
-            let mut full = vec![0.0f32; ul.padded];
-            model.init_params(u, cfg.seed, &mut full[..ul.numel]);
-            if cfg.is_mixed() {
-                master.push(full[updated_part(&layout, stage, u)].to_vec());
-            }
-            if stage.shards_params() {
-                shards.push(buffer_from_f32(pdt, &full[layout.own_shard(u)]));
-            } else {
-                params.push(buffer_from_f32(pdt, &full));
-            }
-        }
-        let param_elems = if stage.shards_params() {
-            layout.shard_numel()
-        } else {
-            layout.padded_numel()
-        };
-        ledger.alloc(MemoryKind::Params, (param_elems * pdt.size()) as u64);
-        let master_elems: usize = master.iter().map(Vec::len).sum();
-        ledger.alloc(MemoryKind::Master, (master_elems * 4) as u64);
-
-        let no_grads = Buffer::zeros(gdt, 0);
-        let (grads, kept_grads, grad_shards, grad_elems) = if stage.shards_grads() {
-            let shards = Buffer::zeros(gdt, layout.shard_numel());
-            (
-                vec![Vec::new(); n],
-                Vec::new(),
-                shards,
-                layout.shard_numel(),
-            )
-        } else if cfg.transient_grads() {
-            let kept = layout
-                .units
-                .iter()
-                .map(|u| Buffer::zeros(gdt, u.padded))
-                .collect();
-            (vec![Vec::new(); n], kept, no_grads, layout.padded_numel())
-        } else {
-            let g = layout.units.iter().map(|u| vec![0.0; u.padded]).collect();
-            (g, Vec::new(), no_grads, layout.padded_numel())
-        };
-        ledger.alloc(MemoryKind::Grads, (grad_elems * gdt.size()) as u64);
-
-        let adam: Vec<AdamState> = layout
-            .units
-            .iter()
-            .map(|u| {
-                AdamState::new(if stage.shards_optimizer() {
-                    u.shard_len
-                } else {
-                    u.padded
-                })
-            })
-            .collect();
-        ledger.alloc(
-            MemoryKind::OptimizerStates,
-            adam.iter().map(|a| a.bytes() as u64).sum(),
-        );
-
-        let buckets = Buckets::new(&plan, world);
-        let grad_free = (0..plan.grad_scratch_count)
-            .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
-            .collect();
+        let (params, masters) = init_params(model, &cfg, &layout);
+        let units = unit_states(&spec, &cfg, &layout, &plan, masters);
+        let state = flat_state(&spec, &cfg, &layout, &plan, &units, params);
+        let ledger = initial_ledger(&cfg, &layout, &plan, &units);
+        let buckets = Buckets::new(&plan, cfg.world_size);
+        let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
             .map(|_| vec![0.0f32; plan.param_scratch_elems])
             .collect();
-        ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
-
-        let visits = schedule::visits(&spec, cfg.grad_accum);
-        let reads: Vec<Vec<usize>> = (0..n).map(|u| schedule::needs_of(&spec, u)).collect();
-        let kept_graph = kept_graph_elems(&spec, &layout, &plan);
-        // A unit that keeps its forward graph needs nothing gathered for its backward.
-        let gather_needs = schedule::gather_needs(&visits, &kept_graph);
-        let coordinator = stage.shards_params().then(|| {
-            let prefetch = if cfg.overlap_comm {
-                cfg.prefetch_bucket_size
-            } else {
-                0
-            };
-            Coordinator::new(
-                shards,
-                &layout,
-                plan.persistent.clone(),
-                plan.gather_pool_elems,
-                prefetch,
-                gather_needs,
-            )
-        });
-        let recompute = (0..n)
-            .map(|u| {
-                u + 1 != n
-                    && (cfg.activation_checkpointing
-                        || (stage.shards_params() && !plan.keep_graph[u]))
-            })
-            .collect();
-        let complete_after = schedule::complete_after(&spec);
         Ok(Engine {
             model,
             comm,
             spec,
             layout,
             plan,
-            state: FlatState {
-                params,
-                grads,
-                kept_grads,
-                grad_shards,
-            },
-            coordinator,
+            state,
+            units,
             buckets,
-            adam,
-            master,
             widened,
+            grad_pool,
             policy,
-            grad_free,
-            complete_after,
-            reads,
-            kept_graph,
-            recompute,
             ledger,
             step: 0,
             scalars: vec![0.0; 2],
@@ -350,20 +322,20 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 got: values.len(),
             });
         }
-        if self.cfg.is_mixed() {
-            let part = updated_part(&self.layout, self.cfg.stage, unit);
-            let m = &mut self.master[unit];
+        let us = &mut self.units[unit];
+        if let Some(m) = &mut us.master {
+            let part = &us.updated;
             m.fill(0.0);
             let end = part.end.min(ul.numel);
             if part.start < end {
                 m[..end - part.start].copy_from_slice(&values[part.start..end]);
             }
         }
-        match &mut self.coordinator {
-            Some(c) => {
-                c.invalidate()?;
+        match &mut self.state.stage {
+            StageState::ShardedParams { coordinator, .. } => {
+                coordinator.invalidate()?;
                 let own = self.layout.own_shard(unit);
-                let shard = &mut c.shards_mut()[unit];
+                let shard = &mut coordinator.shards_mut()[unit];
                 shard.fill_zero();
                 let end = own.end.min(ul.numel);
                 if own.start < end {
@@ -372,9 +344,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                         .copy_from(Slice::F32(&values[own.start..end]));
                 }
             }
-            None => self.state.params[unit]
-                .slice_mut(0..ul.numel)
-                .copy_from(Slice::F32(values)),
+            StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
+                params[unit]
+                    .slice_mut(0..ul.numel)
+                    .copy_from(Slice::F32(values))
+            }
         }
         Ok(())
     }
@@ -384,7 +358,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// a copy otherwise.
     pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
         let mut out = Vec::with_capacity(self.layout.num_units());
-        let mixed = self.cfg.is_mixed();
+        let sharded_master = self.cfg.stage.shards_optimizer();
         let gather = |shard: Buffer, padded: usize| -> Result<Vec<f32>, EngineError> {
             let full = self
                 .comm
@@ -392,13 +366,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             Ok(full.wait_pair()?.1.into_f32().expect("f32 gather"))
         };
         for (u, ul) in self.layout.units.iter().enumerate() {
-            let mut full = match &self.coordinator {
-                _ if mixed && self.cfg.stage.shards_optimizer() => {
-                    gather(Buffer::F32(self.master[u].clone()), ul.padded)?
+            let mut full = match (&self.units[u].master, &self.state.stage) {
+                (Some(m), _) if sharded_master => gather(Buffer::F32(m.clone()), ul.padded)?,
+                (Some(m), _) => m.clone(),
+                (None, StageState::ShardedParams { coordinator, .. }) => {
+                    gather(coordinator.shards()[u].clone(), ul.padded)?
                 }
-                _ if mixed => self.master[u].clone(),
-                Some(c) => gather(c.shards()[u].clone(), ul.padded)?,
-                None => self.state.params[u]
+                (None, _) => self
+                    .state
+                    .params(u)
                     .as_f32()
                     .expect("f32 parameters")
                     .to_vec(),
@@ -415,119 +391,313 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         micro_batches: &[M::Batch],
         lr: f32,
     ) -> Result<StepReport, EngineError> {
-        let ga = self.cfg.grad_accum;
-        if micro_batches.len() != ga {
+        if micro_batches.len() != self.cfg.grad_accum {
             return Err(EngineError::MicroBatches {
                 step: self.step + 1,
                 got: micro_batches.len(),
-                expected: ga,
+                expected: self.cfg.grad_accum,
             });
         }
         let start = Instant::now();
-        self.phases = PhaseTimes::default();
         let traffic_before = self.comm.traffic();
-        let stage = self.cfg.stage;
-        self.buckets.set_mode(match stage {
+        self.phases = PhaseTimes::default();
+        let loss_scale = self.policy.loss_scale();
+        self.zero_grads();
+        let mut loss_sum = 0.0f64;
+        let mut counts = BatchCounts::default();
+        for (micro, batch) in micro_batches.iter().enumerate() {
+            let (loss, stash) = self.forward(micro, batch)?;
+            self.backward(micro, batch, stash)?;
+            self.finish_reduction(micro)?;
+            loss_sum += f64::from(loss);
+            counts = counts + self.model.batch_counts(batch);
+        }
+        let t = Instant::now();
+        self.release_all()?;
+        let norm = self.global_norm_and_loss(loss_sum)?;
+        let outcome = self.judge(norm, loss_scale)?;
+        self.phases.comm += t.elapsed().as_secs_f64();
+        if !outcome.verdict.skipped {
+            self.update(lr, outcome.grad_scale);
+            self.gather_updated()?;
+        }
+        self.step += 1;
+        Ok(self.report(outcome, lr, counts, start, &traffic_before))
+    }
+
+    /// Start a step: zero the kept gradients and set the buckets to the stage's reduction.
+    fn zero_grads(&mut self) {
+        self.buckets.set_mode(match self.cfg.stage {
             Stage::Zero0 => BucketMode::AllReduce,
             Stage::Zero1 => BucketMode::ReduceScatterStore,
             Stage::Zero2 | Stage::Zero3 => BucketMode::ReduceScatterAccumulate,
         });
-        if stage.shards_grads() {
-            self.state.grad_shards.fill_zero();
-        } else if self.cfg.transient_grads() {
-            self.state.kept_grads.iter_mut().for_each(|g| g.fill_zero());
-        } else {
-            self.state.grads.iter_mut().for_each(|g| g.fill(0.0));
+        match &mut self.state.stage {
+            StageState::Replicated {
+                kept_grads: Some(kept),
+                ..
+            } => kept.iter_mut().for_each(|g| g.fill_zero()),
+            StageState::Replicated {
+                kept_grads: None, ..
+            } => self.state.grads.iter_mut().for_each(|g| g.fill(0.0)),
+            StageState::ShardedGrads { grad_shards, .. }
+            | StageState::ShardedParams { grad_shards, .. } => grad_shards.fill_zero(),
         }
-        let loss_scale = self.policy.loss_scale();
+    }
 
-        let mut loss_sum = 0.0f64;
-        let mut counts = BatchCounts::default();
-        for (m, batch) in micro_batches.iter().enumerate() {
-            loss_sum += f64::from(self.micro_step(m, batch)?);
-            counts = counts + self.model.batch_counts(batch);
+    /// Forward of micro-batch `micro`, unit by unit: returns its loss and what each unit left
+    /// for its backward.
+    fn forward(
+        &mut self,
+        micro: usize,
+        batch: &M::Batch,
+    ) -> Result<(f32, Vec<Stash<M>>), EngineError> {
+        let n = self.layout.num_units();
+        let mut stash = Vec::with_capacity(n);
+        let mut x: Option<M::Act> = None;
+        let mut loss = None;
+        for u in 0..n {
+            let pos = micro * 2 * n + u;
+            self.acquire(pos)?;
+            let recompute = self.units[u].recompute;
+            let mode = match recompute {
+                true => ForwardMode::NoGrad,
+                false => ForwardMode::Train,
+            };
+            let t = Instant::now();
+            let out = self.run_forward(u, x.as_ref(), batch, mode)?;
+            self.phases.forward += t.elapsed().as_secs_f64();
+            let kept = (self.units[u].kept_graph * 4) as u64;
+            self.ledger.alloc(MemoryKind::Gather, kept);
+            self.release(pos);
+            stash.push(match recompute {
+                true => Stash::Input(x),
+                false => Stash::Saved(out.saved),
+            });
+            x = out.output;
+            if out.loss.is_some() {
+                loss = out.loss;
+            }
         }
-        let t = Instant::now();
-        if let Some(c) = &mut self.coordinator {
-            c.invalidate()?;
-        }
+        let loss = loss.ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "the last unit ({}) returned no loss",
+                self.spec.units[n - 1].name
+            ))
+        })?;
+        Ok((loss, stash))
+    }
 
-        // The global-batch loss and the squared norm of the reduced gradient, in one collective.
-        // The squared norm also carries the overflow verdict: a sum with an Inf/NaN term is
-        // Inf/NaN, so every rank sees a non-finite total exactly when some rank's shard held one.
-        let world = self.cfg.world_size as f64;
+    /// Backward of micro-batch `micro`, from the last unit to the first. Each unit's gradient goes
+    /// on (see [`Engine::grad_complete`]) as soon as its last user's backward is done.
+    fn backward(
+        &mut self,
+        micro: usize,
+        batch: &M::Batch,
+        stash: Vec<Stash<M>>,
+    ) -> Result<(), EngineError> {
+        let n = self.layout.num_units();
+        let reduce = self.reduces_at(micro);
+        // fp16 scales the loss (and so every gradient) by the loss scale; 1 otherwise.
+        let weight = self.policy.loss_scale() as f32 / self.cfg.grad_accum as f32;
+        let model = self.model;
+        let mut grad: Option<M::Act> = None;
+        for (u, stashed) in stash.into_iter().enumerate().rev() {
+            let pos = micro * 2 * n + 2 * n - 1 - u;
+            self.acquire(pos)?;
+            let saved = self.saved_for_backward(u, stashed, batch)?;
+            self.provide_grads(u);
+            let t = Instant::now();
+            let mut grads = grad_slices(&mut self.state.grads, &self.units[u].reads, &self.layout);
+            grad = model.backward(u, saved, grad.as_ref(), weight, &mut grads)?;
+            self.phases.backward += t.elapsed().as_secs_f64();
+            let kept = (self.units[u].kept_graph * 4) as u64;
+            self.ledger.free(MemoryKind::Gather, kept);
+            self.release(pos);
+            let t = Instant::now();
+            for i in 0..self.units[u].complete_after.len() {
+                self.grad_complete(self.units[u].complete_after[i], reduce)?;
+            }
+            self.phases.comm += t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// What unit `unit`'s backward starts from: what its forward kept or, for a recomputed unit,
+    /// what a forward run again from its input keeps.
+    fn saved_for_backward(
+        &mut self,
+        unit: usize,
+        stashed: Stash<M>,
+        batch: &M::Batch,
+    ) -> Result<M::Saved, EngineError> {
+        let saved = match stashed {
+            Stash::Saved(saved) => saved,
+            Stash::Input(x) => {
+                let t = Instant::now();
+                let out = self.run_forward(unit, x.as_ref(), batch, ForwardMode::Train)?;
+                self.phases.recompute += t.elapsed().as_secs_f64();
+                out.saved
+            }
+        };
+        let missing = || {
+            ModelError::Invalid(format!(
+                "unit {} ({}) returned nothing to backward from a Train forward",
+                unit, self.spec.units[unit].name
+            ))
+        };
+        Ok(saved.ok_or_else(missing)?)
+    }
+
+    /// Run unit `unit`'s forward on the parameters it reads.
+    fn run_forward(
+        &mut self,
+        unit: usize,
+        input: Option<&M::Act>,
+        batch: &M::Batch,
+        mode: ForwardMode,
+    ) -> Result<UnitForward<M::Act, M::Saved>, ModelError> {
+        self.widen_params(unit);
+        let params = self.param_slices(unit);
+        self.model.forward(unit, &params, input, batch, mode)
+    }
+
+    /// Transient gradients: give every unit that unit `unit`'s backward writes into a zeroed f32
+    /// buffer, unless it holds one already (a tied unit, from an earlier user's backward).
+    fn provide_grads(&mut self, unit: usize) {
+        if !self.state.stage.transient_grads() {
+            return;
+        }
+        for &k in &self.units[unit].reads {
+            if self.state.grads[k].is_empty() {
+                self.state.grads[k] = self.grad_pool.take(self.layout.units[k].padded);
+            }
+        }
+    }
+
+    /// Whether micro-step `micro` reduces its gradients: every one at stages 2-3, which keep only
+    /// their shard of them, the last one at stages 0-1, which accumulate full gradients until then.
+    fn reduces_at(&self, micro: usize) -> bool {
+        match self.state.stage {
+            StageState::Replicated { .. } => micro + 1 == self.cfg.grad_accum,
+            StageState::ShardedGrads { .. } | StageState::ShardedParams { .. } => true,
+        }
+    }
+
+    /// Unit `unit`'s gradient of this micro-step is complete: accumulate it where the stage keeps
+    /// it and, if the micro-step reduces, push it into the buckets.
+    fn grad_complete(&mut self, unit: usize, reduce: bool) -> Result<(), CommError> {
+        match &mut self.state.stage {
+            StageState::Replicated { kept_grads, .. } => {
+                if let Some(kept) = kept_grads {
+                    // 16-bit accumulation: the model's f32 gradient is added into the kept one.
+                    kept[unit]
+                        .all_mut()
+                        .add(Slice::F32(&self.state.grads[unit]));
+                    self.grad_pool.give(&mut self.state.grads[unit]);
+                }
+                if reduce {
+                    self.buckets
+                        .push(self.comm, unit, &mut self.state, &self.layout)?;
+                }
+            }
+            StageState::ShardedGrads { .. } | StageState::ShardedParams { .. } => {
+                // The buckets copy it: the transient gradient is free once pushed.
+                self.buckets
+                    .push(self.comm, unit, &mut self.state, &self.layout)?;
+                self.grad_pool.give(&mut self.state.grads[unit]);
+            }
+        }
+        Ok(())
+    }
+
+    /// After micro-step `micro`'s backward: launch the last reduction bucket, if the micro-step
+    /// reduces, and wait for all of them.
+    fn finish_reduction(&mut self, micro: usize) -> Result<(), CommError> {
+        if self.reduces_at(micro) {
+            let t = Instant::now();
+            self.buckets
+                .flush(self.comm, &mut self.state, &self.layout)?;
+            self.phases.comm += t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// Stage 3: release every gathered unit (the parameters are about to change) and start the
+    /// next step's visits.
+    fn release_all(&mut self) -> Result<(), CommError> {
+        if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
+            coordinator.invalidate()?;
+        }
+        Ok(())
+    }
+
+    /// The global-batch loss and the squared norm of the reduced gradient, in one two-float
+    /// all-reduce. The squared norm also carries the overflow verdict: a sum with an Inf/NaN term
+    /// is Inf/NaN, so every rank sees a non-finite total exactly when some rank's shard held one.
+    fn global_norm_and_loss(&mut self, loss_sum: f64) -> Result<GlobalNorm, EngineError> {
         let unit_sq: Vec<f64> = (0..self.layout.num_units())
             .map(|u| self.reduced_grad(u).sum_of_squares())
             .collect();
-        let local_sq = match stage {
-            // Every rank holds the whole averaged gradient: its norm needs no communication.
-            Stage::Zero0 => 0.0,
-            _ => unit_sq.iter().sum(),
-        };
+        // Stage 0: every rank holds the whole averaged gradient, its norm needs no communication.
+        let local = self.cfg.stage == Stage::Zero0;
+        let local_sq = if local { 0.0 } else { unit_sq.iter().sum() };
+        let (ga, world) = (self.cfg.grad_accum as f64, self.cfg.world_size as f64);
         let mut scalars = std::mem::take(&mut self.scalars);
-        scalars[0] = (loss_sum / ga as f64 / world) as f32;
+        scalars[0] = (loss_sum / ga / world) as f32;
         scalars[1] = local_sq as f32;
         let reduced = self
             .comm
             .all_reduce(Buffer::F32(scalars), ReduceOp::Sum)
             .wait_one()?;
         self.scalars = reduced.into_f32().expect("f32 scalars");
-        let loss = self.scalars[0];
-        let sq = if stage == Stage::Zero0 {
-            unit_sq.iter().sum::<f64>()
-        } else {
-            f64::from(self.scalars[1])
+        let sq = match local {
+            true => unit_sq.iter().sum::<f64>(),
+            false => f64::from(self.scalars[1]),
         };
-        let finite = sq.is_finite();
+        Ok(GlobalNorm {
+            loss: self.scalars[0],
+            sq,
+            unit_sq,
+        })
+    }
+
+    /// Unit `unit`'s reduced gradient as this rank holds it after the reductions: all of it at
+    /// stage 0, the own shard otherwise.
+    fn reduced_grad(&self, unit: usize) -> Slice<'_> {
+        match &self.state.stage {
+            StageState::Replicated { .. } => {
+                self.state.full_grad(unit, self.units[unit].updated.clone())
+            }
+            StageState::ShardedGrads { grad_shards, .. }
+            | StageState::ShardedParams { grad_shards, .. } => {
+                grad_shards.slice(self.layout.shard_slot(unit))
+            }
+        }
+    }
+
+    /// Decide the step from its agreed norm (loss-scaled by `loss_scale`): skipped, naming the
+    /// units that overflowed, when the norm is not finite; the fused unscale-and-clip factor.
+    fn judge(&mut self, norm: GlobalNorm, loss_scale: f64) -> Result<Outcome, EngineError> {
+        let finite = norm.sq.is_finite();
         let non_finite_units = match finite {
             true => Vec::new(),
-            false => self.non_finite_units(&unit_sq)?,
+            false => self.non_finite_units(&norm.unit_sq)?,
         };
         let verdict = self.policy.record(finite, &non_finite_units)?;
-        let grad_norm = (sq.sqrt() / loss_scale) as f32;
+        let grad_norm = (norm.sq.sqrt() / loss_scale) as f32;
         let grad_scale = if loss_scale == 1.0 {
             self.clip_scale(grad_norm)
         } else {
             let clip = f64::from(self.cfg.gradient_clipping);
-            unscale_and_clip_factor(sq.sqrt(), loss_scale, clip)
+            unscale_and_clip_factor(norm.sq.sqrt(), loss_scale, clip)
         };
-        self.phases.comm += t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        if !verdict.skipped {
-            self.optimizer_step(lr, grad_scale);
-        }
-        self.phases.optimizer += t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        if matches!(stage, Stage::Zero1 | Stage::Zero2) && !verdict.skipped {
-            self.buckets.set_mode(BucketMode::AllGather);
-            for u in 0..self.layout.num_units() {
-                self.buckets
-                    .push(self.comm, u, &mut self.state, &self.layout)?;
-            }
-            self.buckets
-                .flush(self.comm, &mut self.state, &self.layout)?;
-        }
-        self.phases.comm += t.elapsed().as_secs_f64();
-        self.step += 1;
-        Ok(StepReport {
-            step: self.step,
-            loss,
-            grad_norm,
-            loss_scale: loss_scale as f32,
-            skipped: verdict.skipped,
+        Ok(Outcome {
+            loss: norm.loss,
+            verdict,
             non_finite_units,
-            scale_message: verdict.message,
-            lr,
-            samples: counts.samples,
-            tokens: counts.tokens,
-            elapsed: start.elapsed(),
-            traffic: self.comm.traffic().since(&traffic_before),
-            memory: self.ledger.snapshot(),
-            peak_bytes: self.ledger.peak(),
-            peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
-            phases: self.phases,
+            grad_norm,
+            grad_scale,
         })
     }
 
@@ -541,47 +711,6 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
         }
         1.0
-    }
-
-    fn optimizer_step(&mut self, lr: f32, grad_scale: f32) {
-        let mut hp = self.cfg.adam;
-        hp.lr = f64::from(lr);
-        let stage = self.cfg.stage;
-        let FlatState {
-            params,
-            grads,
-            kept_grads,
-            grad_shards,
-        } = &mut self.state;
-        for u in 0..self.layout.num_units() {
-            let part = updated_part(&self.layout, stage, u);
-            let slot = self.layout.shard_slot(u);
-            let (p, g) = match stage {
-                Stage::Zero0 | Stage::Zero1 => (
-                    params[u].slice_mut(part.clone()),
-                    full_grad_in(kept_grads, grads, u, part),
-                ),
-                Stage::Zero2 => (params[u].slice_mut(part), grad_shards.slice(slot)),
-                Stage::Zero3 => {
-                    let shards = self.coordinator.as_mut().expect("stage 3").shards_mut();
-                    (shards[u].all_mut(), grad_shards.slice(slot))
-                }
-            };
-            let master = self.master.get_mut(u).map(Vec::as_mut_slice);
-            adam_update(&mut self.adam[u], master, p, g, &hp, grad_scale);
-        }
-    }
-
-    /// Unit `unit`'s reduced gradient as this rank holds it after the reductions: all of it at
-    /// stage 0, the own shard otherwise.
-    fn reduced_grad(&self, unit: usize) -> Slice<'_> {
-        let part = updated_part(&self.layout, self.cfg.stage, unit);
-        match self.cfg.stage {
-            Stage::Zero0 | Stage::Zero1 => self.state.full_grad(unit, part),
-            Stage::Zero2 | Stage::Zero3 => {
-                self.state.grad_shards.slice(self.layout.shard_slot(unit))
-            }
-        }
     }
 
     /// The names of the units whose reduced gradient held Inf/NaN on some rank, from each unit's
@@ -608,142 +737,100 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             .collect())
     }
 
-    /// Forward and backward of one micro-batch; returns its loss.
-    fn micro_step(&mut self, micro: usize, batch: &M::Batch) -> Result<f32, EngineError> {
-        let n = self.layout.num_units();
-        let ga = self.cfg.grad_accum;
-        let stage = self.cfg.stage;
-        let reduce_now = stage.shards_grads() || micro + 1 == ga;
-        let base = micro * 2 * n;
-        let model = self.model;
-
-        let mut inputs: Vec<Option<M::Act>> = (0..n).map(|_| None).collect();
-        let mut saved: Vec<Option<M::Saved>> = (0..n).map(|_| None).collect();
-        let mut x: Option<M::Act> = None;
-        let mut loss = None;
-        for u in 0..n {
-            let pos = base + u;
-            self.acquire(pos)?;
-            let mode = if self.recompute[u] {
-                ForwardMode::NoGrad
-            } else {
-                ForwardMode::Train
-            };
-            let t = Instant::now();
-            let out = {
-                self.widen_params(u);
-                let params = self.param_slices(u);
-                model.forward(u, &params, x.as_ref(), batch, mode)?
-            };
-            self.phases.forward += t.elapsed().as_secs_f64();
-            self.ledger
-                .alloc(MemoryKind::Gather, (self.kept_graph[u] * 4) as u64);
-            self.release(pos);
-            if self.recompute[u] {
-                inputs[u] = x;
-            } else {
-                saved[u] = out.saved;
-            }
-            x = out.output;
-            if out.loss.is_some() {
-                loss = out.loss;
-            }
-        }
-        let loss = loss.ok_or_else(|| {
-            ModelError::Invalid(format!(
-                "the last unit ({}) returned no loss",
-                self.spec.units[n - 1].name
-            ))
-        })?;
-
-        // fp16 scales the loss (and so every gradient) by the loss scale; 1 otherwise.
-        let weight = self.policy.loss_scale() as f32 / ga as f32;
-        let mut grad: Option<M::Act> = None;
-        for u in (0..n).rev() {
-            let pos = base + 2 * n - 1 - u;
-            self.acquire(pos)?;
-            let s = if self.recompute[u] {
-                let t = Instant::now();
-                self.widen_params(u);
-                let params = self.param_slices(u);
-                let out =
-                    model.forward(u, &params, inputs[u].as_ref(), batch, ForwardMode::Train)?;
-                inputs[u] = None;
-                self.phases.recompute += t.elapsed().as_secs_f64();
-                out.saved
-            } else {
-                saved[u].take()
-            };
-            let s = s.ok_or_else(|| {
-                ModelError::Invalid(format!(
-                    "unit {} ({}) returned nothing to backward from a Train forward",
-                    u, self.spec.units[u].name
-                ))
-            })?;
-            if self.cfg.transient_grads() {
-                for &k in &self.reads[u] {
-                    if self.state.grads[k].is_empty() {
-                        let mut g = self
-                            .grad_free
-                            .pop()
-                            .expect("gradient scratch sized by the plan");
-                        g.resize(self.layout.units[k].padded, 0.0);
-                        self.state.grads[k] = g;
-                    }
-                }
-            }
-            {
-                let t = Instant::now();
-                let mut grads = grad_slices(&mut self.state.grads, &self.reads[u], &self.layout);
-                grad = model.backward(u, s, grad.as_ref(), weight, &mut grads)?;
-                self.phases.backward += t.elapsed().as_secs_f64();
-                self.ledger
-                    .free(MemoryKind::Gather, (self.kept_graph[u] * 4) as u64);
-            }
-            self.release(pos);
-            let t = Instant::now();
-            for i in 0..self.complete_after[u].len() {
-                let k = self.complete_after[u][i];
-                if !self.state.kept_grads.is_empty() {
-                    // Stages 0-1 with non-f32 gradients: accumulate into the kept gradient.
-                    let mut g = std::mem::take(&mut self.state.grads[k]);
-                    self.state.kept_grads[k].all_mut().add(Slice::F32(&g));
-                    g.clear();
-                    self.grad_free.push(g);
-                }
-                if reduce_now {
-                    self.buckets
-                        .push(self.comm, k, &mut self.state, &self.layout)?;
-                    if stage.shards_grads() {
-                        let mut g = std::mem::take(&mut self.state.grads[k]);
-                        g.clear();
-                        self.grad_free.push(g);
-                    }
-                }
-            }
-            self.phases.comm += t.elapsed().as_secs_f64();
-        }
+    /// Adam/AdamW on the part of every unit this rank updates, gradients multiplied by
+    /// `grad_scale`.
+    fn update(&mut self, lr: f32, grad_scale: f32) {
         let t = Instant::now();
-        if reduce_now {
-            self.buckets
-                .flush(self.comm, &mut self.state, &self.layout)?;
+        let mut hp = self.cfg.adam;
+        hp.lr = f64::from(lr);
+        let FlatState { grads, stage } = &mut self.state;
+        for (u, unit) in self.units.iter_mut().enumerate() {
+            let part = unit.updated.clone();
+            let slot = self.layout.shard_slot(u);
+            let (p, g) = match stage {
+                StageState::Replicated { params, kept_grads } => (
+                    params[u].slice_mut(part.clone()),
+                    full_grad_of(kept_grads.as_deref(), grads, u, part),
+                ),
+                StageState::ShardedGrads {
+                    params,
+                    grad_shards,
+                } => (params[u].slice_mut(part), grad_shards.slice(slot)),
+                StageState::ShardedParams {
+                    coordinator,
+                    grad_shards,
+                } => (
+                    coordinator.shards_mut()[u].all_mut(),
+                    grad_shards.slice(slot),
+                ),
+            };
+            let master = unit.master.as_deref_mut();
+            adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
         }
-        self.phases.comm += t.elapsed().as_secs_f64();
-        Ok(loss)
+        self.phases.optimizer += t.elapsed().as_secs_f64();
     }
 
+    /// Stages 1-2: all-gather the updated parameter shards into every rank's full parameters
+    /// (stage 0 updated them whole, stage 3 keeps only its shards).
+    fn gather_updated(&mut self) -> Result<(), CommError> {
+        if !matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
+            return Ok(());
+        }
+        let t = Instant::now();
+        self.buckets.set_mode(BucketMode::AllGather);
+        for u in 0..self.layout.num_units() {
+            self.buckets
+                .push(self.comm, u, &mut self.state, &self.layout)?;
+        }
+        self.buckets
+            .flush(self.comm, &mut self.state, &self.layout)?;
+        self.phases.comm += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The report of the step just taken.
+    fn report(
+        &self,
+        outcome: Outcome,
+        lr: f32,
+        counts: BatchCounts,
+        start: Instant,
+        traffic_before: &TrafficCounters,
+    ) -> StepReport {
+        StepReport {
+            step: self.step,
+            loss: outcome.loss,
+            grad_norm: outcome.grad_norm,
+            loss_scale: outcome.verdict.loss_scale as f32,
+            skipped: outcome.verdict.skipped,
+            non_finite_units: outcome.non_finite_units,
+            scale_message: outcome.verdict.message,
+            lr,
+            samples: counts.samples,
+            tokens: counts.tokens,
+            elapsed: start.elapsed(),
+            traffic: self.comm.traffic().since(traffic_before),
+            memory: self.ledger.snapshot(),
+            peak_bytes: self.ledger.peak(),
+            peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
+            phases: self.phases,
+        }
+    }
+
+    /// Stage 3: gather visit `pos`'s units (and prefetch what fits).
     fn acquire(&mut self, pos: usize) -> Result<(), CommError> {
-        if let Some(c) = &mut self.coordinator {
+        if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
             let t = Instant::now();
-            c.acquire(pos, self.comm, &mut self.ledger)?;
+            coordinator.acquire(pos, self.comm, &mut self.ledger)?;
             self.phases.comm += t.elapsed().as_secs_f64();
         }
         Ok(())
     }
 
+    /// Stage 3: release visit `pos`'s units that the next visit does not need.
     fn release(&mut self, pos: usize) {
-        if let Some(c) = &mut self.coordinator {
-            c.release(pos);
+        if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
+            coordinator.release(pos);
         }
     }
 
@@ -753,13 +840,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if !self.cfg.is_mixed() {
             return;
         }
-        for (i, &k) in self.reads[unit].iter().enumerate() {
+        for (i, &k) in self.units[unit].reads.iter().enumerate() {
             let numel = self.layout.units[k].numel;
-            let src = match &self.coordinator {
-                Some(c) => c.params(k),
-                None => &self.state.params[k],
-            };
-            src.slice(0..numel)
+            self.state
+                .params(k)
+                .slice(0..numel)
                 .widen_into(&mut self.widened[i][..numel]);
         }
     }
@@ -768,40 +853,182 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// (under mixed precision, as [`Engine::widen_params`] left them).
     fn param_slices(&self, unit: usize) -> Vec<&[f32]> {
         let mixed = self.cfg.is_mixed();
-        self.reads[unit]
+        self.units[unit]
+            .reads
             .iter()
             .enumerate()
             .map(|(i, &k)| {
                 let numel = self.layout.units[k].numel;
-                let full = match &self.coordinator {
-                    _ if mixed => return &self.widened[i][..numel],
-                    Some(c) => c.params(k),
-                    None => &self.state.params[k],
-                };
-                &full.as_f32().expect("f32 parameters")[..numel]
+                match mixed {
+                    true => &self.widened[i][..numel],
+                    false => &self.state.params(k).as_f32().expect("f32 parameters")[..numel],
+                }
             })
             .collect()
     }
 }
 
+/// Every unit's initial parameters from `cfg.seed`, as this rank keeps them (in the parameter
+/// dtype, full or at stage 3 its shard), and under mixed precision the fp32 master of the part
+/// it updates.
+fn init_params<M: UnitModel>(
+    model: &M,
+    cfg: &EngineConfig,
+    layout: &FlatLayout,
+) -> (Vec<Buffer>, Vec<Option<Vec<f32>>>) {
+    let (stage, pdt) = (cfg.stage, cfg.param_dtype);
+    let n = layout.num_units();
+    let (mut params, mut masters) = (Vec::with_capacity(n), Vec::with_capacity(n));
+    for (u, ul) in layout.units.iter().enumerate() {
+        let mut full = vec![0.0f32; ul.padded];
+        model.init_params(u, cfg.seed, &mut full[..ul.numel]);
+        let updated = updated_part(layout, stage, u);
+        masters.push(cfg.is_mixed().then(|| full[updated].to_vec()));
+        params.push(match stage.shards_params() {
+            true => buffer_from_f32(pdt, &full[layout.own_shard(u)]),
+            false => buffer_from_f32(pdt, &full),
+        });
+    }
+    (params, masters)
+}
+
+/// Every unit's [`UnitState`], with its `master` from [`init_params`].
+fn unit_states(
+    spec: &ModelSpec,
+    cfg: &EngineConfig,
+    layout: &FlatLayout,
+    plan: &BufferPlan,
+    masters: Vec<Option<Vec<f32>>>,
+) -> Vec<UnitState> {
+    let n = layout.num_units();
+    let stage = cfg.stage;
+    let kept_graph = kept_graph_elems(spec, layout, plan);
+    let per_unit = schedule::complete_after(spec).into_iter().zip(kept_graph);
+    per_unit
+        .zip(masters)
+        .enumerate()
+        .map(|(u, ((complete_after, kept_graph), master))| {
+            let updated = updated_part(layout, stage, u);
+            UnitState {
+                reads: schedule::needs_of(spec, u),
+                complete_after,
+                recompute: u + 1 != n
+                    && (cfg.activation_checkpointing
+                        || (stage.shards_params() && !plan.keep_graph[u])),
+                kept_graph,
+                adam: AdamState::new(updated.len()),
+                updated,
+                master,
+            }
+        })
+        .collect()
+}
+
+/// The stage's flat state around `params` (full, or the shards at stage 3), with zeroed
+/// gradients.
+fn flat_state(
+    spec: &ModelSpec,
+    cfg: &EngineConfig,
+    layout: &FlatLayout,
+    plan: &BufferPlan,
+    units: &[UnitState],
+    params: Vec<Buffer>,
+) -> FlatState {
+    let gdt = cfg.grad_accum_dtype;
+    let transient = || vec![Vec::new(); layout.num_units()];
+    let grad_shards = || Buffer::zeros(gdt, layout.shard_numel());
+    let (stage, grads) = match cfg.stage {
+        Stage::Zero0 | Stage::Zero1 if cfg.transient_grads() => {
+            let kept = layout.units.iter().map(|u| Buffer::zeros(gdt, u.padded));
+            let kept_grads = Some(kept.collect());
+            (StageState::Replicated { params, kept_grads }, transient())
+        }
+        Stage::Zero0 | Stage::Zero1 => {
+            let kept_grads = None;
+            let grads = layout.units.iter().map(|u| vec![0.0; u.padded]).collect();
+            (StageState::Replicated { params, kept_grads }, grads)
+        }
+        Stage::Zero2 => {
+            let grad_shards = grad_shards();
+            (
+                StageState::ShardedGrads {
+                    params,
+                    grad_shards,
+                },
+                transient(),
+            )
+        }
+        Stage::Zero3 => {
+            let coordinator = coordinator(spec, cfg, layout, plan, units, params);
+            let grad_shards = grad_shards();
+            let stage = StageState::ShardedParams {
+                coordinator,
+                grad_shards,
+            };
+            (stage, transient())
+        }
+    };
+    FlatState { grads, stage }
+}
+
+/// Stage 3: the coordinator of the parameter `shards`, with every visit's gathers planned. A unit
+/// that keeps its forward graph needs nothing gathered for its backward.
+fn coordinator(
+    spec: &ModelSpec,
+    cfg: &EngineConfig,
+    layout: &FlatLayout,
+    plan: &BufferPlan,
+    units: &[UnitState],
+    shards: Vec<Buffer>,
+) -> Coordinator {
+    let visits = schedule::visits(spec, cfg.grad_accum);
+    let kept_graph: Vec<usize> = units.iter().map(|u| u.kept_graph).collect();
+    let prefetch = match cfg.overlap_comm {
+        true => cfg.prefetch_bucket_size,
+        false => 0,
+    };
+    Coordinator::new(
+        shards,
+        layout,
+        plan.persistent.clone(),
+        plan.gather_pool_elems,
+        prefetch,
+        schedule::gather_needs(&visits, &kept_graph),
+    )
+}
+
+/// The ledger of what [`Engine::new`] allocates: the model states by kind, then the buffers of
+/// the plan.
+fn initial_ledger(
+    cfg: &EngineConfig,
+    layout: &FlatLayout,
+    plan: &BufferPlan,
+    units: &[UnitState],
+) -> MemoryLedger {
+    let (pdt, gdt) = (cfg.param_dtype, cfg.grad_accum_dtype);
+    let elems = |sharded: bool| match sharded {
+        true => layout.shard_numel(),
+        false => layout.padded_numel(),
+    };
+    let param_elems = elems(cfg.stage.shards_params());
+    let master_elems: usize = units.iter().flat_map(|u| &u.master).map(Vec::len).sum();
+    let grad_elems = elems(cfg.stage.shards_grads());
+    let adam_bytes = units.iter().map(|u| u.adam.bytes() as u64).sum();
+    let mut ledger = MemoryLedger::new();
+    ledger.alloc(MemoryKind::Params, (param_elems * pdt.size()) as u64);
+    ledger.alloc(MemoryKind::Master, (master_elems * 4) as u64);
+    ledger.alloc(MemoryKind::Grads, (grad_elems * gdt.size()) as u64);
+    ledger.alloc(MemoryKind::OptimizerStates, adam_bytes);
+    ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
+    ledger
+}
+
 /// The part of unit `unit`'s flat buffer this rank updates: all of it at stage 0, its own shard
 /// otherwise.
-fn updated_part(layout: &FlatLayout, stage: Stage, unit: usize) -> std::ops::Range<usize> {
+fn updated_part(layout: &FlatLayout, stage: Stage, unit: usize) -> Range<usize> {
     match stage.shards_optimizer() {
         true => layout.own_shard(unit),
         false => 0..layout.units[unit].padded,
-    }
-}
-
-fn full_grad_in<'g>(
-    kept_grads: &'g [Buffer],
-    grads: &'g [Vec<f32>],
-    unit: usize,
-    r: std::ops::Range<usize>,
-) -> Slice<'g> {
-    match kept_grads.get(unit) {
-        Some(b) => b.slice(r),
-        None => Slice::F32(&grads[unit][r]),
     }
 }
 

@@ -5,6 +5,7 @@
 //! * [`flat`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
 //! * [`schedule`]: the static visit order of a step and when tied gradients are complete.
 //! * [`buffers`]: the sizing rules of every buffer, one pure function shared with the planner.
+//! * [`state`]: what a rank keeps of the model (parameters, gradients), one variant per stage.
 //! * [`buckets`]: bucketed all-reduce (stage 0), true reduce-scatter (stages 1-3) and the
 //!   post-step all-gather (stages 1-2).
 //! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
@@ -21,6 +22,7 @@ pub mod gather;
 pub mod loss_scaler;
 pub mod precision;
 pub mod schedule;
+pub mod state;
 pub mod unit;
 
 pub use config::{EngineConfig, Stage};

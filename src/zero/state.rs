@@ -1,0 +1,129 @@
+//! What one rank keeps of the model between visits, by stage: the parameters, the gradients the
+//! model writes and the reduced gradients. The engine trains on it and the
+//! [`Buckets`](super::buckets::Buckets) reduce and gather through it.
+//!
+//! The stages differ in what they keep, so [`StageState`] has one variant per layout: code that
+//! depends on the stage matches on it and finds there exactly the buffers the stage has.
+
+use super::gather::Coordinator;
+use super::precision::{FlatBuffer, Slice, SliceMut};
+use crate::comm::Buffer;
+use std::ops::Range;
+
+/// A rank's flat buffers.
+pub struct FlatState {
+    /// Full padded f32 gradients per unit, as the model writes them: persistent (and the kept
+    /// gradients themselves) at stages 0-1 with f32 accumulation, transient otherwise (a unit's
+    /// entry is empty while it holds no gradient; see [`StageState::transient_grads`]).
+    pub grads: Vec<Vec<f32>>,
+    /// The parameters and reduced gradients, as the stage keeps them.
+    pub stage: StageState,
+}
+
+/// The stage-dependent buffers. Dtypes: parameters in the parameter dtype, kept gradients in the
+/// accumulation dtype.
+pub enum StageState {
+    /// Stages 0-1: full parameters and full gradients on every rank (stage 1 reduces and reads
+    /// only the own shard of the gradients).
+    Replicated {
+        /// Full padded parameters per unit.
+        params: Vec<Buffer>,
+        /// Accumulation in a 16-bit dtype: the kept full gradients per unit, into which each
+        /// micro-step's transient f32 `grads` are added. `None`: the f32 `grads` are kept.
+        kept_grads: Option<Vec<Buffer>>,
+    },
+    /// Stage 2: full parameters, and only the rank's gradient shards.
+    ShardedGrads {
+        /// Full padded parameters per unit.
+        params: Vec<Buffer>,
+        /// The rank's gradient shards of every unit, concatenated.
+        grad_shards: Buffer,
+    },
+    /// Stage 3: only shards of both; the coordinator holds the parameter shards and gathers
+    /// units for their visits.
+    ShardedParams {
+        coordinator: Coordinator,
+        /// The rank's gradient shards of every unit, concatenated.
+        grad_shards: Buffer,
+    },
+}
+
+impl StageState {
+    /// Whether the f32 gradients the model writes are transient (taken for a backward, given
+    /// back once reduced or accumulated): everywhere but stages 0-1 with f32 accumulation.
+    pub fn transient_grads(&self) -> bool {
+        !matches!(
+            self,
+            StageState::Replicated {
+                kept_grads: None,
+                ..
+            }
+        )
+    }
+}
+
+impl FlatState {
+    /// Unit `unit`'s padded parameters as the model reads them: at stage 3 the gathered ones,
+    /// which must be ready.
+    pub fn params(&self, unit: usize) -> &Buffer {
+        match &self.stage {
+            StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
+                &params[unit]
+            }
+            StageState::ShardedParams { coordinator, .. } => coordinator.params(unit),
+        }
+    }
+    /// Unit `unit`'s full padded parameters at stages 0-2, as the post-step all-gather writes them.
+    pub fn full_params_mut(&mut self, unit: usize) -> &mut Buffer {
+        match &mut self.stage {
+            StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
+                &mut params[unit]
+            }
+            StageState::ShardedParams { .. } => panic!("stage 3 keeps no full parameters"),
+        }
+    }
+    /// Unit `unit`'s full gradient at stages 0-1, as the buckets and the optimizer read it.
+    pub fn full_grad(&self, unit: usize, r: Range<usize>) -> Slice<'_> {
+        match &self.stage {
+            StageState::Replicated { kept_grads, .. } => {
+                full_grad_of(kept_grads.as_deref(), &self.grads, unit, r)
+            }
+            _ => panic!("stages 2-3 keep no full gradients"),
+        }
+    }
+    /// Unit `unit`'s full gradient at stages 0-1, as the buckets write it.
+    pub fn full_grad_mut(&mut self, unit: usize, r: Range<usize>) -> SliceMut<'_> {
+        match &mut self.stage {
+            StageState::Replicated {
+                kept_grads: Some(kept),
+                ..
+            } => kept[unit].slice_mut(r),
+            StageState::Replicated {
+                kept_grads: None, ..
+            } => SliceMut::F32(&mut self.grads[unit][r]),
+            _ => panic!("stages 2-3 keep no full gradients"),
+        }
+    }
+    /// The rank's concatenated gradient shards at stages 2-3, as the buckets accumulate into them.
+    pub fn grad_shards_mut(&mut self) -> &mut Buffer {
+        match &mut self.stage {
+            StageState::ShardedGrads { grad_shards, .. }
+            | StageState::ShardedParams { grad_shards, .. } => grad_shards,
+            StageState::Replicated { .. } => panic!("stages 0-1 keep no gradient shards"),
+        }
+    }
+}
+
+/// Unit `unit`'s full gradient at stages 0-1 from the pieces of [`StageState::Replicated`] and
+/// [`FlatState::grads`], for callers that hold the parameters mutably at the same time.
+pub fn full_grad_of<'g>(
+    kept_grads: Option<&'g [Buffer]>,
+    grads: &'g [Vec<f32>],
+    unit: usize,
+    r: Range<usize>,
+) -> Slice<'g> {
+    match kept_grads {
+        Some(kept) => kept[unit].slice(r),
+        None => Slice::F32(&grads[unit][r]),
+    }
+}
