@@ -30,7 +30,7 @@ pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, Re
 
 use crate::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
 use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settings};
-use crate::optim::scheduler::lr_at;
+use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
 use std::path::Path;
@@ -148,6 +148,15 @@ impl LrSchedule {
             LrSchedule::Scheduler { scheduler, base_lr } => {
                 lr_at(scheduler, *base_lr, applied) as f32
             }
+        }
+    }
+
+    /// Adam's betas for the `applied`-th applied step when the scheduler cycles momentum
+    /// (OneCycle with `cycle_momentum`, on by default); `None` leaves the optimizer's betas.
+    pub fn betas(&self, applied: u64) -> Option<[f64; 2]> {
+        match self {
+            LrSchedule::Constant(_) => None,
+            LrSchedule::Scheduler { scheduler, .. } => betas_at(scheduler, applied),
         }
     }
 
@@ -364,6 +373,9 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             let batches = (0..ga)
                 .map(|micro| self.micro_batch(data, step, rank, micro))
                 .collect::<Result<Vec<_>, _>>()?;
+            if let Some([beta1, beta2]) = self.schedule.betas(applied) {
+                engine.set_betas(beta1, beta2);
+            }
             let report = engine.train_step(&batches, self.schedule.lr(applied))?;
             if !report.skipped {
                 applied += 1;

@@ -305,6 +305,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     pub fn memory(&self) -> &MemoryLedger {
         &self.ledger
     }
+    /// Adam's betas from the next step on: a momentum-cycling scheduler (OneCycle's
+    /// `cycle_momentum`) sets them before each step, as DeepSpeed writes them into the optimizer.
+    pub fn set_betas(&mut self, beta1: f64, beta2: f64) {
+        self.cfg.adam.beta1 = beta1;
+        self.cfg.adam.beta2 = beta2;
+    }
+
     /// Optimizer steps taken so far.
     pub fn steps_done(&self) -> u64 {
         self.step
