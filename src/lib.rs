@@ -20,6 +20,7 @@
 //! {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod memory;

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 pub mod bench_comm;
 pub mod bench_train;
+pub mod ckpt;
 pub mod config;
 pub mod plan;
 pub mod preflight;
@@ -25,6 +26,9 @@ pub enum Command {
     /// Benchmarks: collectives and training throughput.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Inspect checkpoints and consolidate their weights into one file.
+    #[command(subcommand)]
+    Ckpt(ckpt::CkptCommand),
     /// Inspect DeepSpeed configs.
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -52,5 +56,6 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(BenchCommand::Comm(a)) => bench_comm::run(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
+        Command::Ckpt(c) => ckpt::run(c),
     }
 }

@@ -32,8 +32,8 @@ use zerodp::model::{
 };
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
-    step_log_line, BatchIndex, MetricsFile, StepEvent, StepObserver, TrainOutcome, Trainer,
-    TrainerError,
+    step_log_line, BatchIndex, CheckpointOptions, MetricsFile, Resume, StepEvent, StepObserver,
+    TrainOutcome, Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -84,6 +84,20 @@ pub struct TrainArgs {
     /// stops at `min_loss_scale` instead.
     #[arg(long, default_value_t = 10)]
     pub max_skipped_steps: u64,
+    /// Save sharded checkpoints into this directory (created if missing): at the end of the run,
+    /// every --save-every steps, and on SIGTERM.
+    #[arg(long, value_name = "DIR")]
+    pub save_dir: Option<PathBuf>,
+    /// Save a checkpoint after every N optimizer steps (needs --save-dir).
+    #[arg(long, value_name = "N")]
+    pub save_every: Option<u64>,
+    /// Keep only the newest K checkpoints in --save-dir (default: keep all).
+    #[arg(long, value_name = "K")]
+    pub keep_last: Option<usize>,
+    /// Resume from the newest checkpoint in DIR (its `latest`), or from a checkpoint directory
+    /// itself [default DIR: --save-dir]. `--steps` still counts from the start of training.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "")]
+    pub resume: Option<PathBuf>,
 }
 
 /// Which GPT to build.
@@ -145,8 +159,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
     check_paths(&args, &data_path)?;
+    let resume = resume_from(&args)?;
+    // A resumed run continues the saved run's data order.
+    let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let model = GptModel::new(gpt.clone())?;
-    let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, args.seed)
+    let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
@@ -160,7 +177,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let data = DataLoader::new(
         read_corpus(&data_path, args.data.is_none())?,
         gpt.context,
-        args.seed,
+        seed,
     )?;
     if let Some(p) = &args.init {
         trainer = trainer.with_init(load_safetensors(p, model.spec())?);
@@ -180,10 +197,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         comm_options.trace = TraceLevel::Info;
     }
     let signals = Signals::register()?;
-    let trainer = trainer
+    let mut trainer = trainer
         .with_comm_options(comm_options)
         .with_stop_flag(signals.flag.clone())
         .keep_params(args.save.is_some());
+    if let Some(dir) = &args.save_dir {
+        trainer = trainer.with_checkpoints(CheckpointOptions {
+            dir: dir.clone(),
+            every: args.save_every,
+            keep_last: args.keep_last,
+            config: settings.to_json(),
+        });
+    }
+    if let Some(r) = resume {
+        trainer = trainer.with_resume(r);
+    }
     let metrics = match &args.metrics {
         Some(p) => Some(
             MetricsFile::create(p)
@@ -230,13 +258,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let outcome = trainer.run(&source, args.steps, &observers)?;
     progress.bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
+    let steps_run = outcome.steps - outcome.start_step;
+    report_saves(&outcome, args.save_dir.as_deref());
     if let Some(Some(last)) = outcome.last.first() {
         eprintln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
             last.step,
             last.loss,
-            (outcome.steps as usize * tokens_per_step) as f64 / elapsed,
+            (steps_run as usize * tokens_per_step) as f64 / elapsed,
             human_bytes(last.memory.total),
             human_bytes(last.peak_bytes)
         );
@@ -247,10 +277,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             signals.name(),
             outcome.steps,
             args.steps,
-            if args.save.is_some() {
-                "; nothing was saved (--save writes only at the end of a run)"
-            } else {
-                ""
+            match (&args.save_dir, &args.save) {
+                (Some(_), _) => "; the checkpoint of the last step is saved (resume with --resume)",
+                (None, Some(_)) => "; nothing was saved (--save writes only at the end of a run)",
+                (None, None) => "",
             }
         );
         return Ok(code);
@@ -341,7 +371,95 @@ fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
         .filter_map(|(name, p)| p.as_deref().map(|path| NamedPath { name, path }))
         .collect();
     check_outputs(&inputs, &outputs)?;
+    if let Some(dir) = &args.save_dir {
+        check_save_dir(dir)?;
+    }
+    if args.save_every.is_some() && args.save_dir.is_none() {
+        bail!("--save-every needs --save-dir DIR (where to put the checkpoints)");
+    }
+    if args.save_every == Some(0) || args.keep_last == Some(0) {
+        bail!("--save-every and --keep-last must be at least 1");
+    }
     Ok(())
+}
+
+/// `--save-dir` is created if missing (its parent must exist) and must be writable.
+fn check_save_dir(dir: &Path) -> anyhow::Result<()> {
+    if dir.exists() && !dir.is_dir() {
+        bail!("--save-dir {} is a file; give a directory", dir.display());
+    }
+    std::fs::create_dir(dir)
+        .or_else(|e| match e.kind() {
+            std::io::ErrorKind::AlreadyExists => Ok(()),
+            _ => Err(e),
+        })
+        .with_context(|| format!("--save-dir {}: cannot create it", dir.display()))?;
+    let probe = dir.join("latest");
+    check_outputs(
+        &[],
+        &[NamedPath {
+            name: "--save-dir",
+            path: &probe,
+        }],
+    )?;
+    Ok(())
+}
+
+/// The checkpoint to resume from: `--resume DIR`, or `--resume` alone with `--save-dir`.
+fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
+    let Some(dir) = &args.resume else {
+        return Ok(None);
+    };
+    let dir = match (dir.as_os_str().is_empty(), &args.save_dir) {
+        (false, _) => dir.clone(),
+        (true, Some(d)) => d.clone(),
+        (true, None) => {
+            bail!("--resume without a directory needs --save-dir (or give --resume DIR)")
+        }
+    };
+    let r = Resume::from_dir(&dir)?;
+    let m = &r.manifest;
+    eprintln!(
+        "resuming from {} at step {} (saved at world size {}, stage {}, {}; seed {})",
+        r.dir.display(),
+        m.step,
+        m.world_size,
+        m.stage,
+        m.precision,
+        m.seed
+    );
+    if m.step >= args.steps {
+        bail!(
+            "the checkpoint is at step {} and --steps is {}: nothing to train (--steps counts \
+             from the start of training; raise it to continue)",
+            m.step,
+            args.steps
+        );
+    }
+    Ok(Some(r))
+}
+
+/// One line on the checkpoints saved: how long the step loop was blocked per save and how fast
+/// the files were written.
+fn report_saves(outcome: &TrainOutcome, dir: Option<&Path>) {
+    let (Some(dir), Some(last)) = (dir, outcome.saves.last()) else {
+        return;
+    };
+    let n = outcome.saves.len() as f64;
+    let blocked = outcome.saves.iter().map(|s| s.blocked_s).sum::<f64>() / n;
+    let write = outcome.saves.iter().map(|s| s.write_s).sum::<f64>() / n;
+    let bytes = outcome.saves.iter().map(|s| s.bytes).sum::<u64>() as f64 / n;
+    eprintln!(
+        "checkpoints: {} saved in {} (last: step {}); per save, rank 0 blocked the step loop \
+         {:.1} ms and wrote {} in {:.1} ms ({:.0} MB/s)",
+        outcome.saves.len(),
+        dir.display(),
+        last.step,
+        blocked * 1e3,
+        human_bytes(bytes as u64),
+        write * 1e3,
+        bytes / write.max(1e-9) / 1e6
+    );
 }
 
 /// A run must end with a finite loss and at least one applied update; otherwise it exits non-zero
@@ -350,7 +468,7 @@ fn check_final(outcome: &TrainOutcome) -> anyhow::Result<()> {
     let Some(Some(last)) = outcome.last.first() else {
         return Ok(());
     };
-    if outcome.applied_steps == 0 {
+    if outcome.applied_steps == 0 && outcome.start_step == 0 {
         bail!(
             "every one of the {} steps was skipped because its gradients held Inf/NaN (last in: \
              {}); nothing was trained. Check the --init weights and the data, lower the learning \

@@ -23,9 +23,11 @@
 //! println!("final loss {}", outcome.last[0].as_ref().unwrap().loss);
 //! ```
 
+mod checkpoints;
 mod observers;
 pub mod outputs;
 
+pub use checkpoints::{CheckpointOptions, Resume};
 pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
 
 use crate::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
@@ -33,6 +35,7 @@ use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settin
 use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
+use checkpoints::RankCheckpoints;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -56,6 +59,8 @@ pub enum TrainerError {
         micro: usize,
         message: String,
     },
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// An observer (metrics file, log) failed.
     #[error("{0}")]
     Observer(String),
@@ -187,6 +192,10 @@ pub struct TrainOutcome {
     pub applied_steps: u64,
     /// Whether the stop flag ([`Trainer::with_stop_flag`]) ended the run early.
     pub stopped: bool,
+    /// The step the run started from: 0, or the resumed checkpoint's.
+    pub start_step: u64,
+    /// Rank 0's checkpoint saves, in order.
+    pub saves: Vec<crate::checkpoint::SaveTiming>,
     /// The trained full parameters per unit (unpadded, under mixed precision the fp32 master
     /// weights), when [`Trainer::keep_params`] asked for them. Every rank's copy is checked equal.
     pub params: Option<Vec<Vec<f32>>>,
@@ -202,6 +211,8 @@ pub struct Trainer<'m, M: UnitModel> {
     threads_per_rank: usize,
     keep_params: bool,
     stop: Option<Arc<AtomicBool>>,
+    checkpoints: Option<CheckpointOptions>,
+    resume: Option<Resume>,
 }
 
 impl<'m, M: UnitModel> Trainer<'m, M> {
@@ -218,6 +229,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             init: None,
             keep_params: false,
             stop: None,
+            checkpoints: None,
+            resume: None,
         }
     }
 
@@ -278,6 +291,19 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.stop = Some(flag);
         self
     }
+    /// Save sharded checkpoints ([`crate::checkpoint`]) as `options` say, at the end of the run,
+    /// and when the stop flag ends it.
+    pub fn with_checkpoints(mut self, options: CheckpointOptions) -> Self {
+        self.checkpoints = Some(options);
+        self
+    }
+    /// Start from a checkpoint: every rank reads the slices it holds (any saved world size or
+    /// stage), and the run continues with the step after the saved one (`steps` in
+    /// [`Trainer::run`] still counts from the start of training).
+    pub fn with_resume(mut self, resume: Resume) -> Self {
+        self.resume = Some(resume);
+        self
+    }
     /// Hand back the trained parameters in [`TrainOutcome::params`].
     pub fn keep_params(mut self, keep: bool) -> Self {
         self.keep_params = keep;
@@ -320,33 +346,35 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         .map_err(|e| TrainerError::Ranks(e.to_string()))?;
         let mut last = Vec::with_capacity(world);
         let mut params: Option<Vec<Vec<f32>>> = None;
-        let (mut taken, mut applied_steps, mut stopped) = (0, 0, false);
+        let mut first: Option<RankFinal> = None;
         for (rank, f) in finals.into_iter().enumerate() {
-            let (report, p) = (f.last, f.params);
-            if rank == 0 {
-                (taken, applied_steps, stopped) = (f.steps, f.applied, f.stopped);
-            }
-            last.push(report);
-            if let (Some(p0), Some(p)) = (&params, &p) {
-                if p0 != p {
+            last.push(f.last.clone());
+            match (&params, &f.params) {
+                (Some(p0), Some(p)) if p0 != p => {
                     return Err(TrainerError::Invalid(format!(
                         "rank {rank}'s trained parameters differ from rank 0's"
-                    )));
+                    )))
                 }
-            } else if params.is_none() {
-                params = p;
+                (None, Some(p)) => params = Some(p.clone()),
+                _ => {}
+            }
+            if rank == 0 {
+                first = Some(f);
             }
         }
+        let f = first.expect("at least one rank");
         Ok(TrainOutcome {
             last,
-            steps: taken,
-            applied_steps,
-            stopped,
+            steps: f.steps,
+            applied_steps: f.applied,
+            stopped: f.stopped,
+            start_step: f.start_step,
+            saves: f.saves,
             params,
         })
     }
 
-    /// One rank: build its engine, then step, report, repeat.
+    /// One rank: build its engine (or resume it), then step, report, save, repeat.
     fn rank_loop(
         &self,
         comm: &dyn Communicator,
@@ -355,47 +383,22 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         steps: u64,
         observers: &[&dyn StepObserver],
     ) -> Result<RankFinal, TrainerError> {
-        let mut engine = Engine::new(self.model, comm, self.engine.clone())?;
-        if let Some(init) = &self.init {
-            for (u, values) in init.iter().enumerate() {
-                engine.load_unit_params(u, values)?;
-            }
-        }
-        let world = self.engine.world_size;
-        let ga = self.engine.grad_accum;
-        let num_params = self.model.spec().num_params();
-        let mut last = None;
+        let mut engine = self.start_engine(comm)?;
+        let mut saves =
+            RankCheckpoints::new(self.checkpoints.as_ref(), self.model, &self.engine, rank);
+        let start = engine.steps_done();
         // Optimizer steps actually applied: skipped steps do not advance the scheduler.
-        let mut applied = 0;
-        let mut taken = 0;
-        let mut stopped = false;
-        for step in 0..steps {
-            let batches = (0..ga)
-                .map(|micro| self.micro_batch(data, step, rank, micro))
-                .collect::<Result<Vec<_>, _>>()?;
-            if let Some([beta1, beta2]) = self.schedule.betas(applied) {
-                engine.set_betas(beta1, beta2);
-            }
-            let report = engine.train_step(&batches, self.schedule.lr(applied))?;
-            if !report.skipped {
-                applied += 1;
-            }
-            let event = StepEvent {
-                rank,
-                world_size: world,
-                stage: self.engine.stage,
-                num_params,
-                total_steps: steps,
-                tokens_per_s: (report.tokens * world) as f64 / report.elapsed.as_secs_f64(),
-                report: &report,
-            };
-            for o in observers {
-                o.on_step(&event)?;
-            }
+        let mut applied = engine.counters().adam_step;
+        let (mut last, mut stopped) = (None, false);
+        for step in start..steps {
+            let report = self.step(&mut engine, data, step, rank, applied)?;
+            applied += u64::from(!report.skipped);
+            self.observe(&report, rank, steps, observers)?;
             last = Some(report);
-            taken += 1;
-            if step + 1 < steps && self.stop_agreed(comm)? {
-                stopped = true;
+            stopped = step + 1 < steps && self.stop_agreed(comm)?;
+            let end = stopped || step + 1 == steps;
+            saves.after_step(&engine, comm, step + 1, end)?;
+            if stopped {
                 break;
             }
         }
@@ -406,10 +409,71 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         Ok(RankFinal {
             last,
             params,
-            steps: taken,
+            steps: engine.steps_done(),
             applied,
             stopped,
+            start_step: start,
+            saves: saves.timings,
         })
+    }
+
+    /// A fresh engine: seeded, or from `--init` weights, or resumed from a checkpoint.
+    fn start_engine<'c>(
+        &'c self,
+        comm: &'c dyn Communicator,
+    ) -> Result<Engine<'c, M>, TrainerError> {
+        let mut engine = Engine::new(self.model, comm, self.engine.clone())?;
+        if let Some(init) = &self.init {
+            for (u, values) in init.iter().enumerate() {
+                engine.load_unit_params(u, values)?;
+            }
+        }
+        if let Some(r) = &self.resume {
+            let model = crate::checkpoint::ModelDescription::of(self.model.spec());
+            crate::checkpoint::restore_engine(&mut engine, &r.manifest, &r.dir, &model)?;
+        }
+        Ok(engine)
+    }
+
+    /// Optimizer step `step` (0-based), the `applied`-th applied one.
+    fn step(
+        &self,
+        engine: &mut Engine<'_, M>,
+        data: &dyn DataSource<M::Batch>,
+        step: u64,
+        rank: usize,
+        applied: u64,
+    ) -> Result<StepReport, TrainerError> {
+        let batches = (0..self.engine.grad_accum)
+            .map(|micro| self.micro_batch(data, step, rank, micro))
+            .collect::<Result<Vec<_>, _>>()?;
+        if let Some([beta1, beta2]) = self.schedule.betas(applied) {
+            engine.set_betas(beta1, beta2);
+        }
+        Ok(engine.train_step(&batches, self.schedule.lr(applied))?)
+    }
+
+    fn observe(
+        &self,
+        report: &StepReport,
+        rank: usize,
+        steps: u64,
+        observers: &[&dyn StepObserver],
+    ) -> Result<(), TrainerError> {
+        let world = self.engine.world_size;
+        let event = StepEvent {
+            rank,
+            world_size: world,
+            stage: self.engine.stage,
+            num_params: self.model.spec().num_params(),
+            total_steps: steps,
+            tokens_per_s: (report.tokens * world) as f64 / report.elapsed.as_secs_f64(),
+            report,
+        };
+        for o in observers {
+            o.on_step(&event)?;
+        }
+        Ok(())
     }
 
     /// Whether any rank's stop flag is set, agreed by every rank (false without a flag).
@@ -459,9 +523,12 @@ struct RankFinal {
     last: Option<StepReport>,
     /// Its trained parameters, when kept (not after a stop).
     params: Option<Vec<Vec<f32>>>,
+    /// Optimizer steps taken since the start of training (a resumed run's included).
     steps: u64,
     applied: u64,
     stopped: bool,
+    start_step: u64,
+    saves: Vec<crate::checkpoint::SaveTiming>,
 }
 
 /// Rayon threads per rank: the cores shared out among the ranks.

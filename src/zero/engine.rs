@@ -31,6 +31,10 @@
 //! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
 //! it out in the fused unscale-and-clip factor.
 
+mod snapshot;
+
+pub use snapshot::{EngineCounters, UnitOptimizerState};
+
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, Stage};

@@ -488,6 +488,12 @@ impl NonFiniteGuard {
     pub fn total_skipped(&self) -> u64 {
         self.total_skipped
     }
+
+    /// Resume the counts a checkpoint recorded.
+    pub fn set_counts(&mut self, consecutive: u64, total_skipped: u64) {
+        self.consecutive = consecutive;
+        self.total_skipped = total_skipped;
+    }
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ pub mod state;
 pub mod unit;
 
 pub use config::{EngineConfig, Stage};
-pub use engine::{Engine, EngineError, PhaseTimes, StepReport};
+pub use engine::{Engine, EngineCounters, EngineError, PhaseTimes, StepReport, UnitOptimizerState};
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };

@@ -193,6 +193,15 @@ pub struct StepPolicy {
     guard: Option<NonFiniteGuard>,
 }
 
+/// The loss scaler's and the skip guard's state, as a checkpoint keeps it.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct PolicySnapshot {
+    /// The fp16 loss scaler (scale, hysteresis, window position); `None` without loss scaling.
+    pub scaler: Option<LossScaler>,
+    pub consecutive_skipped: u64,
+    pub total_skipped: u64,
+}
+
 /// The verdict on one optimizer step.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepVerdict {
@@ -235,6 +244,26 @@ impl StepPolicy {
     /// The scale to multiply the next step's loss by (1 without loss scaling).
     pub fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::loss_scale)
+    }
+
+    /// What a checkpoint must keep to resume the policy exactly.
+    pub fn snapshot(&self) -> PolicySnapshot {
+        PolicySnapshot {
+            scaler: self.scaler.clone(),
+            consecutive_skipped: self.guard.as_ref().map_or(0, |g| g.consecutive_skipped()),
+            total_skipped: self.guard.as_ref().map_or(0, |g| g.total_skipped()),
+        }
+    }
+
+    /// Resume from a snapshot. The scaler is taken only if this policy scales too (a checkpoint of
+    /// another precision resumes with this run's own scaling from its start).
+    pub fn restore(&mut self, s: &PolicySnapshot) {
+        if let (Some(mine), Some(saved)) = (&mut self.scaler, &s.scaler) {
+            *mine = saved.clone();
+        }
+        if let Some(g) = &mut self.guard {
+            g.set_counts(s.consecutive_skipped, s.total_skipped);
+        }
     }
 
     /// Record one step: `finite` as agreed across ranks, `bad_units` the units whose gradients

@@ -1,0 +1,310 @@
+//! One rank's side of a save: stage, write in the background, agree, and (rank 0) commit.
+
+use super::format::{sync_dir, write_atomic, write_f32_file, TensorEntry};
+use super::manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
+use super::{rank_file_name, step_dir_name, tensor_names, CheckpointError};
+use crate::comm::{Buffer, Communicator, ReduceOp};
+use crate::zero::{Engine, EngineCounters, UnitModel};
+use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+/// What the manifest says about the run, fixed for its whole length.
+#[derive(Clone, Debug)]
+pub struct RunDescription {
+    pub stage: u8,
+    pub precision: String,
+    pub seed: u64,
+    pub config: serde_json::Value,
+    pub model: ModelDescription,
+}
+
+/// Where one save's time went on this rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SaveTiming {
+    pub step: u64,
+    /// Time the step loop was blocked: copying into the staging buffer, plus waiting for the
+    /// write at the next boundary if it was still running, plus the commit.
+    pub blocked_s: f64,
+    /// Wall time of the background write (file and fsync).
+    pub write_s: f64,
+    /// Bytes this rank wrote.
+    pub bytes: u64,
+}
+
+/// A write in flight.
+struct Pending {
+    step: u64,
+    counters: EngineCounters,
+    copy_s: f64,
+    handle: JoinHandle<(Vec<f32>, Result<FileEntry, CheckpointError>, f64)>,
+}
+
+/// One rank's checkpoint writer. Every rank of a run makes one with the same directory and
+/// calls [`CheckpointWriter::start`] and [`CheckpointWriter::finish`] at the same steps.
+pub struct CheckpointWriter {
+    dir: PathBuf,
+    rank: usize,
+    world: usize,
+    run: RunDescription,
+    keep_last: Option<usize>,
+    /// Reused between saves; `None` while a write holds it.
+    staging: Option<Vec<f32>>,
+    pending: Option<Pending>,
+}
+
+impl CheckpointWriter {
+    pub fn new(
+        dir: &Path,
+        rank: usize,
+        world: usize,
+        run: RunDescription,
+        keep_last: Option<usize>,
+    ) -> Self {
+        CheckpointWriter {
+            dir: dir.to_path_buf(),
+            rank,
+            world,
+            run,
+            keep_last,
+            staging: Some(Vec::new()),
+            pending: None,
+        }
+    }
+
+    /// Whether a save is written but not yet committed.
+    pub fn is_pending(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Copy the engine's state into the staging buffer and start writing it in the background.
+    /// A previous save still pending is finished first (every rank calls this at the same step).
+    pub fn start<M: UnitModel>(
+        &mut self,
+        engine: &Engine<'_, M>,
+        comm: &dyn Communicator,
+    ) -> Result<Option<SaveTiming>, CheckpointError> {
+        let earlier = self.finish(comm)?;
+        let t = Instant::now();
+        let counters = engine.counters();
+        let step = counters.step;
+        let mut staging = self.staging.take().unwrap_or_default();
+        staging.clear();
+        let mut tensors = Vec::new();
+        let mut ranges = Vec::new();
+        for u in 0..engine.layout().num_units() {
+            let s = engine.optimizer_state(u);
+            let [master, m, v] = tensor_names(u);
+            for (name, values) in [(master, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)] {
+                staging.extend_from_slice(values);
+                tensors.push(TensorEntry {
+                    name,
+                    len: values.len(),
+                });
+            }
+            ranges.push([s.range.start, s.range.end]);
+        }
+        let tmp = self.dir.join(format!(".tmp-{}", step_dir_name(step)));
+        let rank = self.rank;
+        let copy_s = t.elapsed().as_secs_f64();
+        let handle = std::thread::Builder::new()
+            .name(format!("zerodp-ckpt-{rank}"))
+            .spawn(move || {
+                let t = Instant::now();
+                let r = write_rank_file(&tmp, rank, &tensors, &staging, ranges);
+                (staging, r, t.elapsed().as_secs_f64())
+            })
+            .map_err(|source| CheckpointError::Io {
+                path: self.dir.clone(),
+                source,
+            })?;
+        self.pending = Some(Pending {
+            step,
+            counters,
+            copy_s,
+            handle,
+        });
+        Ok(earlier)
+    }
+
+    /// Wait for the pending write (if any), agree with the other ranks that every part is on
+    /// disk, and commit (rank 0): manifest, rename into place, `latest`. A collective when a save
+    /// is pending; every rank calls it at the same step boundaries.
+    pub fn finish(
+        &mut self,
+        comm: &dyn Communicator,
+    ) -> Result<Option<SaveTiming>, CheckpointError> {
+        let Some(p) = self.pending.take() else {
+            return Ok(None);
+        };
+        let t = Instant::now();
+        let (staging, written, write_s) = p.handle.join().unwrap_or_else(|_| {
+            let msg = "the checkpoint writer thread panicked".to_string();
+            (
+                Vec::new(),
+                Err(CheckpointError::RankFailed {
+                    rank: self.rank,
+                    step: p.step,
+                    message: msg,
+                }),
+                0.0,
+            )
+        });
+        self.staging = Some(staging);
+        // Agree: the highest failed rank + 1, or 0 when every rank wrote its part.
+        let mine = if written.is_err() {
+            self.rank as f32 + 1.0
+        } else {
+            0.0
+        };
+        let all = comm
+            .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)
+            .wait_one()?;
+        let failed = all.get_f32(0);
+        let tmp = self.dir.join(format!(".tmp-{}", step_dir_name(p.step)));
+        let bytes = match (&written, failed > 0.0) {
+            (Err(_), _) | (Ok(_), true) => {
+                if self.rank == 0 {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }
+                return Err(match written {
+                    Err(e) => e,
+                    Ok(_) => CheckpointError::RankFailed {
+                        rank: failed as usize - 1,
+                        step: p.step,
+                        message: "its write failed (see its own error)".into(),
+                    },
+                });
+            }
+            (Ok(entry), false) => entry.bytes,
+        };
+        if self.rank == 0 {
+            self.commit(&tmp, p.step, &p.counters)?;
+        }
+        Ok(Some(SaveTiming {
+            step: p.step,
+            blocked_s: p.copy_s + t.elapsed().as_secs_f64(),
+            write_s,
+            bytes,
+        }))
+    }
+
+    /// Rank 0, once every rank's part is on disk: the manifest, the rename, `latest`, pruning.
+    fn commit(
+        &self,
+        tmp: &Path,
+        step: u64,
+        counters: &EngineCounters,
+    ) -> Result<(), CheckpointError> {
+        let mut files = Vec::with_capacity(self.world);
+        for r in 0..self.world {
+            let side = tmp.join(format!("rank{r:05}.json"));
+            let text = std::fs::read_to_string(&side).map_err(|source| CheckpointError::Io {
+                path: side.clone(),
+                source,
+            })?;
+            let entry: FileEntry =
+                serde_json::from_str(&text).map_err(|e| CheckpointError::Manifest {
+                    path: side.clone(),
+                    what: e.to_string(),
+                })?;
+            files.push(entry);
+            let _ = std::fs::remove_file(&side);
+        }
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            step,
+            world_size: self.world,
+            stage: self.run.stage,
+            precision: self.run.precision.clone(),
+            seed: self.run.seed,
+            counters: counters.clone(),
+            config: self.run.config.clone(),
+            model: self.run.model.clone(),
+            files,
+        };
+        let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
+        write_atomic(&tmp.join("manifest.json"), &json)?;
+        let name = step_dir_name(step);
+        let target = self.dir.join(&name);
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| CheckpointError::Io { path, source }
+        };
+        // A checkpoint of the same step from an earlier run is replaced only now that the new
+        // one is complete.
+        let old = self.dir.join(format!(".old-{name}"));
+        if target.exists() {
+            let _ = std::fs::remove_dir_all(&old);
+            std::fs::rename(&target, &old).map_err(io(&target))?;
+        }
+        std::fs::rename(tmp, &target).map_err(io(tmp))?;
+        sync_dir(&self.dir)?;
+        write_atomic(&self.dir.join("latest"), name.as_bytes())?;
+        let _ = std::fs::remove_dir_all(&old);
+        if let Some(k) = self.keep_last {
+            prune(&self.dir, k, &name, step);
+        }
+        Ok(())
+    }
+}
+
+/// This rank's file and its sidecar (size, checksum, ranges) into `tmp`, both fsynced.
+fn write_rank_file(
+    tmp: &Path,
+    rank: usize,
+    tensors: &[TensorEntry],
+    data: &[f32],
+    ranges: Vec<[usize; 2]>,
+) -> Result<FileEntry, CheckpointError> {
+    std::fs::create_dir_all(tmp).map_err(|source| CheckpointError::Io {
+        path: tmp.to_path_buf(),
+        source,
+    })?;
+    let name = rank_file_name(rank);
+    let (bytes, crc32) = write_f32_file(&tmp.join(&name), tensors, data)?;
+    let entry = FileEntry {
+        rank,
+        name,
+        bytes,
+        crc32,
+        ranges,
+    };
+    let side = serde_json::to_vec(&entry).expect("an entry serialises");
+    write_atomic(&tmp.join(format!("rank{rank:05}.json")), &side)?;
+    Ok(entry)
+}
+
+/// Keep the newest `keep` checkpoints (by step) and the one `latest` names; remove older ones
+/// and leftovers of interrupted saves of earlier steps (a later step's temporary directory may be
+/// another rank's write in progress). Best effort: what cannot be removed stays.
+fn prune(dir: &Path, keep: usize, latest: &str, committed: u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut steps: Vec<(u64, PathBuf)> = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if let Some(n) = name
+            .strip_prefix("step")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            steps.push((n, e.path()));
+        } else if let Some(n) = name
+            .strip_prefix(".tmp-step")
+            .and_then(|s| s.parse::<u64>().ok())
+        {
+            if n < committed {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    steps.sort();
+    let cut = steps.len().saturating_sub(keep.max(1));
+    for (_, path) in &steps[..cut] {
+        if !path.ends_with(latest) {
+            let _ = std::fs::remove_dir_all(path);
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! What a checkpoint reads from and writes into one rank's engine: the optimizer state of the
+//! part of each unit this rank updates (fp32 master weights, Adam's m and v), the step counters
+//! and the loss-scaling policy. Parameters are not saved separately: they are the master weights
+//! (fp32), or the master rounded to 16 bits exactly as every Adam step rounds them, so a restore
+//! rebuilds them bit for bit.
+
+use super::{Engine, EngineError, UnitModel};
+use crate::comm::{Buffer, CommError, DType};
+use crate::zero::precision::{FlatBuffer, PolicySnapshot, Slice};
+use crate::zero::state::StageState;
+use std::ops::Range;
+
+/// The counters a resumed engine continues from.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct EngineCounters {
+    /// Optimizer steps taken (skipped ones included).
+    pub step: u64,
+    /// Adam updates applied (skipped steps excluded); Adam's bias correction counts these.
+    pub adam_step: u64,
+    pub policy: PolicySnapshot,
+}
+
+/// One unit's optimizer state over a range of its (unpadded) flat elements.
+pub struct UnitOptimizerState<'e> {
+    /// Elements of the unit's flat buffer the slices cover.
+    pub range: Range<usize>,
+    /// The fp32 master weights (the parameters themselves in fp32 training).
+    pub master: &'e [f32],
+    /// Adam's first moment.
+    pub exp_avg: &'e [f32],
+    /// Adam's second moment.
+    pub exp_avg_sq: &'e [f32],
+}
+
+impl<M: UnitModel> Engine<'_, M> {
+    /// The elements of unit `unit` this rank writes into a checkpoint: its own shard, clipped to
+    /// the unit's real elements. At stage 0 every rank holds everything, and each still writes only
+    /// its shard, so no two ranks write the same bytes.
+    pub fn saved_range(&self, unit: usize) -> Range<usize> {
+        clip(self.layout.own_shard(unit), self.layout.units[unit].numel)
+    }
+
+    /// The elements of unit `unit` whose optimizer state this rank holds and a restore must fill:
+    /// the whole unit at stage 0, the own shard otherwise (clipped to the real elements).
+    pub fn restored_range(&self, unit: usize) -> Range<usize> {
+        clip(
+            self.units[unit].updated.clone(),
+            self.layout.units[unit].numel,
+        )
+    }
+
+    /// Unit `unit`'s optimizer state over [`Engine::saved_range`].
+    pub fn optimizer_state(&self, unit: usize) -> UnitOptimizerState<'_> {
+        let range = self.saved_range(unit);
+        let us = &self.units[unit];
+        let local = range.start - us.updated.start..range.end - us.updated.start;
+        let master = match &us.master {
+            Some(m) => &m[local.clone()],
+            None => &self.fp32_updated_params(unit)[local.clone()],
+        };
+        UnitOptimizerState {
+            range,
+            master,
+            exp_avg: &us.adam.m[local.clone()],
+            exp_avg_sq: &us.adam.v[local],
+        }
+    }
+
+    /// The step counters and the loss-scaling state.
+    pub fn counters(&self) -> EngineCounters {
+        EngineCounters {
+            step: self.step,
+            adam_step: self.units.first().map_or(0, |u| u.adam.step),
+            policy: self.policy.snapshot(),
+        }
+    }
+
+    /// Fill unit `unit`'s optimizer state over [`Engine::restored_range`] (the slices' length) and
+    /// the parameters it determines on this rank. Call for every unit, then
+    /// [`Engine::finish_restore`] on every rank.
+    pub fn restore_unit(
+        &mut self,
+        unit: usize,
+        master: &[f32],
+        exp_avg: &[f32],
+        exp_avg_sq: &[f32],
+    ) -> Result<(), EngineError> {
+        let range = self.restored_range(unit);
+        for got in [master.len(), exp_avg.len(), exp_avg_sq.len()] {
+            if got != range.len() {
+                return Err(EngineError::ParamLength {
+                    unit,
+                    name: self.spec.units[unit].name.clone(),
+                    expected: range.len(),
+                    got,
+                });
+            }
+        }
+        let us = &mut self.units[unit];
+        let local = range.start - us.updated.start..range.end - us.updated.start;
+        us.adam.m[local.clone()].copy_from_slice(exp_avg);
+        us.adam.v[local.clone()].copy_from_slice(exp_avg_sq);
+        if let Some(m) = &mut us.master {
+            m[local.clone()].copy_from_slice(master);
+        }
+        // The parameters are the master (rounded to 16 bits as Adam's copy is).
+        let updated = us.updated.clone();
+        match &mut self.state.stage {
+            StageState::ShardedParams { coordinator, .. } => {
+                coordinator.invalidate()?;
+                coordinator.shards_mut()[unit]
+                    .slice_mut(local)
+                    .copy_from(Slice::F32(master));
+            }
+            StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
+                let at = updated.start + local.start..updated.start + local.end;
+                params[unit].slice_mut(at).copy_from(Slice::F32(master));
+            }
+        }
+        Ok(())
+    }
+
+    /// Set the counters and the loss-scaling state, and at stages 1-2 all-gather the restored
+    /// parameter shards into every rank's full parameters (a collective: every rank calls it).
+    pub fn finish_restore(&mut self, c: &EngineCounters) -> Result<(), CommError> {
+        self.step = c.step;
+        for u in &mut self.units {
+            u.adam.step = c.adam_step;
+        }
+        self.policy.restore(&c.policy);
+        self.gather_updated()
+    }
+
+    /// fp32 training: the parameters over the updated part, which are their own master.
+    fn fp32_updated_params(&self, unit: usize) -> &[f32] {
+        let updated = self.units[unit].updated.clone();
+        match &self.state.stage {
+            StageState::ShardedParams { coordinator, .. } => f32_of(&coordinator.shards()[unit]),
+            StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
+                &f32_of(&params[unit])[updated]
+            }
+        }
+    }
+}
+
+fn f32_of(b: &Buffer) -> &[f32] {
+    debug_assert_eq!(b.dtype(), DType::F32);
+    b.as_f32().expect("fp32 training keeps f32 parameters")
+}
+
+/// `r` without the padding past `numel` (an empty range at `r.start` when it is all padding, so
+/// that offsets into the shard stay valid).
+fn clip(r: Range<usize>, numel: usize) -> Range<usize> {
+    match r.start < numel {
+        true => r.start..r.end.min(numel),
+        false => r.start..r.start,
+    }
+}
