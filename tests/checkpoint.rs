@@ -99,7 +99,10 @@ fn a_resumed_run_equals_the_unbroken_run_bit_for_bit() {
             if extra.contains("fp16") {
                 let m = inspect(dir.path()).unwrap().manifest;
                 let scale = m.counters.policy.scaler.unwrap().loss_scale();
-                assert!(scale < 2f64.powi(20), "the scale moved before the save: {scale}");
+                assert!(
+                    scale < 2f64.powi(20),
+                    "the scale moved before the save: {scale}"
+                );
             }
             let resumed = run(&model, &s, 2, 6, None, Some(dir.path())).unwrap();
             let what = format!("stage {stage} {extra}");

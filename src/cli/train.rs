@@ -96,8 +96,8 @@ pub struct TrainArgs {
     pub keep_last: Option<usize>,
     /// Resume from the newest checkpoint in DIR (its `latest`), or from a checkpoint directory
     /// itself [default DIR: --save-dir]. `--steps` still counts from the start of training.
-    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "")]
-    pub resume: Option<PathBuf>,
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub resume: Option<Option<PathBuf>>,
 }
 
 /// Which GPT to build.
@@ -410,10 +410,9 @@ fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
     let Some(dir) = &args.resume else {
         return Ok(None);
     };
-    let dir = match (dir.as_os_str().is_empty(), &args.save_dir) {
-        (false, _) => dir.clone(),
-        (true, Some(d)) => d.clone(),
-        (true, None) => {
+    let dir = match (dir, &args.save_dir) {
+        (Some(d), _) | (None, Some(d)) => d.clone(),
+        (None, None) => {
             bail!("--resume without a directory needs --save-dir (or give --resume DIR)")
         }
     };
