@@ -1,8 +1,10 @@
-//! Reliability of the command line on bad or extreme input: configs as editors write them, and
-//! values that would silently cripple a run refused where they are written.
+//! Reliability of the command line on bad or extreme input: no panic on a closed standard output,
+//! each cause said once, configs as editors write them, and values that would silently cripple a
+//! run refused where they are written, with the files a refused run was given left as they were.
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 use zerodp::config::{self, ResolveContext};
 
@@ -17,6 +19,18 @@ fn stderr(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// A refusal: exit status 1, a last line `error: ...`, every one of `expected` said, no panic.
+fn assert_refused(out: &Output, expected: &[&str]) {
+    let err = stderr(out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let last = err.trim_end().lines().last().unwrap_or("");
+    assert!(last.starts_with("error: "), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for e in expected {
+        assert!(err.contains(e), "{e:?} missing from: {err}");
+    }
+}
+
 fn write(dir: &Path, name: &str, text: &[u8]) -> PathBuf {
     let path = dir.join(name);
     std::fs::write(&path, text).unwrap();
@@ -27,7 +41,58 @@ const CONFIG: &str = r#"{ "train_batch_size": 2, "train_micro_batch_size_per_gpu
     "optimizer": { "type": "AdamW", "params": { "lr": 1e-3 } },
     "zero_optimization": { "stage": 1 } }"#;
 
+// ---- A: writing never panics ----
+
+#[test]
+fn plan_into_a_closed_pipe_ends_quietly() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["plan", "--preset", "gpt2-xl", "--devices", "16"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before reading anything (`zerodp plan | head -0`).
+    drop(child.stdout.take());
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    let status = child.wait().unwrap();
+    assert_ne!(status.code(), Some(101), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert_eq!(err, "");
+}
+
+#[test]
+fn a_full_stdout_is_an_error_not_a_panic() {
+    if !Path::new("/dev/full").exists() {
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["plan", "--params", "7e9"])
+        .stdout(std::fs::File::create("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    assert_refused(
+        &out,
+        &["writing to standard output", "No space left on device"],
+    );
+}
+
 // ---- C: small items ----
+
+#[test]
+fn an_os_error_is_said_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = zerodp(&["train", "--config", dir.path().to_str().unwrap()]);
+    assert_refused(&out, &["cannot read config file", "Is a directory"]);
+    let err = stderr(&out);
+    assert_eq!(err.matches("Is a directory").count(), 1, "{err}");
+}
 
 #[test]
 fn a_config_with_a_byte_order_mark_is_read() {

@@ -423,9 +423,9 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
                 memcpy_gbps: memcpy,
                 results,
             };
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            outln!("{}", serde_json::to_string_pretty(&report)?);
         }
-        Format::Table => print_table(&args, n, dtype, &memcpy, &results),
+        Format::Table => print_table(&args, n, dtype, &memcpy, &results)?,
     }
     Ok(0)
 }
@@ -461,16 +461,17 @@ fn print_table(
     dtype: DType,
     memcpy: &MemcpyGbps,
     results: &[BenchResult],
-) {
+) -> anyhow::Result<()> {
     // A rank's "link" here is memory: the fair per-rank reference is the copy bandwidth one rank
     // gets while the others copy too, the all-thread rate shared among min(ranks, threads).
     let per_rank_ref = memcpy.all_threads / n.min(memcpy.threads) as f64;
-    println!(
+    outln!(
         "# zerodp bench comm: in-process world of {n} ranks, dtype {dtype}, median of {} \
          iterations after {} warm-up",
-        args.iters, args.warmup
+        args.iters,
+        args.warmup
     );
-    println!(
+    outln!(
         "# memcpy reference ({} copied, median of runs before and after): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
          (per rank when {} ranks share them: {:.2} GB/s)",
         human(memcpy.bytes),
@@ -480,11 +481,11 @@ fn print_table(
         n.min(memcpy.threads),
         per_rank_ref
     );
-    println!(
+    outln!(
         "# busbw as % of the one-thread memcpy (%1thr) and of the per-rank share (%share); %mem: \
          memory traffic drawn by all ranks as % of the all-thread memcpy's"
     );
-    println!(
+    outln!(
         "# {:>25} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
         "op",
         "size",
@@ -502,7 +503,7 @@ fn print_table(
             / r.time_s
             / 1e9
             / (2.0 * memcpy.all_threads);
-        println!(
+        outln!(
             "  {:>25} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
             Case::label(r.op, r.in_place),
             human(r.bytes),
@@ -516,6 +517,7 @@ fn print_table(
             100.0 * mem
         );
     }
+    Ok(())
 }
 
 #[cfg(test)]

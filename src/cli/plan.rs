@@ -131,11 +131,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("writing the chart to {}", path.display()))?;
     }
     if args.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&plan.options)?);
+        outln!("{}", serde_json::to_string_pretty(&plan.options)?);
     } else {
-        print!("{}", render_table(&input, &plan));
+        out!("{}", render_table(&input, &plan));
         if let Some(path) = &args.chart {
-            println!("chart written to {}", path.display());
+            outln!("chart written to {}", path.display());
         }
     }
     Ok(0)
@@ -272,7 +272,7 @@ fn load_config(
         )
     })?;
     for w in &loaded.warnings {
-        eprintln!("warning: {w}");
+        errln!("warning: {w}");
     }
     Ok(ConfigKeys::from_settings(&loaded.settings))
 }

@@ -145,7 +145,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     let loaded = config::load_file(&args.config, &ctx)?;
     for w in &loaded.warnings {
-        eprintln!("warning: {w}");
+        errln!("warning: {w}");
     }
     let settings = loaded.settings;
     let model = GptModel::new(gpt.clone())?;
@@ -199,7 +199,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let world = args.world_size;
     let batch = settings.batch.clone();
     let tokens_per_step = batch.train_batch_size * gpt.context;
-    eprintln!(
+    errln!(
         "zerodp train: GPT {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}, train_batch_size {} = {} per rank x {} accumulation steps x {world}; \
          corpus {} ({} windows)",
@@ -238,7 +238,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     }
     let elapsed = started.elapsed().as_secs_f64();
     if let Some(Some(last)) = outcome.last.first() {
-        eprintln!(
+        errln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
             last.step,
@@ -251,7 +251,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
-        eprintln!("saved weights to {}", path.display());
+        errln!("saved weights to {}", path.display());
     }
     Ok(0)
 }
@@ -273,7 +273,7 @@ impl ProgressLog {
 
     fn println(&self, line: String) {
         if self.bar.is_hidden() {
-            eprintln!("{line}");
+            errln!("{line}");
         } else {
             self.bar.println(line);
         }

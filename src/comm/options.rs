@@ -8,6 +8,7 @@
 //! the fields directly after reading the environment).
 
 use std::fmt;
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -100,7 +101,10 @@ impl TraceSink {
 
     pub(crate) fn emit(&self, line: String) {
         match self {
-            TraceSink::Stderr => eprintln!("{line}"),
+            // Not eprintln!: it panics when standard error is gone; a lost trace line is not.
+            TraceSink::Stderr => {
+                let _ = writeln!(std::io::stderr().lock(), "{line}");
+            }
             TraceSink::Memory(v) => v.lock().unwrap_or_else(|e| e.into_inner()).push(line),
         }
     }

@@ -32,6 +32,7 @@ use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settin
 use crate::optim::scheduler::lr_at;
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
+use std::io::Write;
 use std::path::Path;
 
 /// Why training could not start or stopped.
@@ -227,7 +228,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         };
         let loaded = config::load_file(path, &ctx)?;
         for w in &loaded.warnings {
-            eprintln!("warning: {w}");
+            // Not eprintln!, which panics when standard error is closed.
+            let _ = writeln!(std::io::stderr().lock(), "warning: {w}");
         }
         Trainer::from_settings(model, &loaded.settings, world_size, seed)
     }
