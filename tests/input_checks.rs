@@ -1,12 +1,13 @@
 //! Reliability of the command line on bad or extreme input: no panic on a closed standard output,
-//! each cause said once, configs as editors write them, and values that would silently cripple a
-//! run refused where they are written, with the files a refused run was given left as they were.
+//! sizes that would overflow refused with the flag and the limit, each cause said once, and the
+//! files a refused run was given left as they were.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use zerodp::config::{self, ResolveContext};
+use zerodp::model::GptConfig;
 
 fn zerodp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zerodp"))
@@ -80,6 +81,181 @@ fn a_full_stdout_is_an_error_not_a_panic() {
     assert_refused(
         &out,
         &["writing to standard output", "No space left on device"],
+    );
+}
+
+// ---- B: sizes are checked ----
+
+#[test]
+fn an_overflowing_width_is_refused_by_train_before_anything_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "ds.json", CONFIG.as_bytes());
+    let metrics = dir.path().join("m.jsonl");
+    let saved = dir.path().join("w.safetensors");
+    for width in ["4294967296", "1000000000"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+            .args(["train", "--model", "tiny", "--heads", "1", "--width", width])
+            .arg("--config")
+            .arg(&config)
+            .arg("--metrics")
+            .arg(&metrics)
+            .arg("--save")
+            .arg(&saved)
+            .output()
+            .unwrap();
+        assert_refused(
+            &out,
+            &[&format!("width {width}"), "limit of 1e15", "--width"],
+        );
+    }
+    assert!(!metrics.exists() && !saved.exists());
+    assert_eq!(std::fs::read_to_string(&config).unwrap(), CONFIG);
+    // The library says the same.
+    let mut huge = GptConfig::tiny();
+    huge.width = 1 << 32;
+    huge.heads = 1;
+    let e = huge.validate().unwrap_err().to_string();
+    assert!(e.contains("limit of 1e15"), "{e}");
+}
+
+#[test]
+fn plan_refuses_overflowing_shapes_and_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let chart = dir.path().join("c.svg");
+    let chart_arg = chart.to_str().unwrap();
+    let out = zerodp(&[
+        "plan",
+        "--layers",
+        "3",
+        "--width",
+        "4294967296",
+        "--heads",
+        "1",
+        "--chart",
+        chart_arg,
+    ]);
+    assert_refused(&out, &["width 4294967296", "limit of 1e15", "--width"]);
+    assert!(!chart.exists(), "a refused plan writes no chart");
+    // "fits: yes" for 4.6e18 parameters was a wrapped total.
+    let out = zerodp(&["plan", "--params", "4.6e18"]);
+    assert_refused(&out, &["--params 4.60e18", "limit of 1e15"]);
+    let out = zerodp(&["plan", "--layers", "200000", "--width", "8", "--heads", "1"]);
+    assert_refused(&out, &["--layers 200000", "limit of 100000"]);
+    let out = zerodp(&["plan", "--params", "7e9", "--devices", "4294967296"]);
+    assert_refused(&out, &["limit of 1048576 devices", "--devices"]);
+    let out = zerodp(&["plan", "--params", "7e9", "--device-memory", "1e19"]);
+    assert_refused(&out, &["--device-memory", "limit of 1 EiB"]);
+    let out = zerodp(&["plan", "--preset", "gpt2", "--micro-batch", "2147483647"]);
+    assert_refused(&out, &["activations", "limit of 1 EiB", "--micro-batch"]);
+    let out = zerodp(&[
+        "plan",
+        "--params",
+        "1e15",
+        "--devices",
+        "1048576",
+        "--grad-accum",
+        "2147483648",
+    ]);
+    assert_refused(
+        &out,
+        &["2147483648 micro-steps", "2^64 bytes", "--grad-accum"],
+    );
+}
+
+#[test]
+fn plan_refuses_what_train_would_refuse() {
+    let out = zerodp(&["plan", "--params", "7e9", "--grad-accum", "0"]);
+    assert_refused(&out, &["--grad-accum 0 must be between 1 and 2^31"]);
+    let out = zerodp(&["plan", "--params", "7e9", "--devices", "0"]);
+    assert_refused(&out, &["--devices must be at least 1"]);
+    let out = zerodp(&["plan", "--params", "7e9", "--largest-unit", "0"]);
+    assert_refused(&out, &["--largest-unit must be at least 1"]);
+    let out = zerodp(&["plan", "--params", "7e9", "--micro-batch", "4294967296"]);
+    assert_refused(
+        &out,
+        &["--micro-batch 4294967296 must be between 1 and 2^31"],
+    );
+}
+
+#[test]
+fn an_infinite_timeout_means_no_timeout_and_a_huge_one_is_refused() {
+    let out = zerodp(&[
+        "bench",
+        "comm",
+        "--sizes",
+        "1K",
+        "--iters",
+        "1",
+        "--warmup",
+        "0",
+        "--op",
+        "all_reduce",
+        "--timeout",
+        "inf",
+    ]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = zerodp(&["bench", "comm", "--sizes", "1K", "--timeout", "1e300"]);
+    assert_refused(&out, &["--timeout 1e300", "inf for no timeout"]);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = write(dir.path(), "ds.json", CONFIG.as_bytes());
+    let text = write(
+        dir.path(),
+        "text.txt",
+        "to be or not to be. ".repeat(50).as_bytes(),
+    );
+    let train = |timeout: &str| {
+        Command::new(env!("CARGO_BIN_EXE_zerodp"))
+            .args(["train", "--model", "tiny", "--steps", "1", "--no-progress"])
+            .args(["--timeout", timeout])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data")
+            .arg(&text)
+            .output()
+            .unwrap()
+    };
+    let out = train("inf");
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_refused(&train("1e300"), &["--timeout 1e300"]);
+    assert_refused(&train("0"), &["--timeout 0.0"]);
+}
+
+#[test]
+fn an_environment_timeout_of_inf_is_accepted() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args([
+            "bench", "comm", "--sizes", "1K", "--iters", "1", "--warmup", "0",
+        ])
+        .args(["--op", "all_gather"])
+        .env("ZERODP_TIMEOUT", "inf")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+}
+
+#[test]
+fn bench_comm_refuses_what_it_cannot_hold() {
+    let out = zerodp(&[
+        "bench",
+        "comm",
+        "--sizes",
+        "1K",
+        "--iters",
+        "100000000000000000",
+    ]);
+    assert_refused(&out, &["--iters and --warmup take at most 1000000 rounds"]);
+    if !Path::new("/proc/meminfo").exists() {
+        return;
+    }
+    let out = zerodp(&["bench", "comm", "--sizes", "1T"]);
+    assert_refused(
+        &out,
+        &[
+            "--sizes 1T",
+            "two buffers on each of 2 rank(s)",
+            "MemAvailable",
+        ],
     );
 }
 

@@ -82,6 +82,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if args.steps == 0 || args.per_rank == 0 || args.rounds == 0 {
         bail!("--steps, --per-rank and --rounds must be at least 1");
     }
+    if args.reduce_bucket_size == 0 {
+        bail!(
+            "--reduce-bucket-size must be at least 1 element, as the config's reduce_bucket_size"
+        );
+    }
     let gpt = args.model.build("small")?;
     let model = GptModel::new(gpt.clone())?;
     let mut rng = SplitMix64::new(1);

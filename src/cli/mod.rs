@@ -1,5 +1,5 @@
 //! The command line. Each subcommand lives in its own file; this file wires them and holds what
-//! they share: the output macros and the error text.
+//! they share: the output macros, the error text and the `--timeout` flag.
 //!
 //! No write panics. `println!` panics when standard output is gone (`zerodp plan | head`), so
 //! subcommands write through [`outln!`] and [`out!`] instead: a closed standard output (EPIPE)
@@ -9,6 +9,7 @@
 
 use std::fmt;
 use std::io::{self, Write};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 
@@ -140,6 +141,15 @@ pub fn error_text(e: &anyhow::Error) -> String {
     text
 }
 
+/// `--timeout SECONDS` as the communicator's timeout: positive and below 1e12, or `inf` for none.
+pub fn timeout_flag(secs: f64) -> anyhow::Result<Duration> {
+    zerodp::comm::timeout_from_secs(secs).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--timeout {secs:?}: give a positive number of seconds below 1e12, or inf for no timeout"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,5 +175,18 @@ mod tests {
         let e = anyhow::Error::new(StdoutClosed).context("printing the table");
         assert!(is_stdout_closed(&e));
         assert!(!is_stdout_closed(&anyhow::anyhow!("other")));
+    }
+
+    #[test]
+    fn infinite_timeout_is_none_and_huge_ones_are_refused() {
+        assert_eq!(
+            timeout_flag(f64::INFINITY).unwrap(),
+            zerodp::comm::NO_TIMEOUT
+        );
+        assert_eq!(timeout_flag(2.5).unwrap(), Duration::from_millis(2500));
+        for bad in [0.0, -1.0, f64::NAN, 1e300, f64::NEG_INFINITY] {
+            let e = timeout_flag(bad).unwrap_err().to_string();
+            assert!(e.contains("--timeout") && e.contains("inf"), "{e}");
+        }
     }
 }

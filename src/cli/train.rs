@@ -33,7 +33,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::fs::File;
 use std::io::BufWriter;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use zerodp::comm::{CommOptions, TraceLevel};
 use zerodp::config::{self, ResolveContext};
 use zerodp::model::{
@@ -74,8 +74,8 @@ pub struct TrainArgs {
     /// Write one JSON object per optimizer step and rank to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Seconds a rank waits inside one collective before failing [default: ZERODP_TIMEOUT or the
-    /// communicator's default].
+    /// Seconds a rank waits inside one collective before failing, or inf for no limit [default:
+    /// ZERODP_TIMEOUT or the communicator's default].
     #[arg(long)]
     pub timeout: Option<f64>,
     /// Recompute every unit's forward in backward (also switched on by the config's
@@ -175,10 +175,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
 
     let mut comm_options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
-        if t.is_nan() || t <= 0.0 {
-            bail!("--timeout must be a positive number of seconds, got {t}");
-        }
-        comm_options.timeout = Duration::from_secs_f64(t);
+        comm_options.timeout = super::timeout_flag(t)?;
     }
     // The config's comms_logger turns the per-collective trace on, but only when it says
     // `enabled: true` (DeepSpeed turns it on whenever the block exists). ZERODP_DEBUG, read by

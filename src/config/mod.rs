@@ -56,6 +56,7 @@ mod zero;
 
 use std::path::Path;
 
+pub use batch::MAX_BATCH;
 pub use error::{ConfigError, Location, Where};
 pub use settings::*;
 
