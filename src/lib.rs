@@ -15,6 +15,8 @@
 //! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports).
 //! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
 //! * [`model`]: a GPT reference model on candle implementing the unit contract, and data loading.
+//! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
+//!   `model` and `planner` check before multiplying them. Depends on nothing.
 //!
 //! Dependencies point one way: `config` <- `optim`, `comm` <- `memory` <- `zero` <- `setup` <-
 //! {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
@@ -23,6 +25,7 @@
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod limits;
 pub mod memory;
 pub mod model;
 pub mod optim;

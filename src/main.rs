@@ -11,8 +11,10 @@ fn main() {
     let parsed = cli::Cli::parse();
     match cli::run(parsed) {
         Ok(code) => std::process::exit(code),
+        // The reader of standard output has gone (`zerodp plan | head`): done, as a filter is.
+        Err(e) if cli::is_stdout_closed(&e) => std::process::exit(0),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            cli::write_stderr(format_args!("error: {}\n", cli::error_text(&e)));
             std::process::exit(1);
         }
     }

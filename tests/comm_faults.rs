@@ -397,3 +397,57 @@ fn a_rank_failing_while_its_collective_runs_never_corrupts_its_peers() {
         }
     }
 }
+
+/// A rank's own error, or a collective's.
+#[derive(Debug)]
+enum RankError {
+    Comm(CommError),
+    Own(&'static str),
+}
+
+impl std::fmt::Display for RankError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RankError::Comm(e) => write!(f, "{e}"),
+            RankError::Own(m) => f.write_str(m),
+        }
+    }
+}
+
+impl From<CommError> for RankError {
+    fn from(e: CommError) -> Self {
+        RankError::Comm(e)
+    }
+}
+
+#[test]
+fn ranks_failing_alike_are_reported_once_with_the_first_named() {
+    // Rank 2 fails at once; the others a little later with the same message (as every rank does
+    // when all see the same non-finite gradients).
+    let e = run_ranks(4, opts(Duration::from_secs(60)), |_comm, rank| {
+        if rank != 2 {
+            sleep(Duration::from_millis(200));
+        }
+        Err::<(), _>(RankError::Own("gradients diverged"))
+    })
+    .unwrap_err();
+    assert_eq!(e.first_failed, 2);
+    assert_eq!(
+        e.to_string(),
+        "ranks 0, 1, 2, 3 failed (rank 2 first): gradients diverged"
+    );
+
+    // Different messages: the root cause first, then each other message once with its ranks.
+    let e = run_ranks(4, opts(Duration::from_secs(60)), |_comm, rank| {
+        if rank == 1 {
+            return Err::<(), _>(RankError::Own("bad data"));
+        }
+        sleep(Duration::from_millis(200));
+        Err(RankError::Own("gradients diverged"))
+    })
+    .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "rank 1 failed: bad data (then ranks 0, 2, 3: gradients diverged)"
+    );
+}

@@ -30,7 +30,8 @@ pub struct BenchCommArgs {
     #[arg(long, value_enum, default_value_t = OpChoice::All)]
     pub op: OpChoice,
     /// Full-tensor sizes in bytes: `1K`, `64M`, `1G` (powers of 2), a list `1K,1M`, or a range
-    /// `1K..1G` doubling from the first to the last.
+    /// `1K..1G` doubling from the first to the last. Every rank holds two buffers of the largest
+    /// size: sizes that do not fit this machine's available memory are refused.
     #[arg(long, default_value = "1K..256M")]
     pub sizes: String,
     /// Timed rounds per size: each round runs one iteration of every op and form of the size, in
@@ -45,7 +46,7 @@ pub struct BenchCommArgs {
     pub dtype: DTypeChoice,
     #[arg(long, value_enum, default_value_t = Format::Table)]
     pub format: Format,
-    /// Collective timeout in seconds (overrides ZERODP_TIMEOUT).
+    /// Collective timeout in seconds, or inf for none (overrides ZERODP_TIMEOUT).
     #[arg(long)]
     pub timeout: Option<f64>,
 }
@@ -100,17 +101,18 @@ impl OpChoice {
     }
 }
 
-/// One size: `4096`, `1K`, `64M`, `1G` (binary multiples; `B` suffix allowed).
+/// One size: `4096`, `1K`, `64M`, `1G`, `1T` (binary multiples; `B` suffix allowed).
 fn parse_size(s: &str) -> anyhow::Result<usize> {
     let t = s.trim().trim_end_matches(['B', 'b']);
     let (num, mult) = match t.chars().last() {
         Some('K' | 'k') => (&t[..t.len() - 1], 1usize << 10),
         Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
         Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
         _ => (t, 1),
     };
     let n: usize = num.trim().parse().with_context(|| {
-        format!("size {s:?}: expected a number with an optional K, M or G suffix, such as 64M")
+        format!("size {s:?}: expected a number with an optional K, M, G or T suffix, such as 64M")
     })?;
     n.checked_mul(mult)
         .with_context(|| format!("size {s:?} is too large"))
@@ -339,6 +341,11 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     if args.iters == 0 {
         bail!("--iters must be at least 1");
     }
+    // The times of every round are kept: bound the rounds before allocating for them.
+    const MAX_ROUNDS: usize = 1_000_000;
+    if args.iters > MAX_ROUNDS || args.warmup > MAX_ROUNDS {
+        bail!("--iters and --warmup take at most {MAX_ROUNDS} rounds each");
+    }
     let dtype = args.dtype.dtype();
     let sizes = parse_sizes(&args.sizes)?;
     for &s in &sizes {
@@ -348,10 +355,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     }
     let mut options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
-        if !(t.is_finite() && t > 0.0) {
-            bail!("--timeout {t}: give a positive number of seconds");
-        }
-        options.timeout = Duration::from_secs_f64(t);
+        options.timeout = super::timeout_flag(t)?;
     }
     let cases = cases(&args.op.kinds(), &sizes);
     let n = args.world_size;
@@ -361,6 +365,10 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
     let max_size = sizes.iter().copied().max().unwrap_or(0);
     let memcpy_bytes = max_size.clamp(64 << 20, 1 << 30);
+    if let Some(available) = available_memory() {
+        buffers_fit(max_size, n, memcpy_bytes, available)
+            .map_err(|e| anyhow::anyhow!("--sizes {}: {e}", args.sizes))?;
+    }
     // Half the memcpy samples before the collectives and half after, so that the reference spans
     // the same stretch of time as the measurements (the load of a shared machine drifts).
     let half = args.iters.div_ceil(2);
@@ -423,15 +431,57 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
                 memcpy_gbps: memcpy,
                 results,
             };
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            outln!("{}", serde_json::to_string_pretty(&report)?);
         }
-        Format::Table => print_table(&args, n, dtype, &memcpy, &results),
+        Format::Table => print_table(&args, n, dtype, &memcpy, &results)?,
     }
     Ok(0)
 }
 
+/// Bytes this machine can still give without swapping (`MemAvailable` in /proc/meminfo), when
+/// known.
+fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = text
+        .lines()
+        .find_map(|l| l.strip_prefix("MemAvailable:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Whether the buffers of a run fit `available` bytes: every rank holds two buffers of the largest
+/// size at once ([`run_size`]), and the memcpy reference, measured while no rank runs, two of
+/// `memcpy_bytes`. The error says what was needed against what is available.
+fn buffers_fit(
+    largest: usize,
+    ranks: usize,
+    memcpy_bytes: usize,
+    available: u64,
+) -> Result<(), String> {
+    // u128: the product of two usizes fits; the doubling saturates.
+    let collectives = (largest as u128 * ranks as u128).saturating_mul(2);
+    let needed = collectives.max(2 * memcpy_bytes as u128);
+    if needed <= available as u128 {
+        return Ok(());
+    }
+    let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
+    Err(format!(
+        "the largest size, {}, needs two buffers on each of {ranks} rank(s), {:.1} GiB in all, \
+         more than the {:.1} GiB this machine has available (MemAvailable in /proc/meminfo); \
+         lower --sizes or --world-size",
+        human(largest),
+        gib(needed),
+        gib(available as u128)
+    ))
+}
+
 fn human(bytes: usize) -> String {
     match bytes {
+        b if b >= 1 << 40 && b % (1 << 40) == 0 => format!("{}T", b >> 40),
         b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
         b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
@@ -461,16 +511,17 @@ fn print_table(
     dtype: DType,
     memcpy: &MemcpyGbps,
     results: &[BenchResult],
-) {
+) -> anyhow::Result<()> {
     // A rank's "link" here is memory: the fair per-rank reference is the copy bandwidth one rank
     // gets while the others copy too, the all-thread rate shared among min(ranks, threads).
     let per_rank_ref = memcpy.all_threads / n.min(memcpy.threads) as f64;
-    println!(
+    outln!(
         "# zerodp bench comm: in-process world of {n} ranks, dtype {dtype}, median of {} \
          iterations after {} warm-up",
-        args.iters, args.warmup
+        args.iters,
+        args.warmup
     );
-    println!(
+    outln!(
         "# memcpy reference ({} copied, median of runs before and after): one thread {:.2} GB/s, all {} threads {:.2} GB/s \
          (per rank when {} ranks share them: {:.2} GB/s)",
         human(memcpy.bytes),
@@ -480,11 +531,11 @@ fn print_table(
         n.min(memcpy.threads),
         per_rank_ref
     );
-    println!(
+    outln!(
         "# busbw as % of the one-thread memcpy (%1thr) and of the per-rank share (%share); %mem: \
          memory traffic drawn by all ranks as % of the all-thread memcpy's"
     );
-    println!(
+    outln!(
         "# {:>25} {:>8} {:>12} {:>5} {:>12} {:>11} {:>11} {:>6} {:>6} {:>6}",
         "op",
         "size",
@@ -502,7 +553,7 @@ fn print_table(
             / r.time_s
             / 1e9
             / (2.0 * memcpy.all_threads);
-        println!(
+        outln!(
             "  {:>25} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
             Case::label(r.op, r.in_place),
             human(r.bytes),
@@ -516,6 +567,7 @@ fn print_table(
             100.0 * mem
         );
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -531,8 +583,24 @@ mod tests {
             vec![1024, 2048, 4096, 8192, 64 << 20]
         );
         assert_eq!(parse_sizes("3..13").unwrap(), vec![3, 6, 12]);
+        assert_eq!(parse_sizes("1T").unwrap(), vec![1 << 40]);
         assert!(parse_sizes("8K..1K").is_err());
         assert!(parse_sizes("lots").is_err());
         assert!(parse_sizes("").is_err());
+    }
+
+    #[test]
+    fn buffers_must_fit_the_available_memory() {
+        const GIB: u64 = 1 << 30;
+        // 2 ranks x 2 buffers x 1 GiB = 4 GiB.
+        assert!(buffers_fit(1 << 30, 2, 1 << 30, 4 * GIB).is_ok());
+        let e = buffers_fit(1 << 30, 2, 1 << 30, 3 * GIB).unwrap_err();
+        assert!(
+            e.contains("1G") && e.contains("4.0 GiB") && e.contains("3.0 GiB"),
+            "{e}"
+        );
+        // The memcpy reference's two buffers count too, even for small messages.
+        assert!(buffers_fit(1024, 2, 1 << 30, GIB).is_err());
+        assert!(buffers_fit(usize::MAX, usize::MAX, 1 << 30, u64::MAX).is_err());
     }
 }

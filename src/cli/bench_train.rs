@@ -82,6 +82,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if args.steps == 0 || args.per_rank == 0 || args.rounds == 0 {
         bail!("--steps, --per-rank and --rounds must be at least 1");
     }
+    if args.reduce_bucket_size == 0 {
+        bail!(
+            "--reduce-bucket-size must be at least 1 element, as the config's reduce_bucket_size"
+        );
+    }
     let gpt = args.model.build("small")?;
     let model = GptModel::new(gpt.clone())?;
     let mut rng = SplitMix64::new(1);
@@ -99,7 +104,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 if args.format == "table" {
                     let mut times = got.steps.clone();
                     times.sort_by(f64::total_cmp);
-                    eprintln!(
+                    errln!(
                         "round {} stage {s} world {world}: median step {:.1} ms",
                         round + 1,
                         times[times.len() / 2] * 1e3
@@ -122,7 +127,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if args.format == "table" {
         for r in &rows {
             let p = &r.phases;
-            eprintln!(
+            errln!(
                 "stage {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward {:.1}, \
                  recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
                 r.stage,
@@ -138,9 +143,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         }
     }
     if args.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&rows)?);
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        print_table(&rows, &gpt, args.per_rank);
+        print_table(&rows, &gpt, args.per_rank)?;
     }
     Ok(0)
 }
@@ -247,8 +252,12 @@ fn measure(
     })
 }
 
-fn print_table(rows: &[BenchRow], gpt: &zerodp::model::GptConfig, per_rank: usize) {
-    println!(
+fn print_table(
+    rows: &[BenchRow],
+    gpt: &zerodp::model::GptConfig,
+    per_rank: usize,
+) -> anyhow::Result<()> {
+    outln!(
         "GPT {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, fp32",
         gpt.layers,
         gpt.width,
@@ -258,7 +267,7 @@ fn print_table(rows: &[BenchRow], gpt: &zerodp::model::GptConfig, per_rank: usiz
         rows.first().map_or(0, |r| r.num_params),
         per_rank
     );
-    println!(
+    outln!(
         "{:>5} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12}",
         "stage",
         "world",
@@ -275,7 +284,7 @@ fn print_table(rows: &[BenchRow], gpt: &zerodp::model::GptConfig, per_rank: usiz
             .find(|b| b.stage == 0 && b.world_size == r.world_size)
             .map(|b| format!("{:+.1}%", (r.tokens_per_s / b.tokens_per_s - 1.0) * 100.0))
             .unwrap_or_else(|| "-".into());
-        println!(
+        outln!(
             "{:>5} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1}",
             r.stage,
             r.world_size,
@@ -287,4 +296,5 @@ fn print_table(rows: &[BenchRow], gpt: &zerodp::model::GptConfig, per_rank: usiz
             r.peak_bytes_per_rank as f64 / (1024.0 * 1024.0)
         );
     }
+    Ok(())
 }

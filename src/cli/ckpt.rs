@@ -47,19 +47,24 @@ fn run_inspect(a: InspectArgs) -> anyhow::Result<i32> {
     let i = inspect(&a.dir)?;
     let bad = i.problems.iter().filter(|(_, p)| p.is_some()).count();
     if a.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&i)?);
+        outln!("{}", serde_json::to_string_pretty(&i)?);
     } else {
         let m = &i.manifest;
-        println!("checkpoint {}", i.dir.display());
-        println!(
+        outln!("checkpoint {}", i.dir.display());
+        outln!(
             "  step {} (Adam step {}), world size {}, ZeRO stage {}, {}, seed {}",
-            m.step, m.counters.adam_step, m.world_size, m.stage, m.precision, m.seed
+            m.step,
+            m.counters.adam_step,
+            m.world_size,
+            m.stage,
+            m.precision,
+            m.seed
         );
         if let Some(s) = &m.counters.policy.scaler {
-            println!("  fp16 loss scale {}", s.loss_scale());
+            outln!("  fp16 loss scale {}", s.loss_scale());
         }
         let params: usize = m.model.units.iter().map(|u| u.numel).sum();
-        println!(
+        outln!(
             "  model: {} units, {} parameters (master weights, Adam m and v in F32)",
             m.model.units.len(),
             params
@@ -71,9 +76,10 @@ fn run_inspect(a: InspectArgs) -> anyhow::Result<i32> {
                 .find(|f| &f.name == name)
                 .expect("listed file");
             let status = problem.as_deref().unwrap_or("ok");
-            println!(
+            outln!(
                 "  {name}: {} bytes, crc32 {:08x}: {status}",
-                f.bytes, f.crc32
+                f.bytes,
+                f.crc32
             );
         }
     }
@@ -93,6 +99,6 @@ fn run_consolidate(a: ConsolidateArgs) -> anyhow::Result<i32> {
         bail!("{} is a directory; give the file to write", a.out.display());
     }
     let bytes = consolidate(&a.dir, &a.out, bf16)?;
-    eprintln!("wrote {} ({bytes} bytes, {})", a.out.display(), a.dtype);
+    errln!("wrote {} ({bytes} bytes, {})", a.out.display(), a.dtype);
     Ok(0)
 }

@@ -47,19 +47,19 @@ pub fn run(args: CheckArgs) -> anyhow::Result<i32> {
         ..ResolveContext::default()
     };
     if ctx.world_size == 0 {
-        eprintln!("error: --world-size must be at least 1");
+        errln!("error: --world-size must be at least 1");
         return Ok(1);
     }
     let loaded = match config::load_file(&args.file, &ctx) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e}");
+            errln!("error: {e}");
             return Ok(1);
         }
     };
     match args.format {
-        Format::Json => println!("{}", serde_json::to_string_pretty(&loaded.to_json())?),
-        Format::Table => print!("{}", table(&loaded, &ctx.world_size_source)),
+        Format::Json => outln!("{}", serde_json::to_string_pretty(&loaded.to_json())?),
+        Format::Table => out!("{}", table(&loaded, &ctx.world_size_source)),
     }
     Ok(0)
 }

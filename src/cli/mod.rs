@@ -1,6 +1,40 @@
-//! The command line. Each subcommand lives in its own file; this file only wires them.
+//! The command line. Each subcommand lives in its own file; this file wires them and holds what
+//! they share: the output macros, the error text and the `--timeout` flag.
+//!
+//! No write panics. `println!` panics when standard output is gone (`zerodp plan | head`), so
+//! subcommands write through [`outln!`] and [`out!`] instead: a closed standard output (EPIPE)
+//! ends the command quietly with status 0, as a Unix filter ends, and any other write error
+//! becomes the command's error. [`errln!`] writes to standard error and ignores failures: there is
+//! nowhere left to report them.
+
+use std::fmt;
+use std::io::{self, Write};
+use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+
+/// `print!` that returns [`StdoutClosed`] or the write error from the enclosing function (which
+/// returns `anyhow::Result`) instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!($($arg)*))?
+    };
+}
+
+/// `println!` that returns [`StdoutClosed`] or the write error from the enclosing function (which
+/// returns `anyhow::Result`) instead of panicking.
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*)))?
+    };
+}
+
+/// `eprintln!` that ignores write errors instead of panicking.
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::cli::write_stderr(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
 
 pub mod bench_comm;
 pub mod bench_train;
@@ -57,5 +91,107 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
+    }
+}
+
+/// Standard output was closed by its reader: the command stops early and quietly, with status 0.
+#[derive(Debug)]
+pub struct StdoutClosed;
+
+impl fmt::Display for StdoutClosed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("standard output was closed")
+    }
+}
+
+impl std::error::Error for StdoutClosed {}
+
+/// Writes to standard output and flushes, so that a failure shows here and not at exit: a closed
+/// pipe becomes [`StdoutClosed`], anything else an error naming standard output.
+pub fn write_stdout(args: fmt::Arguments<'_>) -> anyhow::Result<()> {
+    let mut stdout = io::stdout().lock();
+    match stdout.write_fmt(args).and_then(|()| stdout.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => Err(StdoutClosed.into()),
+        Err(e) => Err(anyhow::Error::new(e).context("writing to standard output")),
+    }
+}
+
+/// Writes to standard error, ignoring failures (there is nowhere left to report them).
+pub fn write_stderr(args: fmt::Arguments<'_>) {
+    let _ = io::stderr().lock().write_fmt(args);
+}
+
+/// Whether `e` is, or was caused by, a closed standard output.
+pub fn is_stdout_closed(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| cause.is::<StdoutClosed>())
+}
+
+/// `e` and its causes joined by `": "`, each said once: a cause whose text the message before it
+/// already contains (an error whose Display includes its source, such as the config reader's I/O
+/// error) is left out.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    let mut previous = String::new();
+    for cause in e.chain() {
+        let message = cause.to_string();
+        if !previous.contains(&message) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&message);
+        }
+        previous = message;
+    }
+    text
+}
+
+/// `--timeout SECONDS` as the communicator's timeout: positive and below 1e12, or `inf` for none.
+pub fn timeout_flag(secs: f64) -> anyhow::Result<Duration> {
+    zerodp::comm::timeout_from_secs(secs).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--timeout {secs:?}: give a positive number of seconds below 1e12, or inf for no timeout"
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = std::io::Error::from_raw_os_error(21);
+        let os = io.to_string();
+        // A Display that already includes its source: the source is not repeated.
+        let e = anyhow::Error::new(zerodp::config::ConfigError::Io {
+            path: "/tmp".into(),
+            source: io,
+        });
+        let text = error_text(&e);
+        assert_eq!(text.matches(&os).count(), 1, "{text}");
+        // Context over a cause it does not mention: both are said.
+        let e = anyhow::anyhow!("inner").context("outer");
+        assert_eq!(error_text(&e), "outer: inner");
+    }
+
+    #[test]
+    fn a_closed_stdout_is_recognised_through_context() {
+        let e = anyhow::Error::new(StdoutClosed).context("printing the table");
+        assert!(is_stdout_closed(&e));
+        assert!(!is_stdout_closed(&anyhow::anyhow!("other")));
+    }
+
+    #[test]
+    fn infinite_timeout_is_none_and_huge_ones_are_refused() {
+        assert_eq!(
+            timeout_flag(f64::INFINITY).unwrap(),
+            zerodp::comm::NO_TIMEOUT
+        );
+        assert_eq!(timeout_flag(2.5).unwrap(), Duration::from_millis(2500));
+        for bad in [0.0, -1.0, f64::NAN, 1e300, f64::NEG_INFINITY] {
+            let e = timeout_flag(bad).unwrap_err().to_string();
+            assert!(e.contains("--timeout") && e.contains("inf"), "{e}");
+        }
     }
 }

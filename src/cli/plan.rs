@@ -4,6 +4,7 @@
 
 use anyhow::Context;
 use zerodp::config;
+use zerodp::limits::MAX_DEVICES;
 use zerodp::planner::{
     self, config_precision, format_capacity, format_gb, format_seconds, interconnect,
     memory_chart_svg, parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm,
@@ -131,11 +132,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
             .with_context(|| format!("writing the chart to {}", path.display()))?;
     }
     if args.format == "json" {
-        println!("{}", serde_json::to_string_pretty(&plan.options)?);
+        outln!("{}", serde_json::to_string_pretty(&plan.options)?);
     } else {
-        print!("{}", render_table(&input, &plan));
+        out!("{}", render_table(&input, &plan));
         if let Some(path) = &args.chart {
-            println!("chart written to {}", path.display());
+            outln!("chart written to {}", path.display());
         }
     }
     Ok(0)
@@ -272,7 +273,7 @@ fn load_config(
         )
     })?;
     for w in &loaded.warnings {
-        eprintln!("warning: {w}");
+        errln!("warning: {w}");
     }
     Ok(ConfigKeys::from_settings(&loaded.settings))
 }
@@ -288,9 +289,12 @@ fn layout(args: &PlanFlags) -> anyhow::Result<(u64, u64)> {
     let nodes = positive(args.nodes, "--nodes")?;
     let devices = positive(args.devices, "--devices")?;
     let per_node = positive(args.devices_per_node, "--devices-per-node")?;
-    Ok(match (nodes, devices, per_node) {
-        (Some(n), Some(d), Some(g)) if n * g != d => {
-            anyhow::bail!("--nodes {n} x --devices-per-node {g} is {}, not --devices {d}; give two of the three", n * g)
+    let (n, g) = match (nodes, devices, per_node) {
+        (Some(n), Some(d), Some(g)) if n.checked_mul(g) != Some(d) => {
+            anyhow::bail!(
+                "--nodes {n} x --devices-per-node {g} is {}, not --devices {d}; give two of the three",
+                n as u128 * g as u128
+            )
         }
         (Some(n), _, Some(g)) => (n, g),
         (Some(n), Some(d), None) => {
@@ -317,7 +321,14 @@ fn layout(args: &PlanFlags) -> anyhow::Result<(u64, u64)> {
         (Some(n), None, None) => (n, 8),
         (None, None, Some(g)) => (1, g),
         (None, None, None) => (1, 8),
-    })
+    };
+    if n.checked_mul(g).is_none_or(|d| d > MAX_DEVICES) {
+        anyhow::bail!(
+            "{n} node(s) x {g} devices per node is more than zerodp's limit of {MAX_DEVICES} \
+             devices; lower --devices, --nodes or --devices-per-node"
+        );
+    }
+    Ok((n, g))
 }
 
 /// The human-readable report.

@@ -60,7 +60,7 @@ pub fn check(
         .cloned()
         .context("the planner has no option for the configured stage")?;
     if configured.fits_device {
-        eprintln!(
+        errln!(
             "pre-flight: ZeRO {} needs {} per rank of the {} each rank may use ({source}): {}",
             configured.label,
             size(configured.bytes_per_device.total),

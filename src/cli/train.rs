@@ -23,7 +23,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use zerodp::comm::{CommOptions, TraceLevel};
 use zerodp::config::{self, ResolveContext};
 use zerodp::model::{
@@ -66,8 +66,8 @@ pub struct TrainArgs {
     /// Write one JSON object per optimizer step and rank to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
-    /// Seconds a rank waits inside one collective before failing [default: ZERODP_TIMEOUT or the
-    /// communicator's default].
+    /// Seconds a rank waits inside one collective before failing, or inf for no limit [default:
+    /// ZERODP_TIMEOUT or the communicator's default].
     #[arg(long)]
     pub timeout: Option<f64>,
     /// Recompute every unit's forward in backward (also switched on by the config's
@@ -151,7 +151,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     let loaded = config::load_file(&args.config, &ctx)?;
     for w in &loaded.warnings {
-        eprintln!("warning: {w}");
+        errln!("warning: {w}");
     }
     let settings = loaded.settings;
     let data_path = args
@@ -185,10 +185,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
 
     let mut comm_options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
-        if t.is_nan() || t <= 0.0 {
-            bail!("--timeout must be a positive number of seconds, got {t}");
-        }
-        comm_options.timeout = Duration::from_secs_f64(t);
+        comm_options.timeout = super::timeout_flag(t)?;
     }
     // The config's comms_logger turns the per-collective trace on, but only when it says
     // `enabled: true` (DeepSpeed turns it on whenever the block exists). ZERODP_DEBUG, read by
@@ -223,7 +220,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let world = args.world_size;
     let batch = settings.batch.clone();
     let tokens_per_step = batch.train_batch_size * gpt.context;
-    eprintln!(
+    errln!(
         "zerodp train: GPT {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}, train_batch_size {} = {} per rank x {} accumulation steps x {world}; \
          corpus {} ({} windows)",
@@ -261,7 +258,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let steps_run = outcome.steps - outcome.start_step;
     report_saves(&outcome, args.save_dir.as_deref());
     if let Some(Some(last)) = outcome.last.first() {
-        eprintln!(
+        errln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
             last.step,
@@ -272,7 +269,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         );
     }
     if let Some(code) = signals.exit_code() {
-        eprintln!(
+        errln!(
             "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
             signals.name(),
             outcome.steps,
@@ -289,7 +286,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
-        eprintln!("saved weights to {}", path.display());
+        errln!("saved weights to {}", path.display());
     }
     Ok(0)
 }
@@ -311,7 +308,7 @@ impl ProgressLog {
 
     fn println(&self, line: String) {
         if self.bar.is_hidden() {
-            eprintln!("{line}");
+            errln!("{line}");
         } else {
             self.bar.println(line);
         }
@@ -418,7 +415,7 @@ fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
     };
     let r = Resume::from_dir(&dir)?;
     let m = &r.manifest;
-    eprintln!(
+    errln!(
         "resuming from {} at step {} (saved at world size {}, stage {}, {}; seed {})",
         r.dir.display(),
         m.step,
@@ -448,7 +445,7 @@ fn report_saves(outcome: &TrainOutcome, dir: Option<&Path>) {
     let blocked = outcome.saves.iter().map(|s| s.blocked_s).sum::<f64>() / n;
     let write = outcome.saves.iter().map(|s| s.write_s).sum::<f64>() / n;
     let bytes = outcome.saves.iter().map(|s| s.bytes).sum::<u64>() as f64 / n;
-    eprintln!(
+    errln!(
         "checkpoints: {} saved in {} (last: step {}); per save, rank 0 blocked the step loop \
          {:.1} ms and wrote {} in {:.1} ms ({:.0} MB/s)",
         outcome.saves.len(),

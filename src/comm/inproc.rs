@@ -721,14 +721,49 @@ impl<E> RanksError<E> {
     }
 }
 
+/// `rank 3` or `ranks 0, 1, 2`.
+fn rank_list(ranks: &[usize]) -> String {
+    let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
+    match ranks.len() {
+        1 => format!("rank {}", list[0]),
+        _ => format!("ranks {}", list.join(", ")),
+    }
+}
+
+/// Each distinct message once, with the ranks that failed with it: the root cause's first
+/// (`ranks 0, 1, 2, 3 failed (rank 2 first): X`, `rank 2 failed: X`), then the others in rank
+/// order (` (then rank 1: Y; ranks 0, 3: Z)`). Ranks often fail alike (every rank sees the same
+/// non-finite gradients), and one message per rank would only repeat it.
 impl<E: fmt::Display> fmt::Display for RanksError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "rank {} failed: {}", self.first_failed, self.first())?;
-        let others: Vec<String> = self
-            .failures
+        let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
+        for (rank, e) in &self.failures {
+            let message = e.to_string();
+            match groups.iter_mut().find(|(m, _)| *m == message) {
+                Some((_, ranks)) => ranks.push(*rank),
+                None => groups.push((message, vec![*rank])),
+            }
+        }
+        let root = self.first().to_string();
+        let alone = [self.first_failed];
+        let ranks = groups
             .iter()
-            .filter(|(r, _)| *r != self.first_failed)
-            .map(|(r, e)| format!("rank {r}: {e}"))
+            .find(|(m, _)| *m == root)
+            .map_or(&alone[..], |(_, ranks)| ranks);
+        if ranks.len() == 1 {
+            write!(f, "rank {} failed: {root}", self.first_failed)?;
+        } else {
+            write!(
+                f,
+                "{} failed (rank {} first): {root}",
+                rank_list(ranks),
+                self.first_failed
+            )?;
+        }
+        let others: Vec<String> = groups
+            .iter()
+            .filter(|(m, _)| *m != root)
+            .map(|(m, ranks)| format!("{}: {m}", rank_list(ranks)))
             .collect();
         if !others.is_empty() {
             write!(f, " (then {})", others.join("; "))?;

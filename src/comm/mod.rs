@@ -16,5 +16,7 @@ pub mod stats;
 
 pub use api::*;
 pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
-pub use options::{CommOptions, CommOptionsError, Spin, TraceLevel, TraceSink};
+pub use options::{
+    timeout_from_secs, CommOptions, CommOptionsError, Spin, TraceLevel, TraceSink, NO_TIMEOUT,
+};
 pub use stats::{CommStats, OpRow, OpStats};

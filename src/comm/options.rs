@@ -8,6 +8,7 @@
 //! the fields directly after reading the environment).
 
 use std::fmt;
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -100,7 +101,10 @@ impl TraceSink {
 
     pub(crate) fn emit(&self, line: String) {
         match self {
-            TraceSink::Stderr => eprintln!("{line}"),
+            // Not eprintln!: it panics when standard error is gone; a lost trace line is not.
+            TraceSink::Stderr => {
+                let _ = writeln!(std::io::stderr().lock(), "{line}");
+            }
             TraceSink::Memory(v) => v.lock().unwrap_or_else(|e| e.into_inner()).push(line),
         }
     }
@@ -119,7 +123,7 @@ impl fmt::Debug for TraceSink {
 #[derive(Clone, Debug)]
 pub struct CommOptions {
     /// How long a rank waits inside one collective for the others before every waiting rank fails
-    /// with [`crate::comm::CommError::Timeout`].
+    /// with [`crate::comm::CommError::Timeout`]; [`NO_TIMEOUT`] waits as long as they take.
     pub timeout: Duration,
     /// Per-collective trace lines (`ZERODP_DEBUG=INFO`, or `comms_logger.enabled`).
     pub trace: TraceLevel,
@@ -223,7 +227,8 @@ impl CommOptions {
                 "ZERODP_TIMEOUT",
                 v,
                 parse_timeout_secs,
-                "give the collective timeout in seconds, a positive number such as 1800",
+                "give the collective timeout in seconds, a positive number such as 1800, or inf for \
+                 none",
             )?;
         }
         Ok(self)
@@ -245,9 +250,25 @@ fn env_value<T>(
     })
 }
 
-/// Seconds (integer or fractional, > 0) as a duration.
+/// No timeout (`inf` seconds): a rank waits inside a collective as long as its peers take.
+pub const NO_TIMEOUT: Duration = Duration::MAX;
+
+/// Finite timeouts stay below this many seconds (about 31,700 years), so that a start instant plus
+/// the timeout is still a time the clock can hold.
+const MAX_TIMEOUT_SECS: f64 = 1e12;
+
+/// A collective timeout given in seconds: above 0 and below 1e12, or infinite for [`NO_TIMEOUT`];
+/// `None` for anything else (0, negative, NaN, too large).
+pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
+    if secs == f64::INFINITY {
+        return Some(NO_TIMEOUT);
+    }
+    (secs > 0.0 && secs < MAX_TIMEOUT_SECS).then(|| Duration::from_secs_f64(secs))
+}
+
+/// Seconds (integer or fractional, > 0), or `inf` for no timeout, as a duration.
 pub fn parse_timeout_secs(s: &str) -> Option<Duration> {
-    parse_positive(s).map(Duration::from_secs_f64)
+    timeout_from_secs(s.trim().parse().ok()?)
 }
 
 /// A positive, finite number below 1e12 (integer or fractional).
@@ -279,6 +300,14 @@ mod tests {
             .is_err());
         assert!(parse_timeout_secs("0").is_none());
         assert!(parse_timeout_secs("-3").is_none());
+        // Infinite is "no timeout"; huge, NaN and negative infinity are refused, never a panic.
+        assert_eq!(parse_timeout_secs("inf"), Some(NO_TIMEOUT));
+        assert_eq!(parse_timeout_secs(" Infinity "), Some(NO_TIMEOUT));
+        for bad in ["1e300", "NaN", "-inf", "1e12"] {
+            assert!(parse_timeout_secs(bad).is_none(), "{bad}");
+        }
+        let o = CommOptions::default().with_vars(None, Some("inf")).unwrap();
+        assert_eq!(o.timeout, NO_TIMEOUT);
     }
 
     #[test]

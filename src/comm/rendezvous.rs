@@ -273,7 +273,8 @@ impl Rendezvous {
                 .then_some(Straggler { late, first_rank });
             return Ok(straggler);
         }
-        let deadline = m.started + m.timeout;
+        // No deadline when the timeout reaches past what the clock holds (`NO_TIMEOUT`).
+        let deadline = m.started.checked_add(m.timeout);
         st = self.poll_then_lock(st, generation);
         loop {
             if st.generation != generation {
@@ -304,7 +305,7 @@ impl Rendezvous {
                 continue;
             }
             let now = Instant::now();
-            if now >= deadline {
+            if deadline.is_some_and(|d| now >= d) {
                 let arrived: Vec<usize> = (0..self.world).filter(|&r| st.arrived[r]).collect();
                 let missing: Vec<usize> = (0..self.world).filter(|&r| !st.arrived[r]).collect();
                 st.failure = Some(Failure::Timeout {
@@ -316,11 +317,15 @@ impl Rendezvous {
                 self.cv.notify_all();
                 continue;
             }
-            st = self
-                .cv
-                .wait_timeout(st, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            st = match deadline {
+                Some(d) => {
+                    self.cv
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+                None => self.cv.wait(st).unwrap_or_else(|e| e.into_inner()),
+            };
         }
     }
 }

@@ -10,8 +10,9 @@ use super::settings::BatchSettings;
 const TB: &str = "train_batch_size";
 const MB: &str = "train_micro_batch_size_per_gpu";
 const GAS: &str = "gradient_accumulation_steps";
-/// Upper bound for each batch number (keeps the arithmetic exact and the suggestions cheap).
-const MAX_BATCH: u64 = 1 << 31;
+/// Upper bound for each batch number (keeps the arithmetic exact and the suggestions cheap);
+/// `zerodp plan` bounds its batch flags by it too.
+pub const MAX_BATCH: u64 = 1 << 31;
 
 /// One of the three keys after "auto" and the command line are applied.
 struct Key {

@@ -56,6 +56,7 @@ mod zero;
 
 use std::path::Path;
 
+pub use batch::MAX_BATCH;
 pub use error::{ConfigError, Location, Where};
 pub use settings::*;
 
@@ -131,7 +132,10 @@ pub fn load_file(path: impl AsRef<Path>, ctx: &ResolveContext) -> Result<Loaded,
 }
 
 /// Resolves config text; `origin` labels positions in errors (a file name, or e.g. `"<inline>"`).
+/// A leading UTF-8 byte-order mark (which some Windows editors write) is skipped, as Python's
+/// `utf-8-sig` does; columns are counted after it, as editors show them.
 pub fn load_str(text: &str, origin: &str, ctx: &ResolveContext) -> Result<Loaded, ConfigError> {
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let src = json::Source::new(origin, text);
     let root = json::parse(&src)?;
     let mut reader = reader::Reader {

@@ -335,7 +335,21 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         z.reduce_bucket_size,
         h.map(|h| h.saturating_mul(h)),
         hint_h,
-        |r, p, n| r.node_u64(p, n),
+        |r, p, n| {
+            let v = r.node_u64(p, n)?;
+            // DeepSpeed takes 0 and then reduces every gradient tensor on its own; zerodp's
+            // buckets would hold one element per rank. Neither is what 0 asks for.
+            if v == 0 {
+                return Err(ConfigError::OutOfRange {
+                    at: r.at(p, n),
+                    message: "0 would reduce the gradients one element per rank per \
+                              collective, tens of times slower; give the bucket size in \
+                              elements, such as 5e8 (DeepSpeed's default) or 5e7"
+                        .into(),
+                });
+            }
+            Ok(v)
+        },
     )?;
     z.use_multi_rank_bucket_allreduce = r.bool_or(
         obj,

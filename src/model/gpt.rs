@@ -164,6 +164,14 @@ impl GptConfig {
                 self.width, self.heads
             )));
         }
+        // Before anything multiplies the sizes: Ψ and every tensor stay inside the limits.
+        crate::limits::check_gpt_size(
+            self.vocab_size as u64,
+            self.context as u64,
+            self.layers as u64,
+            self.width as u64,
+        )
+        .map_err(ModelError::Invalid)?;
         Ok(())
     }
 

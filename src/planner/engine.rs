@@ -15,7 +15,7 @@ use super::cluster::{Cluster, Collective};
 use super::deepspeed::config_precision;
 use super::memory::{EngineBuffers, Precision};
 use super::traffic::{priced, CollectiveTraffic};
-use super::PlanInput;
+use super::{saturating_product as mul, PlanInput};
 use crate::comm::DType;
 use crate::config::{self, defaults, Settings};
 use crate::setup;
@@ -170,7 +170,7 @@ impl<'a> EngineRun<'a> {
             Stage::Zero0 => ops.push((
                 Collective::AllReduce,
                 "grads",
-                padded * comm,
+                mul(&[padded, comm]),
                 padded.div_ceil(p.bucket_elems.max(1) as u64),
             )),
             _ => {
@@ -178,8 +178,8 @@ impl<'a> EngineRun<'a> {
                 ops.push((
                     Collective::ReduceScatter,
                     "grads",
-                    reductions * padded * comm,
-                    reductions * shard.div_ceil(region),
+                    mul(&[reductions, padded, comm]),
+                    mul(&[reductions, shard.div_ceil(region)]),
                 ));
             }
         }
@@ -187,7 +187,7 @@ impl<'a> EngineRun<'a> {
             ops.push((
                 Collective::AllGather,
                 "params (after step)",
-                padded * param,
+                mul(&[padded, param]),
                 shard.div_ceil(region),
             ));
         }
@@ -198,7 +198,7 @@ impl<'a> EngineRun<'a> {
                 ("params (backward)", backward),
                 ("persistent params", persistent),
             ] {
-                ops.push((Collective::AllGather, what, elems * param, calls));
+                ops.push((Collective::AllGather, what, mul(&[elems, param]), calls));
             }
         }
         ops.push((

@@ -227,13 +227,22 @@ pub fn activation_bytes(
     seq_len: u64,
     precision: Precision,
 ) -> Activations {
-    let bs = micro_batch * seq_len;
+    // Saturating: a batch too large for u64 reads as u64::MAX bytes, which the planner refuses.
+    let mul = super::saturating_product;
+    let bs = mul(&[micro_batch, seq_len]);
     let dtype = precision.param_bytes();
-    let block = bs * (16 * shape.width + shape.heads * seq_len);
-    let head = bs * (2 * shape.width + 2 * shape.vocab);
+    let per_row = mul(&[16, shape.width]).saturating_add(mul(&[shape.heads, seq_len]));
+    let block = mul(&[bs, per_row]);
+    let head = mul(&[bs, 2, shape.width.saturating_add(shape.vocab)]);
+    let kept_inputs = mul(&[shape.layers, bs, shape.width]);
     Activations {
-        full: (shape.layers * block + head) * dtype,
-        checkpointed: (shape.layers * bs * shape.width + block + head) * dtype,
+        full: mul(&[shape.layers, block])
+            .saturating_add(head)
+            .saturating_mul(dtype),
+        checkpointed: kept_inputs
+            .saturating_add(block)
+            .saturating_add(head)
+            .saturating_mul(dtype),
     }
 }
 

@@ -42,6 +42,9 @@ pub use size::{
 };
 pub use traffic::{collectives, offload_traffic, CollectiveTraffic, OffloadTraffic};
 
+use crate::config::MAX_BATCH;
+use crate::limits::{MAX_DEVICES, MAX_MEMORY_BYTES, MAX_PARAMS};
+
 /// Errors from planner inputs.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -224,7 +227,9 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
             c,
         ),
     };
-    let comm_bytes: u64 = colls.iter().map(|t| t.bytes_per_device).sum();
+    let comm_bytes = colls
+        .iter()
+        .fold(0u64, |sum, t| sum.saturating_add(t.bytes_per_device));
     let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
     let offload = offload_traffic(choice, input.precision, psi, input.grad_accum, c);
     let compute_s = compute_seconds(input);
@@ -254,7 +259,10 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
 
 /// Tokens each device processes per optimizer step.
 pub fn tokens_per_step(input: &PlanInput) -> u64 {
-    input.micro_batch * input.seq_len * input.grad_accum.max(1)
+    input
+        .micro_batch
+        .saturating_mul(input.seq_len)
+        .saturating_mul(input.grad_accum.max(1))
 }
 
 /// 6·Ψ·tokens FLOPs (forward 2, backward 4), 8·Ψ·tokens with activation checkpointing (the forward
@@ -276,6 +284,21 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
         .into_iter()
         .map(|c| plan_option(input, c))
         .collect();
+    // Traffic saturates rather than wraps (see `traffic`); a saturated amount is no number to show.
+    let saturated = |o: &PlanOption| {
+        o.collectives
+            .iter()
+            .any(|t| t.full_bytes == u64::MAX || t.calls == u64::MAX)
+            || o.offload.host_link_bytes == u64::MAX
+            || o.offload.nvme_bytes_per_node == u64::MAX
+    };
+    if options.iter().any(saturated) {
+        return Err(PlanError::Input(format!(
+            "a step of {} micro-steps on {:.2e} parameters would move more than 2^64 bytes; lower \
+             the accumulation steps (--grad-accum, or the config's gradient_accumulation_steps)",
+            input.grad_accum, input.model.params as f64
+        )));
+    }
     let recommendation = recommend(input, &options);
     for o in &mut options {
         o.recommended = recommendation.choice == Some(o.choice());
@@ -291,6 +314,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     })
 }
 
+/// Refuses inputs a run would refuse (no device, no accumulation step, an empty bucket) and
+/// sizes beyond [`crate::limits`], so that the sums and products of [`plan_option`] stay exact.
 fn validate(input: &PlanInput) -> Result<(), PlanError> {
     let c = &input.cluster;
     if c.nodes == 0 || c.devices_per_node == 0 {
@@ -298,9 +323,47 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             "the cluster needs at least one node with one device".into(),
         ));
     }
+    if c.nodes
+        .checked_mul(c.devices_per_node)
+        .is_none_or(|n| n > MAX_DEVICES)
+    {
+        return Err(PlanError::Input(format!(
+            "{} node(s) x {} devices per node is more than zerodp's limit of {MAX_DEVICES} devices",
+            c.nodes, c.devices_per_node
+        )));
+    }
     if c.device_memory == 0 {
         return Err(PlanError::Input(
             "--device-memory must be more than 0 (for example 80GiB)".into(),
+        ));
+    }
+    for (flag, bytes) in [
+        ("--device-memory", c.device_memory),
+        ("--host-memory", c.host_memory),
+    ] {
+        if bytes > MAX_MEMORY_BYTES {
+            return Err(PlanError::Input(format!(
+                "{flag} {} is more than zerodp's limit of 1 EiB (2^60 bytes)",
+                format_capacity(bytes)
+            )));
+        }
+    }
+    let m = &input.model;
+    if m.params == 0 || m.params > MAX_PARAMS {
+        return Err(PlanError::Input(format!(
+            "the model has {} parameters; zerodp plans 1 to {:.0e}",
+            m.params, MAX_PARAMS as f64
+        )));
+    }
+    if m.largest_unit == 0 || m.largest_unit > m.params {
+        return Err(PlanError::Input(format!(
+            "the largest unit has {} elements; it must be at least 1 and at most the model's {}",
+            m.largest_unit, m.params
+        )));
+    }
+    if input.buffers.reduce_bucket_size == Some(0) {
+        return Err(PlanError::Input(
+            "reduce_bucket_size must be at least 1 element (DeepSpeed's default is 5e8)".into(),
         ));
     }
     if !positive(c.device_flops) {
@@ -316,10 +379,32 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             )));
         }
     }
-    if input.micro_batch == 0 || input.seq_len == 0 {
-        return Err(PlanError::Input(
-            "--micro-batch and --seq-len must be at least 1".into(),
-        ));
+    for (flag, v) in [
+        ("--micro-batch", input.micro_batch),
+        ("--seq-len", input.seq_len),
+        ("--grad-accum", input.grad_accum),
+    ] {
+        if v == 0 || v > MAX_BATCH {
+            return Err(PlanError::Input(format!(
+                "{flag} {v} must be between 1 and 2^31{}",
+                if flag == "--grad-accum" {
+                    " (1: no accumulation)"
+                } else {
+                    ""
+                }
+            )));
+        }
+    }
+    let tokens = input
+        .micro_batch
+        .checked_mul(input.seq_len)
+        .and_then(|t| t.checked_mul(input.grad_accum));
+    if tokens.is_none() {
+        return Err(PlanError::Input(format!(
+            "--micro-batch {} x --seq-len {} x --grad-accum {} is more than 2^64 tokens per device \
+             per step",
+            input.micro_batch, input.seq_len, input.grad_accum
+        )));
     }
     if let Some(s) = input.model.shape {
         if input.seq_len > s.context {
@@ -328,8 +413,29 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
                 input.seq_len, s.context
             )));
         }
+        let a = activation_bytes(&s, input.micro_batch, input.seq_len, input.precision);
+        let kept = if input.activation_checkpointing {
+            a.checkpointed
+        } else {
+            a.full
+        };
+        if kept > MAX_MEMORY_BYTES {
+            return Err(PlanError::Input(format!(
+                "the activations of one micro-batch ({} sequences of {} tokens) would take more \
+                 than zerodp's limit of 1 EiB (2^60 bytes) per device; lower the micro-batch \
+                 (--micro-batch, or the config's train_micro_batch_size_per_gpu) or the sequence \
+                 length (--seq-len, --context)",
+                input.micro_batch, input.seq_len
+            )));
+        }
     }
     Ok(())
+}
+
+/// The product of `factors`, `u64::MAX` when it does not fit: for amounts the planner reports
+/// (traffic, activations) rather than adds into what it compares with memory.
+pub(crate) fn saturating_product(factors: &[u64]) -> u64 {
+    factors.iter().fold(1u64, |a, &b| a.saturating_mul(b))
 }
 
 /// A finite number above zero (false for NaN).

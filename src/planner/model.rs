@@ -2,6 +2,7 @@
 //! given, a GPT shape for activations.
 
 use super::PlanError;
+use crate::limits::{check_gpt_size, MAX_PARAMS};
 use crate::zero::unit::ModelSpec;
 
 /// A GPT-2-architecture shape (learned positions, tied LM head, 4x MLP, biases everywhere).
@@ -73,6 +74,8 @@ impl GptShape {
                 self.width, self.heads
             )));
         }
+        check_gpt_size(self.vocab, self.context, self.layers, self.width)
+            .map_err(PlanError::Input)?;
         Ok(())
     }
 
@@ -136,7 +139,18 @@ impl ModelSize {
         if params == 0 {
             return Err(PlanError::Input("--params must be at least 1".into()));
         }
+        if params > MAX_PARAMS {
+            return Err(PlanError::Input(format!(
+                "--params {:.2e} is more than zerodp's limit of {:.0e} parameters",
+                params as f64, MAX_PARAMS as f64
+            )));
+        }
         let (largest, estimated) = match largest_unit {
+            Some(0) => {
+                return Err(PlanError::Input(
+                    "--largest-unit must be at least 1 (the elements of the largest unit)".into(),
+                ))
+            }
             Some(l) if l > params => {
                 return Err(PlanError::Input(format!(
                 "--largest-unit {l} is larger than --params {params}; a unit is part of the model"

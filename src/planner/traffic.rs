@@ -1,8 +1,11 @@
-//! Bytes moved per step per device, by collective, and the predicted times.
+//! Bytes moved per step per device, by collective, and the predicted times. Byte counts saturate
+//! at `u64::MAX` (a long accumulation of a huge model moves more than `u64` counts; the planner
+//! only reports these, it compares none of them with a capacity).
 
 use super::cluster::{Algorithm, Cluster, Collective};
 use super::memory::{persistent_elements, BufferSettings, Offload, Precision, ZeroChoice};
 use super::model::ModelSize;
+use super::saturating_product as mul;
 
 /// One collective's share of a step.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -51,8 +54,8 @@ pub fn collectives(
             ops.push((
                 Collective::ReduceScatter,
                 "grads",
-                psi * reductions,
-                buckets * reductions,
+                mul(&[psi, reductions]),
+                mul(&[buckets, reductions]),
             ));
             ops.push((Collective::AllGather, "params (after step)", psi, units));
         }
@@ -68,16 +71,21 @@ pub fn collectives(
             ops.push((
                 Collective::AllGather,
                 "params (forward)",
-                gathered * gas,
-                gathered_units * gas,
+                mul(&[gathered, gas]),
+                mul(&[gathered_units, gas]),
             ));
             ops.push((
                 Collective::AllGather,
                 "params (backward)",
-                gathered * gas,
-                gathered_units * gas,
+                mul(&[gathered, gas]),
+                mul(&[gathered_units, gas]),
             ));
-            ops.push((Collective::ReduceScatter, "grads", psi * gas, units * gas));
+            ops.push((
+                Collective::ReduceScatter,
+                "grads",
+                mul(&[psi, gas]),
+                mul(&[units, gas]),
+            ));
             if persistent > 0 {
                 ops.push((
                     Collective::AllGather,
@@ -90,7 +98,7 @@ pub fn collectives(
     }
     ops.into_iter()
         .filter(|(_, _, elems, _)| *elems > 0)
-        .map(|(op, what, elems, calls)| priced(op, what, elems * dtype, calls, cluster))
+        .map(|(op, what, elems, calls)| priced(op, what, mul(&[elems, dtype]), calls, cluster))
         .collect()
 }
 
@@ -147,16 +155,17 @@ pub fn offload_traffic(
     let mut host_s = 0.0;
     if choice.offload_optimizer != Offload::None {
         let grad_copies = if choice.stage >= 2 { gas } else { 1 };
-        out.host_link_bytes += shard * dtype * (grad_copies + 1);
-        host_s += (shard * g) as f64 / cluster.host.host_adam_params_per_s;
+        out.host_link_bytes = mul(&[shard, dtype, grad_copies + 1]);
+        host_s += mul(&[shard, g]) as f64 / cluster.host.host_adam_params_per_s;
         if choice.offload_optimizer == Offload::Nvme {
-            out.nvme_bytes_per_node += 2 * 12 * shard * g;
+            out.nvme_bytes_per_node = mul(&[2 * 12, shard, g]);
         }
     }
     if choice.stage == 3 && choice.offload_param != Offload::None {
-        out.host_link_bytes += 2 * gas * shard * dtype;
+        let copies = mul(&[2, gas, shard, dtype]);
+        out.host_link_bytes = out.host_link_bytes.saturating_add(copies);
         if choice.offload_param == Offload::Nvme {
-            out.nvme_bytes_per_node += 2 * gas * shard * dtype * g;
+            out.nvme_bytes_per_node = out.nvme_bytes_per_node.saturating_add(mul(&[copies, g]));
         }
     }
     out.predicted_s = out.host_link_bytes as f64 / cluster.host.device_to_host

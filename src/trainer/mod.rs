@@ -36,6 +36,7 @@ use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
 use checkpoints::RankCheckpoints;
+use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -260,7 +261,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         };
         let loaded = config::load_file(path, &ctx)?;
         for w in &loaded.warnings {
-            eprintln!("warning: {w}");
+            // Not eprintln!, which panics when standard error is closed.
+            let _ = writeln!(std::io::stderr().lock(), "warning: {w}");
         }
         Trainer::from_settings(model, &loaded.settings, world_size, seed)
     }

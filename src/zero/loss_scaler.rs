@@ -20,13 +20,31 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-/// What to try when steps keep overflowing; shared by both errors.
-const ADVICE: &str =
-    "try: bf16 instead of fp16 (`\"bf16\": {\"enabled\": true}`, same range as fp32, \
-     no loss scaling needed); a lower learning rate or a longer warmup; `gradient_clipping` \
-     (for example 1.0); checking the data for empty, corrupt or extreme samples; and for fp16, \
-     a lower `fp16.min_loss_scale` (for example 0.0001) so the scale can fall further, or a \
-     lower `fp16.initial_scale_power`";
+/// What to try when steps keep overflowing, whatever the precision.
+const COMMON_ADVICE: &str = "a lower learning rate or a longer warmup; `gradient_clipping` (for \
+     example 1.0); checking the data for empty, corrupt or extreme samples";
+
+/// Moving off fp16, for fp16 runs only.
+const BF16_ADVICE: &str = "bf16 instead of fp16 (`\"bf16\": {\"enabled\": true}`, same range as \
+     fp32, no loss scaling needed)";
+
+/// What to try when steps of a `precision` run (`"fp16"`, `"bf16"`, `"fp32"`) keep overflowing:
+/// only fp16 runs are told to move to bf16 and about loss scaling. A static fp16 scale is told to
+/// scale dynamically, a dynamic one at its floor to let the scale fall further.
+fn advice(precision: &str, dynamic_scale: bool) -> String {
+    match (precision, dynamic_scale) {
+        ("fp16", true) => format!(
+            "try: {BF16_ADVICE}; {COMMON_ADVICE}; and a lower `fp16.min_loss_scale` (for example \
+             0.0001) so the scale can fall further, or a lower `fp16.initial_scale_power`"
+        ),
+        ("fp16", false) => format!(
+            "try: {BF16_ADVICE}; {COMMON_ADVICE}; and dynamic loss scaling (`fp16.loss_scale: 0`) \
+             or a lower static `fp16.loss_scale`"
+        ),
+        // bf16 has fp32's range: Inf/NaN here is divergence or bad data, not a range problem.
+        _ => format!("try: {COMMON_ADVICE}"),
+    }
+}
 
 /// Errors of loss scaling and of the non-finite guard.
 #[derive(Debug, Error, Clone, PartialEq)]
@@ -46,8 +64,9 @@ pub enum LossScaleError {
     #[error(
         "fp16 loss scale is already at its minimum ({min_scale}) and optimizer step {iteration} \
          overflowed again: {consecutive_overflows} optimizer steps in a row had Inf/NaN \
-         gradients (units: {}); the run cannot make progress. To recover, {ADVICE}",
-        list_units(units)
+         gradients (units: {}); the run cannot make progress. To recover, {}",
+        list_units(units),
+        advice("fp16", true)
     )]
     MinimumScaleReached {
         /// `min_loss_scale`.
@@ -62,8 +81,9 @@ pub enum LossScaleError {
     /// Too many bf16/fp32 steps in a row had non-finite gradients.
     #[error(
         "{consecutive} optimizer steps in a row had Inf/NaN {precision} gradients (units: {}) \
-         and were skipped; stopping after the limit of {limit}. To recover, {ADVICE}",
-        list_units(units)
+         and were skipped; stopping after the limit of {limit}. To recover, {}",
+        list_units(units),
+        advice(precision, false)
     )]
     NonFiniteGradients {
         /// The training precision (`"bf16"` or `"fp32"`), for the message.
@@ -773,6 +793,37 @@ mod tests {
         );
         assert!(msg.contains("units: wte, h.0"), "{msg}");
         assert_eq!(g.total_skipped(), 5);
+    }
+
+    #[test]
+    fn advice_fits_the_precision() {
+        let error = |precision| {
+            let mut g = NonFiniteGuard::new(1, precision).unwrap();
+            g.check(false, &["wte"]).unwrap_err().to_string()
+        };
+        // bf16 and fp32 runs are not told to leave fp16 or to tune a loss scale they do not have.
+        for precision in ["bf16", "fp32"] {
+            let msg = error(precision);
+            assert!(msg.contains("gradient_clipping"), "{msg}");
+            assert!(
+                !msg.contains("instead of fp16") && !msg.contains("fp16."),
+                "{msg}"
+            );
+        }
+        // Static fp16: bf16, or a dynamic scale.
+        let msg = error("fp16");
+        assert!(msg.contains("bf16 instead of fp16"), "{msg}");
+        assert!(msg.contains("fp16.loss_scale: 0"), "{msg}");
+        // Dynamic fp16 at its floor: bf16, or let the scale fall further.
+        let msg = LossScaleError::MinimumScaleReached {
+            min_scale: 1.0,
+            iteration: 7,
+            consecutive_overflows: 3,
+            units: vec!["wte".into()],
+        }
+        .to_string();
+        assert!(msg.contains("bf16 instead of fp16"), "{msg}");
+        assert!(msg.contains("fp16.min_loss_scale"), "{msg}");
     }
 
     #[test]
