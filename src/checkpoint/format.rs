@@ -1,12 +1,11 @@
-//! The bytes on disk: safetensors files of flat F32 tensors, written in one pass from a staging
-//! buffer (header, then the data section exactly as the buffer holds it) with a CRC-32 of the
-//! whole file computed on the way, and read back a slice at a time (only the elements a rank
+//! The bytes on disk: safetensors files of flat F32 tensors (written from a file image,
+//! [`super::image`]), checksummed with CRC-32, and read back a slice at a time (only the elements a rank
 //! needs) after parsing the header alone.
 
 use super::CheckpointError;
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -14,30 +13,6 @@ use std::path::{Path, PathBuf};
 pub struct TensorEntry {
     pub name: String,
     pub len: usize,
-}
-
-/// Writes `data` (the concatenation of `tensors`, in order) as a safetensors file of 1-D F32
-/// tensors, fsyncs it, and returns its size and CRC-32.
-pub fn write_f32_file(
-    path: &Path,
-    tensors: &[TensorEntry],
-    data: &[f32],
-) -> Result<(u64, u32), CheckpointError> {
-    let header = header_bytes(tensors, "F32", 4);
-    let io = |source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let file = File::create(path).map_err(io)?;
-    let mut out = CrcWriter::new(BufWriter::with_capacity(1 << 20, file));
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io)?;
-    out.write_all(&header).map_err(io)?;
-    out.write_all(bytemuck::cast_slice(data)).map_err(io)?;
-    let (inner, bytes, crc) = out.finish();
-    let file = inner.into_inner().map_err(|e| io(e.into_error()))?;
-    file.sync_all().map_err(io)?;
-    Ok((bytes, crc))
 }
 
 /// The JSON header of a safetensors file of 1-D tensors of `dtype` (`elem` bytes each), padded

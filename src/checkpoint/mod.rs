@@ -30,6 +30,7 @@
 //! on, and waits for the write only at the next step boundary if it is still running.
 
 mod format;
+mod image;
 mod load;
 mod manifest;
 mod save;

@@ -1,6 +1,7 @@
 //! One rank's side of a save: stage, write in the background, agree, and (rank 0) commit.
 
-use super::format::{sync_dir, write_atomic, write_f32_file, TensorEntry};
+use super::format::{sync_dir, write_atomic, TensorEntry};
+use super::image::FileImage;
 use super::manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 use super::{rank_file_name, step_dir_name, tensor_names, CheckpointError};
 use crate::comm::{Buffer, Communicator, ReduceOp};
@@ -37,7 +38,7 @@ struct Pending {
     step: u64,
     counters: EngineCounters,
     copy_s: f64,
-    handle: JoinHandle<(Vec<f32>, Result<FileEntry, CheckpointError>, f64)>,
+    handle: JoinHandle<(FileImage, Result<FileEntry, CheckpointError>, f64)>,
 }
 
 /// One rank's checkpoint writer. Every rank of a run makes one with the same directory and
@@ -48,8 +49,12 @@ pub struct CheckpointWriter {
     world: usize,
     run: RunDescription,
     keep_last: Option<usize>,
-    /// Reused between saves; `None` while a write holds it.
-    staging: Option<Vec<f32>>,
+    /// The staging buffer, reused between saves; `None` before [`CheckpointWriter::prepare`] and
+    /// while a write holds it.
+    staging: Option<FileImage>,
+    /// The tensors of this rank's file, and the element range of each unit it holds.
+    tensors: Vec<(String, usize)>,
+    ranges: Vec<[usize; 2]>,
     pending: Option<Pending>,
 }
 
@@ -67,9 +72,36 @@ impl CheckpointWriter {
             world,
             run,
             keep_last,
-            staging: Some(Vec::new()),
+            staging: None,
+            tensors: Vec::new(),
+            ranges: Vec::new(),
             pending: None,
         }
+    }
+
+    /// Size the staging buffer for `engine`'s state and touch every page of it now, before the
+    /// first step, so that no save pays for the first touch inside the step loop. It is held for
+    /// the whole run: one copy of this rank's shard of master weights and Adam moments, laid out
+    /// as the file it becomes.
+    pub fn prepare<M: UnitModel>(&mut self, engine: &Engine<'_, M>) {
+        self.tensors.clear();
+        self.ranges.clear();
+        for u in 0..engine.layout().num_units() {
+            let r = engine.saved_range(u);
+            for name in tensor_names(u) {
+                self.tensors.push((name, r.len()));
+            }
+            self.ranges.push([r.start, r.end]);
+        }
+        let entries: Vec<TensorEntry> = self
+            .tensors
+            .iter()
+            .map(|(name, len)| TensorEntry {
+                name: name.clone(),
+                len: *len,
+            })
+            .collect();
+        self.staging = Some(FileImage::new(&entries));
     }
 
     /// Whether a save is written but not yet committed.
@@ -85,34 +117,31 @@ impl CheckpointWriter {
         comm: &dyn Communicator,
     ) -> Result<Option<SaveTiming>, CheckpointError> {
         let earlier = self.finish(comm)?;
+        if self.staging.is_none() {
+            self.prepare(engine);
+        }
         let t = Instant::now();
         let counters = engine.counters();
         let step = counters.step;
-        let mut staging = self.staging.take().unwrap_or_default();
-        staging.clear();
-        let mut tensors = Vec::new();
-        let mut ranges = Vec::new();
+        let mut image = self.staging.take().expect("prepared above");
+        let data = image.data_mut();
+        let mut at = 0;
         for u in 0..engine.layout().num_units() {
             let s = engine.optimizer_state(u);
-            let [master, m, v] = tensor_names(u);
-            for (name, values) in [(master, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)] {
-                staging.extend_from_slice(values);
-                tensors.push(TensorEntry {
-                    name,
-                    len: values.len(),
-                });
+            for values in [s.master, s.exp_avg, s.exp_avg_sq] {
+                data[at..at + values.len()].copy_from_slice(values);
+                at += values.len();
             }
-            ranges.push([s.range.start, s.range.end]);
         }
         let tmp = self.dir.join(format!(".tmp-{}", step_dir_name(step)));
-        let rank = self.rank;
+        let (rank, ranges) = (self.rank, self.ranges.clone());
         let copy_s = t.elapsed().as_secs_f64();
         let handle = std::thread::Builder::new()
             .name(format!("zerodp-ckpt-{rank}"))
             .spawn(move || {
                 let t = Instant::now();
-                let r = write_rank_file(&tmp, rank, &tensors, &staging, ranges);
-                (staging, r, t.elapsed().as_secs_f64())
+                let r = write_rank_file(&tmp, rank, &image, ranges);
+                (image, r, t.elapsed().as_secs_f64())
             })
             .map_err(|source| CheckpointError::Io {
                 path: self.dir.clone(),
@@ -138,19 +167,22 @@ impl CheckpointWriter {
             return Ok(None);
         };
         let t = Instant::now();
-        let (staging, written, write_s) = p.handle.join().unwrap_or_else(|_| {
-            let msg = "the checkpoint writer thread panicked".to_string();
-            (
-                Vec::new(),
-                Err(CheckpointError::RankFailed {
-                    rank: self.rank,
+        let (written, write_s) = match p.handle.join() {
+            Ok((image, written, write_s)) => {
+                self.staging = Some(image);
+                (written, write_s)
+            }
+            Err(_) => {
+                let message = "the checkpoint writer thread panicked".to_string();
+                let rank = self.rank;
+                let e = CheckpointError::RankFailed {
+                    rank,
                     step: p.step,
-                    message: msg,
-                }),
-                0.0,
-            )
-        });
-        self.staging = Some(staging);
+                    message,
+                };
+                (Err(e), 0.0)
+            }
+        };
         // Agree: the highest failed rank + 1, or 0 when every rank wrote its part.
         let mine = if written.is_err() {
             self.rank as f32 + 1.0
@@ -254,8 +286,7 @@ impl CheckpointWriter {
 fn write_rank_file(
     tmp: &Path,
     rank: usize,
-    tensors: &[TensorEntry],
-    data: &[f32],
+    image: &FileImage,
     ranges: Vec<[usize; 2]>,
 ) -> Result<FileEntry, CheckpointError> {
     std::fs::create_dir_all(tmp).map_err(|source| CheckpointError::Io {
@@ -263,7 +294,10 @@ fn write_rank_file(
         source,
     })?;
     let name = rank_file_name(rank);
-    let (bytes, crc32) = write_f32_file(&tmp.join(&name), tensors, data)?;
+    let path = tmp.join(&name);
+    let (bytes, crc32) = image
+        .write(&path)
+        .map_err(|source| CheckpointError::Io { path, source })?;
     let entry = FileEntry {
         rank,
         name,

@@ -435,26 +435,38 @@ fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
     Ok(Some(r))
 }
 
-/// One line on the checkpoints saved: how long the step loop was blocked per save and how fast
-/// the files were written.
+/// What the checkpoints cost: how long saves blocked the step loop (the final save, made after
+/// the last step, waits for its own write; the others write in the background) and how fast the
+/// files were written.
 fn report_saves(outcome: &TrainOutcome, dir: Option<&Path>) {
     let (Some(dir), Some(last)) = (dir, outcome.saves.last()) else {
         return;
     };
-    let n = outcome.saves.len() as f64;
-    let blocked = outcome.saves.iter().map(|s| s.blocked_s).sum::<f64>() / n;
-    let write = outcome.saves.iter().map(|s| s.write_s).sum::<f64>() / n;
-    let bytes = outcome.saves.iter().map(|s| s.bytes).sum::<u64>() as f64 / n;
+    let step_s = outcome.last[0]
+        .as_ref()
+        .map_or(0.0, |r| r.elapsed.as_secs_f64());
+    let overlapped = &outcome.saves[..outcome.saves.len() - 1];
+    if !overlapped.is_empty() {
+        let n = overlapped.len() as f64;
+        let mean = overlapped.iter().map(|s| s.blocked_s).sum::<f64>() / n;
+        let max = overlapped.iter().map(|s| s.blocked_s).fold(0.0, f64::max);
+        errln!(
+            "checkpoints: {} background saves blocked rank 0's step loop {:.1} ms on average \
+             (max {:.1} ms; a step took {:.1} ms)",
+            overlapped.len(),
+            mean * 1e3,
+            max * 1e3,
+            step_s * 1e3
+        );
+    }
     errln!(
-        "checkpoints: {} saved in {} (last: step {}); per save, rank 0 blocked the step loop \
-         {:.1} ms and wrote {} in {:.1} ms ({:.0} MB/s)",
-        outcome.saves.len(),
-        dir.display(),
+        "checkpoints: step {} saved in {}; rank 0 wrote {} in {:.1} ms ({:.0} MB/s), blocked {:.1} ms",
         last.step,
-        blocked * 1e3,
-        human_bytes(bytes as u64),
-        write * 1e3,
-        bytes / write.max(1e-9) / 1e6
+        dir.display(),
+        human_bytes(last.bytes),
+        last.write_s * 1e3,
+        last.bytes as f64 / last.write_s.max(1e-9) / 1e6,
+        last.blocked_s * 1e3
     );
 }
 

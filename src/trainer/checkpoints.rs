@@ -47,6 +47,7 @@ pub(super) struct RankCheckpoints {
 impl RankCheckpoints {
     pub fn new<M: UnitModel>(
         options: Option<&CheckpointOptions>,
+        engine: &Engine<'_, M>,
         model: &M,
         cfg: &EngineConfig,
         rank: usize,
@@ -59,7 +60,9 @@ impl RankCheckpoints {
                 config: o.config.clone(),
                 model: ModelDescription::of(model.spec()),
             };
-            CheckpointWriter::new(&o.dir, rank, cfg.world_size, run, o.keep_last)
+            let mut w = CheckpointWriter::new(&o.dir, rank, cfg.world_size, run, o.keep_last);
+            w.prepare(engine);
+            w
         });
         RankCheckpoints {
             writer,

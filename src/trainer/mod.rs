@@ -386,8 +386,13 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         observers: &[&dyn StepObserver],
     ) -> Result<RankFinal, TrainerError> {
         let mut engine = self.start_engine(comm)?;
-        let mut saves =
-            RankCheckpoints::new(self.checkpoints.as_ref(), self.model, &self.engine, rank);
+        let mut saves = RankCheckpoints::new(
+            self.checkpoints.as_ref(),
+            &engine,
+            self.model,
+            &self.engine,
+            rank,
+        );
         let start = engine.steps_done();
         // Optimizer steps actually applied: skipped steps do not advance the scheduler.
         let mut applied = engine.counters().adam_step;
