@@ -12,14 +12,15 @@
 //!   Knows nothing of ZeRO.
 //! * [`memory`]: the byte accountant the engine charges (below `zero`).
 //! * [`setup`]: the one mapping from resolved settings to the engine's configuration.
-//! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports).
+//! * [`checkpoint`]: sharded checkpoints (manifest, background atomic saves, resharding loads).
+//! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports, saves).
 //! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
 //! * [`model`]: a GPT reference model on candle implementing the unit contract, and data loading.
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //!
-//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory` <- `zero` <- `setup` <-
-//! {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
+//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory` <- `zero` <- `setup`,
+//! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
 pub mod checkpoint;
