@@ -38,7 +38,7 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum TrainerError {
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     #[error("{0}")]
     Setup(#[from] SetupError),
     #[error(transparent)]
@@ -63,6 +63,12 @@ pub enum TrainerError {
     Ranks(String),
     #[error("{0}")]
     Invalid(String),
+}
+
+impl From<ConfigError> for TrainerError {
+    fn from(e: ConfigError) -> Self {
+        TrainerError::Config(Box::new(e))
+    }
 }
 
 /// Which micro-batch a rank needs: everything a data source needs to cut the same global batch
