@@ -8,8 +8,10 @@
 //!   coordinator, clipping.
 //! * [`optim`]: Adam/AdamW kernels over flat shards and the learning-rate schedulers.
 //! * [`memory`]: byte accounting per tier and kind, and the planner.
-//! * [`model`]: the [`model::UnitModel`] trait the engine trains, a GPT reference model on candle,
-//!   and data loading.
+//! * [`zero::unit`]: the contract between the engine and a model ([`zero::UnitModel`]).
+//! * [`model`]: the candle helper that makes any candle model a `UnitModel`
+//!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
+//! * [`trainer`]: the [`trainer::Trainer`] that runs a `UnitModel` on in-process ranks.
 //!
 //! The engine core (`zero`, `optim`, `comm`) works on flat `f32`/16-bit buffers and knows no tensor
 //! library; only `model` uses candle.

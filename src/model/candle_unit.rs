@@ -21,9 +21,10 @@
 //! a batch type, and each unit's forward on tensors ([`CandleUnits::forward_unit`]).
 //!
 //! # Writing `forward_unit`
-//! * `params` holds the unit's own parameter tensors in [`ParamSpec`] order, then those of each
-//!   unit in its [`UnitSpec::uses`] in order (all of that unit's tensors, in its `ParamSpec`
-//!   order). Shapes are the `ParamSpec` shapes.
+//! * `params` holds the unit's own parameter tensors in
+//!   [`ParamSpec`](crate::zero::unit::ParamSpec) order, then those of each unit in its
+//!   [`UnitSpec::uses`] in order (all of that unit's tensors, in its `ParamSpec` order). Shapes are
+//!   the `ParamSpec` shapes.
 //! * `input` is `None` for unit 0 (it reads its input from the batch) and the previous unit's
 //!   output for every other unit.
 //! * Every unit but the last returns its output activation; the last returns the **mean** loss
@@ -45,9 +46,10 @@
 //!
 //! # Train and NoGrad
 //! The engine runs a unit in `Train` when it will run its backward from what this forward saved,
-//! and in `NoGrad` when it only needs the output (stage 3 and activation checkpointing run every
-//! unit `NoGrad` in the forward pass, then again in `Train` just before its backward, with the
-//! same input; evaluation runs `NoGrad`). `forward_unit` is the same function in both modes:
+//! and in `NoGrad` when it only needs the output: activation checkpointing, and stage 3 for units
+//! whose gathered parameters it does not keep, run the unit `NoGrad` in the forward pass and again
+//! in `Train` just before its backward, with the same parameters and input; evaluation runs
+//! `NoGrad`. `forward_unit` is the same function in both modes:
 //! [`Candle`] decides whether the tensors track gradients.
 //!
 //! # Example
@@ -556,7 +558,7 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         } else {
             Some(CandleSaved {
                 unit,
-                // The tensors were created as variables, so `from_tensor` wraps them without a copy.
+                // The tensors were made as variables, so `from_tensor` wraps them without a copy.
                 params: places
                     .into_iter()
                     .zip(&tensors)
