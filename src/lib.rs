@@ -15,7 +15,8 @@
 //! * [`checkpoint`]: sharded checkpoints (manifest, background atomic saves, resharding loads).
 //! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports, saves).
 //! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
-//! * [`model`]: a GPT reference model on candle implementing the unit contract, and data loading.
+//! * [`model`]: the candle helper that makes any candle model a unit model
+//!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //!

@@ -18,6 +18,11 @@
 //! adds its gradient contribution to `wte.weight` into unit 0's gradient slice, so the tied weight
 //! gets the sum of both uses (the embedding lookup and the LM head).
 //!
+//! The model is written as a [`CandleUnits`] ([`Gpt`]: the layout, the initialisation and each
+//! unit's forward on tensors); [`GptModel`] wraps it in the candle helper [`Candle`], which does
+//! the rest of the contract (tensors from the flat slices, backward, gradient write-back), the
+//! same helper any other candle model uses (see [`super::candle_unit`]).
+//!
 //! Activations between units ([`UnitModel::Act`]) are `[batch * seq, width]` tensors in the
 //! compute dtype, rows in (sequence, position) order.
 //!
@@ -65,8 +70,9 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use candle_core::{DType, Device, Storage, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, D};
 
+use super::candle_unit::{Candle, CandleSaved, CandleUnits};
 use super::data::TokenBatch;
 use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
@@ -208,20 +214,6 @@ enum Init {
     Ones,
 }
 
-/// Where a tensor a unit reads lives: parameter group (0 = own, 1.. = `uses`) and element range.
-#[derive(Clone, Debug)]
-struct ParamRef {
-    group: usize,
-    offset: usize,
-    shape: Vec<usize>,
-}
-
-impl ParamRef {
-    fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum UnitKind {
     Embeddings,
@@ -229,37 +221,22 @@ enum UnitKind {
     Head,
 }
 
-/// What a `Train` forward keeps for backward: the parameter `Var`s (gradients are keyed by them),
-/// the input leaf, and the unit's differentiable result.
-pub struct GptSaved {
-    unit: usize,
-    params: Vec<(ParamRef, Var)>,
-    input: Option<Var>,
-    /// The output (non-last units) or the loss (last unit), still attached to its graph.
-    result: Tensor,
-}
+/// What a `Train` forward of the GPT keeps for backward (the candle helper's saved state).
+pub type GptSaved = CandleSaved;
 
-/// The GPT as a [`UnitModel`].
-pub struct GptModel {
+/// The GPT's units as candle compute: a [`CandleUnits`], which [`GptModel`] wraps in the helper
+/// [`Candle`] to make the [`UnitModel`] the engine trains.
+pub struct Gpt {
     config: GptConfig,
     spec: ModelSpec,
     /// Per unit, per own parameter: its initialisation.
     inits: Vec<Vec<Init>>,
-    /// Per unit: the tensors its compute reads, in the order the compute expects them.
-    reads: Vec<Vec<ParamRef>>,
     dtype: DType,
     /// Use the fused kernels of [`super::kernels`] (the default) rather than composite candle ops.
     fused: bool,
     device: Device,
     /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
     masks: Mutex<HashMap<usize, Tensor>>,
-}
-
-fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
-    move |e| ModelError::Compute {
-        unit: unit.to_string(),
-        message: e.to_string(),
-    }
 }
 
 fn param(name: String, shape: &[usize]) -> ParamSpec {
@@ -269,21 +246,14 @@ fn param(name: String, shape: &[usize]) -> ParamSpec {
     }
 }
 
-impl GptModel {
-    /// A GPT computing in f32.
+impl Gpt {
+    /// A GPT computing in f32 on the fused kernels.
     pub fn new(config: GptConfig) -> Result<Self, ModelError> {
-        Self::with_dtype(config, DType::F32)
+        Self::with_options(config, DType::F32, true)
     }
 
-    /// A GPT computing in `dtype` (F32 or F64); parameters and gradients stay `f32` slices at the
-    /// interface. F64 exists for finite-difference gradient checks.
-    #[doc(hidden)]
-    pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
-        Self::with_options(config, dtype, true)
-    }
-
-    /// As [`Self::with_dtype`], choosing between the fused kernels (`fused`, the default, fast)
-    /// and the composite candle ops (the reference the fused kernels are tested against).
+    /// A GPT computing in `dtype` (F32 or F64), on the fused kernels (`fused`, the default, fast)
+    /// or on composite candle ops (the reference the fused kernels are tested against).
     #[doc(hidden)]
     pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
         config.validate()?;
@@ -348,6 +318,7 @@ impl GptModel {
             ]);
         }
 
+        // The head also reads unit 0 (the tied `wte.weight`, the first of unit 0's tensors).
         units.push(UnitSpec {
             name: "head".into(),
             params: vec![
@@ -359,34 +330,11 @@ impl GptModel {
         inits.push(vec![Init::Ones, Init::Zeros]);
 
         let spec = ModelSpec { units };
-        let mut reads: Vec<Vec<ParamRef>> = spec
-            .units
-            .iter()
-            .map(|u| {
-                u.params
-                    .iter()
-                    .zip(u.offsets())
-                    .map(|(p, offset)| ParamRef {
-                        group: 0,
-                        offset,
-                        shape: p.shape.clone(),
-                    })
-                    .collect()
-            })
-            .collect();
-        // The head also reads the tied `wte.weight` at the start of unit 0's buffer.
-        reads[l + 1].push(ParamRef {
-            group: 1,
-            offset: 0,
-            shape: vec![v, c],
-        });
-
         debug_assert_eq!(spec.num_params(), config.num_params());
         Ok(Self {
             config,
             spec,
             inits,
-            reads,
             dtype,
             fused,
             device: Device::Cpu,
@@ -398,55 +346,16 @@ impl GptModel {
         &self.config
     }
 
-    fn kind(&self, unit: usize) -> Result<UnitKind, ModelError> {
+    fn kind(&self, unit: usize) -> candle_core::Result<UnitKind> {
         let last = self.config.layers + 1;
         match unit {
             0 => Ok(UnitKind::Embeddings),
             u if u < last => Ok(UnitKind::Block),
             u if u == last => Ok(UnitKind::Head),
-            u => Err(ModelError::Invalid(format!(
+            u => candle_core::bail!(
                 "unit {u} does not exist: this GPT has {} units (0..={last})",
                 last + 1
-            ))),
-        }
-    }
-
-    /// Check that `params` has one slice per group of the right length.
-    fn check_groups(&self, unit: usize, lengths: &[usize]) -> Result<(), ModelError> {
-        let spec = &self.spec.units[unit];
-        let expected: Vec<usize> = std::iter::once(spec.numel())
-            .chain(spec.uses.iter().map(|&u| self.spec.units[u].numel()))
-            .collect();
-        if lengths != expected.as_slice() {
-            return Err(ModelError::ParamShape {
-                unit: spec.name.clone(),
-                expected: expected.len(),
-                lengths: expected,
-                got: lengths.to_vec(),
-            });
-        }
-        Ok(())
-    }
-
-    /// A tensor in the compute dtype holding a copy of `data`: a leaf [`Var`] when `train` (so
-    /// that backward reports its gradient), a plain constant otherwise.
-    fn param_tensor(
-        &self,
-        data: &[f32],
-        shape: &[usize],
-        train: bool,
-    ) -> candle_core::Result<Tensor> {
-        match (self.dtype, train) {
-            (DType::F32, true) => Ok(Var::from_slice(data, shape, &self.device)?.into_inner()),
-            (DType::F32, false) => Tensor::from_slice(data, shape, &self.device),
-            (_, train) => {
-                let wide: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
-                if train {
-                    Ok(Var::from_vec(wide, shape, &self.device)?.into_inner())
-                } else {
-                    Tensor::from_vec(wide, shape, &self.device)
-                }
-            }
+            ),
         }
     }
 
@@ -469,40 +378,9 @@ impl GptModel {
         Ok(m)
     }
 
-    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
-        let n = batch.batch_size * batch.seq_len;
-        if batch.batch_size == 0 || batch.seq_len == 0 {
-            return Err(ModelError::Invalid(format!(
-                "empty batch ({} x {} tokens)",
-                batch.batch_size, batch.seq_len
-            )));
-        }
-        if batch.seq_len > self.config.context {
-            return Err(ModelError::Invalid(format!(
-                "sequence length {} exceeds the model context {}; use shorter windows or a larger --context",
-                batch.seq_len, self.config.context
-            )));
-        }
-        if batch.tokens.len() != n || batch.targets.len() != n {
-            return Err(ModelError::Invalid(format!(
-                "batch of {} x {} needs {n} tokens and targets, got {} and {}",
-                batch.batch_size,
-                batch.seq_len,
-                batch.tokens.len(),
-                batch.targets.len()
-            )));
-        }
-        let v = self.config.vocab_size as u32;
-        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
-            return Err(ModelError::Invalid(format!(
-                "token id {bad} is outside the vocabulary of {v}"
-            )));
-        }
-        Ok(())
-    }
-
     /// The differentiable compute of one unit on tensors: returns the output activation (units
-    /// before the last) or the mean loss (the last unit). `p` follows `self.reads[unit]`.
+    /// before the last) or the mean loss (the last unit). `p`: the unit's own tensors in
+    /// [`ParamSpec`] order; the head's are followed by unit 0's (`wte.weight`, `wpe.weight`).
     fn compute(
         &self,
         kind: UnitKind,
@@ -535,6 +413,7 @@ impl GptModel {
             UnitKind::Head => {
                 let x = need_input()?;
                 let h = self.layer_norm(x, &p[0], &p[1])?;
+                // p[2] is the tied `wte.weight` of unit 0.
                 let logits = h.matmul(&p[2].t()?)?;
                 let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
                 if self.fused {
@@ -623,82 +502,36 @@ impl GptModel {
         self.linear(&y, w_proj, b_proj)
     }
 
-    fn unit_name(&self, unit: usize) -> &str {
-        &self.spec.units[unit].name
-    }
-
-    /// Forward the whole model as one graph and backward once: returns the loss and the gradient
-    /// of `loss * loss_weight` per unit (tied contributions summed into unit 0). The reference
-    /// that unit-by-unit backward must reproduce.
-    #[doc(hidden)]
-    pub fn end_to_end(
-        &self,
-        params: &[&[f32]],
-        batch: &TokenBatch,
-        loss_weight: f32,
-    ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
-        let n_units = self.spec.units.len();
-        if params.len() != n_units {
+    fn validate_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
+        let n = batch.batch_size * batch.seq_len;
+        if batch.batch_size == 0 || batch.seq_len == 0 {
             return Err(ModelError::Invalid(format!(
-                "end_to_end needs {n_units} parameter buffers, got {}",
-                params.len()
+                "empty batch ({} x {} tokens)",
+                batch.batch_size, batch.seq_len
             )));
         }
-        self.validate_batch(batch)?;
-        let err = compute_err("model");
-        let mut vars: Vec<Vec<Tensor>> = Vec::with_capacity(n_units);
-        for (u, spec) in self.spec.units.iter().enumerate() {
-            if params[u].len() != spec.numel() {
-                return Err(ModelError::Invalid(format!(
-                    "end_to_end: unit {} has {} elements, its buffer {}",
-                    spec.name,
-                    spec.numel(),
-                    params[u].len()
-                )));
-            }
-            let own = spec
-                .params
-                .iter()
-                .zip(spec.offsets())
-                .map(|(p, off)| self.param_tensor(&params[u][off..off + p.numel()], &p.shape, true))
-                .collect::<candle_core::Result<Vec<_>>>()
-                .map_err(&err)?;
-            vars.push(own);
+        if batch.seq_len > self.config.context {
+            return Err(ModelError::Invalid(format!(
+                "sequence length {} exceeds the model context {}; use shorter windows or a larger --context",
+                batch.seq_len, self.config.context
+            )));
         }
-        let mut x: Option<Tensor> = None;
-        let mut loss = None;
-        for u in 0..n_units {
-            let kind = self.kind(u)?;
-            let mut p = vars[u].clone();
-            if kind == UnitKind::Head {
-                p.push(vars[0][0].clone());
-            }
-            let out = self.compute(kind, &p, x.as_ref(), batch).map_err(&err)?;
-            if kind == UnitKind::Head {
-                loss = Some(out);
-            } else {
-                x = Some(out);
-            }
+        if batch.tokens.len() != n || batch.targets.len() != n {
+            return Err(ModelError::Invalid(format!(
+                "batch of {} x {} needs {n} tokens and targets, got {} and {}",
+                batch.batch_size,
+                batch.seq_len,
+                batch.tokens.len(),
+                batch.targets.len()
+            )));
         }
-        let loss = loss.ok_or_else(|| ModelError::Invalid("model has no head".into()))?;
-        let store = loss
-            .affine(f64::from(loss_weight), 0.0)
-            .and_then(|o| o.backward())
-            .map_err(&err)?;
-        let mut grads: Vec<Vec<f32>> = self
-            .spec
-            .units
-            .iter()
-            .map(|u| vec![0.0; u.numel()])
-            .collect();
-        for (u, spec) in self.spec.units.iter().enumerate() {
-            for ((var, off), p) in vars[u].iter().zip(spec.offsets()).zip(&spec.params) {
-                if let Some(g) = store.get(var) {
-                    add_into(g, &mut grads[u][off..off + p.numel()]).map_err(&err)?;
-                }
-            }
+        let v = self.config.vocab_size as u32;
+        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {v}"
+            )));
         }
-        Ok((scalar_f64(&loss).map_err(&err)?, grads))
+        Ok(())
     }
 }
 
@@ -713,44 +546,8 @@ fn layer_norm_composite(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_co
         .broadcast_add(bias)
 }
 
-fn scalar_f64(t: &Tensor) -> candle_core::Result<f64> {
-    t.to_dtype(DType::F64)?.to_scalar::<f64>()
-}
-
-/// `out += t` elementwise, `t` in F32 or F64, any layout.
-fn add_into(t: &Tensor, out: &mut [f32]) -> candle_core::Result<()> {
-    let t = t.contiguous()?;
-    if t.elem_count() != out.len() {
-        candle_core::bail!(
-            "gradient of {} elements for a slice of {}",
-            t.elem_count(),
-            out.len()
-        );
-    }
-    let (storage, layout) = t.storage_and_layout();
-    let start = layout.start_offset();
-    let n = out.len();
-    match &*storage {
-        Storage::Cpu(cpu) => match t.dtype() {
-            DType::F32 => {
-                let src = &cpu.as_slice::<f32>()?[start..start + n];
-                out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
-            }
-            DType::F64 => {
-                let src = &cpu.as_slice::<f64>()?[start..start + n];
-                out.iter_mut().zip(src).for_each(|(o, s)| *o += *s as f32);
-            }
-            other => candle_core::bail!("unexpected gradient dtype {other:?}"),
-        },
-        _ => candle_core::bail!("gradients must be on the CPU"),
-    }
-    Ok(())
-}
-
-impl UnitModel for GptModel {
+impl CandleUnits for Gpt {
     type Batch = TokenBatch;
-    type Act = Tensor;
-    type Saved = GptSaved;
 
     fn spec(&self) -> &ModelSpec {
         &self.spec
@@ -790,6 +587,102 @@ impl UnitModel for GptModel {
         }
     }
 
+    fn forward_unit(
+        &self,
+        unit: usize,
+        params: &[Tensor],
+        input: Option<&Tensor>,
+        batch: &TokenBatch,
+    ) -> candle_core::Result<Tensor> {
+        self.compute(self.kind(unit)?, params, input, batch)
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    fn check_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
+        self.validate_batch(batch)
+    }
+}
+
+/// The GPT as a [`UnitModel`]: [`Gpt`] on the candle helper ([`Candle`]), which turns the flat
+/// parameter slices into tensors, runs backward and writes the gradients back.
+pub struct GptModel {
+    inner: Candle<Gpt>,
+}
+
+impl GptModel {
+    /// A GPT computing in f32.
+    pub fn new(config: GptConfig) -> Result<Self, ModelError> {
+        Self::with_dtype(config, DType::F32)
+    }
+
+    /// A GPT computing in `dtype` (F32 or F64); parameters and gradients stay `f32` slices at the
+    /// interface. F64 exists for finite-difference gradient checks.
+    #[doc(hidden)]
+    pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
+        Self::with_options(config, dtype, true)
+    }
+
+    /// As [`Self::with_dtype`], choosing between the fused kernels (`fused`, the default, fast)
+    /// and the composite candle ops (the reference the fused kernels are tested against).
+    #[doc(hidden)]
+    pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
+        Ok(Self {
+            inner: Candle::new(Gpt::with_options(config, dtype, fused)?),
+        })
+    }
+
+    pub fn config(&self) -> &GptConfig {
+        self.inner.units().config()
+    }
+
+    /// The GPT's units, as the candle helper sees them.
+    pub fn gpt(&self) -> &Gpt {
+        self.inner.units()
+    }
+
+    /// The GPT on the candle helper (what this type delegates to).
+    pub fn candle(&self) -> &Candle<Gpt> {
+        &self.inner
+    }
+
+    /// Forward the whole model as one graph and backward once: returns the loss and the gradient
+    /// of `loss * loss_weight` per unit (tied contributions summed into unit 0). The reference
+    /// that unit-by-unit backward must reproduce.
+    #[doc(hidden)]
+    pub fn end_to_end(
+        &self,
+        params: &[&[f32]],
+        batch: &TokenBatch,
+        loss_weight: f32,
+    ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
+        self.inner.end_to_end(params, batch, loss_weight)
+    }
+}
+
+impl UnitModel for GptModel {
+    type Batch = TokenBatch;
+    type Act = Tensor;
+    type Saved = GptSaved;
+
+    fn spec(&self) -> &ModelSpec {
+        self.inner.spec()
+    }
+
+    fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
+        self.inner.batch_counts(batch)
+    }
+
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+        self.inner.init_params(unit, seed, out)
+    }
+
     fn forward(
         &self,
         unit: usize,
@@ -798,66 +691,7 @@ impl UnitModel for GptModel {
         batch: &TokenBatch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Tensor, GptSaved>, ModelError> {
-        let kind = self.kind(unit)?;
-        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
-        self.check_groups(unit, &lengths)?;
-        self.validate_batch(batch)?;
-        let err = compute_err(self.unit_name(unit));
-        if kind != UnitKind::Embeddings && input.is_none() {
-            return Err(ModelError::Invalid(format!(
-                "unit {} needs the previous unit's output as input",
-                self.unit_name(unit)
-            )));
-        }
-        let train = mode == ForwardMode::Train;
-
-        let mut tensors = Vec::with_capacity(self.reads[unit].len());
-        for r in &self.reads[unit] {
-            let data = &params[r.group][r.offset..r.offset + r.numel()];
-            tensors.push(self.param_tensor(data, &r.shape, train).map_err(&err)?);
-        }
-        // A fresh leaf per unit: backward stops here and reports d(input).
-        let input_var = match (kind, input, train) {
-            (UnitKind::Embeddings, _, _) | (_, None, _) => None,
-            (_, Some(x), true) => Some(Var::from_tensor(&x.detach()).map_err(&err)?),
-            (_, Some(_), false) => None,
-        };
-        let input_t = match (&input_var, input) {
-            (Some(v), _) => Some(v.as_tensor().clone()),
-            (None, Some(x)) if kind != UnitKind::Embeddings => Some(x.detach()),
-            _ => None,
-        };
-        let result = self
-            .compute(kind, &tensors, input_t.as_ref(), batch)
-            .map_err(&err)?;
-
-        let (output, loss) = if kind == UnitKind::Head {
-            (None, Some(scalar_f64(&result).map_err(&err)? as f32))
-        } else {
-            (Some(result.detach()), None)
-        };
-        let saved = if !train {
-            None
-        } else {
-            Some(GptSaved {
-                unit,
-                // The tensors were created as variables, so `from_tensor` wraps them without a copy.
-                params: self.reads[unit]
-                    .iter()
-                    .cloned()
-                    .zip(tensors.iter().map(Var::from_tensor))
-                    .map(|(r, v)| v.map(|v| (r, v)))
-                    .collect::<candle_core::Result<Vec<_>>>()
-                    .map_err(&err)?,
-                input: input_var,
-                result,
-            })
-        };
-        Ok(UnitForward {
-            output,
-            loss,
-            saved,
-        })
+        self.inner.forward(unit, params, input, batch, mode)
     }
 
     fn backward(
@@ -868,55 +702,7 @@ impl UnitModel for GptModel {
         loss_weight: f32,
         grads: &mut [&mut [f32]],
     ) -> Result<Option<Tensor>, ModelError> {
-        let kind = self.kind(unit)?;
-        if saved.unit != unit {
-            return Err(ModelError::Invalid(format!(
-                "backward of unit {unit} was given the saved state of unit {}",
-                saved.unit
-            )));
-        }
-        let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-        self.check_groups(unit, &lengths)?;
-        let err = compute_err(self.unit_name(unit));
-        let objective = if kind == UnitKind::Head {
-            saved
-                .result
-                .affine(f64::from(loss_weight), 0.0)
-                .map_err(&err)?
-        } else {
-            let g = grad_output.ok_or_else(|| {
-                ModelError::Invalid(format!(
-                    "backward of unit {} needs the gradient of its output",
-                    self.unit_name(unit)
-                ))
-            })?;
-            if g.shape() != saved.result.shape() {
-                return Err(ModelError::Invalid(format!(
-                    "backward of unit {}: output gradient has shape {:?}, output has {:?}",
-                    self.unit_name(unit),
-                    g.shape(),
-                    saved.result.shape()
-                )));
-            }
-            // Surrogate scalar whose gradient w.r.t. the output is exactly `g`.
-            (&saved.result * g)
-                .and_then(|s| s.sum_all())
-                .map_err(&err)?
-        };
-        let store = objective.backward().map_err(&err)?;
-        for (r, var) in &saved.params {
-            if let Some(g) = store.get(var.as_tensor()) {
-                add_into(g, &mut grads[r.group][r.offset..r.offset + r.numel()]).map_err(&err)?;
-            }
-        }
-        let grad_input = saved
-            .input
-            .as_ref()
-            .and_then(|v| store.get(v.as_tensor()))
-            .map(Tensor::detach);
-        // Dropping the store and the saved graph here releases every activation of this unit.
-        drop(store);
-        drop(saved);
-        Ok(grad_input)
+        self.inner
+            .backward(unit, saved, grad_output, loss_weight, grads)
     }
 }

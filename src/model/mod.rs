@@ -1,13 +1,16 @@
-//! The model side: a GPT reference model on candle implementing the engine's unit contract
-//! ([`crate::zero::unit`]), and data loading.
+//! The model side: the candle helper that turns a model written as per-unit tensor code into the
+//! engine's unit contract ([`candle_unit`]: [`CandleUnits`], [`Candle`]; the contract itself is
+//! [`crate::zero::unit`]), a GPT reference model on it, and data loading.
 
+pub mod candle_unit;
 pub mod data;
 pub mod gpt;
 mod kernels;
 mod rng;
 pub mod weights;
 
+pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use data::{Corpus, DataError, DataLoader, TokenBatch, DEFAULT_CORPUS_PATH};
-pub use gpt::{run_candle_elementwise_on_caller_thread, GptConfig, GptModel, GptSaved};
+pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
 pub use rng::{mix_seed, SplitMix64};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};

@@ -1,6 +1,14 @@
 //! The contract between the engine and a model: an ordered list of **units** (FSDP's word: a block
 //! whose parameters are gathered, used and released together) plus a loss computed by the last unit.
 //!
+//! # Implementing it
+//! A model on candle does not implement [`UnitModel`] by hand: it implements
+//! [`crate::model::CandleUnits`] (the layout, the initial values, a batch type and each unit's
+//! forward on tensors) and is wrapped in [`crate::model::Candle`], which does the rest of this
+//! contract (tensors from the flat slices, backward, gradient write-back); the GPT reference model
+//! is built that way. Implement [`UnitModel`] directly for compute written by hand or on another
+//! tensor library (the engine tests' toy model in `tests/common` does).
+//!
 //! # What a unit is
 //! A unit is the granularity of ZeRO-3: its parameters are all-gathered together before it runs
 //! and released together after it (one all-gather and one reduce-scatter per unit, as in FSDP2).
@@ -15,6 +23,15 @@
 //! sharded and updated once); the reader receives the owner's flat buffer after its own in
 //! `params`, and adds its gradient contribution into the owner's gradient slice in `grads`. The
 //! engine reduces the owner's gradient only after its last use in backward.
+//!
+//! # Train and NoGrad
+//! [`ForwardMode::Train`] asks for a forward whose [`UnitForward::saved`] lets
+//! [`UnitModel::backward`] run later; [`ForwardMode::NoGrad`] asks only for the output (or the
+//! loss) and must keep nothing for backward. The engine runs `NoGrad` where it will recompute:
+//! under activation checkpointing, and at stage 3 for units whose gathered parameters it will not
+//! keep until their backward, a unit's forward-pass run is `NoGrad` and the unit runs again in
+//! `Train` just before its backward, with the same parameters and input, so it must compute the
+//! same values both times. (The last unit always runs `Train`: its backward comes next.)
 //!
 //! # What the engine guarantees
 //! * `params` holds exactly the unit's own flat buffer and then each used unit's, unpadded, in

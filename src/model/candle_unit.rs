@@ -1,0 +1,650 @@
+//! Bring your own model: write a candle model's units as plain tensor code and let [`Candle`]
+//! turn it into a [`UnitModel`] the engine trains at any ZeRO stage.
+//!
+//! The engine's contract ([`crate::zero::unit`]) speaks flat `f32` slices: each call gets the
+//! gathered parameters of one unit, and backward must add gradients into flat slices. Everything
+//! between those slices and candle is the same for every candle model, and [`Candle`] does it:
+//!
+//! * it turns each parameter slice into a tensor of the compute dtype ([`CandleUnits::dtype`]),
+//!   a gradient-tracking leaf (candle [`Var`]) in [`ForwardMode::Train`] and a plain constant in
+//!   [`ForwardMode::NoGrad`];
+//! * it makes the unit's input a fresh leaf in `Train`, so backward stops at the unit boundary and
+//!   reports the input's gradient, which becomes the previous unit's output gradient;
+//! * it seeds backward with the surrogate objective `sum(output * grad_output)` (whose gradient
+//!   with respect to the output is exactly `grad_output`), or `loss * loss_weight` for the last
+//!   unit, and adds (`+=`) each parameter's gradient into its place in the flat gradient slices,
+//!   the tied weights' into their owner's slice;
+//! * it checks slice counts and lengths, the input's presence and the output gradient's shape,
+//!   and names the unit in every error.
+//!
+//! What you write is a [`CandleUnits`]: the layout ([`CandleUnits::spec`]), the initial values,
+//! a batch type, and each unit's forward on tensors ([`CandleUnits::forward_unit`]).
+//!
+//! # Writing `forward_unit`
+//! * `params` holds the unit's own parameter tensors in
+//!   [`ParamSpec`](crate::zero::unit::ParamSpec) order, then those of each unit in its
+//!   [`UnitSpec::uses`] in order (all of that unit's tensors, in its `ParamSpec` order). Shapes are
+//!   the `ParamSpec` shapes.
+//! * `input` is `None` for unit 0 (it reads its input from the batch) and the previous unit's
+//!   output for every other unit.
+//! * Every unit but the last returns its output activation; the last returns the **mean** loss
+//!   over the micro-batch as a rank-0 (scalar) tensor. The engine averages micro-batch losses, so
+//!   a mean over equal micro-batches trains alike at every world size.
+//! * Use only ops with a backward. candle-nn's fused `ops::softmax_last_dim`, `ops::layer_norm`
+//!   and `ops::rms_norm` have **none** and drop gradients silently; compose them from primitive
+//!   ops instead (`candle_nn::ops::softmax`, `candle_nn::ops::log_softmax` and
+//!   `candle_nn::loss::cross_entropy` are composite and fine), or write a custom op with a
+//!   backward as the GPT does (`kernels.rs`).
+//! * Be deterministic given the parameters and the batch (no dropout from a global RNG), so that
+//!   every rank and world size computes alike and a recomputed forward equals the first.
+//!
+//! # Tied weights
+//! A unit that reads another unit's parameters lists that unit in [`UnitSpec::uses`]: a language
+//! model's head with `uses: vec![0]` finds the embedding table after its own tensors in `params`.
+//! The tensors are stored, sharded and updated once, by their owner; [`Candle`] adds the reader's
+//! gradient into the owner's gradient slice, and the engine sums every use before reducing.
+//!
+//! # Train and NoGrad
+//! The engine runs a unit in `Train` when it will run its backward from what this forward saved,
+//! and in `NoGrad` when it only needs the output: activation checkpointing, and stage 3 for units
+//! whose gathered parameters it does not keep, run the unit `NoGrad` in the forward pass and again
+//! in `Train` just before its backward, with the same parameters and input; evaluation runs
+//! `NoGrad`. `forward_unit` is the same function in both modes:
+//! [`Candle`] decides whether the tensors track gradients.
+//!
+//! # Example
+//! Linear regression in two units: a hidden layer `tanh(x W1^T + b1)`, and a head
+//! `h W2^T + b2` with the mean squared error.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! use zerodp::model::{Candle, CandleUnits, SplitMix64, mix_seed};
+//! use zerodp::zero::unit::{BatchCounts, ModelSpec, ParamSpec, UnitSpec};
+//!
+//! /// One micro-batch: `n` rows of 3 features and one target each.
+//! struct Rows { x: Vec<f32>, y: Vec<f32>, n: usize }
+//!
+//! struct Regression { spec: ModelSpec }
+//!
+//! fn param(name: &str, shape: &[usize]) -> ParamSpec {
+//!     ParamSpec { name: name.into(), shape: shape.to_vec() }
+//! }
+//!
+//! impl Regression {
+//!     fn new() -> Self {
+//!         let hidden = UnitSpec {
+//!             name: "hidden".into(),
+//!             params: vec![param("w1", &[8, 3]), param("b1", &[8])],
+//!             uses: vec![],
+//!         };
+//!         let head = UnitSpec {
+//!             name: "head".into(),
+//!             params: vec![param("w2", &[1, 8]), param("b2", &[1])],
+//!             uses: vec![],
+//!         };
+//!         Regression { spec: ModelSpec { units: vec![hidden, head] } }
+//!     }
+//! }
+//!
+//! impl CandleUnits for Regression {
+//!     type Batch = Rows;
+//!
+//!     fn spec(&self) -> &ModelSpec {
+//!         &self.spec
+//!     }
+//!     fn batch_counts(&self, b: &Rows) -> BatchCounts {
+//!         BatchCounts { samples: b.n, tokens: b.n }
+//!     }
+//!     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+//!         // Weights normal(0, 0.5) from a stream of (seed, unit), biases (the tail) zero.
+//!         let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64]));
+//!         let weights = self.spec.units[unit].params[0].numel();
+//!         for (i, v) in out.iter_mut().enumerate() {
+//!             *v = if i < weights { (rng.normal() * 0.5) as f32 } else { 0.0 };
+//!         }
+//!     }
+//!     fn forward_unit(
+//!         &self,
+//!         unit: usize,
+//!         p: &[Tensor],
+//!         input: Option<&Tensor>,
+//!         b: &Rows,
+//!     ) -> candle_core::Result<Tensor> {
+//!         match unit {
+//!             0 => {
+//!                 let x = Tensor::from_slice(&b.x, (b.n, 3), &Device::Cpu)?;
+//!                 x.matmul(&p[0].t()?)?.broadcast_add(&p[1])?.tanh()
+//!             }
+//!             _ => {
+//!                 let h = input.expect("Candle passes the hidden output");
+//!                 let y_hat = h.matmul(&p[0].t()?)?.broadcast_add(&p[1])?;
+//!                 let y = Tensor::from_slice(&b.y, (b.n, 1), &Device::Cpu)?;
+//!                 (y_hat - y)?.sqr()?.mean_all()
+//!             }
+//!         }
+//!     }
+//! }
+//!
+//! // `Candle<Regression>` is a `UnitModel`: hand it to `zerodp::trainer::Trainer`.
+//! let model = Candle::new(Regression::new());
+//! let batch = Rows { x: vec![0.5; 12], y: vec![1.0; 4], n: 4 };
+//! let params: Vec<Vec<f32>> = (0..2)
+//!     .map(|u| {
+//!         let mut buf = vec![0.0; model.units().spec().units[u].numel()];
+//!         model.units().init_params(u, 7, &mut buf);
+//!         buf
+//!     })
+//!     .collect();
+//! let refs: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+//! let (loss, grads) = model.end_to_end(&refs, &batch, 1.0).unwrap();
+//! assert!(loss > 0.0);
+//! assert_eq!(grads[1].len(), 9);
+//! ```
+//!
+//! `examples/mlp_classifier/` is a complete program: an MLP classifier on this helper, trained
+//! through [`crate::trainer::Trainer`] from a DeepSpeed config file.
+
+use candle_core::{DType, Device, Storage, Tensor, Var};
+
+use crate::zero::unit::{
+    BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel, UnitSpec,
+};
+
+/// A model's units as candle tensor code; wrap it in [`Candle`] to train it. See the
+/// [module docs](self).
+pub trait CandleUnits: Send + Sync {
+    /// One rank's micro-batch, of the model's choosing (token ids, feature rows, images...).
+    type Batch;
+
+    /// The units in forward order, their parameters and tied weights (see [`crate::zero::unit`]).
+    fn spec(&self) -> &ModelSpec;
+
+    /// How many samples and tokens `batch` holds (for reports only; models without tokens report
+    /// the samples again).
+    fn batch_counts(&self, batch: &Self::Batch) -> BatchCounts;
+
+    /// Deterministic initial values of unit `unit`'s own flat parameters (the concatenation of
+    /// its [`ParamSpec`](crate::zero::unit::ParamSpec)s, row-major), a function of `seed` alone.
+    /// [`crate::model::SplitMix64`] and [`crate::model::mix_seed`] give a stream per tensor.
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]);
+
+    /// The forward of unit `unit` on tensors: the output activation (every unit but the last) or
+    /// the mean loss as a scalar tensor (the last unit). `params`: the unit's own parameter
+    /// tensors in `ParamSpec` order, then those of each unit in `uses`, in order. `input`: `None`
+    /// for unit 0, else the previous unit's output. Errors are reported naming the unit.
+    fn forward_unit(
+        &self,
+        unit: usize,
+        params: &[Tensor],
+        input: Option<&Tensor>,
+        batch: &Self::Batch,
+    ) -> candle_core::Result<Tensor>;
+
+    /// The dtype parameters are computed in [default: F32]. Parameters and gradients stay `f32`
+    /// slices at the engine's interface; F64 is useful for finite-difference gradient checks.
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    /// The device the tensors live on [default: the CPU].
+    fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// Check a micro-batch before any unit computes on it (sizes, label ranges...). Called on
+    /// every forward; the default accepts everything.
+    fn check_batch(&self, batch: &Self::Batch) -> Result<(), ModelError> {
+        let _ = batch;
+        Ok(())
+    }
+}
+
+/// A [`CandleUnits`] as a [`UnitModel`] (activations are candle [`Tensor`]s). See the
+/// [module docs](self).
+pub struct Candle<T> {
+    units: T,
+    dtype: DType,
+    device: Device,
+}
+
+/// What a `Train` forward keeps for backward: the unit's parameter leaves (gradients are keyed by
+/// them), its input leaf and its result, still attached to its graph. Dropping it releases the
+/// unit's activations.
+pub struct CandleSaved {
+    unit: usize,
+    params: Vec<SavedParam>,
+    input: Option<Var>,
+    /// The output (every unit but the last) or the loss (the last unit).
+    result: Tensor,
+}
+
+/// A parameter leaf and where its gradient goes: group (0 = own, 1.. = `uses`) and element offset.
+struct SavedParam {
+    group: usize,
+    offset: usize,
+    var: Var,
+}
+
+impl<T: CandleUnits> Candle<T> {
+    /// Wrap `units`; its [`CandleUnits::dtype`] and [`CandleUnits::device`] are read once, here.
+    pub fn new(units: T) -> Self {
+        let dtype = units.dtype();
+        let device = units.device();
+        Candle {
+            units,
+            dtype,
+            device,
+        }
+    }
+
+    /// The wrapped model.
+    pub fn units(&self) -> &T {
+        &self.units
+    }
+
+    pub fn into_units(self) -> T {
+        self.units
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Forward the whole model as one graph and backward once: the loss, and the gradient of
+    /// `loss * loss_weight` per unit (tied contributions summed into their owner). `params` holds
+    /// every unit's own flat buffer in unit order. This is the reference that the engine's
+    /// unit-by-unit backward must reproduce; tests compare the two.
+    pub fn end_to_end(
+        &self,
+        params: &[&[f32]],
+        batch: &T::Batch,
+        loss_weight: f32,
+    ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
+        let spec = self.units.spec();
+        let n_units = spec.units.len();
+        if n_units == 0 {
+            return Err(ModelError::Invalid("the model has no units".into()));
+        }
+        if params.len() != n_units {
+            return Err(ModelError::Invalid(format!(
+                "end_to_end needs {n_units} parameter buffers, got {}",
+                params.len()
+            )));
+        }
+        self.check_dtype()?;
+        self.units.check_batch(batch)?;
+        let err = compute_err("model");
+        let mut leaves: Vec<Vec<Tensor>> = Vec::with_capacity(n_units);
+        for (u, us) in spec.units.iter().enumerate() {
+            if params[u].len() != us.numel() {
+                return Err(ModelError::Invalid(format!(
+                    "end_to_end: unit {} has {} elements, its buffer {}",
+                    us.name,
+                    us.numel(),
+                    params[u].len()
+                )));
+            }
+            let own = us
+                .params
+                .iter()
+                .zip(us.offsets())
+                .map(|(p, off)| self.param_tensor(&params[u][off..off + p.numel()], &p.shape, true))
+                .collect::<candle_core::Result<Vec<_>>>()
+                .map_err(&err)?;
+            leaves.push(own);
+        }
+        let mut x: Option<Tensor> = None;
+        for (u, us) in spec.units.iter().enumerate() {
+            let mut p = leaves[u].clone();
+            for &g in &us.uses {
+                p.extend(leaves[g].iter().cloned());
+            }
+            let out = self
+                .units
+                .forward_unit(u, &p, x.as_ref(), batch)
+                .map_err(compute_err(&us.name))?;
+            x = Some(out);
+        }
+        let loss = x.expect("the model has units");
+        let last = &spec.units[n_units - 1].name;
+        let loss_value = loss_scalar(&loss, last)?;
+        let store = loss
+            .affine(f64::from(loss_weight), 0.0)
+            .and_then(|o| o.backward())
+            .map_err(&err)?;
+        let mut grads: Vec<Vec<f32>> = spec.units.iter().map(|u| vec![0.0; u.numel()]).collect();
+        for (u, us) in spec.units.iter().enumerate() {
+            for ((leaf, off), p) in leaves[u].iter().zip(us.offsets()).zip(&us.params) {
+                if let Some(g) = store.get(leaf) {
+                    add_into(g, &mut grads[u][off..off + p.numel()]).map_err(&err)?;
+                }
+            }
+        }
+        Ok((loss_value, grads))
+    }
+
+    fn unit_spec(&self, unit: usize) -> Result<&UnitSpec, ModelError> {
+        let units = &self.units.spec().units;
+        units.get(unit).ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "unit {unit} does not exist: this model has {} units (0..{})",
+                units.len(),
+                units.len()
+            ))
+        })
+    }
+
+    /// Check that `lengths` has one entry per parameter group (own, then `uses`) of the right size.
+    fn check_groups(&self, spec: &UnitSpec, lengths: &[usize]) -> Result<(), ModelError> {
+        let units = &self.units.spec().units;
+        let expected: Vec<usize> = std::iter::once(spec.numel())
+            .chain(
+                spec.uses
+                    .iter()
+                    .map(|&u| units.get(u).map_or(0, UnitSpec::numel)),
+            )
+            .collect();
+        if lengths != expected.as_slice() {
+            return Err(ModelError::ParamShape {
+                unit: spec.name.clone(),
+                expected: expected.len(),
+                lengths: expected,
+                got: lengths.to_vec(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_dtype(&self) -> Result<(), ModelError> {
+        if self.dtype.is_float() {
+            Ok(())
+        } else {
+            Err(ModelError::Invalid(format!(
+                "the compute dtype must be a float type, got {:?}",
+                self.dtype
+            )))
+        }
+    }
+
+    /// A tensor in the compute dtype holding a copy of `data`: a leaf [`Var`] when `train` (so
+    /// that backward reports its gradient), a plain constant otherwise.
+    fn param_tensor(
+        &self,
+        data: &[f32],
+        shape: &[usize],
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let device = &self.device;
+        match (self.dtype, train) {
+            (DType::F32, true) => Ok(Var::from_slice(data, shape, device)?.into_inner()),
+            (DType::F32, false) => Tensor::from_slice(data, shape, device),
+            (DType::F64, train) => {
+                let wide: Vec<f64> = data.iter().map(|&x| f64::from(x)).collect();
+                if train {
+                    Ok(Var::from_vec(wide, shape, device)?.into_inner())
+                } else {
+                    Tensor::from_vec(wide, shape, device)
+                }
+            }
+            (dtype, train) => {
+                let t = Tensor::from_slice(data, shape, device)?.to_dtype(dtype)?;
+                if train {
+                    Ok(Var::from_tensor(&t)?.into_inner())
+                } else {
+                    Ok(t)
+                }
+            }
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for Candle<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Candle")
+            .field("units", &std::any::type_name::<T>())
+            .field("dtype", &self.dtype)
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
+    move |e| ModelError::Compute {
+        unit: unit.to_string(),
+        message: e.to_string(),
+    }
+}
+
+/// The value of the last unit's loss, which must be a scalar.
+fn loss_scalar(loss: &Tensor, unit: &str) -> Result<f64, ModelError> {
+    if loss.rank() != 0 {
+        return Err(ModelError::Compute {
+            unit: unit.to_string(),
+            message: format!(
+                "the last unit must return the mean loss as a scalar (rank-0) tensor, got shape {:?}",
+                loss.dims()
+            ),
+        });
+    }
+    loss.to_dtype(DType::F64)
+        .and_then(|l| l.to_scalar::<f64>())
+        .map_err(compute_err(unit))
+}
+
+/// `out += t` elementwise, any layout; fast for F32 and F64 on the CPU.
+fn add_into(t: &Tensor, out: &mut [f32]) -> candle_core::Result<()> {
+    if t.elem_count() != out.len() {
+        candle_core::bail!(
+            "gradient of {} elements for a slice of {}",
+            t.elem_count(),
+            out.len()
+        );
+    }
+    let t = t.contiguous()?;
+    {
+        let (storage, layout) = t.storage_and_layout();
+        let start = layout.start_offset();
+        let n = out.len();
+        if let Storage::Cpu(cpu) = &*storage {
+            match t.dtype() {
+                DType::F32 => {
+                    let src = &cpu.as_slice::<f32>()?[start..start + n];
+                    out.iter_mut().zip(src).for_each(|(o, s)| *o += s);
+                    return Ok(());
+                }
+                DType::F64 => {
+                    let src = &cpu.as_slice::<f64>()?[start..start + n];
+                    out.iter_mut().zip(src).for_each(|(o, s)| *o += *s as f32);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+    }
+    let values = t
+        .flatten_all()?
+        .to_dtype(DType::F32)?
+        .to_device(&Device::Cpu)?
+        .to_vec1::<f32>()?;
+    out.iter_mut().zip(&values).for_each(|(o, s)| *o += s);
+    Ok(())
+}
+
+impl<T: CandleUnits> UnitModel for Candle<T> {
+    type Batch = T::Batch;
+    type Act = Tensor;
+    type Saved = CandleSaved;
+
+    fn spec(&self) -> &ModelSpec {
+        self.units.spec()
+    }
+
+    fn batch_counts(&self, batch: &T::Batch) -> BatchCounts {
+        self.units.batch_counts(batch)
+    }
+
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+        let spec = &self.units.spec().units[unit];
+        assert_eq!(
+            out.len(),
+            spec.numel(),
+            "init_params: unit {} has {} elements, buffer has {}",
+            spec.name,
+            spec.numel(),
+            out.len()
+        );
+        self.units.init_params(unit, seed, out);
+    }
+
+    fn forward(
+        &self,
+        unit: usize,
+        params: &[&[f32]],
+        input: Option<&Tensor>,
+        batch: &T::Batch,
+        mode: ForwardMode,
+    ) -> Result<UnitForward<Tensor, CandleSaved>, ModelError> {
+        let spec = self.unit_spec(unit)?;
+        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        self.check_groups(spec, &lengths)?;
+        self.check_dtype()?;
+        self.units.check_batch(batch)?;
+        if unit > 0 && input.is_none() {
+            return Err(ModelError::Invalid(format!(
+                "unit {} needs the previous unit's output as input",
+                spec.name
+            )));
+        }
+        let err = compute_err(&spec.name);
+        let train = mode == ForwardMode::Train;
+        let units = &self.units.spec().units;
+
+        let mut tensors = Vec::new();
+        let mut places = Vec::new();
+        for (group, &owner) in std::iter::once(&unit).chain(&spec.uses).enumerate() {
+            let owner = &units[owner];
+            for (p, offset) in owner.params.iter().zip(owner.offsets()) {
+                let data = &params[group][offset..offset + p.numel()];
+                tensors.push(self.param_tensor(data, &p.shape, train).map_err(&err)?);
+                places.push((group, offset));
+            }
+        }
+        // A fresh leaf per unit: backward stops here and reports d(input).
+        let input_var = match (input, train) {
+            (Some(x), true) => Some(Var::from_tensor(&x.detach()).map_err(&err)?),
+            _ => None,
+        };
+        let input_t = match (&input_var, input) {
+            (Some(v), _) => Some(v.as_tensor().clone()),
+            (None, Some(x)) => Some(x.detach()),
+            (None, None) => None,
+        };
+        let result = self
+            .units
+            .forward_unit(unit, &tensors, input_t.as_ref(), batch)
+            .map_err(&err)?;
+
+        let (output, loss) = if unit + 1 == units.len() {
+            (None, Some(loss_scalar(&result, &spec.name)? as f32))
+        } else {
+            (Some(result.detach()), None)
+        };
+        let saved = if !train {
+            None
+        } else {
+            Some(CandleSaved {
+                unit,
+                // The tensors were made as variables, so `from_tensor` wraps them without a copy.
+                params: places
+                    .into_iter()
+                    .zip(&tensors)
+                    .map(|((group, offset), t)| {
+                        Var::from_tensor(t).map(|var| SavedParam { group, offset, var })
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()
+                    .map_err(&err)?,
+                input: input_var,
+                result,
+            })
+        };
+        Ok(UnitForward {
+            output,
+            loss,
+            saved,
+        })
+    }
+
+    fn backward(
+        &self,
+        unit: usize,
+        saved: CandleSaved,
+        grad_output: Option<&Tensor>,
+        loss_weight: f32,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Tensor>, ModelError> {
+        let spec = self.unit_spec(unit)?;
+        if saved.unit != unit {
+            return Err(ModelError::Invalid(format!(
+                "backward of unit {} was given the saved state of unit {}",
+                spec.name, saved.unit
+            )));
+        }
+        let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+        self.check_groups(spec, &lengths)?;
+        let err = compute_err(&spec.name);
+        let last = unit + 1 == self.units.spec().units.len();
+        let objective = if last {
+            saved
+                .result
+                .affine(f64::from(loss_weight), 0.0)
+                .map_err(&err)?
+        } else {
+            let g = grad_output.ok_or_else(|| {
+                ModelError::Invalid(format!(
+                    "backward of unit {} needs the gradient of its output",
+                    spec.name
+                ))
+            })?;
+            if g.shape() != saved.result.shape() {
+                return Err(ModelError::Invalid(format!(
+                    "backward of unit {}: output gradient has shape {:?}, output has {:?}",
+                    spec.name,
+                    g.shape(),
+                    saved.result.shape()
+                )));
+            }
+            // Surrogate scalar whose gradient w.r.t. the output is exactly `g`.
+            (&saved.result * g)
+                .and_then(|s| s.sum_all())
+                .map_err(&err)?
+        };
+        let store = objective.backward().map_err(&err)?;
+        for p in &saved.params {
+            if let Some(g) = store.get(p.var.as_tensor()) {
+                let n = g.elem_count();
+                let dst = grads[p.group]
+                    .get_mut(p.offset..p.offset + n)
+                    .ok_or_else(|| {
+                        ModelError::Invalid(format!(
+                            "backward of unit {}: a gradient of {n} elements at offset {} does not fit parameter group {}",
+                            spec.name, p.offset, p.group
+                        ))
+                    })?;
+                add_into(g, dst).map_err(&err)?;
+            }
+        }
+        let grad_input = saved
+            .input
+            .as_ref()
+            .and_then(|v| store.get(v.as_tensor()))
+            .map(Tensor::detach);
+        // Dropping the store and the saved graph here releases every activation of this unit.
+        drop(store);
+        drop(saved);
+        Ok(grad_input)
+    }
+}
