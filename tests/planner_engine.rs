@@ -18,8 +18,8 @@ mod common;
 use common::*;
 use zerodp::comm::{CollectiveKind, DType};
 use zerodp::planner::{
-    engine_config, interconnect, plan_option, BufferOverrides, Cluster, Collective, DtypeOverrides,
-    HostLinks, ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
+    interconnect, plan_option, planned_engine_config, BufferOverrides, Cluster, Collective,
+    DtypeOverrides, HostLinks, ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,
 };
 use zerodp::zero::buffers;
 use zerodp::zero::unit::UnitModel;
@@ -98,7 +98,7 @@ fn check(model: &Toy, cfg: &EngineConfig, expect_gather: Gather) -> PlanOption {
     let o = plan_option(&input, choice(cfg.stage));
     // The planner sizes the run the engine will make.
     let spec = model.spec();
-    let mine = engine_config(&input, cfg.stage.index());
+    let mine = planned_engine_config(&input, cfg.stage.index());
     assert_eq!(buffers::plan(spec, &mine), buffers::plan(spec, cfg));
     assert_eq!(
         (mine.param_dtype, mine.comm_dtype, mine.grad_accum_dtype),
@@ -353,7 +353,7 @@ fn the_planner_resolves_unset_dtypes_as_the_config_reader_does() {
             input.dtypes = DtypeOverrides::default();
             input.buffers = BufferOverrides::default();
             assert_eq!(config_precision(precision), settings.precision);
-            let planned = engine_config(&input, stage);
+            let planned = planned_engine_config(&input, stage);
             assert_eq!(
                 (planned.comm_dtype, planned.grad_accum_dtype),
                 (engine.comm_dtype, engine.grad_accum_dtype),

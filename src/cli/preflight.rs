@@ -217,7 +217,7 @@ mod tests {
     use super::*;
     use zerodp::config::{self, ResolveContext};
     use zerodp::model::GptModel;
-    use zerodp::planner::engine_config;
+    use zerodp::planner::planned_engine_config;
     use zerodp::zero::buffers;
     use zerodp::zero::unit::UnitModel;
 
@@ -254,7 +254,7 @@ mod tests {
             let settings = config::load_str(text, "ds.json", &ctx).unwrap().settings;
             let engine = zerodp::setup::engine_config(&settings, 2, 0).unwrap();
             let input = plan_input(&settings, &engine, model.spec(), &gpt, 1 << 30, 1 << 34);
-            let planned = engine_config(&input, engine.stage.index());
+            let planned = planned_engine_config(&input, engine.stage.index());
             assert_eq!(
                 buffers::plan(model.spec(), &planned),
                 buffers::plan(model.spec(), &engine),

@@ -77,7 +77,7 @@ pub fn run_settings(input: &PlanInput, stage: u8) -> Settings {
 /// through the one settings-to-engine mapping ([`setup::engine_config`]) that `zerodp train` and
 /// the [`crate::trainer::Trainer`] use, plus the input's activation checkpointing (a `train` flag
 /// as much as a config key).
-pub fn engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
+pub fn planned_engine_config(input: &PlanInput, stage: u8) -> EngineConfig {
     let settings = run_settings(input, stage);
     let world = settings.batch.world_size.max(1);
     // run_settings states a stage of 0-3 (ZeroChoice stages), no offload and no fp16 master
@@ -100,7 +100,7 @@ pub struct EngineRun<'a> {
 
 impl<'a> EngineRun<'a> {
     pub fn new(spec: &'a ModelSpec, input: &PlanInput, stage: u8) -> Self {
-        let config = engine_config(input, stage);
+        let config = planned_engine_config(input, stage);
         let layout = FlatLayout::new(spec, config.world_size.max(1), 0);
         let buffers = buffers::plan(spec, &config);
         EngineRun {

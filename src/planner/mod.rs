@@ -29,7 +29,7 @@ mod traffic;
 pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
 pub use deepspeed::{config_precision, ConfigKeys};
-pub use engine::{comm_dtype, engine_config, run_settings, EngineRun};
+pub use engine::{comm_dtype, planned_engine_config, run_settings, EngineRun};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
