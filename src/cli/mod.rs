@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 pub mod bench_comm;
 pub mod bench_train;
 pub mod config;
+pub mod launch;
 pub mod plan;
 pub mod preflight;
 pub mod train;

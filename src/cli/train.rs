@@ -1,12 +1,18 @@
 //! `zerodp train`: train the GPT reference model on a text file with a DeepSpeed config, on
-//! `--world-size` in-process ranks.
+//! `--world-size` in-process ranks, or one rank per process under `mpirun` (`--backend`, see
+//! [`super::launch`]).
 //!
-//! Each rank is a thread with its own rayon pool (`max(1, cores / world)` threads, the pool
-//! candle's matmuls run in), its own engine and its own share of every batch. Rank 0 draws the
-//! progress bar; every rank writes its metrics lines.
+//! In-process, each rank is a thread with its own rayon pool (`max(1, cores / world)` threads, the
+//! pool candle's matmuls run in), its own engine and its own share of every batch. Under MPI each
+//! process is one rank (world size and rank from MPI) running the same trainer, with the host's
+//! cores shared among the ranks on it. Rank 0 draws the progress bar and prints the banner, the
+//! summary and the log lines; every rank writes its metrics lines.
 //!
 //! `--metrics FILE` gets one JSON object per optimizer step and rank, a whole line at a time; the
-//! keys are documented in `zerodp::trainer` (`observers.rs`).
+//! keys are documented in `zerodp::trainer` (`observers.rs`). In-process every rank writes to
+//! FILE; under MPI rank 0 writes FILE and rank k writes `<stem>.rank<k>.<ext>` next to it
+//! (`metrics.jsonl`, `metrics.rank1.jsonl`, ...): processes may run on different hosts, so each
+//! writes its own file. `--save` is written by rank 0 (every rank holds the same parameters).
 //!
 //! Mixed precision comes from the config's `bf16` or `fp16` block: 16-bit parameters and
 //! gradients, fp32 master weights and Adam moments on the owning shard. A step whose gradients
@@ -18,6 +24,7 @@
 //! ([`zerodp::trainer::outputs`]); SIGINT/SIGTERM end the run after the current step (exit 130 /
 //! 143); a run whose loss ends non-finite or whose every step was skipped exits 1.
 
+use super::launch::Resolved;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -32,8 +39,8 @@ use zerodp::model::{
 };
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
-    step_log_line, BatchIndex, MetricsFile, StepEvent, StepObserver, TrainOutcome, Trainer,
-    TrainerError,
+    step_log_line, Backend, BatchIndex, MetricsFile, StepEvent, StepObserver, TrainOutcome,
+    Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -42,9 +49,14 @@ pub struct TrainArgs {
     /// DeepSpeed JSON config (batch sizes, zero_optimization, optimizer, scheduler, clipping).
     #[arg(long)]
     pub config: PathBuf,
-    /// Number of data-parallel ranks (threads of this process).
-    #[arg(long, default_value_t = 1)]
-    pub world_size: usize,
+    /// Number of data-parallel ranks (threads of this process) [default: 1; under MPI the
+    /// process count, which it must equal if given].
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Where the ranks run: `inprocess` (threads), `mpi` (one rank per process, under mpirun) or
+    /// `auto` (MPI when started by an MPI launcher).
+    #[arg(long, value_enum, default_value_t = super::launch::BackendChoice::Auto)]
+    pub backend: super::launch::BackendChoice,
     #[command(flatten)]
     pub model: ModelArgs,
     /// UTF-8 text to train on (bytes are tokens) [default: the demo corpus, data/corpus.txt].
@@ -124,13 +136,15 @@ impl ModelArgs {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
-    if args.world_size == 0 {
-        bail!("--world-size must be at least 1");
-    }
+    let backend = super::launch::resolve(args.backend, args.world_size)?;
+    let world = backend.world();
     let gpt = args.model.build("demo")?;
     let ctx = ResolveContext {
-        world_size: args.world_size,
-        world_size_source: "--world-size".into(),
+        world_size: world,
+        world_size_source: match backend {
+            Resolved::Mpi { .. } => "the MPI process count".into(),
+            Resolved::InProcess { .. } => "--world-size".into(),
+        },
         hidden_size: Some(gpt.width),
         total_steps: Some(args.steps as usize),
         ..Default::default()
@@ -144,9 +158,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .data
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
-    check_paths(&args, &data_path)?;
     let model = GptModel::new(gpt.clone())?;
-    let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, args.seed)
+    let mut trainer = Trainer::from_settings(&model, &settings, world, args.seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
@@ -179,12 +192,26 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
         comm_options.trace = TraceLevel::Info;
     }
+    // Under MPI: this process's rank, with the communication thread running.
+    let mut rank = 0;
+    if let Resolved::Mpi { world } = backend {
+        let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
+        rank = comm.rank();
+        trainer = trainer
+            .with_backend(Backend::Process(comm))
+            .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
+    }
+    let metrics_path = args
+        .metrics
+        .as_deref()
+        .map(|p| super::launch::per_rank_path(p, rank));
+    check_paths(&args, &data_path, metrics_path.as_deref())?;
     let signals = Signals::register()?;
     let trainer = trainer
         .with_comm_options(comm_options)
         .with_stop_flag(signals.flag.clone())
         .keep_params(args.save.is_some());
-    let metrics = match &args.metrics {
+    let metrics = match &metrics_path {
         Some(p) => Some(
             MetricsFile::create(p)
                 .with_context(|| format!("creating metrics file {}", p.display()))?,
@@ -192,13 +219,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         None => None,
     };
     let num_params = model.spec().num_params();
-    let world = args.world_size;
     let batch = settings.batch.clone();
     let tokens_per_step = batch.train_batch_size * gpt.context;
-    eprintln!(
+    let backend_note = match backend {
+        Resolved::Mpi { .. } => " (MPI: one rank per process)",
+        Resolved::InProcess { .. } => "",
+    };
+    eprintln_rank0(rank, format!(
         "zerodp train: GPT {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
-         world size {world}, train_batch_size {} = {} per rank x {} accumulation steps x {world}; \
-         corpus {} ({} windows)",
+         world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
+         steps x {world}; corpus {} ({} windows)",
         gpt.layers,
         gpt.width,
         gpt.heads,
@@ -210,8 +240,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         batch.gradient_accumulation_steps,
         data.corpus().name(),
         data.num_windows(),
+    ));
+    let progress = ProgressLog::new(
+        args.steps,
+        args.no_progress || rank != 0,
+        settings.steps_per_print,
     );
-    let progress = ProgressLog::new(args.steps, args.no_progress, settings.steps_per_print);
     let started = Instant::now();
     let source = |at: BatchIndex| {
         data.micro_batch(
@@ -230,7 +264,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let outcome = trainer.run(&source, args.steps, &observers)?;
     progress.bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
-    if let Some(Some(last)) = outcome.last.first() {
+    if let (0, Some(Some(last))) = (rank, outcome.last.first()) {
         eprintln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
@@ -242,26 +276,37 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         );
     }
     if let Some(code) = signals.exit_code() {
-        eprintln!(
-            "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
-            signals.name(),
-            outcome.steps,
-            args.steps,
-            if args.save.is_some() {
-                "; nothing was saved (--save writes only at the end of a run)"
-            } else {
-                ""
-            }
+        eprintln_rank0(
+            rank,
+            format!(
+                "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
+                signals.name(),
+                outcome.steps,
+                args.steps,
+                if args.save.is_some() {
+                    "; nothing was saved (--save writes only at the end of a run)"
+                } else {
+                    ""
+                }
+            ),
         );
         return Ok(code);
     }
     check_final(&outcome)?;
-    if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
+    // Every rank holds the same parameters (gathering them is collective); rank 0 writes them.
+    if let (0, Some(path), Some(params)) = (rank, &args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
         eprintln!("saved weights to {}", path.display());
     }
     Ok(0)
+}
+
+/// Prints `line` on rank 0 only (under MPI every process would print it otherwise).
+fn eprintln_rank0(rank: usize, line: String) {
+    if rank == 0 {
+        eprintln!("{line}");
+    }
 }
 
 /// Rank 0's progress bar and log lines: the step's loss, rate and memory on the bar, fp16 scale
@@ -319,7 +364,7 @@ impl StepObserver for ProgressLog {
 /// Every output must be a new or replaceable file in a writable directory, and none may be an
 /// input: checked before the first step, so no input is ever overwritten and no run fails to save
 /// at its end.
-fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
+fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow::Result<()> {
     let mut inputs = vec![
         NamedPath {
             name: "--config",
@@ -336,9 +381,9 @@ fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
             path: p,
         });
     }
-    let outputs: Vec<NamedPath<'_>> = [("--save", &args.save), ("--metrics", &args.metrics)]
+    let outputs: Vec<NamedPath<'_>> = [("--save", args.save.as_deref()), ("--metrics", metrics)]
         .into_iter()
-        .filter_map(|(name, p)| p.as_deref().map(|path| NamedPath { name, path }))
+        .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
         .collect();
     check_outputs(&inputs, &outputs)?;
     Ok(())
