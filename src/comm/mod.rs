@@ -15,6 +15,8 @@ pub mod kernels;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "mpi")]
+pub mod mpi_shm;
 pub mod options;
 mod queue;
 mod rendezvous;
@@ -22,6 +24,8 @@ pub mod stats;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::{MpiComm, MpiTopology};
+#[cfg(feature = "mpi")]
+pub use self::mpi_shm::ShmAlloc;
 pub use api::*;
 pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
 pub use launch::{detect_mpi_launch, MpiLaunch};

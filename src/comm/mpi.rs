@@ -44,7 +44,9 @@
 //! and MPI is not finalised (`MPI_Finalize` could wait for a dead peer): the process should exit
 //! non-zero, and `mpirun` then ends the job.
 
+use crate::comm::kernels::fan_out_copy;
 use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
+use crate::comm::mpi_shm::{region_of, PeerMaps, RegionRef};
 use crate::comm::queue::{describe, trace, validate, Call, Job};
 use crate::comm::rendezvous::CallDesc;
 use crate::comm::stats::{count_traffic, CommStats};
@@ -74,8 +76,17 @@ const MAX_MSG: usize = 1 << 30;
 /// Bytes of a rank's shard reduced per round of a reduce-scatter: bounds the staging memory at
 /// (n-1) pieces and overlaps receiving the next piece with reducing this one.
 const PIECE_BYTES: usize = 8 << 20;
-/// Words of a collective's descriptor.
-const DESC_WORDS: usize = 6;
+/// Words of a collective's descriptor: what must match ([`MATCH_WORDS`]), then the process id
+/// and where its buffers live for the shared-memory path (input and output: fd, region id, region
+/// length, offset; `u64::MAX` for none).
+const DESC_WORDS: usize = 15;
+/// The leading descriptor words every rank must present equally.
+const MATCH_WORDS: usize = 6;
+/// Tag of the departure messages of a shared-memory collective.
+const TAG_DONE: c_int = 14;
+/// Peers' mappings kept at most: beyond this the cache is emptied at the next collective
+/// (mappings of freed buffers would otherwise keep their memory alive).
+const MAX_PEER_MAPS: usize = 64;
 
 /// Where this rank sits: global rank and size, and the processes sharing its host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,8 +111,19 @@ struct Shared {
 
 enum Msg {
     Job(Job),
+    /// Times MPI's own collective (for `bench comm --raw-mpi`).
+    Raw(RawJob),
     /// Sends the failure notice (already stored) now.
     Notify,
+}
+
+/// A timing of one of MPI's own collectives on f32 buffers.
+struct RawJob {
+    kind: CollectiveKind,
+    bytes: usize,
+    warmup: usize,
+    iters: usize,
+    done: mpsc::Sender<Result<Vec<f64>, CommError>>,
 }
 
 /// One rank of an MPI world; see the [module docs](self). At most one per process.
@@ -181,6 +203,36 @@ impl MpiComm {
     /// The summary table of [`MpiComm::stats`].
     pub fn summary(&self) -> String {
         format!("rank {}:\n{}", self.topo.rank, self.stats().summary_table())
+    }
+
+    /// Times MPI's own collective (`MPI_Allreduce`, `MPI_Reduce_scatter_block`, `MPI_Allgather`,
+    /// `MPI_Bcast` from rank 0, on f32 with `MPI_SUM`) on a full tensor of `bytes`: `iters`
+    /// timings after `warmup` untimed calls, each behind an `MPI_Barrier`, as this rank saw them.
+    /// For comparison with zerodp's compositions (`bench comm --raw-mpi`); every rank must call
+    /// it with the same arguments, between collectives.
+    pub fn raw_collective_times(
+        &self,
+        kind: CollectiveKind,
+        bytes: usize,
+        warmup: usize,
+        iters: usize,
+    ) -> Result<Vec<f64>, CommError> {
+        let (done, rx) = mpsc::channel();
+        let queue = self.queue.as_ref().expect("queue lives until drop");
+        queue
+            .send(Msg::Raw(RawJob {
+                kind,
+                bytes,
+                warmup,
+                iters,
+                done,
+            }))
+            .map_err(|_| CommError::Closed("the MPI communication thread has exited".into()))?;
+        rx.recv().unwrap_or_else(|_| {
+            Err(CommError::Closed(
+                "the MPI communication thread exited".into(),
+            ))
+        })
     }
 
     fn submit(&self, call: Call) -> CommHandle {
@@ -294,6 +346,11 @@ struct Engine {
     reqs: Vec<ffi::MPI_Request>,
     /// For each request in `reqs`: the peer, and whether it is a receive.
     req_peer: Vec<(usize, bool)>,
+    /// Whether the shared-memory path may be used (every rank on this host, `ZERODP_SHM` not 0).
+    shm: bool,
+    peer_maps: PeerMaps,
+    /// Every rank's descriptor at the current collective (own at this rank's index).
+    descs: Vec<[u64; DESC_WORDS]>,
 }
 
 fn comm_thread(
@@ -323,6 +380,9 @@ fn comm_thread(
     while let Ok(msg) = rx.recv() {
         match msg {
             Msg::Notify => engine.send_failure_notice(),
+            Msg::Raw(job) => {
+                let _ = job.done.send(engine.raw_times(&job));
+            }
             Msg::Job(job) => {
                 let result = catch_unwind(AssertUnwindSafe(|| engine.run_one(seq, job.call)))
                     .unwrap_or_else(|p| {
@@ -409,6 +469,11 @@ impl Engine {
                 staging: Vec::new(),
                 reqs: Vec::new(),
                 req_peer: Vec::new(),
+                shm: topo.local_size == topo.size
+                    && topo.size > 1
+                    && std::env::var("ZERODP_SHM").map_or(true, |v| v.trim() != "0"),
+                peer_maps: PeerMaps::default(),
+                descs: Vec::new(),
             };
             check(
                 ffi::MPI_Irecv(
@@ -433,6 +498,65 @@ impl Engine {
             self.failure = Some(e.clone());
         }
         e
+    }
+
+    /// See [`MpiComm::raw_collective_times`].
+    fn raw_times(&mut self, job: &RawJob) -> Result<Vec<f64>, CommError> {
+        let n = self.topo.size;
+        let count = job.bytes / 4;
+        let shard = count / n;
+        if count % n != 0 || count > i32::MAX as usize {
+            return Err(CommError::InvalidArgument {
+                rank: self.topo.rank,
+                what: format!(
+                    "raw MPI timing of {} bytes: needs a multiple of {n} f32 elements below 2^31",
+                    job.bytes
+                ),
+            });
+        }
+        let a = vec![1.0f32 + self.topo.rank as f32; count];
+        let mut b = vec![0.0f32; count];
+        let mut times = Vec::with_capacity(job.iters);
+        for i in 0..job.warmup + job.iters {
+            // SAFETY: blocking MPI calls on this thread's own vectors, sized as the counts say.
+            unsafe {
+                check(ffi::MPI_Barrier(self.world), "MPI_Barrier")?;
+                let t0 = Instant::now();
+                let (src, dst) = (a.as_ptr() as *const c_void, b.as_mut_ptr() as *mut c_void);
+                let f = ffi::RSMPI_FLOAT;
+                let rc = match job.kind {
+                    CollectiveKind::AllReduce => {
+                        ffi::MPI_Allreduce(src, dst, count as c_int, f, ffi::RSMPI_SUM, self.world)
+                    }
+                    CollectiveKind::ReduceScatter => ffi::MPI_Reduce_scatter_block(
+                        src,
+                        dst,
+                        shard as c_int,
+                        f,
+                        ffi::RSMPI_SUM,
+                        self.world,
+                    ),
+                    CollectiveKind::AllGather => ffi::MPI_Allgather(
+                        src,
+                        shard as c_int,
+                        f,
+                        dst,
+                        shard as c_int,
+                        f,
+                        self.world,
+                    ),
+                    CollectiveKind::Broadcast => {
+                        ffi::MPI_Bcast(dst, count as c_int, f, 0, self.world)
+                    }
+                    CollectiveKind::Barrier => ffi::MPI_Barrier(self.world),
+                };
+                check(rc, "raw MPI collective")?;
+                if i >= job.warmup {
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+        }
+        Ok(times)
     }
 
     /// Sends this rank's failure reason to every peer, waiting at most a second for the sends.
@@ -526,8 +650,17 @@ impl Engine {
             kind: desc.kind,
             started,
         };
-        self.arrive(&w, desc)?;
         let (n, r) = (self.topo.size, self.topo.rank);
+        let (input, output) = exposed(&call);
+        let region = |x: Option<(usize, usize)>| x.and_then(|(a, b)| region_of(a, b));
+        let (in_ref, out_ref) = match self.shm {
+            true => (region(input), region(output)),
+            false => (None, None),
+        };
+        self.arrive(&w, desc, in_ref, out_ref)?;
+        if self.shm && n > 1 && self.all_shared(desc) {
+            return self.shm_execute(&w, call);
+        }
         if n == 1 {
             return Ok(match call {
                 Call::Barrier => vec![],
@@ -634,6 +767,182 @@ impl Engine {
         }
     }
 
+    /// Whether every buffer the shared-memory algorithm of `desc` reads or writes in a peer is in
+    /// a shared region (decided from every rank's descriptor, so every rank decides alike).
+    fn all_shared(&self, desc: &CallDesc) -> bool {
+        let has = |d: &[u64; DESC_WORDS], at: usize| d[at] != u64::MAX;
+        match desc.kind {
+            CollectiveKind::Barrier => false,
+            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
+                self.descs.iter().all(|d| has(d, IN_AT))
+            }
+            CollectiveKind::AllGather => self.descs.iter().all(|d| has(d, OUT_AT)),
+            CollectiveKind::Broadcast => {
+                let root = desc.root.unwrap_or(0);
+                has(&self.descs[root], IN_AT)
+            }
+        }
+    }
+
+    /// The local address of rank `k`'s input (`at = IN_AT`) or output (`OUT_AT`) this collective.
+    fn peer_addr(&mut self, k: usize, at: usize) -> Result<usize, CommError> {
+        let d = self.descs[k];
+        let r = RegionRef {
+            fd: d[at] as i32,
+            id: d[at + 1],
+            len: d[at + 2] as usize,
+            offset: d[at + 3] as usize,
+        };
+        self.peer_maps
+            .resolve(k, d[PID_AT] as u32, r)
+            .map_err(|what| CommError::InvalidArgument {
+                rank: self.topo.rank,
+                what,
+            })
+    }
+
+    /// The shared-memory path: the in-process backend's algorithms on peers' buffers mapped into
+    /// this process, then a departure exchange so no buffer is handed back while a peer may still
+    /// read or write it.
+    fn shm_execute(&mut self, w: &Wait, call: Call) -> Completion {
+        let (n, r) = (self.topo.size, self.topo.rank);
+        let mut addrs = Vec::with_capacity(n);
+        let out = match call {
+            Call::Barrier => vec![],
+            Call::AllReduce(mut buf, op) => {
+                let (len, dtype) = (buf.len(), buf.dtype());
+                let esz = dtype.size();
+                let mine = shard_range(len, n, r);
+                let own = buffer_addr_mut(&mut buf);
+                for k in 0..n {
+                    let a = if k == r {
+                        own
+                    } else {
+                        self.peer_addr(k, IN_AT)?
+                    };
+                    addrs.push(a + mine.start * esz);
+                }
+                // SAFETY: until the departure, shard r of every rank's buffer is read and written
+                // by rank r alone (the arrival compared descriptors: every buffer holds `len`
+                // elements of `dtype`); each block is read before it is overwritten.
+                unsafe { reduce_into(dtype, op, &addrs, &addrs, mine.len(), Store::Cached) };
+                vec![buf]
+            }
+            Call::ReduceScatter(input, mut output, op) => {
+                let (len, dtype) = (input.len(), input.dtype());
+                let esz = dtype.size();
+                let mine = shard_range(len, n, r);
+                for k in 0..n {
+                    let a = if k == r {
+                        buffer_addr(&input)
+                    } else {
+                        self.peer_addr(k, IN_AT)?
+                    };
+                    addrs.push(a + mine.start * esz);
+                }
+                let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
+                    Store::Streaming
+                } else {
+                    Store::Cached
+                };
+                let dst = [buffer_addr_mut(&mut output)];
+                // SAFETY: inputs are only read until the departure; the output is private.
+                unsafe { reduce_into(dtype, op, &addrs, &dst, mine.len(), store) };
+                vec![input, output]
+            }
+            Call::ReduceScatterInPlace(mut buf, op) => {
+                let (len, dtype) = (buf.len(), buf.dtype());
+                let esz = dtype.size();
+                let mine = shard_range(len, n, r);
+                let own = buffer_addr_mut(&mut buf);
+                for k in 0..n {
+                    let a = if k == r {
+                        own
+                    } else {
+                        self.peer_addr(k, IN_AT)?
+                    };
+                    addrs.push(a + mine.start * esz);
+                }
+                let dst = [own + mine.start * esz];
+                // SAFETY: shard r of every buffer is read by rank r only and written by nobody
+                // else until the departure; the destination is exactly this rank's own source.
+                unsafe { reduce_into(dtype, op, &addrs, &dst, mine.len(), Store::Cached) };
+                vec![buf]
+            }
+            Call::AllGather(input, mut output) => {
+                let (len, dtype) = (output.len(), output.dtype());
+                let own = buffer_addr_mut(&mut output);
+                self.shm_push(buffer_addr(&input), own, len, dtype, &mut addrs)?;
+                vec![input, output]
+            }
+            Call::AllGatherInPlace(mut buf) => {
+                let (len, dtype) = (buf.len(), buf.dtype());
+                let own = buffer_addr_mut(&mut buf);
+                let mine = shard_range(len, n, r);
+                self.shm_push(own + mine.start * dtype.size(), own, len, dtype, &mut addrs)?;
+                vec![buf]
+            }
+            Call::Broadcast(mut buf, root) => {
+                if r != root {
+                    let src = self.peer_addr(root, IN_AT)?;
+                    // SAFETY: the root's buffer is only read until the departure.
+                    unsafe { copy_bytes(src, buffer_addr_mut(&mut buf), buf.bytes()) };
+                }
+                vec![buf]
+            }
+        };
+        // Every write into a peer's buffer happens before this rank's departure messages.
+        std::sync::atomic::fence(Ordering::SeqCst);
+        for k in (0..n).filter(|&k| k != r) {
+            self.post_recv(0, 0, k, TAG_DONE)?;
+            self.post_send(0, 0, k, TAG_DONE)?;
+        }
+        if let Err(e) = self.wait_all(w) {
+            // A peer may still be writing into these buffers.
+            std::mem::forget(out);
+            return Err(e);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        Ok(out)
+    }
+
+    /// All-gather by pushing, as in-process: this rank's shard into its range of every rank's
+    /// output (its right neighbour's first; not onto itself when already in place).
+    fn shm_push(
+        &mut self,
+        shard: usize,
+        own_out: usize,
+        len: usize,
+        dtype: DType,
+        addrs: &mut Vec<usize>,
+    ) -> Result<(), CommError> {
+        let (n, r) = (self.topo.size, self.topo.rank);
+        let esz = dtype.size();
+        let mine = shard_range(len, n, r);
+        for j in 1..=n {
+            let k = (r + j) % n;
+            let base = if k == r {
+                own_out
+            } else {
+                self.peer_addr(k, OUT_AT)?
+            };
+            let dst = base + mine.start * esz;
+            if dst != shard {
+                addrs.push(dst);
+            }
+        }
+        let bytes = mine.len() * esz;
+        let store = if bytes >= STREAMING_STORE_BYTES {
+            Store::Streaming
+        } else {
+            Store::Cached
+        };
+        // SAFETY: range r of every output is written by rank r alone until the departure, and
+        // nobody reads an output before it; the shard is only read.
+        unsafe { fan_out_copy(shard, addrs, bytes, store) };
+        Ok(())
+    }
+
     /// A collective failed with requests possibly still pointing into `buffers`: MPI may write
     /// into them later, so they are leaked rather than freed (the world is failed; the process is
     /// about to exit).
@@ -649,12 +958,33 @@ impl Engine {
 
     /// The arrival: sends this call's descriptor to every peer and waits for theirs; fails with a
     /// mismatch when one differs, with a timeout naming the ranks that did not come.
-    fn arrive(&mut self, w: &Wait, desc: &CallDesc) -> Result<(), CommError> {
+    fn arrive(
+        &mut self,
+        w: &Wait,
+        desc: &CallDesc,
+        input: Option<RegionRef>,
+        output: Option<RegionRef>,
+    ) -> Result<(), CommError> {
         let (n, r) = (self.topo.size, self.topo.rank);
         if n == 1 {
             return Ok(());
         }
-        let mine = Box::new(encode(w.seq, desc));
+        if self.peer_maps.len() > MAX_PEER_MAPS {
+            self.peer_maps = PeerMaps::default();
+        }
+        let mut mine = Box::new([u64::MAX; DESC_WORDS]);
+        mine[..MATCH_WORDS].copy_from_slice(&encode(w.seq, desc));
+        mine[PID_AT] = u64::from(std::process::id());
+        for (at, reg) in [(IN_AT, input), (OUT_AT, output)] {
+            if let Some(g) = reg {
+                mine[at..at + 4].copy_from_slice(&[
+                    g.fd as u64,
+                    g.id,
+                    g.len as u64,
+                    g.offset as u64,
+                ]);
+            }
+        }
         let mut theirs = vec![[0u64; DESC_WORDS]; n];
         for peer in (0..n).filter(|&p| p != r) {
             self.post_recv(
@@ -674,7 +1004,7 @@ impl Engine {
             return Err(e);
         }
         for (peer, t) in theirs.iter().enumerate().filter(|&(p, _)| p != r) {
-            if t != &*mine {
+            if t[..MATCH_WORDS] != mine[..MATCH_WORDS] {
                 return Err(CommError::Mismatch {
                     seq: w.seq,
                     rank: r,
@@ -684,6 +1014,8 @@ impl Engine {
                 });
             }
         }
+        theirs[r] = *mine;
+        self.descs = theirs;
         Ok(())
     }
 
@@ -983,7 +1315,34 @@ struct Wait {
     started: Instant,
 }
 
-fn encode(seq: u64, d: &CallDesc) -> [u64; DESC_WORDS] {
+/// Where the process id and the input and output regions sit in a descriptor.
+const PID_AT: usize = MATCH_WORDS;
+const IN_AT: usize = MATCH_WORDS + 1;
+const OUT_AT: usize = MATCH_WORDS + 5;
+
+/// Reduce-scatter outputs of at least this many bytes are written with streaming stores (as
+/// in-process).
+const STREAMING_STORE_BYTES: usize = 4 << 20;
+
+/// The buffers a call exposes to peers on the shared-memory path, as (address, bytes): the input
+/// peers read (all-reduce and broadcast: the buffer; reduce-scatter: the full input) and the
+/// output peers write (all-gather: the full output).
+/// A buffer's (address, bytes).
+type Span = Option<(usize, usize)>;
+
+fn exposed(call: &Call) -> (Span, Span) {
+    let whole = |b: &crate::comm::Buffer| Some((buffer_addr(b), b.bytes()));
+    match call {
+        Call::AllReduce(b, _) | Call::ReduceScatterInPlace(b, _) | Call::Broadcast(b, _) => {
+            (whole(b), None)
+        }
+        Call::ReduceScatter(i, _, _) => (whole(i), None),
+        Call::AllGather(_, o) | Call::AllGatherInPlace(o) => (None, whole(o)),
+        Call::Barrier => (None, None),
+    }
+}
+
+fn encode(seq: u64, d: &CallDesc) -> [u64; MATCH_WORDS] {
     let dtype = match d.dtype {
         None => 0,
         Some(DType::F32) => 1,
