@@ -303,6 +303,11 @@ impl Communicator for MpiComm {
     /// Sends `reason` to every peer (their waits fail naming this rank) and poisons this
     /// communicator.
     fn report_failure(&self, reason: String) {
+        // A rank that failed because of a collective's failure (a dead, failed or late peer)
+        // has nothing new to tell: its peers see that failure themselves.
+        if self.shared.poisoned.load(Ordering::SeqCst) {
+            return;
+        }
         let mut notice = self
             .shared
             .failure_notice
@@ -351,6 +356,9 @@ struct Engine {
     peer_maps: PeerMaps,
     /// Every rank's descriptor at the current collective (own at this rank's index).
     descs: Vec<[u64; DESC_WORDS]>,
+    /// Every rank's process id when all ranks share this host (so the ids mean something here).
+    pids: Option<Vec<u64>>,
+    last_liveness: Instant,
 }
 
 fn comm_thread(
@@ -448,6 +456,21 @@ impl Engine {
                 "MPI_Allreduce",
             )?;
             ffi::MPI_Comm_free(&mut local);
+            // Every rank's process id, to tell a dead local peer from a slow one while waiting.
+            let me = u64::from(std::process::id());
+            let mut pids = vec![0u64; size as usize];
+            check(
+                ffi::MPI_Allgather(
+                    &me as *const u64 as *const c_void,
+                    1,
+                    ffi::RSMPI_UINT64_T,
+                    pids.as_mut_ptr() as *mut c_void,
+                    1,
+                    ffi::RSMPI_UINT64_T,
+                    world,
+                ),
+                "MPI_Allgather",
+            )?;
             let topo = MpiTopology {
                 rank: rank as usize,
                 size: size as usize,
@@ -474,6 +497,8 @@ impl Engine {
                     && std::env::var("ZERODP_SHM").map_or(true, |v| v.trim() != "0"),
                 peer_maps: PeerMaps::default(),
                 descs: Vec::new(),
+                pids: (local_size == size).then_some(pids),
+                last_liveness: Instant::now(),
             };
             check(
                 ffi::MPI_Irecv(
@@ -1122,6 +1147,12 @@ impl Engine {
             }
             self.check_failure_notice(w)?;
             let now = Instant::now();
+            if now - begun > Duration::from_millis(10)
+                && now - self.last_liveness > Duration::from_millis(50)
+            {
+                self.last_liveness = now;
+                self.check_peers_alive(w, &done)?;
+            }
             if now >= deadline {
                 let mut missing: Vec<usize> = self
                     .req_peer
@@ -1155,6 +1186,33 @@ impl Engine {
         }
         self.reqs.clear();
         self.req_peer.clear();
+        Ok(())
+    }
+
+    /// On one host: fails with `PeerFailed` naming a peer whose process has died (killed, crashed)
+    /// while this rank still waits for its messages. Across hosts `mpirun` detects deaths.
+    fn check_peers_alive(&self, w: &Wait, done: &[bool]) -> Result<(), CommError> {
+        let Some(pids) = &self.pids else {
+            return Ok(());
+        };
+        let waiting_for = self
+            .req_peer
+            .iter()
+            .zip(done)
+            .filter(|(_, d)| !**d)
+            .map(|((p, _), _)| *p);
+        for peer in waiting_for {
+            let pid = pids[peer];
+            if !process_alive(pid) {
+                return Err(CommError::PeerFailed {
+                    rank: self.topo.rank,
+                    failed_rank: peer,
+                    reason: format!("its process (pid {pid}) died"),
+                    op: w.kind,
+                    seq: w.seq,
+                });
+            }
+        }
         Ok(())
     }
 
@@ -1299,6 +1357,17 @@ impl Engine {
             off += m;
         }
         Ok(())
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn process_alive(pid: u64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_none_or(|(_, rest)| !matches!(rest.trim_start().chars().next(), Some('Z' | 'X'))),
+        Err(_) => false,
     }
 }
 
