@@ -158,6 +158,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .data
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
+    // Outputs are checked before any work; under MPI with this rank's metrics file (the
+    // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
+    let launch_rank = match backend {
+        Resolved::Mpi { .. } => zerodp::comm::detect_mpi_launch()
+            .and_then(|l| l.rank)
+            .unwrap_or(0),
+        Resolved::InProcess { .. } => 0,
+    };
+    let metrics_for = |rank: usize| {
+        args.metrics
+            .as_deref()
+            .map(|p| super::launch::per_rank_path(p, rank))
+    };
+    check_paths(&args, &data_path, metrics_for(launch_rank).as_deref())?;
     let model = GptModel::new(gpt.clone())?;
     let mut trainer = Trainer::from_settings(&model, &settings, world, args.seed)
         .with_context(|| format!("config {}", args.config.display()))?;
@@ -201,11 +215,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             .with_backend(Backend::Process(comm))
             .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
     }
-    let metrics_path = args
-        .metrics
-        .as_deref()
-        .map(|p| super::launch::per_rank_path(p, rank));
-    check_paths(&args, &data_path, metrics_path.as_deref())?;
+    let metrics_path = metrics_for(rank);
+    if rank != launch_rank {
+        check_paths(&args, &data_path, metrics_path.as_deref())?;
+    }
     let signals = Signals::register()?;
     let trainer = trainer
         .with_comm_options(comm_options)
