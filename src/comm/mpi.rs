@@ -23,11 +23,21 @@
 //! algorithms on each other's buffers mapped into their address space: zero copies, and only the
 //! arrival and a departure exchange through MPI ([`crate::comm::mpi_shm`] says why not staging or
 //! `process_vm_readv`). Otherwise the bytes travel as MPI point-to-point messages, composed as
-//! follows. Measured at 1 GiB f32 on this 2-vCPU VM under other jobs' load (busbw, GB/s, `bench
-//! comm`): 2 processes, shared path: all-reduce 6.4, reduce-scatter 3.1-3.5, all-gather 4.1-6.7
-//! (in-process in the same minutes: 9.5, 4.6-5.2, 4.1-6.4; interleaved runs a few minutes later
-//! under heavier load had the MPI backend ahead, 5.5-6.2 against 3.9-4.4 for all-reduce); Open
-//! MPI's own: 0.93, 0.20, 1.75.
+//! follows. Measured at 1 GiB f32 on this 2-vCPU VM under other jobs' load (busbw GB/s, `bench
+//! comm`, in-process and MPI runs back to back, 22:50 UTC):
+//!
+//! | world | path | all_reduce | reduce_scatter (in-place) | all_gather (in-place) |
+//! | --- | --- | --- | --- | --- |
+//! | 2 | in-process | 10.8 | 4.9 (6.2) | 4.7 (7.6) |
+//! | 2 | MPI, shared memory | 6.6 | 3.2 (3.6) | 4.1 (7.3) |
+//! | 2 | Open MPI's own | 0.93 | 0.20 | 1.75 |
+//! | 4 | in-process | 5.8 | 3.3 (3.8) | 4.3 (5.1) |
+//! | 4 | MPI, shared memory | 4.9 | 2.3 (2.7) | 4.3 (5.4) |
+//! | 4 | Open MPI's own | 0.38 | 0.23 | 1.40 |
+//!
+//! All-gathers (copies into peers' buffers) match the in-process backend; reductions reach 60-85%
+//! of it (not yet explained: the kernels, the stores and the meetings are the same; CPU binding
+//! makes no difference). Earlier runs under heavier load had the MPI backend ahead.
 //!
 //! # Compositions of the message path, and why
 //! * reduce-scatter: point-to-point, because of determinism above; it is also faster than
