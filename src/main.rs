@@ -4,6 +4,12 @@ use clap::Parser;
 
 mod cli;
 
+/// Under MPI, large buffers live in shared memory so that ranks on one host exchange them
+/// directly (see `zerodp::comm::mpi_shm`); without an MPI launcher it is the system allocator.
+#[cfg(feature = "mpi")]
+#[global_allocator]
+static ALLOC: zerodp::comm::ShmAlloc = zerodp::comm::ShmAlloc;
+
 fn main() {
     // Before any thread starts: candle's element-wise ops otherwise share one process-wide spinning
     // pool, on which rank threads serialise (measured 2-4x slower steps for the demo model).

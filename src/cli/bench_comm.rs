@@ -8,6 +8,12 @@
 //! are full tensors (nccl-tests' convention), and busbw follows nccl-tests: all-reduce
 //! algbw·2(n-1)/n, reduce-scatter and all-gather algbw·(n-1)/n.
 //!
+//! Under `mpirun` (`--backend auto`, the default, or `mpi`) every process is one rank of an MPI
+//! world: the same cases run through the MPI backend, each iteration counts as its slowest rank's
+//! time (the ranks' times are max-reduced), rank 0 measures the memcpy reference (the others wait)
+//! and prints the table. `--raw-mpi` adds rows for MPI's own collectives (`MPI_Allreduce`,
+//! `MPI_Reduce_scatter_block`, `MPI_Allgather` on f32), timed the same way.
+//!
 //! Like nccl-tests' out-of-place and in-place columns, reduce-scatter and all-gather are measured in
 //! both forms (`reduce_scatter` / `reduce_scatter (in-place)` rows; `in_place` in JSON). All-reduce
 //! has only one form here, in place (the communicator reduces into the caller's buffer).
@@ -23,9 +29,17 @@ use zerodp::zero::precision::FlatBuffer;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchCommArgs {
-    /// Ranks (threads) in the in-process world.
-    #[arg(long, default_value_t = 2)]
-    pub world_size: usize,
+    /// Ranks (threads) in the in-process world [default: 2; under MPI the process count, which
+    /// it must equal if given].
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Where the ranks run: `inprocess` (threads), `mpi` (one rank per process, under mpirun) or
+    /// `auto` (MPI when started by an MPI launcher).
+    #[arg(long, value_enum, default_value_t = super::launch::BackendChoice::Auto)]
+    pub backend: super::launch::BackendChoice,
+    /// Under MPI, also time MPI's own collectives (f32 only) for comparison.
+    #[arg(long)]
+    pub raw_mpi: bool,
     /// Collective to measure.
     #[arg(long, value_enum, default_value_t = OpChoice::All)]
     pub op: OpChoice,
@@ -151,6 +165,8 @@ pub struct BenchResult {
     pub op: CollectiveKind,
     /// Whether the collective ran in place (`*_in_place` methods; all-reduce always is).
     pub in_place: bool,
+    /// MPI's own collective (`--raw-mpi`) rather than zerodp's.
+    pub raw_mpi: bool,
     pub world_size: usize,
     /// Full tensor bytes.
     pub bytes: usize,
@@ -335,8 +351,20 @@ fn run_size(
 }
 
 pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
-    if args.world_size == 0 {
+    let resolved = super::launch::resolve(args.backend, args.world_size)?;
+    let mpi = matches!(resolved, super::launch::Resolved::Mpi { .. });
+    let n = match resolved {
+        super::launch::Resolved::Mpi { world } => world,
+        super::launch::Resolved::InProcess { .. } => args.world_size.unwrap_or(2),
+    };
+    if n == 0 {
         bail!("--world-size must be at least 1");
+    }
+    if args.raw_mpi && !mpi {
+        bail!("--raw-mpi times MPI's own collectives: run under mpirun (or with --backend mpi)");
+    }
+    if args.raw_mpi && args.dtype != DTypeChoice::F32 {
+        bail!("--raw-mpi measures f32 only (MPI has no bf16/f16 type)");
     }
     if args.iters == 0 {
         bail!("--iters must be at least 1");
@@ -358,7 +386,6 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         options.timeout = super::timeout_flag(t)?;
     }
     let cases = cases(&args.op.kinds(), &sizes);
-    let n = args.world_size;
 
     // Memcpy reference over a buffer above the last-level cache (at least 64 MiB) and no larger
     // than the largest message (at most 1 GiB), measured while no rank runs.
@@ -372,11 +399,14 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     // Half the memcpy samples before the collectives and half after, so that the reference spans
     // the same stretch of time as the measurements (the load of a shared machine drifts).
     let half = args.iters.div_ceil(2);
-    let (mut one, mut all) = memcpy_times(memcpy_bytes, half, threads);
+    let measure = |rank: usize| match rank {
+        0 => memcpy_times(memcpy_bytes, half, threads),
+        _ => (vec![1.0], vec![1.0]),
+    };
 
-    // Per rank, the times of every case in `cases` order: sizes one after the other, the cases of
-    // one size interleaved.
-    let per_rank = run_ranks(n, options, |comm, _rank| {
+    let all_cases = |comm: &dyn Communicator| -> Result<Vec<Vec<f64>>, CommError> {
+        // The times of every case in `cases` order: sizes one after the other, the cases of one
+        // size interleaved.
         let mut times = vec![Vec::new(); cases.len()];
         let mut distinct = sizes.clone();
         distinct.sort_unstable();
@@ -386,21 +416,33 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
                 .filter(|&c| cases[c].bytes == size)
                 .collect();
             let picked: Vec<Case> = of_size.iter().map(|&c| cases[c]).collect();
-            let measured = run_size(&*comm, &picked, dtype, args.warmup, args.iters)?;
+            let measured = run_size(comm, &picked, dtype, args.warmup, args.iters)?;
             for (c, t) in of_size.into_iter().zip(measured) {
                 times[c] = t;
             }
         }
-        Ok::<_, CommError>(times)
-    })
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-
-    let (one_after, all_after) = memcpy_times(memcpy_bytes, half, threads);
-    one.extend(one_after);
-    all.extend(all_after);
+        Ok(times)
+    };
+    let (one, all, per_rank, raw, header) = if mpi {
+        let m = mpi_times(&args, options, n, &cases, &all_cases, &measure)?;
+        match m {
+            Some(m) => m,
+            // Not rank 0: rank 0 prints.
+            None => return Ok(0),
+        }
+    } else {
+        let (mut one, mut all) = measure(0);
+        let per_rank = run_ranks(n, options, |comm, _rank| all_cases(&*comm))
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (one_after, all_after) = measure(0);
+        one.extend(one_after);
+        all.extend(all_after);
+        let header = format!("in-process world of {n} ranks");
+        (one, all, per_rank, Vec::new(), header)
+    };
     let memcpy = memcpy_gbps(memcpy_bytes, threads, one, all);
 
-    let results: Vec<BenchResult> = cases
+    let mut results: Vec<BenchResult> = cases
         .iter()
         .enumerate()
         .map(|(c, case)| {
@@ -414,6 +456,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             BenchResult {
                 op,
                 in_place: case.in_place,
+                raw_mpi: false,
                 world_size: n,
                 bytes,
                 count: bytes / dtype.size(),
@@ -424,6 +467,27 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             }
         })
         .collect();
+    for (case, times) in raw {
+        let time_s = median(times);
+        let (algbw, busbw) = bandwidths(
+            case.kind,
+            n,
+            case.bytes as u64,
+            Duration::from_secs_f64(time_s),
+        );
+        results.push(BenchResult {
+            op: case.kind,
+            in_place: false,
+            raw_mpi: true,
+            world_size: n,
+            bytes: case.bytes,
+            count: case.bytes / dtype.size(),
+            dtype,
+            time_s,
+            algbw_gbps: algbw,
+            busbw_gbps: busbw,
+        });
+    }
 
     match args.format {
         Format::Json => {
@@ -433,7 +497,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
             };
             outln!("{}", serde_json::to_string_pretty(&report)?);
         }
-        Format::Table => print_table(&args, n, dtype, &memcpy, &results)?,
+        Format::Table => print_table(&args, &header, n, dtype, &memcpy, &results)?,
     }
     Ok(0)
 }
@@ -479,6 +543,105 @@ fn buffers_fit(
     ))
 }
 
+/// Runs every case on one rank: per case, the times of its iterations.
+type AllCases<'a> = dyn Fn(&dyn Communicator) -> Result<Vec<Vec<f64>>, CommError> + 'a;
+
+/// What an MPI run measured: memcpy samples (rank 0's), the slowest rank's time per case and
+/// iteration, raw MPI timings per case, and the table's header.
+type Measured = (
+    Vec<f64>,
+    Vec<f64>,
+    Vec<Vec<Vec<f64>>>,
+    Vec<(Case, Vec<f64>)>,
+    String,
+);
+
+/// Under MPI: this process's rank runs every case; the ranks' times are max-reduced (an iteration
+/// lasts as long as its slowest rank). `None` on ranks other than 0, which print nothing.
+#[cfg(feature = "mpi")]
+fn mpi_times(
+    args: &BenchCommArgs,
+    options: CommOptions,
+    n: usize,
+    cases: &[Case],
+    all_cases: &AllCases<'_>,
+    measure: &dyn Fn(usize) -> (Vec<f64>, Vec<f64>),
+) -> anyhow::Result<Option<Measured>> {
+    let comm = zerodp::comm::MpiComm::init(options)?;
+    let topo = comm.topology();
+    if topo.size != n {
+        bail!(
+            "MPI reports {} processes but the launcher said {n}",
+            topo.size
+        );
+    }
+    let rank = topo.rank;
+    // Rank 0 measures memcpy while the others wait at the barrier.
+    let (mut one, mut all) = measure(rank);
+    comm.barrier().wait()?;
+    let mine = all_cases(&comm)?;
+    let mut raw = Vec::new();
+    if args.raw_mpi {
+        let mut seen = Vec::new();
+        for c in cases
+            .iter()
+            .filter(|c| !c.in_place || c.kind == CollectiveKind::AllReduce)
+        {
+            if seen.contains(&(c.kind, c.bytes)) {
+                continue;
+            }
+            seen.push((c.kind, c.bytes));
+            let t = comm.raw_collective_times(c.kind, c.bytes, args.warmup, args.iters)?;
+            raw.push((*c, t));
+        }
+    }
+    comm.barrier().wait()?;
+    let (one_after, all_after) = measure(rank);
+    one.extend(one_after);
+    all.extend(all_after);
+    // The slowest rank's time of every (case, iteration), and of every raw timing.
+    let flat: Vec<f32> = mine
+        .iter()
+        .flatten()
+        .chain(raw.iter().flat_map(|(_, t)| t))
+        .map(|&t| t as f32)
+        .collect();
+    let slowest = comm
+        .all_reduce(Buffer::F32(flat), ReduceOp::Max)
+        .wait_one()?
+        .into_f32()
+        .expect("f32");
+    if rank != 0 {
+        return Ok(None);
+    }
+    let mut it = slowest.into_iter().map(f64::from);
+    let per_case: Vec<Vec<f64>> = mine
+        .iter()
+        .map(|t| it.by_ref().take(t.len()).collect())
+        .collect();
+    let raw: Vec<(Case, Vec<f64>)> = raw
+        .into_iter()
+        .map(|(c, t)| (c, it.by_ref().take(t.len()).collect()))
+        .collect();
+    let header = format!(
+        "MPI world of {n} processes on {} host(s) ({} on rank 0's host)",
+        topo.hosts, topo.local_size
+    );
+    Ok(Some((one, all, vec![per_case], raw, header)))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_times(
+    _args: &BenchCommArgs,
+    _options: CommOptions,
+    _n: usize,
+    _cases: &[Case],
+    _all_cases: &AllCases<'_>,
+    _measure: &dyn Fn(usize) -> (Vec<f64>, Vec<f64>),
+) -> anyhow::Result<Option<Measured>> {
+    bail!("{}", zerodp::comm::launch::MPI_BUILD_HINT)
+}
+
 fn human(bytes: usize) -> String {
     match bytes {
         b if b >= 1 << 40 && b % (1 << 40) == 0 => format!("{}T", b >> 40),
@@ -507,6 +670,7 @@ fn memory_traffic(kind: CollectiveKind, in_place: bool, n: usize, bytes: usize) 
 
 fn print_table(
     args: &BenchCommArgs,
+    header: &str,
     n: usize,
     dtype: DType,
     memcpy: &MemcpyGbps,
@@ -516,8 +680,7 @@ fn print_table(
     // gets while the others copy too, the all-thread rate shared among min(ranks, threads).
     let per_rank_ref = memcpy.all_threads / n.min(memcpy.threads) as f64;
     outln!(
-        "# zerodp bench comm: in-process world of {n} ranks, dtype {dtype}, median of {} \
-         iterations after {} warm-up",
+        "# zerodp bench comm: {header}, dtype {dtype}, median of {} iterations after {} warm-up",
         args.iters,
         args.warmup
     );
@@ -555,7 +718,11 @@ fn print_table(
             / (2.0 * memcpy.all_threads);
         outln!(
             "  {:>25} {:>8} {:>12} {:>5} {:>12.1} {:>11.2} {:>11.2} {:>5.0}% {:>5.0}% {:>5.0}%",
-            Case::label(r.op, r.in_place),
+            if r.raw_mpi {
+                format!("{} [raw MPI]", r.op.name())
+            } else {
+                Case::label(r.op, r.in_place)
+            },
             human(r.bytes),
             r.count,
             r.dtype.name(),

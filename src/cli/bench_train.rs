@@ -5,12 +5,17 @@
 //! median step time. With `--rounds R` the pairs run R times, interleaved, and the median is over
 //! all rounds (a shared machine's load drifts; interleaving spreads the drift evenly). fp32, DeepSpeed's default bucket and stage-3 knobs unless overridden. The data
 //! are seeded random ASCII bytes (the corpus must be UTF-8): throughput does not depend on the text.
+//!
+//! Under `mpirun` (`--backend auto` or `mpi`) every process is one rank: the world size is the
+//! process count (`--world-sizes` is ignored), each step counts as its slowest rank's time (the
+//! ranks' times are max-reduced) and rank 0 prints.
 
 use super::train::ModelArgs;
 use anyhow::bail;
-use zerodp::comm::CommOptions;
+use std::sync::Arc;
+use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
-use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::trainer::{Backend, BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, PhaseTimes, Stage, StepReport};
 
@@ -53,7 +58,14 @@ pub struct BenchTrainArgs {
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
+    /// Where the ranks run: `inprocess` (threads), `mpi` (one rank per process, under mpirun) or
+    /// `auto` (MPI when started by an MPI launcher).
+    #[arg(long, value_enum, default_value_t = super::launch::BackendChoice::Auto)]
+    pub backend: super::launch::BackendChoice,
 }
+
+/// Under MPI: this process's rank and the rayon threads it computes with.
+type MpiRank = (Arc<dyn Communicator>, usize);
 
 /// One measured configuration.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -87,6 +99,17 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
             "--reduce-bucket-size must be at least 1 element, as the config's reduce_bucket_size"
         );
     }
+    let mut world_sizes = args.world_sizes.clone();
+    let mut mpi: Option<MpiRank> = None;
+    if let super::launch::Resolved::Mpi { world } = super::launch::resolve(args.backend, None)? {
+        let (comm, topo) = super::launch::start_mpi(CommOptions::from_env()?, world)?;
+        world_sizes = vec![world];
+        mpi = Some((
+            comm,
+            super::launch::threads_for_local_ranks(topo.local_size),
+        ));
+    }
+    let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
     let gpt = args.model.build("small")?;
     let model = GptModel::new(gpt.clone())?;
     let mut rng = SplitMix64::new(1);
@@ -96,12 +119,12 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     let data = DataLoader::new(Corpus::from_bytes("random bytes", bytes)?, gpt.context, 1)?;
     let mut samples: Vec<Samples> = Vec::new();
     for round in 0..args.rounds {
-        for &world in &args.world_sizes {
+        for &world in &world_sizes {
             for &s in &args.stages {
                 let stage =
                     Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-                let got = measure(&args, &model, &data, stage, world)?;
-                if args.format == "table" {
+                let got = measure(&args, &model, &data, stage, world, mpi.as_ref())?;
+                if args.format == "table" && rank == 0 {
                     let mut times = got.steps.clone();
                     times.sort_by(f64::total_cmp);
                     errln!(
@@ -124,6 +147,9 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         .iter()
         .map(|x| x.row(model.spec().num_params(), data.context()))
         .collect();
+    if rank != 0 {
+        return Ok(0);
+    }
     if args.format == "table" {
         for r in &rows {
             let p = &r.phases;
@@ -199,6 +225,7 @@ fn measure(
     data: &DataLoader,
     stage: Stage,
     world: usize,
+    mpi: Option<&MpiRank>,
 ) -> anyhow::Result<Samples> {
     if world == 0 {
         bail!("world sizes must be at least 1");
@@ -209,9 +236,14 @@ fn measure(
     cfg.overlap_comm = !args.no_overlap;
     cfg.activation_checkpointing = args.checkpoint_activations;
     cfg.max_reuse_distance = args.max_reuse_distance;
-    let trainer = Trainer::new(model, cfg)
+    let mut trainer = Trainer::new(model, cfg)
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);
+    if let Some((comm, threads)) = mpi {
+        trainer = trainer
+            .with_backend(Backend::Process(comm.clone()))
+            .with_threads_per_rank(*threads);
+    }
     let threads = trainer.threads_per_rank();
     let source = |at: BatchIndex| {
         data.micro_batch(
@@ -225,13 +257,15 @@ fn measure(
     };
     let log = ReportLog::new();
     trainer.run(&source, (args.warmup + args.steps) as u64, &[&log])?;
+    // The ranks this process ran (all in-process, its own under MPI).
     let per_rank: Vec<Vec<StepReport>> = log
         .into_reports()
         .into_iter()
+        .filter(|r| !r.is_empty())
         .map(|mut r| r.split_off(args.warmup))
         .collect();
     // A step takes as long as its slowest rank.
-    let steps = (0..args.steps)
+    let mut steps: Vec<f64> = (0..args.steps)
         .map(|i| {
             per_rank
                 .iter()
@@ -239,6 +273,13 @@ fn measure(
                 .fold(0.0, f64::max)
         })
         .collect();
+    if let Some((comm, _)) = mpi {
+        let mine = Buffer::F32(steps.iter().map(|&t| t as f32).collect());
+        let slowest = comm.all_reduce(mine, ReduceOp::Max).wait_one()?;
+        steps = (0..steps.len())
+            .map(|i| f64::from(slowest.get_f32(i)))
+            .collect();
+    }
     let phases = per_rank[0].iter().map(|r| r.phases).collect();
     let last = per_rank[0].last().expect("at least one timed step").clone();
     Ok(Samples {

@@ -40,6 +40,7 @@ pub mod bench_comm;
 pub mod bench_train;
 pub mod ckpt;
 pub mod config;
+pub mod launch;
 pub mod plan;
 pub mod preflight;
 pub mod train;

@@ -59,6 +59,14 @@ pub fn check(
         .find(|o| o.stage == engine.stage.index())
         .cloned()
         .context("the planner has no option for the configured stage")?;
+    // Under mpirun, rank 0 alone says it (the launcher's rank, MPI not being up yet).
+    let rank0 = zerodp::comm::detect_mpi_launch()
+        .and_then(|l| l.rank)
+        .unwrap_or(0)
+        == 0;
+    if configured.fits_device && !rank0 {
+        return Ok(());
+    }
     if configured.fits_device {
         errln!(
             "pre-flight: ZeRO {} needs {} per rank of the {} each rank may use ({source}): {}",

@@ -1,12 +1,18 @@
 //! `zerodp train`: train the GPT reference model on a text file with a DeepSpeed config, on
-//! `--world-size` in-process ranks.
+//! `--world-size` in-process ranks, or one rank per process under `mpirun` (`--backend`, see
+//! [`super::launch`]).
 //!
-//! Each rank is a thread with its own rayon pool (`max(1, cores / world)` threads, the pool
-//! candle's matmuls run in), its own engine and its own share of every batch. Rank 0 draws the
-//! progress bar; every rank writes its metrics lines.
+//! In-process, each rank is a thread with its own rayon pool (`max(1, cores / world)` threads, the
+//! pool candle's matmuls run in), its own engine and its own share of every batch. Under MPI each
+//! process is one rank (world size and rank from MPI) running the same trainer, with the host's
+//! cores shared among the ranks on it. Rank 0 draws the progress bar and prints the banner, the
+//! summary and the log lines; every rank writes its metrics lines.
 //!
 //! `--metrics FILE` gets one JSON object per optimizer step and rank, a whole line at a time; the
-//! keys are documented in `zerodp::trainer` (`observers.rs`).
+//! keys are documented in `zerodp::trainer` (`observers.rs`). In-process every rank writes to
+//! FILE; under MPI rank 0 writes FILE and rank k writes `<stem>.rank<k>.<ext>` next to it
+//! (`metrics.jsonl`, `metrics.rank1.jsonl`, ...): processes may run on different hosts, so each
+//! writes its own file. `--save` is written by rank 0 (every rank holds the same parameters).
 //!
 //! Mixed precision comes from the config's `bf16` or `fp16` block: 16-bit parameters and
 //! gradients, fp32 master weights and Adam moments on the owning shard. A step whose gradients
@@ -18,6 +24,7 @@
 //! ([`zerodp::trainer::outputs`]); SIGINT/SIGTERM end the run after the current step (exit 130 /
 //! 143); a run whose loss ends non-finite or whose every step was skipped exits 1.
 
+use super::launch::Resolved;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::{Path, PathBuf};
@@ -32,8 +39,8 @@ use zerodp::model::{
 };
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
-    step_log_line, BatchIndex, CheckpointOptions, MetricsFile, Resume, StepEvent, StepObserver,
-    TrainOutcome, Trainer, TrainerError,
+    step_log_line, Backend, BatchIndex, CheckpointOptions, MetricsFile, Resume, StepEvent,
+    StepObserver, TrainOutcome, Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -42,9 +49,14 @@ pub struct TrainArgs {
     /// DeepSpeed JSON config (batch sizes, zero_optimization, optimizer, scheduler, clipping).
     #[arg(long)]
     pub config: PathBuf,
-    /// Number of data-parallel ranks (threads of this process).
-    #[arg(long, default_value_t = 1)]
-    pub world_size: usize,
+    /// Number of data-parallel ranks (threads of this process) [default: 1; under MPI the
+    /// process count, which it must equal if given].
+    #[arg(long)]
+    pub world_size: Option<usize>,
+    /// Where the ranks run: `inprocess` (threads), `mpi` (one rank per process, under mpirun) or
+    /// `auto` (MPI when started by an MPI launcher).
+    #[arg(long, value_enum, default_value_t = super::launch::BackendChoice::Auto)]
+    pub backend: super::launch::BackendChoice,
     #[command(flatten)]
     pub model: ModelArgs,
     /// UTF-8 text to train on (bytes are tokens) [default: the demo corpus, data/corpus.txt].
@@ -138,13 +150,15 @@ impl ModelArgs {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
-    if args.world_size == 0 {
-        bail!("--world-size must be at least 1");
-    }
+    let backend = super::launch::resolve(args.backend, args.world_size)?;
+    let world = backend.world();
     let gpt = args.model.build("demo")?;
     let ctx = ResolveContext {
-        world_size: args.world_size,
-        world_size_source: "--world-size".into(),
+        world_size: world,
+        world_size_source: match backend {
+            Resolved::Mpi { .. } => "the MPI process count".into(),
+            Resolved::InProcess { .. } => "--world-size".into(),
+        },
         hidden_size: Some(gpt.width),
         total_steps: Some(args.steps as usize),
         ..Default::default()
@@ -158,12 +172,25 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .data
         .clone()
         .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
-    check_paths(&args, &data_path)?;
+    // Outputs are checked before any work; under MPI with this rank's metrics file (the
+    // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
+    let launch_rank = match backend {
+        Resolved::Mpi { .. } => zerodp::comm::detect_mpi_launch()
+            .and_then(|l| l.rank)
+            .unwrap_or(0),
+        Resolved::InProcess { .. } => 0,
+    };
+    let metrics_for = |rank: usize| {
+        args.metrics
+            .as_deref()
+            .map(|p| super::launch::per_rank_path(p, rank))
+    };
+    check_paths(&args, &data_path, metrics_for(launch_rank).as_deref())?;
     let resume = resume_from(&args)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let model = GptModel::new(gpt.clone())?;
-    let mut trainer = Trainer::from_settings(&model, &settings, args.world_size, seed)
+    let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();
     engine_cfg.activation_checkpointing |= args.checkpoint_activations;
@@ -193,6 +220,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
         comm_options.trace = TraceLevel::Info;
     }
+    // Under MPI: this process's rank, with the communication thread running.
+    let mut rank = 0;
+    if let Resolved::Mpi { world } = backend {
+        let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
+        rank = comm.rank();
+        trainer = trainer
+            .with_backend(Backend::Process(comm))
+            .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
+    }
+    let metrics_path = metrics_for(rank);
+    if rank != launch_rank {
+        check_paths(&args, &data_path, metrics_path.as_deref())?;
+    }
     let signals = Signals::register()?;
     let mut trainer = trainer
         .with_comm_options(comm_options)
@@ -209,7 +249,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let Some(r) = resume {
         trainer = trainer.with_resume(r);
     }
-    let metrics = match &args.metrics {
+    let metrics = match &metrics_path {
         Some(p) => Some(
             MetricsFile::create(p)
                 .with_context(|| format!("creating metrics file {}", p.display()))?,
@@ -217,13 +257,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         None => None,
     };
     let num_params = model.spec().num_params();
-    let world = args.world_size;
     let batch = settings.batch.clone();
     let tokens_per_step = batch.train_batch_size * gpt.context;
-    errln!(
+    let backend_note = match backend {
+        Resolved::Mpi { .. } => " (MPI: one rank per process)",
+        Resolved::InProcess { .. } => "",
+    };
+    eprintln_rank0(rank, format!(
         "zerodp train: GPT {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
-         world size {world}, train_batch_size {} = {} per rank x {} accumulation steps x {world}; \
-         corpus {} ({} windows)",
+         world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
+         steps x {world}; corpus {} ({} windows)",
         gpt.layers,
         gpt.width,
         gpt.heads,
@@ -235,8 +278,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         batch.gradient_accumulation_steps,
         data.corpus().name(),
         data.num_windows(),
+    ));
+    let progress = ProgressLog::new(
+        args.steps,
+        args.no_progress || rank != 0,
+        settings.steps_per_print,
     );
-    let progress = ProgressLog::new(args.steps, args.no_progress, settings.steps_per_print);
     let started = Instant::now();
     let source = |at: BatchIndex| {
         data.micro_batch(
@@ -256,8 +303,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     progress.bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
     let steps_run = outcome.steps - outcome.start_step;
-    report_saves(&outcome, args.save_dir.as_deref());
-    if let Some(Some(last)) = outcome.last.first() {
+    if rank == 0 {
+        report_saves(&outcome, args.save_dir.as_deref());
+    }
+    if let (0, Some(Some(last))) = (rank, outcome.last.first()) {
         errln!(
             "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
              (peak {})",
@@ -269,26 +318,41 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         );
     }
     if let Some(code) = signals.exit_code() {
-        errln!(
-            "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
-            signals.name(),
-            outcome.steps,
-            args.steps,
-            match (&args.save_dir, &args.save) {
-                (Some(_), _) => "; the checkpoint of the last step is saved (resume with --resume)",
-                (None, Some(_)) => "; nothing was saved (--save writes only at the end of a run)",
-                (None, None) => "",
-            }
+        eprintln_rank0(
+            rank,
+            format!(
+                "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
+                signals.name(),
+                outcome.steps,
+                args.steps,
+                match (&args.save_dir, &args.save) {
+                    (Some(_), _) => {
+                        "; the checkpoint of the last step is saved (resume with --resume)"
+                    }
+                    (None, Some(_)) => {
+                        "; nothing was saved (--save writes only at the end of a run)"
+                    }
+                    (None, None) => "",
+                }
+            ),
         );
         return Ok(code);
     }
     check_final(&outcome)?;
-    if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
+    // Every rank holds the same parameters (gathering them is collective); rank 0 writes them.
+    if let (0, Some(path), Some(params)) = (rank, &args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
         errln!("saved weights to {}", path.display());
     }
     Ok(0)
+}
+
+/// Prints `line` on rank 0 only (under MPI every process would print it otherwise).
+fn eprintln_rank0(rank: usize, line: String) {
+    if rank == 0 {
+        errln!("{line}");
+    }
 }
 
 /// Rank 0's progress bar and log lines: the step's loss, rate and memory on the bar, fp16 scale
@@ -346,7 +410,7 @@ impl StepObserver for ProgressLog {
 /// Every output must be a new or replaceable file in a writable directory, and none may be an
 /// input: checked before the first step, so no input is ever overwritten and no run fails to save
 /// at its end.
-fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
+fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow::Result<()> {
     let mut inputs = vec![
         NamedPath {
             name: "--config",
@@ -363,9 +427,9 @@ fn check_paths(args: &TrainArgs, data: &Path) -> anyhow::Result<()> {
             path: p,
         });
     }
-    let outputs: Vec<NamedPath<'_>> = [("--save", &args.save), ("--metrics", &args.metrics)]
+    let outputs: Vec<NamedPath<'_>> = [("--save", args.save.as_deref()), ("--metrics", metrics)]
         .into_iter()
-        .filter_map(|(name, p)| p.as_deref().map(|path| NamedPath { name, path }))
+        .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
         .collect();
     check_outputs(&inputs, &outputs)?;
     if let Some(dir) = &args.save_dir {

@@ -384,6 +384,13 @@ pub trait Communicator: Send + Sync {
     /// Cumulative traffic of this rank since the communicator was created.
     fn traffic(&self) -> TrafficCounters;
 
+    /// Tells the other ranks that this rank failed outside a collective (its own code returned an
+    /// error or panicked) and will not issue more: their waiting collectives fail promptly with
+    /// [`CommError::PeerFailed`] naming this rank and `reason`, instead of timing out.
+    fn report_failure(&self, reason: String) {
+        let _ = reason;
+    }
+
     /// In-place all-gather (see the trait docs): `buf` holds this rank's shard in its
     /// `shard_range`; returns `[buf]` holding every shard.
     fn all_gather_in_place(&self, buf: Buffer) -> CommHandle {

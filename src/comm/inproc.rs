@@ -31,18 +31,19 @@
 use crate::comm::kernels::{
     buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
 };
-use crate::comm::rendezvous::{CallDesc, Exposed, Meeting, Rendezvous, Straggler};
-use crate::comm::stats::{bandwidths, count_traffic, CommStats};
+use crate::comm::queue::{describe, trace, validate, Call, Job};
+use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
+use crate::comm::stats::{count_traffic, CommStats};
 use crate::comm::{
-    shard_range, Buffer, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
-    Completion, DType, ReduceOp, TraceLevel, TrafficCounters,
+    shard_range, Buffer, CommError, CommHandle, CommOptions, Communicator, Completion, DType,
+    ReduceOp, TrafficCounters,
 };
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// Reduce-scatter outputs of at least this many bytes are written with streaming stores: far
 /// larger than a core's share of the last-level cache, they would be evicted before use anyway.
@@ -51,23 +52,6 @@ const STREAMING_STORE_BYTES: usize = 4 << 20;
 /// What a rank publishes at a collective's meeting.
 fn expose(input: usize, output: usize) -> Exposed {
     Exposed { input, output }
-}
-
-/// A collective as queued to the communication thread.
-enum Call {
-    AllReduce(Buffer, ReduceOp),
-    ReduceScatter(Buffer, Buffer, ReduceOp),
-    AllGather(Buffer, Buffer),
-    /// In place: the rank's shard sits in its own range of the full buffer.
-    ReduceScatterInPlace(Buffer, ReduceOp),
-    AllGatherInPlace(Buffer),
-    Broadcast(Buffer, usize),
-    Barrier,
-}
-
-struct Job {
-    call: Call,
-    done: mpsc::Sender<Completion>,
 }
 
 /// State shared by every rank of one world.
@@ -178,7 +162,7 @@ impl InprocComm {
     }
 
     fn submit(&self, call: Call) -> CommHandle {
-        if let Err(e) = self.validate(&call) {
+        if let Err(e) = validate(&call, self.world.size, self.rank) {
             // This rank will not take part in the collective, so its peers would wait for it: fail
             // the world so that they stop promptly instead of timing out.
             self.world.rendezvous.fail(self.rank, e.to_string());
@@ -193,63 +177,6 @@ impl InprocComm {
             ))));
         }
         handle
-    }
-
-    fn validate(&self, call: &Call) -> Result<(), CommError> {
-        let n = self.world.size;
-        let bad = |what: String| {
-            Err(CommError::InvalidArgument {
-                rank: self.rank,
-                what,
-            })
-        };
-        match call {
-            Call::ReduceScatter(input, output, _) => {
-                let want = shard_range(input.len(), n, self.rank).len();
-                if input.dtype() != output.dtype() {
-                    return bad(format!(
-                        "reduce_scatter input is {} but output is {}; use the same dtype",
-                        input.dtype(),
-                        output.dtype()
-                    ));
-                }
-                if output.len() != want {
-                    return bad(format!(
-                        "reduce_scatter of {} elements over {n} ranks: rank {}'s output must hold \
-                         its shard of {want} elements (shard_range), not {}",
-                        input.len(),
-                        self.rank,
-                        output.len()
-                    ));
-                }
-            }
-            Call::AllGather(input, output) => {
-                let want = shard_range(output.len(), n, self.rank).len();
-                if input.dtype() != output.dtype() {
-                    return bad(format!(
-                        "all_gather input is {} but output is {}; use the same dtype",
-                        input.dtype(),
-                        output.dtype()
-                    ));
-                }
-                if input.len() != want {
-                    return bad(format!(
-                        "all_gather into {} elements over {n} ranks: rank {}'s input must be its \
-                         shard of {want} elements (shard_range), not {}",
-                        output.len(),
-                        self.rank,
-                        input.len()
-                    ));
-                }
-            }
-            Call::Broadcast(_, root) if *root >= n => {
-                return bad(format!(
-                    "broadcast root {root} is not a rank of this world of {n} (0..{n})"
-                ));
-            }
-            _ => {}
-        }
-        Ok(())
     }
 }
 
@@ -290,6 +217,9 @@ impl Communicator for InprocComm {
     }
     fn reduce_scatter_in_place(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
         self.submit(Call::ReduceScatterInPlace(buf, op))
+    }
+    fn report_failure(&self, reason: String) {
+        self.fail(reason);
     }
     fn traffic(&self) -> TrafficCounters {
         self.shared
@@ -384,84 +314,17 @@ fn run_one(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .record(desc.kind, desc.dtype, bytes, elapsed, straggler.is_some());
-    trace(world, rank, seq, &desc, bytes, elapsed, straggler);
+    trace(
+        &world.options,
+        world.size,
+        rank,
+        seq,
+        &desc,
+        bytes,
+        elapsed,
+        straggler,
+    );
     Ok(out)
-}
-
-fn trace(
-    world: &World,
-    rank: usize,
-    seq: u64,
-    desc: &CallDesc,
-    bytes: u64,
-    elapsed: Duration,
-    straggler: Option<Straggler>,
-) {
-    let level = world.options.trace;
-    if level >= TraceLevel::Warn {
-        if let Some(s) = straggler {
-            world.options.trace_sink.emit(format!(
-                "zerodp WARN rank {rank}: straggler at {} #{seq}: arrived {:.3} ms after the first \
-                 rank (rank {}); threshold {:.3} ms",
-                desc.kind,
-                s.late.as_secs_f64() * 1e3,
-                s.first_rank,
-                world.options.straggler_threshold.as_secs_f64() * 1e3
-            ));
-        }
-    }
-    if level >= TraceLevel::Info {
-        let time_us = elapsed.as_secs_f64() * 1e6;
-        let line = match desc.dtype {
-            None => format!(
-                "zerodp INFO rank {rank}: {} #{seq} time={time_us:.1}us world={}",
-                desc.kind, world.size
-            ),
-            Some(dtype) => {
-                let (alg, bus) = bandwidths(desc.kind, world.size, bytes, elapsed);
-                format!(
-                    "zerodp INFO rank {rank}: {} #{seq} dtype={dtype} elements={} bytes={bytes} \
-                     time={time_us:.1}us algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
-                    desc.kind, desc.len, world.size
-                )
-            }
-        };
-        world.options.trace_sink.emit(line);
-    }
-}
-
-fn describe(call: &Call) -> CallDesc {
-    match call {
-        Call::AllReduce(b, op) => CallDesc {
-            kind: CollectiveKind::AllReduce,
-            dtype: Some(b.dtype()),
-            len: b.len(),
-            op: Some(*op),
-            root: None,
-        },
-        Call::ReduceScatter(i, _, op) | Call::ReduceScatterInPlace(i, op) => CallDesc {
-            kind: CollectiveKind::ReduceScatter,
-            dtype: Some(i.dtype()),
-            len: i.len(),
-            op: Some(*op),
-            root: None,
-        },
-        Call::AllGather(_, o) | Call::AllGatherInPlace(o) => CallDesc {
-            kind: CollectiveKind::AllGather,
-            dtype: Some(o.dtype()),
-            len: o.len(),
-            op: None,
-            root: None,
-        },
-        Call::Broadcast(b, root) => CallDesc {
-            kind: CollectiveKind::Broadcast,
-            dtype: Some(b.dtype()),
-            len: b.len(),
-            op: None,
-            root: Some(*root),
-        },
-        Call::Barrier => CallDesc::barrier(),
-    }
 }
 
 /// One collective in progress on one rank.

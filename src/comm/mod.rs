@@ -5,17 +5,30 @@
 //!   function on every rank and turns one rank's failure into a prompt failure of the others.
 //! * [`options`]: timeout, tracing (`ZERODP_DEBUG`), straggler threshold ([`CommOptions`]).
 //! * [`stats`]: nccl-tests bandwidth conventions, ring-formula byte counts, the summary table.
+//! * `mpi` (cargo feature `mpi`): ranks as processes started by `mpirun`, `MpiComm`;
+//!   [`launch`] tells whether this process was started by an MPI launcher.
 //! * [`kernels`]: the reduction and copy kernels (f32 accumulation, one rounding, fixed order).
 
 mod api;
 pub mod inproc;
 pub mod kernels;
+pub mod launch;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+#[cfg(feature = "mpi")]
+pub mod mpi_shm;
 pub mod options;
+mod queue;
 mod rendezvous;
 pub mod stats;
 
+#[cfg(feature = "mpi")]
+pub use self::mpi::{MpiComm, MpiTopology};
+#[cfg(feature = "mpi")]
+pub use self::mpi_shm::ShmAlloc;
 pub use api::*;
 pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
+pub use launch::{detect_mpi_launch, MpiLaunch};
 pub use options::{
     timeout_from_secs, CommOptions, CommOptionsError, Spin, TraceLevel, TraceSink, NO_TIMEOUT,
 };

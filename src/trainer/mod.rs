@@ -2,9 +2,11 @@
 //!
 //! A trainer holds a model that implements the unit contract ([`crate::zero::unit`]), the
 //! engine's configuration (from a DeepSpeed config file, resolved [`Settings`], or built by
-//! hand) and a learning-rate schedule. [`Trainer::run`] starts the ranks on a backend (today the
-//! in-process one: ranks as threads, [`crate::comm::run_ranks`]), gives each rank its own compute
-//! pool, builds one [`Engine`] per rank, and runs the optimizer steps: each rank draws its
+//! hand) and a learning-rate schedule. [`Trainer::run`] starts the ranks on a [`Backend`]: the
+//! in-process one (ranks as threads, [`crate::comm::run_ranks`]), or one rank per process over a
+//! communicator that spans processes (MPI: `mpirun` starts the processes, each runs
+//! [`Trainer::run`] with [`Backend::Process`] and the same rank loop). It gives each rank its own
+//! compute pool, builds one [`Engine`] per rank, and runs the optimizer steps: each rank draws its
 //! micro-batches from a [`DataSource`], takes the step, and hands one [`StepEvent`] per step to
 //! the [`StepObserver`]s (metrics lines, progress bars, logs, a test's record). What it hands back
 //! is each rank's last report and, on request, the trained parameters.
@@ -182,11 +184,36 @@ impl LrSchedule {
     }
 }
 
+/// Where the ranks of a run live.
+#[derive(Clone, Default)]
+pub enum Backend {
+    /// `world_size` ranks as threads of this process (the default).
+    #[default]
+    InProcess,
+    /// This process is one rank of a world that `comm` spans (one rank per process, as under
+    /// `mpirun` with [`crate::comm::MpiComm`]): [`Trainer::run`] runs the rank loop once, as rank
+    /// `comm.rank()`. The communicator's world size must equal the engine's.
+    Process(Arc<dyn Communicator>),
+}
+
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Backend::InProcess => f.write_str("InProcess"),
+            Backend::Process(c) => write!(f, "Process(rank {} of {})", c.rank(), c.world_size()),
+        }
+    }
+}
+
 /// What a finished run hands back.
 #[derive(Debug)]
 pub struct TrainOutcome {
-    /// Each rank's last step report (`None` for a run of 0 steps), in rank order.
+    /// The last step report (`None` for a run of 0 steps) of each rank this process ran, in rank
+    /// order from [`TrainOutcome::first_rank`]: every rank in-process, one under
+    /// [`Backend::Process`].
     pub last: Vec<Option<StepReport>>,
+    /// The rank of `last[0]` (0 in-process).
+    pub first_rank: usize,
     /// Optimizer steps taken (the same on every rank): fewer than asked when stopped.
     pub steps: u64,
     /// Of those, the steps whose update was applied (not skipped for Inf/NaN gradients).
@@ -214,6 +241,7 @@ pub struct Trainer<'m, M: UnitModel> {
     stop: Option<Arc<AtomicBool>>,
     checkpoints: Option<CheckpointOptions>,
     resume: Option<Resume>,
+    backend: Backend,
 }
 
 impl<'m, M: UnitModel> Trainer<'m, M> {
@@ -232,6 +260,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             stop: None,
             checkpoints: None,
             resume: None,
+            backend: Backend::InProcess,
         }
     }
 
@@ -306,6 +335,14 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.resume = Some(resume);
         self
     }
+    /// Where the ranks run [default: in-process threads].
+    pub fn with_backend(mut self, backend: Backend) -> Self {
+        self.backend = backend;
+        self
+    }
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
     /// Hand back the trained parameters in [`TrainOutcome::params`].
     pub fn keep_params(mut self, keep: bool) -> Self {
         self.keep_params = keep;
@@ -334,6 +371,9 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         let world = self.engine.world_size;
         if world == 0 {
             return Err(SetupError::WorldSize.into());
+        }
+        if let Backend::Process(comm) = &self.backend {
+            return self.run_this_rank(comm.clone(), data, steps, observers);
         }
         let finals = run_ranks(world, self.comm.clone(), |comm, rank| {
             let pool = rayon::ThreadPoolBuilder::new()
@@ -367,12 +407,64 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         let f = first.expect("at least one rank");
         Ok(TrainOutcome {
             last,
+            first_rank: 0,
             steps: f.steps,
             applied_steps: f.applied,
             stopped: f.stopped,
             start_step: f.start_step,
             saves: f.saves,
             params,
+        })
+    }
+
+    /// [`Backend::Process`]: this process's rank only. A failure is reported to the other ranks
+    /// (their collectives fail naming this rank) before it is returned.
+    fn run_this_rank(
+        &self,
+        comm: Arc<dyn Communicator>,
+        data: &dyn DataSource<M::Batch>,
+        steps: u64,
+        observers: &[&dyn StepObserver],
+    ) -> Result<TrainOutcome, TrainerError> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        if world != self.engine.world_size {
+            return Err(TrainerError::Invalid(format!(
+                "the communicator spans {world} ranks but the engine is configured for {}; use \
+                 the launcher's process count as the world size",
+                self.engine.world_size
+            )));
+        }
+        let run = || -> Result<RankFinal, TrainerError> {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(self.threads_per_rank)
+                .build()
+                .map_err(|e| TrainerError::Pool {
+                    rank,
+                    message: e.to_string(),
+                })?;
+            pool.install(|| self.rank_loop(&*comm, rank, data, steps, observers))
+        };
+        let f = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
+            Ok(Ok(f)) => f,
+            Ok(Err(e)) => {
+                comm.report_failure(format!("it returned an error: {e}"));
+                return Err(TrainerError::Ranks(format!("rank {rank} failed: {e}")));
+            }
+            Err(p) => {
+                let m = crate::comm::inproc::panic_message(&*p);
+                comm.report_failure(format!("it panicked: {m}"));
+                return Err(TrainerError::Ranks(format!("rank {rank} panicked: {m}")));
+            }
+        };
+        Ok(TrainOutcome {
+            last: vec![f.last],
+            first_rank: rank,
+            steps: f.steps,
+            applied_steps: f.applied,
+            stopped: f.stopped,
+            start_step: f.start_step,
+            saves: f.saves,
+            params: f.params,
         })
     }
 

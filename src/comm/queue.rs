@@ -1,0 +1,160 @@
+//! What every backend's communication thread shares: the queued call, its validation and
+//! descriptor, and the trace lines of a finished collective.
+
+use crate::comm::rendezvous::{CallDesc, Straggler};
+use crate::comm::stats::bandwidths;
+use crate::comm::{
+    shard_range, Buffer, CollectiveKind, CommError, CommOptions, Completion, ReduceOp, TraceLevel,
+};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A collective as queued to the communication thread.
+pub(crate) enum Call {
+    AllReduce(Buffer, ReduceOp),
+    ReduceScatter(Buffer, Buffer, ReduceOp),
+    AllGather(Buffer, Buffer),
+    /// In place: the rank's shard sits in its own range of the full buffer.
+    ReduceScatterInPlace(Buffer, ReduceOp),
+    AllGatherInPlace(Buffer),
+    Broadcast(Buffer, usize),
+    Barrier,
+}
+
+pub(crate) struct Job {
+    pub call: Call,
+    pub done: mpsc::Sender<Completion>,
+}
+
+/// Checks a call's shapes before it is queued: an invalid call never reaches a meeting.
+pub(crate) fn validate(call: &Call, n: usize, rank: usize) -> Result<(), CommError> {
+    let bad = |what: String| Err(CommError::InvalidArgument { rank, what });
+    match call {
+        Call::ReduceScatter(input, output, _) => {
+            let want = shard_range(input.len(), n, rank).len();
+            if input.dtype() != output.dtype() {
+                return bad(format!(
+                    "reduce_scatter input is {} but output is {}; use the same dtype",
+                    input.dtype(),
+                    output.dtype()
+                ));
+            }
+            if output.len() != want {
+                return bad(format!(
+                    "reduce_scatter of {} elements over {n} ranks: rank {}'s output must hold \
+                     its shard of {want} elements (shard_range), not {}",
+                    input.len(),
+                    rank,
+                    output.len()
+                ));
+            }
+        }
+        Call::AllGather(input, output) => {
+            let want = shard_range(output.len(), n, rank).len();
+            if input.dtype() != output.dtype() {
+                return bad(format!(
+                    "all_gather input is {} but output is {}; use the same dtype",
+                    input.dtype(),
+                    output.dtype()
+                ));
+            }
+            if input.len() != want {
+                return bad(format!(
+                    "all_gather into {} elements over {n} ranks: rank {}'s input must be its \
+                     shard of {want} elements (shard_range), not {}",
+                    output.len(),
+                    rank,
+                    input.len()
+                ));
+            }
+        }
+        Call::Broadcast(_, root) if *root >= n => {
+            return bad(format!(
+                "broadcast root {root} is not a rank of this world of {n} (0..{n})"
+            ));
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Writes the trace lines of one finished collective (straggler note at `Warn`, one line per
+/// collective at `Info`), in the same format for every backend.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn trace(
+    options: &CommOptions,
+    world_size: usize,
+    rank: usize,
+    seq: u64,
+    desc: &CallDesc,
+    bytes: u64,
+    elapsed: Duration,
+    straggler: Option<Straggler>,
+) {
+    let level = options.trace;
+    if level >= TraceLevel::Warn {
+        if let Some(s) = straggler {
+            options.trace_sink.emit(format!(
+                "zerodp WARN rank {rank}: straggler at {} #{seq}: arrived {:.3} ms after the first \
+                 rank (rank {}); threshold {:.3} ms",
+                desc.kind,
+                s.late.as_secs_f64() * 1e3,
+                s.first_rank,
+                options.straggler_threshold.as_secs_f64() * 1e3
+            ));
+        }
+    }
+    if level >= TraceLevel::Info {
+        let time_us = elapsed.as_secs_f64() * 1e6;
+        let line = match desc.dtype {
+            None => format!(
+                "zerodp INFO rank {rank}: {} #{seq} time={time_us:.1}us world={}",
+                desc.kind, world_size
+            ),
+            Some(dtype) => {
+                let (alg, bus) = bandwidths(desc.kind, world_size, bytes, elapsed);
+                format!(
+                    "zerodp INFO rank {rank}: {} #{seq} dtype={dtype} elements={} bytes={bytes} \
+                     time={time_us:.1}us algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
+                    desc.kind, desc.len, world_size
+                )
+            }
+        };
+        options.trace_sink.emit(line);
+    }
+}
+
+/// The descriptor every rank must present equally for a collective.
+pub(crate) fn describe(call: &Call) -> CallDesc {
+    match call {
+        Call::AllReduce(b, op) => CallDesc {
+            kind: CollectiveKind::AllReduce,
+            dtype: Some(b.dtype()),
+            len: b.len(),
+            op: Some(*op),
+            root: None,
+        },
+        Call::ReduceScatter(i, _, op) | Call::ReduceScatterInPlace(i, op) => CallDesc {
+            kind: CollectiveKind::ReduceScatter,
+            dtype: Some(i.dtype()),
+            len: i.len(),
+            op: Some(*op),
+            root: None,
+        },
+        Call::AllGather(_, o) | Call::AllGatherInPlace(o) => CallDesc {
+            kind: CollectiveKind::AllGather,
+            dtype: Some(o.dtype()),
+            len: o.len(),
+            op: None,
+            root: None,
+        },
+        Call::Broadcast(b, root) => CallDesc {
+            kind: CollectiveKind::Broadcast,
+            dtype: Some(b.dtype()),
+            len: b.len(),
+            op: None,
+            root: Some(*root),
+        },
+        Call::Barrier => CallDesc::barrier(),
+    }
+}

@@ -1,0 +1,551 @@
+//! The MPI backend under `mpirun` (needs `--features mpi`; every test skips with a message when
+//! `mpirun` is not installed):
+//! * collectives of every dtype, op and form, bitwise equal to the serial reference (and so to the
+//!   in-process backend), through both the point-to-point and the shared-memory paths;
+//! * `zerodp train` under `mpirun -np 2` and `-np 4`: losses and gradient norms bitwise equal to
+//!   an in-process run of the same config, stages 0-3, fp32 and bf16;
+//! * a timeout names the collective, its sequence number and the missing rank; a mismatch shows
+//!   both calls; a rank killed mid-training ends the job promptly, named.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+use zerodp::comm::kernels::reduce_reference;
+use zerodp::comm::{
+    shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType, MpiComm,
+    ReduceOp,
+};
+
+// As in the zerodp binary: large buffers in shared memory under mpirun.
+#[global_allocator]
+static ALLOC: zerodp::comm::ShmAlloc = zerodp::comm::ShmAlloc;
+
+const WORKER_ENV: &str = "ZERODP_MPI_TEST_WORKER";
+
+fn mpirun() -> Option<PathBuf> {
+    let out = Command::new("sh")
+        .args(["-c", "command -v mpirun"])
+        .output()
+        .ok()?;
+    let p = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !p.is_empty()).then(|| PathBuf::from(p))
+}
+
+/// `mpirun -np <np> <program> <args>` as root, oversubscribed, with `env`.
+fn mpirun_cmd(np: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) -> Option<Command> {
+    let Some(mpirun) = mpirun() else {
+        eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+        return None;
+    };
+    let mut c = Command::new(mpirun);
+    c.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        &np.to_string(),
+    ])
+    .arg(program)
+    .args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    Some(c)
+}
+
+/// Runs this test binary's `worker` test (filtered by name) on `np` ranks.
+fn run_worker(np: usize, worker: &str, env: &[(&str, &str)]) -> Option<Output> {
+    let exe = std::env::current_exe().unwrap();
+    let mut all_env = vec![(WORKER_ENV, worker)];
+    all_env.extend_from_slice(env);
+    let mut c = mpirun_cmd(
+        np,
+        &exe,
+        &[worker, "--exact", "--nocapture", "--test-threads", "1"],
+        &all_env,
+    )?;
+    Some(c.output().unwrap())
+}
+
+fn is_worker(name: &str) -> bool {
+    std::env::var(WORKER_ENV).is_ok_and(|v| v == name)
+}
+
+/// Deterministic inputs of rank `rank`: values spread over a few binades, signs mixed, so that the
+/// summation order shows in the bits.
+fn input(dtype: DType, len: usize, rank: usize, salt: u64) -> Buffer {
+    let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (rank as u64 * 7919 + salt * 104729 + len as u64);
+    let vals: Vec<f32> = (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let m = (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            m * [1.0, 3.0e-3, 250.0, 0.07][(x & 3) as usize]
+        })
+        .collect();
+    match dtype {
+        DType::F32 => Buffer::F32(vals),
+        DType::BF16 => Buffer::BF16(vals.iter().map(|&v| half::bf16::from_f32(v)).collect()),
+        DType::F16 => Buffer::F16(vals.iter().map(|&v| half::f16::from_f32(v)).collect()),
+    }
+}
+
+fn bits(b: &Buffer) -> Vec<u32> {
+    match b {
+        Buffer::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+        Buffer::BF16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+        Buffer::F16(v) => v.iter().map(|x| u32::from(x.to_bits())).collect(),
+    }
+}
+
+fn worker_collectives() -> Result<(), CommError> {
+    let comm = MpiComm::init(CommOptions::default())?;
+    let (n, r) = (comm.world_size(), comm.rank());
+    let mut checked = 0;
+    // 1001: odd shards, point-to-point; 700_001 f32 (2.8 MB): shared memory on one host.
+    for len in [1001usize, 700_001] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+                let salt = checked as u64;
+                let all: Vec<Buffer> = (0..n).map(|k| input(dtype, len, k, salt)).collect();
+                let refs: Vec<&Buffer> = all.iter().collect();
+                let expect = reduce_reference(&refs, op);
+                let mine = shard_range(len, n, r);
+                let ctx = format!("{dtype} {op:?} len {len} rank {r}");
+
+                let got = comm.all_reduce(all[r].clone(), op).wait_one()?;
+                assert_eq!(bits(&got), bits(&expect), "all_reduce {ctx}");
+
+                let out = Buffer::zeros(dtype, mine.len());
+                let (_, got) = comm.reduce_scatter(all[r].clone(), out, op).wait_pair()?;
+                assert_eq!(
+                    bits(&got),
+                    bits(&expect.copy_range(mine.clone())),
+                    "reduce_scatter {ctx}"
+                );
+                let got = comm
+                    .reduce_scatter_in_place(all[r].clone(), op)
+                    .wait_one()?;
+                assert_eq!(
+                    bits(&got.copy_range(mine.clone())),
+                    bits(&expect.copy_range(mine.clone())),
+                    "reduce_scatter_in_place {ctx}"
+                );
+                checked += 1;
+            }
+            // All-gather: every rank contributes its shard of rank 0's input.
+            let full = input(dtype, len, 0, 99);
+            let mine = shard_range(len, n, r);
+            let (_, got) = comm
+                .all_gather(full.copy_range(mine.clone()), Buffer::zeros(dtype, len))
+                .wait_pair()?;
+            assert_eq!(bits(&got), bits(&full), "all_gather {dtype} {len}");
+            let mut buf = Buffer::zeros(dtype, len);
+            buf.write_at(mine.start, &full.copy_range(mine.clone()));
+            let got = comm.all_gather_in_place(buf).wait_one()?;
+            assert_eq!(bits(&got), bits(&full), "all_gather_in_place {dtype} {len}");
+            let root = 1 % n;
+            let b = if r == root {
+                full.clone()
+            } else {
+                Buffer::zeros(dtype, len)
+            };
+            let got = comm.broadcast(b, root).wait_one()?;
+            assert_eq!(bits(&got), bits(&full), "broadcast {dtype} {len}");
+        }
+    }
+    comm.barrier().wait()?;
+    let t = comm.traffic();
+    assert_eq!(t.calls(CollectiveKind::AllReduce), 18);
+    assert_eq!(t.calls(CollectiveKind::ReduceScatter), 36);
+    assert_eq!(t.calls(CollectiveKind::AllGather), 12);
+    // Ring formula: all-gather of (len - shard) elements each way, twice per dtype and length.
+    let ag: u64 = [1001usize, 700_001]
+        .iter()
+        .flat_map(|&len| {
+            [4u64, 2, 2].map(move |esz| 2 * esz * (len - shard_range(len, n, r).len()) as u64)
+        })
+        .sum();
+    assert_eq!(t.sent(CollectiveKind::AllGather), ag);
+    println!("WORKER-OK rank {r}: {checked} reductions bitwise equal");
+    Ok(())
+}
+
+#[test]
+fn worker() {
+    if is_worker("worker") {
+        worker_collectives().unwrap();
+    }
+}
+
+#[test]
+fn collectives_are_bitwise_equal_to_the_reference_on_2_and_4_ranks() {
+    for np in [2, 4] {
+        for shm in ["1", "0"] {
+            let Some(out) = run_worker(np, "worker", &[("ZERODP_SHM", shm)]) else {
+                return;
+            };
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "np {np} shm {shm}: {stdout}\n{stderr}"
+            );
+            assert_eq!(
+                stdout.matches("WORKER-OK").count(),
+                np,
+                "np {np} shm {shm}: {stdout}"
+            );
+        }
+    }
+}
+
+#[test]
+fn worker_faults() {
+    if !is_worker("worker_faults") {
+        return;
+    }
+    let options = CommOptions {
+        timeout: Duration::from_secs(1),
+        ..CommOptions::default()
+    };
+    let comm = MpiComm::init(options).unwrap();
+    let r = comm.rank();
+    // A mismatch: different lengths at sequence #0.
+    let e = comm
+        .all_reduce(Buffer::F32(vec![1.0; 10 + r]), ReduceOp::Sum)
+        .wait_one()
+        .unwrap_err();
+    println!("FAULT rank {r}: {e}");
+    std::process::exit(if matches!(e, CommError::Mismatch { .. }) {
+        3
+    } else {
+        4
+    });
+}
+
+#[test]
+fn worker_timeout() {
+    if !is_worker("worker_timeout") {
+        return;
+    }
+    let options = CommOptions {
+        timeout: Duration::from_secs(1),
+        ..CommOptions::default()
+    };
+    let comm = MpiComm::init(options).unwrap();
+    let r = comm.rank();
+    comm.barrier().wait().unwrap();
+    if r == 1 {
+        // Never comes to collective #1; exits after rank 0 has timed out.
+        std::thread::sleep(Duration::from_secs(4));
+        std::process::exit(5);
+    }
+    let e = comm.barrier().wait().unwrap_err();
+    println!("FAULT rank {r}: {e}");
+    std::process::exit(if matches!(e, CommError::Timeout { .. }) {
+        3
+    } else {
+        4
+    });
+}
+
+#[test]
+fn a_mismatch_shows_both_calls_and_a_timeout_names_the_missing_rank() {
+    let Some(out) = run_worker(2, "worker_faults", &[]) else {
+        return;
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(
+        stdout.contains("collective mismatch at sequence #0")
+            && stdout.contains("all_reduce(sum, 10 x f32)")
+            && stdout.contains("all_reduce(sum, 11 x f32)"),
+        "{stdout}"
+    );
+    let started = Instant::now();
+    let out = run_worker(2, "worker_timeout", &[]).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success());
+    assert!(
+        stdout.contains("collective timed out: barrier (sequence #1)")
+            && stdout.contains("ranks that did not: [1]"),
+        "{stdout}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+}
+
+/// A private copy of the zerodp binary: the target directory may be shared with other builds
+/// that replace `target/debug/zerodp` while the test runs.
+fn zerodp_bin(dir: &Path) -> PathBuf {
+    let copy = dir.join("zerodp");
+    std::fs::copy(env!("CARGO_BIN_EXE_zerodp"), &copy).unwrap();
+    copy
+}
+
+fn corpus(dir: &Path) -> PathBuf {
+    let text = dir.join("text.txt");
+    let words = [
+        "zero",
+        "redundancy",
+        "optimizer",
+        "shards",
+        "states",
+        "gradients",
+        "and",
+        "params",
+    ];
+    let mut s = String::new();
+    let mut x = 7u32;
+    for _ in 0..6000 {
+        x = x.wrapping_mul(1_103_515_245).wrapping_add(12345);
+        s.push_str(words[(x >> 16) as usize % words.len()]);
+        s.push(' ');
+    }
+    std::fs::write(&text, s).unwrap();
+    text
+}
+
+fn config(dir: &Path, stage: usize, bf16: bool) -> PathBuf {
+    let p = dir.join(format!("s{stage}{}.json", if bf16 { "bf16" } else { "" }));
+    let bf16 = if bf16 {
+        r#""bf16": { "enabled": true },"#
+    } else {
+        ""
+    };
+    std::fs::write(
+        &p,
+        format!(
+            r#"{{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, {bf16}
+                 "optimizer": {{ "type": "AdamW", "params": {{ "lr": 3e-3 }} }},
+                 "gradient_clipping": 1.0,
+                 "zero_optimization": {{ "stage": {stage}, "reduce_bucket_size": 300000,
+                   "stage3_param_persistence_threshold": 0 }} }}"#
+        ),
+    )
+    .unwrap();
+    p
+}
+
+/// `(rank, step, loss bits, grad_norm)` of every metrics line in `files`, sorted.
+fn metrics(files: &[PathBuf]) -> Vec<(u64, u64, String, String)> {
+    let mut v: Vec<_> = files
+        .iter()
+        .flat_map(|f| {
+            std::fs::read_to_string(f)
+                .unwrap_or_else(|e| panic!("{}: {e}", f.display()))
+                .lines()
+                .map(|l| {
+                    let j: serde_json::Value = serde_json::from_str(l).unwrap();
+                    (
+                        j["rank"].as_u64().unwrap(),
+                        j["step"].as_u64().unwrap(),
+                        j["loss"].to_string(),
+                        j["grad_norm"].to_string(),
+                    )
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+const TRAIN_ARGS: [&str; 10] = [
+    "--model", "tiny", "--width", "160", "--layers", "2", "--steps", "3", "--seed", "5",
+];
+
+#[test]
+fn training_under_mpirun_equals_in_process_bitwise_stages_0_to_3() {
+    if mpirun().is_none() {
+        eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bin = &zerodp_bin(dir.path());
+    let text = corpus(dir.path());
+    for (np, stages) in [(2usize, vec![0usize, 1, 2, 3]), (4, vec![1, 3])] {
+        for &stage in &stages {
+            for bf16 in [false, true] {
+                if bf16 && np == 4 {
+                    continue;
+                }
+                let cfg = config(dir.path(), stage, bf16);
+                let tag = format!("np{np}-s{stage}-{bf16}");
+                let m_mpi = dir.path().join(format!("{tag}-mpi.jsonl"));
+                let m_inp = dir.path().join(format!("{tag}-inp.jsonl"));
+                let common = |m: &Path| -> Vec<String> {
+                    let mut a: Vec<String> = vec!["train".into(), "--config".into()];
+                    a.push(cfg.display().to_string());
+                    a.extend(TRAIN_ARGS.iter().map(|s| s.to_string()));
+                    a.extend(["--no-progress".into(), "--data".into()]);
+                    a.push(text.display().to_string());
+                    a.push("--metrics".into());
+                    a.push(m.display().to_string());
+                    a
+                };
+                let args = common(&m_mpi);
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                let out = mpirun_cmd(np, bin, &args, &[])
+                    .unwrap()
+                    .stdin(Stdio::null())
+                    .output()
+                    .unwrap();
+                assert!(
+                    out.status.success(),
+                    "{tag}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let mut args = common(&m_inp);
+                args.extend(["--world-size".into(), np.to_string()]);
+                args.extend(["--backend".into(), "inprocess".into()]);
+                let out = Command::new(bin).args(&args).output().unwrap();
+                assert!(
+                    out.status.success(),
+                    "{tag}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                let mut files = vec![m_mpi.clone()];
+                for k in 1..np {
+                    files.push(dir.path().join(format!("{tag}-mpi.rank{k}.jsonl")));
+                }
+                let a = metrics(&files);
+                let b = metrics(&[m_inp]);
+                assert_eq!(a.len(), 3 * np, "{tag}");
+                assert_eq!(a, b, "{tag}: MPI and in-process runs differ");
+            }
+        }
+    }
+}
+
+/// The pid of the process of `rank` among `mpirun`'s descendants (found by its environment).
+fn rank_pid(rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    let me = std::process::id();
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let is_zerodp = String::from_utf8_lossy(&cmd).contains("kill-test-marker");
+        if is_zerodp && env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn killing_one_rank_ends_every_other_promptly_naming_it() {
+    if mpirun().is_none() {
+        eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bin = &zerodp_bin(dir.path());
+    let text = corpus(dir.path());
+    let cfg = config(dir.path(), 2, false);
+    let m = dir.path().join("kill-test-marker.jsonl");
+    let (c, t, m_s) = (
+        cfg.display().to_string(),
+        text.display().to_string(),
+        m.display().to_string(),
+    );
+    let args = [
+        "train",
+        "--config",
+        &c,
+        "--model",
+        "tiny",
+        "--steps",
+        "100000",
+        "--no-progress",
+        "--data",
+        &t,
+        "--metrics",
+        &m_s,
+    ];
+    let log = dir.path().join("log.txt");
+    let mut child = Job(mpirun_cmd(4, bin, &args, &[])
+        .unwrap()
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.path().join("err.txt")).unwrap(),
+        ))
+        .spawn()
+        .unwrap());
+    let output = || {
+        format!(
+            "{}{}",
+            std::fs::read_to_string(&log).unwrap_or_default(),
+            std::fs::read_to_string(dir.path().join("err.txt")).unwrap_or_default()
+        )
+    };
+    // Wait until training is under way.
+    let until = Instant::now() + Duration::from_secs(120);
+    while std::fs::read_to_string(&m).map_or(0, |s| s.lines().count()) < 3 {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            panic!("the job ended before the kill ({s}): {}", output());
+        }
+        assert!(
+            Instant::now() < until,
+            "training did not start: {}",
+            output()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let victim = rank_pid(1).expect("rank 1's process");
+    // SAFETY: sending a signal to a process this test started (through mpirun).
+    unsafe { libc_kill(victim as i32, 9) };
+    let killed_at = Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        if killed_at.elapsed() > Duration::from_secs(30) {
+            panic!("the other ranks did not exit within 30 s of rank 1's death");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let all = output();
+    assert!(!status.success(), "{all}");
+    assert!(
+        all.contains("rank 1"),
+        "the output should name rank 1: {all}"
+    );
+    eprintln!(
+        "job ended {:.1} s after rank 1 was killed",
+        killed_at.elapsed().as_secs_f64()
+    );
+}
+
+/// Kills the job (mpirun, which takes its ranks down) if the test ends early.
+struct Job(std::process::Child);
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        if self.0.try_wait().ok().flatten().is_none() {
+            // SIGTERM: mpirun forwards it to the ranks and reaps them (SIGKILL would orphan them).
+            // SAFETY: a signal to the process this test started.
+            unsafe { libc_kill(self.0.id() as i32, 15) };
+            let until = Instant::now() + Duration::from_secs(10);
+            while self.0.try_wait().ok().flatten().is_none() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+extern "C" {
+    #[link_name = "kill"]
+    fn libc_kill(pid: i32, sig: i32) -> i32;
+}
