@@ -56,8 +56,8 @@ const F32: u64 = 4;
 /// The process outside the ranks: the binary's resident pages and shared libraries, the main
 /// thread, the parsed config and the model description, and what the runtime allocates once when
 /// the ranks start. Fitted to the peak resident sets of the `scripts/preflight_rss.sh` grid: about
-/// 10.4 MB with its 1 MB corpus, which is counted apart.
-pub const PROCESS_BASE_BYTES: u64 = 9_300_000;
+/// 9.5 MB with its 1 MB corpus, which is counted apart.
+pub const PROCESS_BASE_BYTES: u64 = 8_300_000;
 
 /// Per thread of a rank's compute pool: a touched stack, a malloc arena, and the pages gemm touches
 /// of its per-thread packing slab (an L2 cache's size, allocated but mostly untouched at these
@@ -70,7 +70,7 @@ pub const RANK_THREADS_BYTES: u64 = 200_000;
 /// The allocator's retention per rank is planned as this many times the f32 bytes of the largest
 /// unit's weights (the size of the blocks candle allocates and frees every step), up to
 /// [`RETENTION_CAP_BYTES`].
-pub const RETENTION_PER_LARGEST_UNIT: f64 = 2.0;
+pub const RETENTION_PER_LARGEST_UNIT: f64 = 1.8;
 
 /// See [`RETENTION_PER_LARGEST_UNIT`].
 pub const RETENTION_CAP_BYTES: u64 = 16_000_000;
