@@ -62,6 +62,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             grad_accum: Some(precision_of(cfg.grad_accum_dtype)),
         },
         configured: None,
+        process: None,
     }
 }
 

@@ -33,6 +33,7 @@ fn input(params: u64, largest: u64, c: Cluster) -> PlanInput {
         buffers: BufferOverrides::default(),
         dtypes: Default::default(),
         configured: None,
+        process: None,
     }
 }
 

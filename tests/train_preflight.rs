@@ -39,13 +39,27 @@ fn train(dir: &Path, stage: u8, extra: &[&str]) -> Output {
         .unwrap()
 }
 
+/// A capacity between what stages 1 and 0 need per rank, read from refusals at 1 KB. The tiny GPT
+/// (~34K parameters) on 2 ranks with 1000-element buckets: stage 0 needs about 5.94 MB per rank on
+/// a 2-core machine (547 KB of model states, 4 KB of buckets, 475 KB of activations, 170 KB of
+/// candle's weight copies and 4.74 MB of process overhead, which grows with the threads per rank),
+/// stage 1 about 5.80 MB.
+fn between_stages_1_and_0(dir: &Path) -> String {
+    let needs = |stage| {
+        let out = train(dir, stage, &["--device-memory", "1KB"]);
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        size_after(&stderr, "needs").unwrap_or_else(|| panic!("{stderr}"))
+    };
+    let (s0, s1) = (needs(0), needs(1));
+    assert!(s1 < s0 && s0 - s1 > 50_000.0, "stage 0 {s0}, stage 1 {s1}");
+    format!("{}KB", ((s0 + s1) / 2e3).round())
+}
+
 #[test]
 fn a_run_that_cannot_fit_is_refused_with_the_planners_explanation() {
     let dir = tempfile::tempdir().unwrap();
-    // The tiny GPT (~34K parameters) on 2 ranks with 1000-element buckets: stage 0 needs about
-    // 760 KB per rank (547 KB of model states, 4 KB of buckets, 213 KB of activations), stage 1
-    // about 630 KB.
-    let out = train(dir.path(), 0, &["--device-memory", "700KB"]);
+    let capacity = between_stages_1_and_0(dir.path());
+    let out = train(dir.path(), 0, &["--device-memory", &capacity]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("pre-flight check"), "{stderr}");
@@ -58,6 +72,8 @@ fn a_run_that_cannot_fit_is_refused_with_the_planners_explanation() {
         "Adam m+v",
         "reduce buckets",
         "activations",
+        "candle weight copies",
+        "process overhead",
     ] {
         assert!(stderr.contains(kind), "{kind} missing: {stderr}");
     }
@@ -65,6 +81,8 @@ fn a_run_that_cannot_fit_is_refused_with_the_planners_explanation() {
         stderr.contains("the lowest stage that fits: stage 1"),
         "{stderr}"
     );
+    // What is an estimate rather than the engine's count is said.
+    assert!(stderr.contains("includes an estimate of"), "{stderr}");
     assert!(
         stderr.contains("zero_optimization.stage = 1"),
         "config advice missing: {stderr}"
@@ -82,7 +100,8 @@ fn a_run_that_cannot_fit_is_refused_with_the_planners_explanation() {
 #[test]
 fn a_run_that_fits_starts_and_says_what_it_needs() {
     let dir = tempfile::tempdir().unwrap();
-    let out = train(dir.path(), 1, &["--device-memory", "700KB"]);
+    let capacity = between_stages_1_and_0(dir.path());
+    let out = train(dir.path(), 1, &["--device-memory", &capacity]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert!(
@@ -90,6 +109,7 @@ fn a_run_that_fits_starts_and_says_what_it_needs() {
         "{stderr}"
     );
     assert!(stderr.contains("done: 1 steps"), "{stderr}");
+    assert!(stderr.contains("includes an estimate of"), "{stderr}");
     // The default capacity is this machine's memory shared by the ranks.
     let out = train(dir.path(), 0, &[]);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -98,4 +118,77 @@ fn a_run_that_fits_starts_and_says_what_it_needs() {
         stderr.contains("this machine's memory / --world-size"),
         "{stderr}"
     );
+}
+
+/// Bytes of a size as the pre-flight and the end-of-run lines print it ("12.34 MB", "1.2 MiB").
+fn bytes_of(number: &str, unit: &str) -> f64 {
+    let scale = match unit {
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "KiB" => 1024.0,
+        "MiB" => 1024.0 * 1024.0,
+        "GiB" => 1024.0 * 1024.0 * 1024.0,
+        other => panic!("unknown unit {other}"),
+    };
+    number.parse::<f64>().unwrap() * scale
+}
+
+/// The two words after `marker` in `text`, as bytes.
+fn size_after(text: &str, marker: &str) -> Option<f64> {
+    let rest = text.split(marker).nth(1)?;
+    let mut words = rest.split_whitespace();
+    Some(bytes_of(words.next()?, words.next()?))
+}
+
+/// The pre-flight plans what the process really holds: its total per rank is within 10% of the
+/// process's peak resident set over the world size (`scripts/preflight_rss.sh` runs the whole
+/// grid of models, stages, world sizes, precisions and checkpointing).
+#[test]
+fn the_plan_is_within_ten_percent_of_the_peak_resident_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("corpus.txt");
+    let words = ["the ", "of ", "and ", "to ", "in ", "a ", "is ", "that "];
+    let corpus: String = (0..200_000).map(|i| words[(i * 7 + i / 3) % 8]).collect();
+    std::fs::write(&text, corpus).unwrap();
+    for (stage, mixed, checkpoint) in [(1, false, false), (3, true, true), (2, false, true)] {
+        let config = dir.path().join(format!("rss{stage}.json"));
+        let bf16 = if mixed {
+            r#", "bf16": {"enabled": true}"#
+        } else {
+            ""
+        };
+        std::fs::write(
+            &config,
+            format!(
+                r#"{{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+                    "zero_optimization": {{"stage": {stage}}}{bf16}}}"#
+            ),
+        )
+        .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_zerodp"));
+        cmd.args(["train", "--config"])
+            .arg(&config)
+            .args(["--world-size", "2", "--model", "demo", "--steps", "3"])
+            .args(["--no-progress", "--data"])
+            .arg(&text);
+        if checkpoint {
+            cmd.arg("--checkpoint-activations");
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let planned = size_after(&stderr, "needs").expect("the pre-flight line");
+        // Only where the system reports the peak resident set (Linux).
+        let Some(measured) = size_after(&stderr, "process peak resident set:") else {
+            continue;
+        };
+        let ratio = planned / (measured / 2.0);
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "stage {stage} bf16 {mixed} checkpointing {checkpoint}: planned {planned} per rank, \
+             measured {} per rank ({ratio:.3})\n{stderr}",
+            measured / 2.0
+        );
+    }
 }

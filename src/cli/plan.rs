@@ -245,6 +245,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
             .unwrap_or(BufferOverrides::default()),
         dtypes: keys.as_ref().map(|k| k.dtypes).unwrap_or_default(),
         configured: keys.as_ref().map(ConfigKeys::choice),
+        process: None,
         model,
     })
 }

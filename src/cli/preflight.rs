@@ -1,7 +1,9 @@
 //! `zerodp train`'s pre-flight check. Before any rank starts, the planner sizes the run as
 //! configured (the actual model, stage, buckets, batch and activation checkpointing) with the
-//! engine's own rules ([`ModelSize::from_model_spec`]), adds its activation estimate, and compares
-//! the total with the memory each rank may use. A run that cannot fit is refused with the
+//! engine's own rules ([`ModelSize::from_model_spec`]), adds what the process holds beyond the
+//! engine's ledger (the GPT's activations and candle's weight copies, the process's runtime and
+//! training text: [`zerodp::planner::TrainProcess`]), and compares the total with the memory each
+//! rank may use. A run that cannot fit is refused with the
 //! planner's explanation: the bytes by kind, the lowest stage that would fit, and what to change in
 //! the config. Ranks are threads sharing this machine's memory, so the capacity of a rank defaults
 //! to the machine's total memory divided by the world size.
@@ -11,7 +13,7 @@ use zerodp::config::Settings;
 use zerodp::model::GptConfig;
 use zerodp::planner::{
     self, format_capacity, format_gb, parse_bytes, recommend, Cluster, ConfigKeys, GptShape,
-    HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption,
+    HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption, TrainProcess,
 };
 use zerodp::zero::unit::ModelSpec;
 use zerodp::zero::EngineConfig;
@@ -39,6 +41,7 @@ pub fn check(
     engine: &EngineConfig,
     spec: &ModelSpec,
     gpt: &GptConfig,
+    process: TrainProcess,
 ) -> anyhow::Result<()> {
     let world = engine.world_size as u64;
     let host = host_memory()?;
@@ -46,7 +49,7 @@ pub fn check(
         Some(s) => (parse_bytes(s, "--device-memory")?, "--device-memory"),
         None => (host / world.max(1), "this machine's memory / --world-size"),
     };
-    let input = plan_input(settings, engine, spec, gpt, capacity, host);
+    let input = plan_input(settings, engine, spec, gpt, capacity, host, process);
     let plan = planner::plan(&input)?;
     // The engine has no offload: only the four stages are choices for `train`.
     let stages: Vec<PlanOption> = plan
@@ -69,11 +72,12 @@ pub fn check(
     }
     if configured.fits_device {
         errln!(
-            "pre-flight: ZeRO {} needs {} per rank of the {} each rank may use ({source}): {}",
+            "pre-flight: ZeRO {} needs {} per rank of the {} each rank may use ({source}): {}; {}",
             configured.label,
             size(configured.bytes_per_device.total),
             capacity_text(capacity),
-            by_kind(&configured)
+            by_kind(&configured),
+            estimate_remark(&configured)
         );
         return Ok(());
     }
@@ -89,6 +93,7 @@ pub fn plan_input(
     gpt: &GptConfig,
     capacity: u64,
     host: u64,
+    process: TrainProcess,
 ) -> PlanInput {
     let keys = ConfigKeys::from_settings(settings);
     let shape = GptShape {
@@ -118,7 +123,18 @@ pub fn plan_input(
         configured: Some(keys.choice()),
         buffers: keys.buffers,
         dtypes: keys.dtypes,
+        process: Some(process),
     }
+}
+
+/// Which part of the total is an estimate rather than the engine's exact count.
+fn estimate_remark(o: &PlanOption) -> String {
+    let b = &o.bytes_per_device;
+    format!(
+        "includes an estimate of {} for activations, candle's weight copies and process overhead \
+         (planned high; the rest is the engine's exact count)",
+        size(b.activations + b.param_copies + b.overhead)
+    )
 }
 
 /// Why the run is refused, in the planner's words.
@@ -139,6 +155,7 @@ fn refusal(
         size(b.total - capacity)
     );
     out.push_str(&format!("  {}\n", by_kind(configured)));
+    out.push_str(&format!("  {}\n", estimate_remark(configured)));
     match stages
         .iter()
         .filter(|o| o.fits_device)
@@ -189,6 +206,8 @@ fn by_kind(o: &PlanOption) -> String {
         ("gather pool", b.gather_pool),
         ("persistent params", b.persistent_params),
         ("activations (estimate)", b.activations),
+        ("candle weight copies (estimate)", b.param_copies),
+        ("process overhead (estimate)", b.overhead),
     ]
     .iter()
     .filter(|(_, v)| *v > 0)
@@ -197,11 +216,12 @@ fn by_kind(o: &PlanOption) -> String {
     format!("{} = {}", parts.join(", "), size(b.total))
 }
 
-/// Decimal units fine enough for the small models `train` runs (the planner's [`format_gb`] stops
-/// at tenths of a MB).
+/// Decimal units fine enough for the small models `train` runs, to three or more significant
+/// digits (the planner's [`format_gb`] stops at tenths of a GB).
 fn size(bytes: u64) -> String {
     match bytes {
-        b if b >= 100_000_000 => format_gb(b),
+        b if b >= 10_000_000_000 => format_gb(b),
+        b if b >= 1_000_000_000 => format!("{:.3} GB", b as f64 / 1e9),
         b if b >= 1_000_000 => format!("{:.2} MB", b as f64 / 1e6),
         b => format!("{:.1} KB", b as f64 / 1e3),
     }
@@ -261,7 +281,15 @@ mod tests {
             };
             let settings = config::load_str(text, "ds.json", &ctx).unwrap().settings;
             let engine = zerodp::setup::engine_config(&settings, 2, 0).unwrap();
-            let input = plan_input(&settings, &engine, model.spec(), &gpt, 1 << 30, 1 << 34);
+            let input = plan_input(
+                &settings,
+                &engine,
+                model.spec(),
+                &gpt,
+                1 << 30,
+                1 << 34,
+                TrainProcess::default(),
+            );
             let planned = planned_engine_config(&input, engine.stage.index());
             assert_eq!(
                 buffers::plan(model.spec(), &planned),

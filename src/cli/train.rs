@@ -37,6 +37,7 @@ use zerodp::model::{
     load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel,
     DEFAULT_CORPUS_PATH,
 };
+use zerodp::planner::TrainProcess;
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
     step_log_line, Backend, BatchIndex, CheckpointOptions, MetricsFile, Resume, StepEvent,
@@ -200,7 +201,20 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     engine_cfg.max_skipped_steps = args.max_skipped_steps;
     let engine_cfg = engine_cfg.clone();
 
-    super::preflight::check(&args.preflight, &settings, &engine_cfg, model.spec(), &gpt)?;
+    // The corpus is read after the check; its size is planned from the file's (a missing file is
+    // reported when it is read).
+    let process = TrainProcess {
+        corpus_bytes: std::fs::metadata(&data_path).map_or(0, |m| m.len()),
+        threads_per_rank: trainer.threads_per_rank() as u64,
+    };
+    super::preflight::check(
+        &args.preflight,
+        &settings,
+        &engine_cfg,
+        model.spec(),
+        &gpt,
+        process,
+    )?;
     let data = DataLoader::new(
         read_corpus(&data_path, args.data.is_none())?,
         gpt.context,
@@ -315,6 +329,17 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             (steps_run as usize * tokens_per_step) as f64 / elapsed,
             human_bytes(last.memory.total),
             human_bytes(last.peak_bytes)
+        );
+    }
+    if let (0, Some(peak)) = (rank, peak_resident_bytes()) {
+        let in_process = match backend {
+            Resolved::Mpi { .. } => 1,
+            Resolved::InProcess { .. } => world,
+        };
+        errln!(
+            "process peak resident set: {} ({} per rank)",
+            human_bytes(peak),
+            human_bytes(peak / in_process as u64)
         );
     }
     if let Some(code) = signals.exit_code() {
@@ -632,6 +657,14 @@ fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {
         .expect("valid progress template"),
     );
     pb
+}
+
+/// The process's peak resident set (`VmHWM` in /proc/self/status), where the system reports it.
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    let kb = kb.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
+    Some(kb * 1024)
 }
 
 fn human_bytes(b: u64) -> String {

@@ -14,6 +14,8 @@
 use super::cluster::{Cluster, Collective};
 use super::deepspeed::config_precision;
 use super::memory::{EngineBuffers, Precision};
+use super::model::GptShape;
+use super::process::{gpt_step_memory, GptStepMemory};
 use super::traffic::{priced, CollectiveTraffic};
 use super::{saturating_product as mul, PlanInput};
 use crate::comm::DType;
@@ -143,6 +145,39 @@ impl<'a> EngineRun<'a> {
             gather_pool: p.gather_bytes() - persistent,
             persistent_params: persistent,
         }
+    }
+
+    /// Units whose forward runs without a graph and again in backward, by the engine's rule (its
+    /// `recompute`): every unit but the last under activation checkpointing, and at stage 3 the
+    /// units that do not keep their forward graph.
+    pub fn recomputed_units(&self) -> Vec<bool> {
+        let n = self.spec.units.len();
+        let stage3 = self.config.stage.shards_params();
+        (0..n)
+            .map(|u| {
+                u + 1 != n
+                    && (self.config.activation_checkpointing
+                        || (stage3 && !self.buffers.keep_graph.get(u).copied().unwrap_or(false)))
+            })
+            .collect()
+    }
+
+    /// What zerodp's GPT of `shape` holds beyond the engine's ledger in one micro-step of this run
+    /// ([`gpt_step_memory`]): the units recomputed by the engine's rule, and not counting the weight
+    /// copies of kept stage-3 graphs, which the ledger's `gather` kind holds.
+    pub fn gpt_step_memory(&self, shape: &GptShape, seq_len: u64) -> GptStepMemory {
+        let in_ledger: Vec<bool> =
+            buffers::kept_graph_elems(self.spec, &self.layout, &self.buffers)
+                .iter()
+                .map(|&e| e > 0)
+                .collect();
+        gpt_step_memory(
+            shape,
+            self.config.micro_batch as u64,
+            seq_len,
+            &self.recomputed_units(),
+            &in_ledger,
+        )
     }
 
     /// The collectives of one optimizer step, call for call as the engine issues them:

@@ -207,7 +207,10 @@ pub fn persistent_elements(model: &ModelSize, s: &BufferSettings) -> u64 {
         .sum()
 }
 
-/// Activation memory per device for one micro-batch of a GPT shape, in the activation dtype.
+/// Activation memory per device for one micro-batch of a GPT shape, in the activation dtype: the
+/// generic estimate for a framework that saves only what backward needs (`zerodp plan`). zerodp's own
+/// GPT keeps more and computes in f32 whatever the precision; its pre-flight check uses
+/// [`super::process::gpt_step_memory`] instead.
 ///
 /// Per block, the tensors saved for backward (no dropout, attention probabilities materialised,
 /// Korthikanti et al. 2022 without the dropout terms): ln_1 input, c_attn input, q, k, v, softmax
@@ -261,7 +264,16 @@ pub struct DeviceBytes {
     pub scratch_buffers: u64,
     pub gather_pool: u64,
     pub persistent_params: u64,
+    /// Activations: the generic estimate ([`activation_bytes`]) or, for zerodp's own GPT, what its
+    /// candle graphs and backward hold at the fullest moment of a micro-step
+    /// ([`super::process::gpt_step_memory`]).
     pub activations: u64,
+    /// zerodp's GPT only: candle's f32 copies of the weights held by the graphs at that moment
+    /// (those the engine's ledger does not already count).
+    pub param_copies: u64,
+    /// A `zerodp train` process only: this rank's share of what the process holds besides its
+    /// ranks' model states, buffers and activations ([`super::process::TrainProcess`]).
+    pub overhead: u64,
     pub total: u64,
 }
 

@@ -22,6 +22,7 @@ mod deepspeed;
 mod engine;
 mod memory;
 mod model;
+mod process;
 mod recommend;
 mod size;
 mod traffic;
@@ -35,6 +36,10 @@ pub use memory::{
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
 };
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
+pub use process::{
+    allocator_retention, gpt_step_memory, GptStepMemory, TrainProcess, POOL_THREAD_BYTES,
+    PROCESS_BASE_BYTES, RANK_THREADS_BYTES, RETENTION_CAP_BYTES, RETENTION_PER_LARGEST_UNIT,
+};
 pub use recommend::{recommend, Recommendation};
 pub use size::{
     format_capacity, format_gb, format_seconds, parse_bandwidth, parse_bytes, parse_count,
@@ -106,6 +111,9 @@ pub struct PlanInput {
     pub dtypes: DtypeOverrides,
     /// The choice a DeepSpeed config makes, if one was given: the recommendation comments on it.
     pub configured: Option<ZeroChoice>,
+    /// The `zerodp train` process the plan is for, if it is one: its overhead is planned per rank
+    /// ([`PlanOption::bytes_per_device`]`.overhead`).
+    pub process: Option<TrainProcess>,
 }
 
 /// One stage and offload choice, evaluated.
@@ -194,25 +202,35 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     bytes.scratch_buffers = buffers.scratch_buffers;
     bytes.gather_pool = buffers.gather_pool;
     bytes.persistent_params = buffers.persistent_params;
-    let activation_options = input
-        .model
-        .shape
-        .map(|s| activation_bytes(&s, input.micro_batch, input.seq_len, input.precision));
-    bytes.activations = activation_options
-        .map(|a| {
-            if input.activation_checkpointing {
-                a.checkpointed
-            } else {
-                a.full
-            }
-        })
-        .unwrap_or(0);
+    match (&engine, input.model.shape) {
+        // zerodp's own GPT on the engine: what its graphs and backward hold, in f32.
+        (Some(e), Some(shape)) => {
+            let m = e.gpt_step_memory(&shape, input.seq_len);
+            bytes.activations = m.activations;
+            bytes.param_copies = m.param_copies;
+        }
+        (_, shape) => {
+            bytes.activations = shape
+                .map(|s| activation_bytes(&s, input.micro_batch, input.seq_len, input.precision))
+                .map_or(0, |a| match input.activation_checkpointing {
+                    true => a.checkpointed,
+                    false => a.full,
+                });
+        }
+    }
+    let activation_options = activation_options(input, choice.stage);
+    if let (Some(p), Some(e)) = (&input.process, &engine) {
+        let largest = e.layout.largest_padded() as u64;
+        bytes.overhead = p.overhead_per_rank(n, input.seq_len, largest);
+    }
     bytes.total = bytes.model_states
         + bytes.reduce_buckets
         + bytes.scratch_buffers
         + bytes.gather_pool
         + bytes.persistent_params
-        + bytes.activations;
+        + bytes.activations
+        + bytes.param_copies
+        + bytes.overhead;
     let per_node = off_per_device.times(c.devices_per_node);
     let device_margin = c.device_memory as i64 - bytes.total as i64;
     let host_margin = c.host_memory as i64 - per_node.host as i64;
@@ -255,6 +273,32 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         predicted_step_s: compute_s + comm_s + offload.predicted_s,
         recommended: false,
     }
+}
+
+/// The activation-dependent bytes per device with and without activation checkpointing (`None`
+/// without a GPT shape): the generic estimate, or on zerodp's engine its GPT's activations plus
+/// weight copies, each setting with the engine's own recomputation rule.
+fn activation_options(input: &PlanInput, stage: u8) -> Option<Activations> {
+    let shape = input.model.shape?;
+    let Some(spec) = &input.model.spec else {
+        return Some(activation_bytes(
+            &shape,
+            input.micro_batch,
+            input.seq_len,
+            input.precision,
+        ));
+    };
+    let with = |checkpointing: bool| {
+        let mut i = input.clone();
+        i.activation_checkpointing = checkpointing;
+        EngineRun::new(spec, &i, stage)
+            .gpt_step_memory(&shape, input.seq_len)
+            .total()
+    };
+    Some(Activations {
+        full: with(false),
+        checkpointed: with(true),
+    })
 }
 
 /// Tokens each device processes per optimizer step.

@@ -65,7 +65,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 let b = &smallest.bytes_per_device;
                 if let Some(a) = smallest.activation_options {
                     if !input.activation_checkpointing
-                        && b.total - b.activations + a.checkpointed <= mem
+                        && b.total - b.activations - b.param_copies + a.checkpointed <= mem
                     {
                         reasons.push("enabling activation checkpointing would make it fit".into());
                     } else if b.activations > mem / 4 {

@@ -1,0 +1,328 @@
+//! What a `zerodp train` process holds beyond the engine's ledger: the activations of zerodp's own
+//! GPT ([`crate::model::GptModel`], candle on the CPU), candle's copies of the weights it computes
+//! with, and the runtime of the process (binary, allocator, threads, training text).
+//!
+//! The engine's ledger counts the model states and the engine's buffers exactly; the model's memory
+//! is the model's business and the ledger does not see it. A pre-flight check that stopped there
+//! planned 1.14x (stage 3) to 1.47x (stage 1, two ranks) less than the process's peak resident set.
+//! The rules below were read off the model's code and checked against a counting allocator (unit by
+//! unit, and per step for stages 0-3, world sizes 1-4, fp32 and bf16, with and without activation
+//! checkpointing): the heap a micro-step holds beyond the ledger is within a few percent above these
+//! numbers, never below by more than the per-thread allowance. What is not counted exactly is
+//! planned high and said so.
+//!
+//! # zerodp's GPT, per micro-batch
+//! `n` = micro-batch × sequence tokens, `c` = width, `V` = vocabulary, `T` = context, `H` = heads,
+//! `P` = micro-batch·H·seq² (one attention-probability tensor). The model always computes in f32,
+//! whatever the training precision (16-bit parameters are widened first), so every count below is
+//! 4 bytes an element.
+//!
+//! * A training forward builds a candle graph that keeps every intermediate tensor, not only what
+//!   backward needs: a block keeps 19nc (its input copied into a leaf, ln_1, qkv 3nc, attention,
+//!   c_proj, the residual, ln_2, c_fc 4nc, GELU 4nc, c_proj, the output); the embeddings keep 2nc and
+//!   the tokens; the head keeps 2nc, the logits nV and the targets.
+//! * Each forward copies the weights it reads into candle variables ([`crate::model::GptModel`]'s
+//!   `param_tensor`), and a kept graph holds them until its backward: 12c²+13c per block, (V+T)c for
+//!   the embeddings, 2c + Vc for the head (the tied token embedding, a second copy). At stage 3 the
+//!   ledger already counts the copies of units that keep their graph (its `gather` kind): they are
+//!   not counted twice.
+//! * Backward allocates, above the graph: candle's gradient store (each gradient is a zeros tensor
+//!   plus the sum, alive together for a moment), the parameter gradients, and the kernels' scratch.
+//!   At its fullest a block needs the largest of 14nc+3P+9c² (attention backward), 9nc+16c² (c_fc
+//!   weight gradient), 8nc+18c² (c_attn weight gradient) and 19nc+4c² (GELU backward), plus 4nc for
+//!   gemm's packing buffers; the head the largest of 4nV+Vc, nV+2nc+6Vc and nV+6nc+2Vc, plus
+//!   max(nc, Vc); the embeddings 7nc + 2·max(nc, Vc) + Tc.
+//! * A forward without a graph (activation checkpointing, or a stage-3 unit recomputed in backward)
+//!   peaks at its weight copies plus max(12nc, 8nc+2P) for a block, and keeps only its output, which
+//!   the engine holds as the next unit's input until that unit is recomputed.
+//!
+//! The engine runs the units forward then backward (see [`crate::zero::schedule`]); the step's peak
+//! is the fullest moment of that walk, with the gradient of the current unit's output (nc) held
+//! between backward visits.
+//!
+//! # The process
+//! Ranks are threads of one process: the process holds every rank's share plus, once, the binary and
+//! its libraries, the training text with its window order (4 bytes a window per cached epoch, two
+//! epochs), and per thread (each rank's thread, its communication thread and its rayon pool) a stack,
+//! a malloc arena and, for the pool threads, gemm's per-thread packing slab. The allocator keeps
+//! freed memory for reuse rather than returning it at once; that retention cannot be counted from
+//! the code and is planned from measurements (see [`allocator_retention`]).
+
+use super::model::GptShape;
+
+/// Bytes of an f32, the dtype zerodp's GPT computes in.
+const F32: u64 = 4;
+
+/// The process outside the ranks: the binary's resident pages and shared libraries, the main
+/// thread, the parsed config and the model description, and what the runtime allocates once when
+/// the ranks start. Fitted to the peak resident sets of the `scripts/preflight_rss.sh` grid: about
+/// 9.5 MB with its 1 MB corpus, which is counted apart.
+pub const PROCESS_BASE_BYTES: u64 = 8_300_000;
+
+/// Per thread of a rank's compute pool: a touched stack, a malloc arena, and the pages gemm touches
+/// of its per-thread packing slab (an L2 cache's size, allocated but mostly untouched at these
+/// matrix sizes: the grid shows about this much per pool thread).
+pub const POOL_THREAD_BYTES: u64 = 300_000;
+
+/// Per rank, for its own thread and its communication thread (no gemm): stacks and arenas.
+pub const RANK_THREADS_BYTES: u64 = 200_000;
+
+/// The allocator's retention per rank is planned as this many times the f32 bytes of the largest
+/// unit's weights (the size of the blocks candle allocates and frees every step), up to
+/// [`RETENTION_CAP_BYTES`].
+pub const RETENTION_PER_LARGEST_UNIT: f64 = 1.8;
+
+/// See [`RETENTION_PER_LARGEST_UNIT`].
+pub const RETENTION_CAP_BYTES: u64 = 16_000_000;
+
+/// The `zerodp train` process a plan is for: what it holds beyond its ranks' model states, buffers
+/// and activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TrainProcess {
+    /// Bytes of the training text, held in memory for the whole run.
+    pub corpus_bytes: u64,
+    /// Rayon threads each rank computes on.
+    pub threads_per_rank: u64,
+}
+
+impl TrainProcess {
+    /// Bytes of the process overhead per rank for `world` ranks of a model whose largest unit has
+    /// `largest_unit` elements and whose windows are `context + 1` tokens: the process-wide part
+    /// (base, corpus and window orders) shared out over the ranks, plus each rank's threads and
+    /// allocator retention.
+    pub fn overhead_per_rank(&self, world: u64, context: u64, largest_unit: u64) -> u64 {
+        let world = world.max(1);
+        let windows = self.corpus_bytes / (context + 1).max(1);
+        let data = self.corpus_bytes + 2 * 4 * windows;
+        let shared = PROCESS_BASE_BYTES + data;
+        let threads = RANK_THREADS_BYTES + self.threads_per_rank.max(1) * POOL_THREAD_BYTES;
+        shared.div_ceil(world) + threads + allocator_retention(largest_unit)
+    }
+}
+
+/// Memory the allocator holds per rank beyond what is live (freed blocks kept for reuse,
+/// fragmentation between the per-thread arenas). Not countable from the code: the grid measured
+/// about 1 MB per rank for `demo` (largest unit 0.8 MB of f32), 2-8 MB for `small` (3.2 MB) and
+/// 0-14 MB for the 25M-parameter GPT (12.6 MB), more in fp32 than in bf16 and varying from run to
+/// run; it is planned at the high end, as [`RETENTION_PER_LARGEST_UNIT`] f32 copies of the largest
+/// unit's weights, at most [`RETENTION_CAP_BYTES`].
+pub fn allocator_retention(largest_unit: u64) -> u64 {
+    ((largest_unit * F32) as f64 * RETENTION_PER_LARGEST_UNIT).min(RETENTION_CAP_BYTES as f64)
+        as u64
+}
+
+/// What zerodp's GPT holds beyond the engine's ledger at the fullest moment of a micro-step, in
+/// bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GptStepMemory {
+    /// Graph tensors, inputs kept for recomputation, the output gradient and backward's transient
+    /// gradients and scratch.
+    pub activations: u64,
+    /// candle's f32 copies of the weights, held by the graphs alive at that moment (not those the
+    /// ledger counts).
+    pub param_copies: u64,
+}
+
+impl GptStepMemory {
+    pub fn total(&self) -> u64 {
+        self.activations + self.param_copies
+    }
+}
+
+/// One unit of zerodp's GPT, in f32 elements.
+#[derive(Clone, Copy, Debug)]
+struct UnitMemory {
+    /// Activations a training forward's graph keeps until backward (its input copy and its output
+    /// included).
+    graph: u64,
+    /// Weight copies the graph keeps.
+    copies: u64,
+    /// Backward's transient peak above the graph.
+    backward: u64,
+    /// A forward without a graph: its transient peak beside the input, weight copies excluded.
+    no_grad: u64,
+}
+
+fn units(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
+    let (c, v, t, h) = (shape.width, shape.vocab, shape.context, shape.heads);
+    let n = micro_batch * seq;
+    let nc = n * c;
+    let probs = micro_batch * h * seq * seq;
+    let vc = v * c;
+    let embeddings = UnitMemory {
+        graph: 2 * nc + n,
+        copies: (v + t) * c,
+        backward: 7 * nc + 2 * nc.max(vc) + t * c,
+        no_grad: 2 * nc + n,
+    };
+    let block = UnitMemory {
+        graph: 19 * nc,
+        copies: shape.block_params(),
+        backward: [
+            14 * nc + 3 * probs + 9 * c * c,
+            9 * nc + 16 * c * c,
+            8 * nc + 18 * c * c,
+            19 * nc + 4 * c * c,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            + 4 * nc,
+        no_grad: (12 * nc).max(8 * nc + 2 * probs),
+    };
+    let head = UnitMemory {
+        graph: 2 * nc + n * v + n,
+        copies: 2 * c + vc,
+        backward: [
+            4 * n * v + vc,
+            n * v + 2 * nc + 6 * vc,
+            n * v + 6 * nc + 2 * vc,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
+            + nc.max(vc),
+        no_grad: 2 * nc + n * v,
+    };
+    let mut out = vec![embeddings];
+    out.extend(std::iter::repeat_n(block, shape.layers as usize));
+    out.push(head);
+    out
+}
+
+/// The fullest moment of one micro-step of zerodp's GPT of `shape` on `micro_batch` sequences of
+/// `seq` tokens, beyond the engine's ledger. `recompute[u]`: unit `u` runs its forward without a
+/// graph and again in backward (the engine's rule); `copies_in_ledger[u]`: the ledger already
+/// counts the weights unit `u`'s kept graph holds (stage 3). Both have one entry per unit (the
+/// embeddings, the blocks, the head); missing entries count as false.
+pub fn gpt_step_memory(
+    shape: &GptShape,
+    micro_batch: u64,
+    seq: u64,
+    recompute: &[bool],
+    copies_in_ledger: &[bool],
+) -> GptStepMemory {
+    let units = units(shape, micro_batch, seq);
+    let last = units.len() - 1;
+    let nc = micro_batch * seq * shape.width;
+    let flag = |v: &[bool], u: usize| v.get(u).copied().unwrap_or(false);
+    let copies = |u: usize| match flag(copies_in_ledger, u) {
+        true => 0,
+        false => units[u].copies,
+    };
+    // Held now: activations and weight copies; the peak as (total, activations, copies).
+    let (mut acts, mut held_copies) = (0u64, 0u64);
+    let mut peak = (0u64, 0u64, 0u64);
+    let mut see = |a: u64, w: u64| {
+        if a + w > peak.0 {
+            peak = (a + w, a, w);
+        }
+    };
+    // Whether the current input is a tensor of its own (a no-grad forward's output) rather than
+    // part of the previous unit's graph, and so whether keeping it for a recomputation costs.
+    let mut loose = false;
+    let mut kept_input_loose = vec![false; units.len()];
+    for (u, m) in units.iter().enumerate() {
+        if u != last && flag(recompute, u) {
+            see(acts + m.no_grad, held_copies + copies(u));
+            kept_input_loose[u] = loose;
+            // Its output is kept as the next unit's input (or copied into that unit's graph).
+            acts += nc;
+            loose = true;
+        } else {
+            acts += m.graph;
+            held_copies += copies(u);
+            if loose {
+                // A training forward copies its input into its graph and drops the original.
+                acts = acts.saturating_sub(nc);
+                loose = false;
+            }
+            see(acts, held_copies);
+        }
+    }
+    for (u, m) in units.iter().enumerate().rev() {
+        if u != last && flag(recompute, u) {
+            acts += m.graph;
+            held_copies += copies(u);
+            if kept_input_loose[u] {
+                // The kept input is dropped once copied into the recomputed graph.
+                acts = acts.saturating_sub(nc);
+            }
+        }
+        see(acts + m.backward, held_copies);
+        acts = acts.saturating_sub(m.graph);
+        held_copies = held_copies.saturating_sub(copies(u));
+        // This unit's input gradient replaces its output gradient.
+        if u > 0 {
+            acts += nc;
+        }
+        if u < last {
+            acts = acts.saturating_sub(nc);
+        }
+    }
+    GptStepMemory {
+        activations: peak.1 * F32,
+        param_copies: peak.2 * F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn demo() -> GptShape {
+        GptShape {
+            layers: 3,
+            width: 128,
+            heads: 4,
+            vocab: 256,
+            context: 64,
+        }
+    }
+
+    #[test]
+    fn a_kept_graph_holds_every_unit_until_backward() {
+        let s = demo();
+        let units = s.layers as usize + 2;
+        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &[]);
+        // The fullest moment is the last block's backward: every graph but the head's (freed by
+        // then) is alive, with its weight copies, and the block's backward scratch on top.
+        let nc = 4 * 64 * 128;
+        let graphs = 2 * nc + 4 * 64 + 3 * 19 * nc;
+        assert!(m.activations > graphs * 4, "{m:?}");
+        assert_eq!(m.param_copies, (s.num_params() - 2 * 128) * 4);
+        // Checkpointing keeps the inputs only, and one unit's copies at a time.
+        let mut rec = vec![true; units];
+        rec[units - 1] = false;
+        let c = gpt_step_memory(&s, 4, 64, &rec, &[]);
+        assert!(c.total() * 5 < m.total() * 3, "{c:?} vs {m:?}");
+        assert!(c.param_copies <= (s.block_params() + 2 * 128 + 256 * 128) * 4);
+    }
+
+    #[test]
+    fn copies_the_ledger_counts_are_not_counted_again() {
+        let s = demo();
+        let units = s.layers as usize + 2;
+        let mut ledger = vec![true; units];
+        ledger[units - 1] = false;
+        let kept = gpt_step_memory(&s, 4, 64, &vec![false; units], &[]);
+        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &ledger);
+        // At stage 3 the ledger holds the kept graphs' copies; only the head's are the model's, and
+        // they are freed before the fullest moment.
+        assert_eq!(m.param_copies, 0);
+        assert_eq!(m.activations, kept.activations);
+    }
+
+    #[test]
+    fn process_overhead_shares_the_process_and_counts_each_rank() {
+        let p = TrainProcess {
+            corpus_bytes: 1_000_000,
+            threads_per_rank: 1,
+        };
+        let one = p.overhead_per_rank(1, 64, 1000);
+        let four = p.overhead_per_rank(4, 64, 1000);
+        assert!(four < one);
+        // Four ranks together hold more than one: their threads and retention.
+        assert!(4 * four > one);
+    }
+}
