@@ -206,6 +206,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let process = TrainProcess {
         corpus_bytes: std::fs::metadata(&data_path).map_or(0, |m| m.len()),
         threads_per_rank: trainer.threads_per_rank() as u64,
+        checkpoint_staging: args.save_dir.is_some(),
     };
     super::preflight::check(
         &args.preflight,

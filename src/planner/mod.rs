@@ -222,6 +222,10 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     if let (Some(p), Some(e)) = (&input.process, &engine) {
         let largest = e.layout.largest_padded() as u64;
         bytes.overhead = p.overhead_per_rank(n, input.seq_len, largest);
+        if p.checkpoint_staging {
+            let shard = e.layout.shard_numel() as u64;
+            bytes.overhead += process::checkpoint_staging_bytes(shard);
+        }
     }
     bytes.total = bytes.model_states
         + bytes.reduce_buckets

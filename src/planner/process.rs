@@ -83,6 +83,9 @@ pub struct TrainProcess {
     pub corpus_bytes: u64,
     /// Rayon threads each rank computes on.
     pub threads_per_rank: u64,
+    /// Whether the run saves checkpoints (`--save-dir`): each rank then holds a staging copy of
+    /// its shard of the master weights and Adam's m and v for the whole run.
+    pub checkpoint_staging: bool,
 }
 
 impl TrainProcess {
@@ -98,6 +101,12 @@ impl TrainProcess {
         let threads = RANK_THREADS_BYTES + self.threads_per_rank.max(1) * POOL_THREAD_BYTES;
         shared.div_ceil(world) + threads + allocator_retention(largest_unit)
     }
+}
+
+/// The checkpoint staging buffer of one rank holding `shard` elements: the fp32 master, m and v,
+/// plus the page that starts the file image (`crate::checkpoint`).
+pub fn checkpoint_staging_bytes(shard: u64) -> u64 {
+    3 * F32 * shard + 2 * 4096
 }
 
 /// Memory the allocator holds per rank beyond what is live (freed blocks kept for reuse,
@@ -318,6 +327,7 @@ mod tests {
         let p = TrainProcess {
             corpus_bytes: 1_000_000,
             threads_per_rank: 1,
+            checkpoint_staging: false,
         };
         let one = p.overhead_per_rank(1, 64, 1000);
         let four = p.overhead_per_rank(4, 64, 1000);
