@@ -549,3 +549,99 @@ extern "C" {
     #[link_name = "kill"]
     fn libc_kill(pid: i32, sig: i32) -> i32;
 }
+
+/// Checkpoints are the same under MPI: a run saved by `mpirun -np 2` at step 2 resumes in-process
+/// (world size 2, bitwise as the unbroken run; world size 1, resharded), and an in-process save
+/// resumes under `mpirun`.
+#[test]
+fn checkpoints_saved_under_mpirun_resume_in_process_and_back() {
+    if mpirun().is_none() {
+        eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bin = &zerodp_bin(dir.path());
+    let text = corpus(dir.path());
+    let cfg = config(dir.path(), 3, true);
+    let args = |steps: &str, m: &Path, extra: &[&str]| -> Vec<String> {
+        let mut a: Vec<String> = vec!["train".into(), "--config".into()];
+        a.push(cfg.display().to_string());
+        // TRAIN_ARGS without its `--steps 3`.
+        let model = TRAIN_ARGS[..6].iter().chain(&TRAIN_ARGS[8..]);
+        a.extend(model.map(|s| s.to_string()));
+        a.extend(["--steps".into(), steps.into(), "--no-progress".into()]);
+        a.extend(["--data".into(), text.display().to_string()]);
+        a.extend(["--metrics".into(), m.display().to_string()]);
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run_inproc = |a: Vec<String>, world: &str| {
+        let out = Command::new(bin)
+            .args(&a)
+            .args(["--world-size", world, "--backend", "inprocess"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let straight = dir.path().join("straight.jsonl");
+    run_inproc(args("4", &straight, &[]), "2");
+
+    // Saved under mpirun at step 2, resumed in-process to step 4.
+    let ck = dir.path().join("ck-mpi");
+    let ck_s = ck.display().to_string();
+    let m1 = dir.path().join("mpi.jsonl");
+    let a = args("2", &m1, &["--save-dir", &ck_s]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = mpirun_cmd(2, bin, &a, &[])
+        .unwrap()
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(ck.join("step000002").join("manifest.json").exists());
+    let m2 = dir.path().join("resumed.jsonl");
+    run_inproc(args("4", &m2, &["--resume", &ck_s]), "2");
+    let want: Vec<_> = metrics(&[straight.clone()])
+        .into_iter()
+        .filter(|r| r.1 > 2)
+        .collect();
+    assert_eq!(metrics(&[m2]), want, "resumed in-process after an MPI save");
+    let m3 = dir.path().join("resharded.jsonl");
+    run_inproc(args("4", &m3, &["--resume", &ck_s]), "1");
+    assert_eq!(metrics(&[m3]).len(), 2);
+
+    // Saved in-process, resumed under mpirun.
+    let ck2 = dir.path().join("ck-inp");
+    let ck2_s = ck2.display().to_string();
+    run_inproc(
+        args("2", &dir.path().join("i.jsonl"), &["--save-dir", &ck2_s]),
+        "2",
+    );
+    let m4 = dir.path().join("mpi-resumed.jsonl");
+    let a = args("4", &m4, &["--resume", &ck2_s]);
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let out = mpirun_cmd(2, bin, &a, &[])
+        .unwrap()
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let files = [m4, dir.path().join("mpi-resumed.rank1.jsonl")];
+    assert_eq!(
+        metrics(&files),
+        want,
+        "resumed under mpirun after an in-process save"
+    );
+}
