@@ -609,7 +609,7 @@ fn checkpoints_saved_under_mpirun_resume_in_process_and_back() {
     assert!(ck.join("step000002").join("manifest.json").exists());
     let m2 = dir.path().join("resumed.jsonl");
     run_inproc(args("4", &m2, &["--resume", &ck_s]), "2");
-    let want: Vec<_> = metrics(&[straight.clone()])
+    let want: Vec<_> = metrics(std::slice::from_ref(&straight))
         .into_iter()
         .filter(|r| r.1 > 2)
         .collect();
