@@ -1,7 +1,7 @@
 //! The GPT reference model trained through the engine: the loss falls, and stages agree.
 
 use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
-use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::{EngineConfig, Stage};
 
 const GLOBAL: usize = 8;
@@ -26,20 +26,10 @@ fn losses(stage: Stage, world: usize, ga: usize, steps: usize, reuse: usize) -> 
     cfg.reduce_bucket_size = 5000;
     cfg.seed = 11;
     cfg.max_reuse_distance = reuse;
-    let source = |at: BatchIndex| {
-        data.micro_batch(
-            at.step,
-            at.train_batch_size,
-            at.world_size,
-            at.rank,
-            at.micro_batch_size,
-            at.micro,
-        )
-    };
     let log = ReportLog::new();
     Trainer::new(&model, cfg)
         .with_schedule(LrSchedule::Constant(3e-3))
-        .run(&source, steps as u64, &[&log])
+        .run(&data, steps as u64, &[&log])
         .unwrap_or_else(|e| panic!("{e}"));
     let out: Vec<Vec<f32>> = log
         .into_reports()

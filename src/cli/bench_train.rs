@@ -15,7 +15,7 @@ use anyhow::bail;
 use std::sync::Arc;
 use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
-use zerodp::trainer::{Backend, BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, PhaseTimes, Stage, StepReport};
 
@@ -245,18 +245,8 @@ fn measure(
             .with_threads_per_rank(*threads);
     }
     let threads = trainer.threads_per_rank();
-    let source = |at: BatchIndex| {
-        data.micro_batch(
-            at.step,
-            at.train_batch_size,
-            at.world_size,
-            at.rank,
-            at.micro_batch_size,
-            at.micro,
-        )
-    };
     let log = ReportLog::new();
-    trainer.run(&source, (args.warmup + args.steps) as u64, &[&log])?;
+    trainer.run(data, (args.warmup + args.steps) as u64, &[&log])?;
     // The ranks this process ran (all in-process, its own under MPI).
     let per_rank: Vec<Vec<StepReport>> = log
         .into_reports()

@@ -40,8 +40,8 @@ use zerodp::model::{
 use zerodp::planner::TrainProcess;
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::trainer::{
-    step_log_line, Backend, BatchIndex, CheckpointOptions, MetricsFile, Resume, StepEvent,
-    StepObserver, TrainOutcome, Trainer, TrainerError,
+    step_log_line, Backend, CheckpointOptions, MetricsFile, Resume, StepEvent, StepObserver,
+    TrainOutcome, Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -300,21 +300,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         settings.steps_per_print,
     );
     let started = Instant::now();
-    let source = |at: BatchIndex| {
-        data.micro_batch(
-            at.step,
-            at.train_batch_size,
-            at.world_size,
-            at.rank,
-            at.micro_batch_size,
-            at.micro,
-        )
-    };
     let mut observers: Vec<&dyn StepObserver> = vec![&progress];
     if let Some(m) = &metrics {
         observers.push(m);
     }
-    let outcome = trainer.run(&source, args.steps, &observers)?;
+    let outcome = trainer.run(&data, args.steps, &observers)?;
     progress.bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
     let steps_run = outcome.steps - outcome.start_step;

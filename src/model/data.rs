@@ -279,3 +279,20 @@ impl TokenBatch {
         }
     }
 }
+
+/// The trainer draws a language model's micro-batches straight from the loader: step `step`'s
+/// global batch of `train_batch_size` windows, this rank's `micro`-th micro-batch of it.
+impl crate::trainer::DataSource<TokenBatch> for DataLoader {
+    fn micro_batch(&self, at: crate::trainer::BatchIndex) -> Result<TokenBatch, String> {
+        DataLoader::micro_batch(
+            self,
+            at.step,
+            at.train_batch_size,
+            at.world_size,
+            at.rank,
+            at.micro_batch_size,
+            at.micro,
+        )
+        .map_err(|e| e.to_string())
+    }
+}

@@ -13,15 +13,13 @@
 //!
 //! ```no_run
 //! use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
-//! use zerodp::trainer::{BatchIndex, Trainer};
+//! use zerodp::trainer::Trainer;
 //!
 //! let model = GptModel::new(GptConfig::tiny()).unwrap();
+//! // A `DataLoader` is a data source; so is any `Fn(BatchIndex) -> Result<Batch, E>`.
 //! let data = DataLoader::new(Corpus::from_text("t", &"some text ".repeat(100)), 16, 0).unwrap();
 //! let trainer = Trainer::from_config_file(&model, "ds_config.json", 2, 42).unwrap();
-//! let outcome = trainer
-//!     .run(&|at: BatchIndex| data.micro_batch(at.step, at.train_batch_size, at.world_size,
-//!         at.rank, at.micro_batch_size, at.micro), 10, &[])
-//!     .unwrap();
+//! let outcome = trainer.run(&data, 10, &[]).unwrap();
 //! println!("final loss {}", outcome.last[0].as_ref().unwrap().loss);
 //! ```
 
@@ -376,14 +374,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             return self.run_this_rank(comm.clone(), data, steps, observers);
         }
         let finals = run_ranks(world, self.comm.clone(), |comm, rank| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(self.threads_per_rank)
-                .build()
-                .map_err(|e| TrainerError::Pool {
-                    rank,
-                    message: e.to_string(),
-                })?;
-            pool.install(|| self.rank_loop(&*comm, rank, data, steps, observers))
+            self.rank_in_pool(&*comm, rank, data, steps, observers)
         })
         .map_err(|e| TrainerError::Ranks(e.to_string()))?;
         let mut last = Vec::with_capacity(world);
@@ -434,16 +425,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
                 self.engine.world_size
             )));
         }
-        let run = || -> Result<RankFinal, TrainerError> {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(self.threads_per_rank)
-                .build()
-                .map_err(|e| TrainerError::Pool {
-                    rank,
-                    message: e.to_string(),
-                })?;
-            pool.install(|| self.rank_loop(&*comm, rank, data, steps, observers))
-        };
+        let run = || self.rank_in_pool(&*comm, rank, data, steps, observers);
         let f = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
@@ -466,6 +448,26 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             saves: f.saves,
             params: f.params,
         })
+    }
+
+    /// [`Trainer::rank_loop`] inside a fresh rayon pool of `threads_per_rank` threads, so that the
+    /// rank's matmuls use its share of the cores instead of competing for the global pool.
+    fn rank_in_pool(
+        &self,
+        comm: &dyn Communicator,
+        rank: usize,
+        data: &dyn DataSource<M::Batch>,
+        steps: u64,
+        observers: &[&dyn StepObserver],
+    ) -> Result<RankFinal, TrainerError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(self.threads_per_rank)
+            .build()
+            .map_err(|e| TrainerError::Pool {
+                rank,
+                message: e.to_string(),
+            })?;
+        pool.install(|| self.rank_loop(comm, rank, data, steps, observers))
     }
 
     /// One rank: build its engine (or resume it), then step, report, save, repeat.
