@@ -43,11 +43,19 @@ pub fn check(
     gpt: &GptConfig,
     process: TrainProcess,
 ) -> anyhow::Result<()> {
-    let world = engine.world_size as u64;
     let host = host_memory()?;
+    // The ranks that share this machine's memory: all of them in-process; under MPI the job's
+    // processes on this host.
+    let (on_host, share) = match zerodp::comm::detect_mpi_launch() {
+        Some(l) => (
+            l.local_size.unwrap_or(l.size),
+            "this machine's memory / the ranks on this host",
+        ),
+        None => (engine.world_size, "this machine's memory / --world-size"),
+    };
     let (capacity, source) = match &args.device_memory {
         Some(s) => (parse_bytes(s, "--device-memory")?, "--device-memory"),
-        None => (host / world.max(1), "this machine's memory / --world-size"),
+        None => (host / on_host.max(1) as u64, share),
     };
     let input = plan_input(settings, engine, spec, gpt, capacity, host, process);
     let plan = planner::plan(&input)?;

@@ -10,6 +10,9 @@ pub struct MpiLaunch {
     /// This process's rank when the launcher gives it (`OMPI_COMM_WORLD_RANK`, `PMI_RANK`,
     /// `PMIX_RANK`).
     pub rank: Option<usize>,
+    /// Processes of the job on this host when the launcher says (`OMPI_COMM_WORLD_LOCAL_SIZE`,
+    /// `MPI_LOCALNRANKS`, `PMIX_LOCAL_SIZE`): they share this host's memory.
+    pub local_size: Option<usize>,
 }
 
 /// The MPI launch this process is part of, if any: Open MPI's `mpirun` sets
@@ -27,7 +30,14 @@ pub fn detect_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiLaunch> {
     let rank = num("OMPI_COMM_WORLD_RANK")
         .or_else(|| num("PMI_RANK"))
         .or_else(|| num("PMIX_RANK"));
-    Some(MpiLaunch { size, rank })
+    let local_size = num("OMPI_COMM_WORLD_LOCAL_SIZE")
+        .or_else(|| num("MPI_LOCALNRANKS"))
+        .or_else(|| num("PMIX_LOCAL_SIZE"));
+    Some(MpiLaunch {
+        size,
+        rank,
+        local_size,
+    })
 }
 
 /// Whether this build has the MPI backend (the `mpi` cargo feature).
@@ -49,13 +59,15 @@ mod tests {
         let ompi = detect_from(|k| match k {
             "OMPI_COMM_WORLD_SIZE" => Some("4".into()),
             "OMPI_COMM_WORLD_RANK" => Some("2".into()),
+            "OMPI_COMM_WORLD_LOCAL_SIZE" => Some("2".into()),
             _ => None,
         });
         assert_eq!(
             ompi,
             Some(MpiLaunch {
                 size: 4,
-                rank: Some(2)
+                rank: Some(2),
+                local_size: Some(2),
             })
         );
         let pmi = detect_from(|k| (k == "PMI_SIZE").then(|| "2".into()));
@@ -63,7 +75,8 @@ mod tests {
             pmi,
             Some(MpiLaunch {
                 size: 2,
-                rank: None
+                rank: None,
+                local_size: None,
             })
         );
     }
