@@ -228,3 +228,57 @@ fn consolidated_weights_load_with_init() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn a_full_disk_during_a_save_fails_clearly_and_keeps_the_last_checkpoint() {
+    let s = setup();
+    let mnt = s.dir.path().join("small");
+    std::fs::create_dir(&mnt).unwrap();
+    // Room for a few checkpoints of the tiny GPT (about 0.7 MB each), not for twenty.
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=3m", "tmpfs"])
+        .arg(&mnt)
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("skipped: cannot mount a small tmpfs here (needs root)");
+        return;
+    }
+    let ckpt = mnt.join("ckpt");
+    let out = train(
+        &s,
+        &["--steps", "20", "--save-every", "1"],
+        &[("--save-dir", &ckpt)],
+    )
+    .output()
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let inspect = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["ckpt", "inspect"])
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap_or_default();
+    let leftovers: Vec<String> = std::fs::read_dir(&ckpt)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".tmp"))
+                .collect()
+        })
+        .unwrap_or_default();
+    let _ = Command::new("umount").arg(&mnt).status();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("No space left on device"), "{err}");
+    assert!(
+        latest.starts_with("step"),
+        "a checkpoint was saved before the disk filled"
+    );
+    assert!(
+        inspect.status.success(),
+        "the last complete checkpoint verifies: {}",
+        String::from_utf8_lossy(&inspect.stdout)
+    );
+    assert!(leftovers.is_empty(), "the failed save left {leftovers:?}");
+}
