@@ -210,8 +210,25 @@ impl CheckpointWriter {
             }
             (Ok(entry), false) => entry.bytes,
         };
-        if self.rank == 0 {
-            self.commit(&tmp, p.step, &p.counters)?;
+        // Rank 0 commits; every rank learns whether it did before going on, so no rank starts
+        // the next save (or trains on) past a checkpoint that could not be committed.
+        let committed = match self.rank {
+            0 => self.commit(&tmp, p.step, &p.counters).inspect_err(|_| {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }),
+            _ => Ok(()),
+        };
+        let flag = if committed.is_err() { 1.0 } else { 0.0 };
+        let all = comm
+            .all_reduce(Buffer::F32(vec![flag]), ReduceOp::Max)
+            .wait_one()?;
+        committed?;
+        if all.get_f32(0) > 0.0 {
+            return Err(CheckpointError::RankFailed {
+                rank: 0,
+                step: p.step,
+                message: "it could not commit the checkpoint (see its own error)".into(),
+            });
         }
         Ok(Some(SaveTiming {
             step: p.step,
