@@ -389,19 +389,13 @@ impl Gpt {
         batch: &TokenBatch,
     ) -> candle_core::Result<Tensor> {
         let (b, t) = (batch.batch_size, batch.seq_len);
-        let c = self.config.width;
         let need_input = || {
             input.ok_or_else(|| {
                 candle_core::Error::Msg("this unit needs an input activation".into())
             })
         };
         match kind {
-            UnitKind::Embeddings => {
-                let tokens = Tensor::from_slice(&batch.tokens, b * t, &self.device)?;
-                let tok = p[0].index_select(&tokens, 0)?.reshape((b, t, c))?;
-                let pos = p[1].narrow(0, 0, t)?;
-                tok.broadcast_add(&pos)?.reshape((b * t, c))
-            }
+            UnitKind::Embeddings => self.embed(&p[0], &p[1], &batch.tokens, b, t),
             UnitKind::Block => {
                 let x = need_input()?;
                 let h = self.layer_norm(x, &p[0], &p[1])?;
@@ -414,19 +408,52 @@ impl Gpt {
                 let x = need_input()?;
                 let h = self.layer_norm(x, &p[0], &p[1])?;
                 // p[2] is the tied `wte.weight` of unit 0.
-                let logits = h.matmul(&p[2].t()?)?;
+                let logits = self.lm_logits(&h, &p[2])?;
                 let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
-                if self.fused {
-                    logits.apply_op2(&targets, kernels::CrossEntropy)
-                } else {
-                    candle_nn::loss::cross_entropy(&logits, &targets)
-                }
+                self.cross_entropy(&logits, &targets)
             }
         }
     }
 
+    // The ops below are `#[doc(hidden)] pub` for examples/gpt_op_profile.rs, which times each on
+    // its own; they are the exact code the units run.
+
+    /// Token plus position embeddings of `b x t` token ids: `[b*t, c]`.
+    #[doc(hidden)]
+    pub fn embed(
+        &self,
+        wte: &Tensor,
+        wpe: &Tensor,
+        tokens: &[u32],
+        b: usize,
+        t: usize,
+    ) -> candle_core::Result<Tensor> {
+        let c = self.config.width;
+        let tokens = Tensor::from_slice(tokens, b * t, &self.device)?;
+        let tok = wte.index_select(&tokens, 0)?.reshape((b, t, c))?;
+        let pos = wpe.narrow(0, 0, t)?;
+        tok.broadcast_add(&pos)?.reshape((b * t, c))
+    }
+
+    /// The LM head's logits `h @ wte^T` (tied weights): `[n, vocab]`.
+    #[doc(hidden)]
+    pub fn lm_logits(&self, h: &Tensor, wte: &Tensor) -> candle_core::Result<Tensor> {
+        h.matmul(&wte.t()?)
+    }
+
+    /// Mean cross-entropy of `logits [n, vocab]` against u32 `targets [n]`.
+    #[doc(hidden)]
+    pub fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
+        if self.fused {
+            logits.apply_op2(targets, kernels::CrossEntropy)
+        } else {
+            candle_nn::loss::cross_entropy(logits, targets)
+        }
+    }
+
     /// `y = x @ w^T + bias` for `x: [n, in]`, `w: [out, in]`, `bias: [out]`.
-    fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+    #[doc(hidden)]
+    pub fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
         if self.fused {
             x.contiguous()?.apply_op3(w, bias, kernels::Linear)
         } else {
@@ -435,7 +462,8 @@ impl Gpt {
     }
 
     /// LayerNorm over the last dimension.
-    fn layer_norm(
+    #[doc(hidden)]
+    pub fn layer_norm(
         &self,
         x: &Tensor,
         weight: &Tensor,
@@ -449,7 +477,8 @@ impl Gpt {
         }
     }
 
-    fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    #[doc(hidden)]
+    pub fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if self.fused {
             x.contiguous()?.apply_op1(kernels::Gelu)
         } else {
@@ -469,17 +498,24 @@ impl Gpt {
         b: usize,
         t: usize,
     ) -> candle_core::Result<Tensor> {
+        let qkv = self.linear(x, w_attn, b_attn)?;
+        self.linear(&self.attention_core(&qkv, b, t)?, w_proj, b_proj)
+    }
+
+    /// The causal multi-head attention core: `qkv [b*t, 3c]` -> `[b*t, c]` (before the output
+    /// projection).
+    #[doc(hidden)]
+    pub fn attention_core(&self, qkv: &Tensor, b: usize, t: usize) -> candle_core::Result<Tensor> {
         let c = self.config.width;
         let nh = self.config.heads;
         let hd = c / nh;
-        let qkv = self.linear(x, w_attn, b_attn)?;
         if self.fused {
             let attn = kernels::CausalAttention {
                 batch: b,
                 seq: t,
                 heads: nh,
             };
-            return self.linear(&qkv.apply_op1(attn)?, w_proj, b_proj);
+            return qkv.apply_op1(attn);
         }
         let qkv = qkv.reshape((b, t, 3, nh, hd))?;
         // [b, t, nh, hd] -> [b, nh, t, hd], contiguous for the batched matmuls.
@@ -494,12 +530,10 @@ impl Gpt {
         let v = split(2)?;
         let att = q.matmul(&k.t()?)?.broadcast_add(&self.causal_mask(t)?)?;
         let att = candle_nn::ops::softmax(&att, D::Minus1)?;
-        let y = att
-            .matmul(&v)?
+        att.matmul(&v)?
             .transpose(1, 2)?
             .contiguous()?
-            .reshape((b * t, c))?;
-        self.linear(&y, w_proj, b_proj)
+            .reshape((b * t, c))
     }
 
     fn validate_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
