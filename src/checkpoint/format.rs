@@ -9,22 +9,35 @@ use std::io::{Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-/// One tensor of a file being written: its name and element count, in data order.
+/// One tensor of a file being written, in data order.
 pub struct TensorEntry {
     pub name: String,
-    pub len: usize,
+    pub shape: Vec<usize>,
 }
 
-/// The JSON header of a safetensors file of 1-D tensors of `dtype` (`elem` bytes each), padded
-/// with spaces to a multiple of 8 bytes as the format recommends.
+impl TensorEntry {
+    /// A flat tensor of `len` elements.
+    pub fn flat(name: String, len: usize) -> Self {
+        TensorEntry {
+            name,
+            shape: vec![len],
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The JSON header of a safetensors file of tensors of `dtype` (`elem` bytes each), padded with
+/// spaces to a multiple of 8 bytes as the format recommends.
 pub fn header_bytes(tensors: &[TensorEntry], dtype: &str, elem: usize) -> Vec<u8> {
     let mut map = serde_json::Map::new();
     let mut offset = 0usize;
     for t in tensors {
-        let end = offset + t.len * elem;
+        let end = offset + t.len() * elem;
         map.insert(
             t.name.clone(),
-            serde_json::json!({ "dtype": dtype, "shape": [t.len], "data_offsets": [offset, end] }),
+            serde_json::json!({ "dtype": dtype, "shape": t.shape, "data_offsets": [offset, end] }),
         );
         offset = end;
     }
@@ -136,8 +149,12 @@ impl SliceReader {
                 .as_array()
                 .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
                 .unwrap_or_default();
-            let elems: u64 = shape.iter().product();
-            if dtype != "F32" || offs.len() != 2 || offs[1] - offs[0] != elems * 4 {
+            let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+            let span = (offs.len() == 2)
+                .then(|| offs[1].checked_sub(offs[0]))
+                .flatten();
+            let bytes = elems.and_then(|e| e.checked_mul(4));
+            if dtype != "F32" || span.is_none() || span != bytes {
                 return Err(damaged(format!("tensor {name} is not a plain F32 tensor")));
             }
             if offs[1] > data_len {
@@ -146,7 +163,9 @@ impl SliceReader {
                     offs[1]
                 )));
             }
-            tensors.insert(name.clone(), (elems as usize, offs[0]));
+            let elems = usize::try_from(elems.unwrap_or(0))
+                .map_err(|_| damaged(format!("tensor {name} is too large")))?;
+            tensors.insert(name.clone(), (elems, offs[0]));
         }
         Ok(SliceReader {
             path: path.to_path_buf(),

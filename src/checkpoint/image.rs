@@ -33,7 +33,7 @@ impl FileImage {
             header.push(b' ');
         }
         let data_start = 8 + header.len();
-        let elems: usize = tensors.iter().map(|t| t.len).sum();
+        let elems: usize = tensors.iter().map(TensorEntry::len).sum();
         let len = data_start + 4 * elems;
         let cap = len.div_ceil(ALIGN).max(1) * ALIGN;
         let layout = Layout::from_size_align(cap, ALIGN).expect("a valid layout");
@@ -133,14 +133,8 @@ mod tests {
     #[test]
     fn an_image_written_directly_or_not_reads_back() {
         let tensors = [
-            TensorEntry {
-                name: "a".into(),
-                len: 3,
-            },
-            TensorEntry {
-                name: "b".into(),
-                len: 5000,
-            },
+            TensorEntry::flat("a".into(), 3),
+            TensorEntry::flat("b".into(), 5000),
         ];
         let mut image = FileImage::new(&tensors);
         let values: Vec<f32> = (0..5003).map(|i| i as f32 * 0.5).collect();

@@ -160,21 +160,11 @@ pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, Checkpoint
         .iter()
         .map(|(_, p)| TensorEntry {
             name: p.name.clone(),
-            len: p.shape.iter().product(),
+            shape: p.shape.clone(),
         })
         .collect();
     let (dtype, elem) = if bf16 { ("BF16", 2) } else { ("F32", 4) };
-    // Shapes go into the header as written by the model, not flattened.
-    let mut header: serde_json::Value =
-        serde_json::from_slice(&header_bytes(&entries, dtype, elem))
-            .expect("our own header parses");
-    for (_, p) in &params {
-        header[&p.name]["shape"] = serde_json::json!(p.shape);
-    }
-    let mut header = header.to_string().into_bytes();
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
+    let header = header_bytes(&entries, dtype, elem);
     let io = |source| CheckpointError::Io {
         path: out.to_path_buf(),
         source,
@@ -190,8 +180,8 @@ pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, Checkpoint
         let mut wide = Vec::new();
         for ((u, p), e) in params.iter().zip(&entries) {
             values.clear();
-            values.resize(e.len, 0.0f32);
-            files.read(*u, 0, p.offset..p.offset + e.len, &mut values)?;
+            values.resize(e.len(), 0.0f32);
+            files.read(*u, 0, p.offset..p.offset + e.len(), &mut values)?;
             if bf16 {
                 wide.clear();
                 wide.extend(values.iter().map(|&x| half::bf16::from_f32(x).to_bits()));

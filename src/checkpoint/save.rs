@@ -52,8 +52,7 @@ pub struct CheckpointWriter {
     /// The staging buffer, reused between saves; `None` before [`CheckpointWriter::prepare`] and
     /// while a write holds it.
     staging: Option<FileImage>,
-    /// The tensors of this rank's file, and the element range of each unit it holds.
-    tensors: Vec<(String, usize)>,
+    /// The element range of each unit this rank's file holds.
     ranges: Vec<[usize; 2]>,
     pending: Option<Pending>,
 }
@@ -73,7 +72,6 @@ impl CheckpointWriter {
             run,
             keep_last,
             staging: None,
-            tensors: Vec::new(),
             ranges: Vec::new(),
             pending: None,
         }
@@ -84,23 +82,15 @@ impl CheckpointWriter {
     /// the whole run: one copy of this rank's shard of master weights and Adam moments, laid out
     /// as the file it becomes.
     pub fn prepare<M: UnitModel>(&mut self, engine: &Engine<'_, M>) {
-        self.tensors.clear();
         self.ranges.clear();
+        let mut entries = Vec::new();
         for u in 0..engine.layout().num_units() {
             let r = engine.saved_range(u);
             for name in tensor_names(u) {
-                self.tensors.push((name, r.len()));
+                entries.push(TensorEntry::flat(name, r.len()));
             }
             self.ranges.push([r.start, r.end]);
         }
-        let entries: Vec<TensorEntry> = self
-            .tensors
-            .iter()
-            .map(|(name, len)| TensorEntry {
-                name: name.clone(),
-                len: *len,
-            })
-            .collect();
         self.staging = Some(FileImage::new(&entries));
     }
 

@@ -69,12 +69,8 @@ fn run_inspect(a: InspectArgs) -> anyhow::Result<i32> {
             m.model.units.len(),
             params
         );
-        for (name, problem) in &i.problems {
-            let f = m
-                .files
-                .iter()
-                .find(|f| &f.name == name)
-                .expect("listed file");
+        // `problems` follows the manifest's file list, one entry per file.
+        for (f, (name, problem)) in m.files.iter().zip(&i.problems) {
             let status = problem.as_deref().unwrap_or("ok");
             outln!(
                 "  {name}: {} bytes, crc32 {:08x}: {status}",

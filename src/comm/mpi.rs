@@ -834,6 +834,24 @@ impl Engine {
     }
 
     /// The local address of rank `k`'s input (`at = IN_AT`) or output (`OUT_AT`) this collective.
+    /// Every rank's input buffer `offset` bytes in, in rank order: this rank's at `own`, the
+    /// peers' as mapped here.
+    fn rank_addrs(
+        &mut self,
+        own: usize,
+        offset: usize,
+        addrs: &mut Vec<usize>,
+    ) -> Result<(), CommError> {
+        for k in 0..self.topo.size {
+            let a = match k == self.topo.rank {
+                true => own,
+                false => self.peer_addr(k, IN_AT)?,
+            };
+            addrs.push(a + offset);
+        }
+        Ok(())
+    }
+
     fn peer_addr(&mut self, k: usize, at: usize) -> Result<usize, CommError> {
         let d = self.descs[k];
         let r = RegionRef {
@@ -863,14 +881,7 @@ impl Engine {
                 let esz = dtype.size();
                 let mine = shard_range(len, n, r);
                 let own = buffer_addr_mut(&mut buf);
-                for k in 0..n {
-                    let a = if k == r {
-                        own
-                    } else {
-                        self.peer_addr(k, IN_AT)?
-                    };
-                    addrs.push(a + mine.start * esz);
-                }
+                self.rank_addrs(own, mine.start * esz, &mut addrs)?;
                 // SAFETY: until the departure, shard r of every rank's buffer is read and written
                 // by rank r alone (the arrival compared descriptors: every buffer holds `len`
                 // elements of `dtype`); each block is read before it is overwritten.
@@ -881,14 +892,7 @@ impl Engine {
                 let (len, dtype) = (input.len(), input.dtype());
                 let esz = dtype.size();
                 let mine = shard_range(len, n, r);
-                for k in 0..n {
-                    let a = if k == r {
-                        buffer_addr(&input)
-                    } else {
-                        self.peer_addr(k, IN_AT)?
-                    };
-                    addrs.push(a + mine.start * esz);
-                }
+                self.rank_addrs(buffer_addr(&input), mine.start * esz, &mut addrs)?;
                 let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
                     Store::Streaming
                 } else {
@@ -904,14 +908,7 @@ impl Engine {
                 let esz = dtype.size();
                 let mine = shard_range(len, n, r);
                 let own = buffer_addr_mut(&mut buf);
-                for k in 0..n {
-                    let a = if k == r {
-                        own
-                    } else {
-                        self.peer_addr(k, IN_AT)?
-                    };
-                    addrs.push(a + mine.start * esz);
-                }
+                self.rank_addrs(own, mine.start * esz, &mut addrs)?;
                 let dst = [own + mine.start * esz];
                 // SAFETY: shard r of every buffer is read by rank r only and written by nobody
                 // else until the departure; the destination is exactly this rank's own source.

@@ -299,6 +299,12 @@ impl<T: CandleUnits> Candle<T> {
         }
         let mut x: Option<Tensor> = None;
         for (u, us) in spec.units.iter().enumerate() {
+            if let Some(&g) = us.uses.iter().find(|&&g| g >= n_units || g == u) {
+                return Err(ModelError::Invalid(format!(
+                    "unit {u} ({}) uses unit {g}, which is not another unit of the model",
+                    us.name
+                )));
+            }
             let mut p = leaves[u].clone();
             for &g in &us.uses {
                 p.extend(leaves[g].iter().cloned());

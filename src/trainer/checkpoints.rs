@@ -55,7 +55,7 @@ impl RankCheckpoints {
         let writer = options.map(|o| {
             let run = RunDescription {
                 stage: cfg.stage.index(),
-                precision: precision_name(cfg),
+                precision: cfg.precision_name().into(),
                 seed: cfg.seed,
                 config: o.config.clone(),
                 model: ModelDescription::of(model.spec()),
@@ -95,13 +95,4 @@ impl RankCheckpoints {
         }
         Ok(())
     }
-}
-
-fn precision_name(cfg: &EngineConfig) -> String {
-    match cfg.param_dtype {
-        crate::comm::DType::F32 => "fp32",
-        crate::comm::DType::BF16 => "bf16",
-        crate::comm::DType::F16 => "fp16",
-    }
-    .into()
 }

@@ -147,6 +147,15 @@ impl EngineConfig {
         self
     }
 
+    /// The training precision's name (`fp32`, `bf16`, `fp16`), as configs and messages say it.
+    pub fn precision_name(&self) -> &'static str {
+        match self.param_dtype {
+            DType::F32 => "fp32",
+            DType::BF16 => "bf16",
+            DType::F16 => "fp16",
+        }
+    }
+
     /// Whether the parameters are 16-bit beside an fp32 master copy.
     pub fn is_mixed(&self) -> bool {
         self.param_dtype != DType::F32

@@ -265,7 +265,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         validate(&spec, &cfg, comm)?;
         let layout = FlatLayout::new(&spec, cfg.world_size, comm.rank());
         let plan = plan(&spec, &cfg);
-        let precision = precision_name(cfg.param_dtype);
+        let precision = cfg.precision_name();
         let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision)?;
 
         let (params, masters) = init_params(model, &cfg, &layout);
@@ -1043,15 +1043,6 @@ fn updated_part(layout: &FlatLayout, stage: Stage, unit: usize) -> Range<usize> 
     }
 }
 
-/// The training precision's name in messages.
-fn precision_name(param_dtype: DType) -> &'static str {
-    match param_dtype {
-        DType::F32 => "fp32",
-        DType::BF16 => "bf16",
-        DType::F16 => "fp16",
-    }
-}
-
 /// Mutable unpadded gradient slices of the distinct units `units`, in that order.
 fn grad_slices<'g>(
     grads: &'g mut [Vec<f32>],
@@ -1091,8 +1082,8 @@ fn validate(
             "communication_data_type {} does not match the {} parameters; use {} or fp32 \
              (16-bit communication needs the same 16-bit parameters: enable the bf16 or fp16 block)",
             cfg.comm_dtype,
-            precision_name(cfg.param_dtype),
-            precision_name(cfg.param_dtype),
+            cfg.precision_name(),
+            cfg.precision_name(),
         ));
     }
     if spec.units.is_empty() {
