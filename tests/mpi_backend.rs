@@ -168,7 +168,11 @@ fn worker_collectives() -> Result<(), CommError> {
         })
         .sum();
     assert_eq!(t.sent(CollectiveKind::AllGather), ag);
-    println!("WORKER-OK rank {r}: {checked} reductions bitwise equal");
+    let (hosts, shm) = (comm.topology().hosts, comm.shared_memory_calls());
+    println!(
+        "WORKER-OK rank {r} on {hosts} host(s): {checked} reductions bitwise equal, \
+         {shm} collectives through shared memory"
+    );
     Ok(())
 }
 
@@ -363,60 +367,65 @@ fn training_under_mpirun_equals_in_process_bitwise_stages_0_to_3() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let bin = &zerodp_bin(dir.path());
-    let text = corpus(dir.path());
     for (np, stages) in [(2usize, vec![0usize, 1, 2, 3]), (4, vec![1, 3])] {
         for &stage in &stages {
             for bf16 in [false, true] {
-                if bf16 && np == 4 {
-                    continue;
+                if !(bf16 && np == 4) {
+                    train_and_compare(None, dir.path(), np, stage, bf16);
                 }
-                let cfg = config(dir.path(), stage, bf16);
-                let tag = format!("np{np}-s{stage}-{bf16}");
-                let m_mpi = dir.path().join(format!("{tag}-mpi.jsonl"));
-                let m_inp = dir.path().join(format!("{tag}-inp.jsonl"));
-                let common = |m: &Path| -> Vec<String> {
-                    let mut a: Vec<String> = vec!["train".into(), "--config".into()];
-                    a.push(cfg.display().to_string());
-                    a.extend(TRAIN_ARGS.iter().map(|s| s.to_string()));
-                    a.extend(["--no-progress".into(), "--data".into()]);
-                    a.push(text.display().to_string());
-                    a.push("--metrics".into());
-                    a.push(m.display().to_string());
-                    a
-                };
-                let args = common(&m_mpi);
-                let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                let out = mpirun_cmd(np, bin, &args, &[])
-                    .unwrap()
-                    .stdin(Stdio::null())
-                    .output()
-                    .unwrap();
-                assert!(
-                    out.status.success(),
-                    "{tag}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                let mut args = common(&m_inp);
-                args.extend(["--world-size".into(), np.to_string()]);
-                args.extend(["--backend".into(), "inprocess".into()]);
-                let out = Command::new(bin).args(&args).output().unwrap();
-                assert!(
-                    out.status.success(),
-                    "{tag}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-                let mut files = vec![m_mpi.clone()];
-                for k in 1..np {
-                    files.push(dir.path().join(format!("{tag}-mpi.rank{k}.jsonl")));
-                }
-                let a = metrics(&files);
-                let b = metrics(&[m_inp]);
-                assert_eq!(a.len(), 3 * np, "{tag}");
-                assert_eq!(a, b, "{tag}: MPI and in-process runs differ");
             }
         }
     }
+}
+
+/// Trains the tiny GPT under `mpirun` (on this host, or across `hosts`) and in-process at the
+/// same world size, and asserts that every rank's losses and gradient norms are bitwise equal.
+fn train_and_compare(hosts: Option<&NetnsHosts>, dir: &Path, np: usize, stage: usize, bf16: bool) {
+    let bin = &zerodp_bin(dir);
+    let text = corpus(dir);
+    let cfg = config(dir, stage, bf16);
+    let tag = format!("np{np}-s{stage}-{bf16}-{}", hosts.map_or(1, |_| 2));
+    let m_mpi = dir.join(format!("{tag}-mpi.jsonl"));
+    let m_inp = dir.join(format!("{tag}-inp.jsonl"));
+    let common = |m: &Path| -> Vec<String> {
+        let mut a: Vec<String> = vec!["train".into(), "--config".into()];
+        a.push(cfg.display().to_string());
+        a.extend(TRAIN_ARGS.iter().map(|s| s.to_string()));
+        a.extend(["--no-progress".into(), "--data".into()]);
+        a.push(text.display().to_string());
+        a.push("--metrics".into());
+        a.push(m.display().to_string());
+        a
+    };
+    let args = common(&m_mpi);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = launch_cmd(hosts, np, bin, &args, &[])
+        .unwrap()
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{tag}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut args = common(&m_inp);
+    args.extend(["--world-size".into(), np.to_string()]);
+    args.extend(["--backend".into(), "inprocess".into()]);
+    let out = Command::new(bin).args(&args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{tag}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut files = vec![m_mpi.clone()];
+    for k in 1..np {
+        files.push(dir.join(format!("{tag}-mpi.rank{k}.jsonl")));
+    }
+    let a = metrics(&files);
+    let b = metrics(&[m_inp]);
+    assert_eq!(a.len(), 3 * np, "{tag}");
+    assert_eq!(a, b, "{tag}: MPI and in-process runs differ");
 }
 
 /// The pid of the process of `rank` among `mpirun`'s descendants (found by its environment).
@@ -448,6 +457,13 @@ fn killing_one_rank_ends_every_other_promptly_naming_it() {
         eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
         return;
     }
+    kill_one_rank(None, 1);
+}
+
+/// Starts a long training run on 4 ranks (on this host, or 2 on each of `hosts`), kills rank
+/// `victim`'s process with SIGKILL once training is under way, and asserts that the job ends
+/// non-zero within 30 s with output naming the rank.
+fn kill_one_rank(hosts: Option<&NetnsHosts>, victim: usize) {
     let dir = tempfile::tempdir().unwrap();
     let bin = &zerodp_bin(dir.path());
     let text = corpus(dir.path());
@@ -473,7 +489,7 @@ fn killing_one_rank_ends_every_other_promptly_naming_it() {
         &m_s,
     ];
     let log = dir.path().join("log.txt");
-    let mut child = Job(mpirun_cmd(4, bin, &args, &[])
+    let mut child = Job(launch_cmd(hosts, 4, bin, &args, &[])
         .unwrap()
         .stdout(std::fs::File::create(&log).unwrap())
         .stderr(Stdio::from(
@@ -501,27 +517,27 @@ fn killing_one_rank_ends_every_other_promptly_naming_it() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let victim = rank_pid(1).expect("rank 1's process");
+    let pid = rank_pid(victim).expect("the victim rank's process");
     // SAFETY: sending a signal to a process this test started (through mpirun).
-    unsafe { libc_kill(victim as i32, 9) };
+    unsafe { libc_kill(pid as i32, 9) };
     let killed_at = Instant::now();
     let status = loop {
         if let Some(s) = child.0.try_wait().unwrap() {
             break s;
         }
         if killed_at.elapsed() > Duration::from_secs(30) {
-            panic!("the other ranks did not exit within 30 s of rank 1's death");
+            panic!("the other ranks did not exit within 30 s of rank {victim}'s death");
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     let all = output();
     assert!(!status.success(), "{all}");
     assert!(
-        all.contains("rank 1"),
-        "the output should name rank 1: {all}"
+        all.contains(&format!("rank {victim}")),
+        "the output should name rank {victim}: {all}"
     );
     eprintln!(
-        "job ended {:.1} s after rank 1 was killed",
+        "job ended {:.1} s after rank {victim} was killed",
         killed_at.elapsed().as_secs_f64()
     );
 }
@@ -644,4 +660,199 @@ fn checkpoints_saved_under_mpirun_resume_in_process_and_back() {
         want,
         "resumed under mpirun after an in-process save"
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Several hosts on this one machine.
+
+/// `mpirun` on this host (`None`) or across the two namespace hosts (`np / 2` ranks on each).
+fn launch_cmd(
+    hosts: Option<&NetnsHosts>,
+    np: usize,
+    program: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> Option<Command> {
+    match hosts {
+        None => mpirun_cmd(np, program, args, env),
+        Some(h) => Some(h.mpirun(np, program, args, env)),
+    }
+}
+
+/// Two hosts made on this machine: two network namespaces joined by a veth pair (10.77.0.1 and
+/// 10.77.0.2), each run under its own hostname (a UTS namespace), as two machines on one
+/// Ethernet segment would be. Open MPI starts its daemon on the second host through a launch
+/// agent that plays ssh's part (`agent HOST COMMAND`: the command inside that host's namespace),
+/// and its TCP transport carries the bytes between them, while ranks on the same host share
+/// memory. Both namespaces (and the veth pair with them) are removed on drop.
+struct NetnsHosts {
+    names: [String; 2],
+    agent: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+const NETNS_IPS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+impl NetnsHosts {
+    /// The two hosts, or why this environment cannot make them (the caller skips the test).
+    fn new() -> Result<NetnsHosts, String> {
+        mpirun().ok_or("mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)")?;
+        let id = std::process::id();
+        let names = [format!("zdp{id}a"), format!("zdp{id}b")];
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let agent = dir.path().join("netns-agent.sh");
+        let hosts = NetnsHosts {
+            names: names.clone(),
+            agent: agent.clone(),
+            _dir: dir,
+        };
+        let (va, vb) = (format!("zv{id}a"), format!("zv{id}b"));
+        let steps: Vec<Vec<String>> = vec![
+            vec!["netns".into(), "add".into(), names[0].clone()],
+            vec!["netns".into(), "add".into(), names[1].clone()],
+            vec!["link", "add", &va, "type", "veth", "peer", "name", &vb]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+        ];
+        let mut steps = steps;
+        for (i, (ns, veth)) in names.iter().zip([&va, &vb]).enumerate() {
+            let ip = format!("{}/24", NETNS_IPS[i]);
+            for s in [
+                vec!["link", "set", veth, "netns", ns],
+                vec!["-n", ns, "addr", "add", &ip, "dev", veth],
+                vec!["-n", ns, "link", "set", veth, "up"],
+                vec!["-n", ns, "link", "set", "lo", "up"],
+            ] {
+                steps.push(s.into_iter().map(String::from).collect());
+            }
+        }
+        for s in &steps {
+            let out = Command::new("ip")
+                .args(s)
+                .output()
+                .map_err(|e| format!("cannot run `ip` (iproute2): {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "`ip {}` failed (network namespaces need root or CAP_SYS_ADMIN): {}",
+                    s.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ));
+            }
+        }
+        let script = format!(
+            "#!/bin/sh\n\
+             # Open MPI's launch agent for the namespace hosts: `agent HOST COMMAND`, as ssh.\n\
+             host=\"$1\"; shift\n\
+             case \"$host\" in\n  {} ) ns={} ;;\n  {} ) ns={} ;;\n\
+             \x20 * ) echo \"no such namespace host: $host\" >&2; exit 255 ;;\nesac\n\
+             exec ip netns exec \"$ns\" unshare --uts sh -c \"hostname $ns && $*\"\n",
+            NETNS_IPS[0], names[0], NETNS_IPS[1], names[1]
+        );
+        std::fs::write(&agent, script).map_err(|e| e.to_string())?;
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| e.to_string())?;
+        Ok(hosts)
+    }
+
+    /// `mpirun` started on the first host with `np / 2` ranks on each host; `env` is exported
+    /// to every rank (`-x`), as it must be for ranks on other hosts.
+    fn mpirun(&self, np: usize, program: &Path, args: &[&str], env: &[(&str, &str)]) -> Command {
+        assert!(np % 2 == 0, "ranks are split evenly over the two hosts");
+        let mut c = Command::new("ip");
+        c.args([
+            "netns",
+            "exec",
+            &self.names[0],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+        ])
+        .arg("hostname \"$0\" && exec \"$@\"")
+        .arg(&self.names[0])
+        .arg(mpirun().unwrap())
+        .args(["--allow-run-as-root", "--oversubscribe", "--host"])
+        .arg(format!(
+            "{}:{},{}:{}",
+            NETNS_IPS[0],
+            np / 2,
+            NETNS_IPS[1],
+            np / 2
+        ))
+        .args(["-np", &np.to_string(), "--mca", "plm_rsh_agent"])
+        .arg(&self.agent)
+        .args(["--mca", "btl_tcp_if_include", "10.77.0.0/24"])
+        .args(["--mca", "oob_tcp_if_include", "10.77.0.0/24"]);
+        for (k, v) in env {
+            c.env(k, v).args(["-x", k]);
+        }
+        c.arg(program).args(args);
+        c
+    }
+}
+
+impl Drop for NetnsHosts {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+/// The hosts, or `None` after saying why the test skips.
+fn netns_hosts() -> Option<NetnsHosts> {
+    NetnsHosts::new()
+        .map_err(|why| eprintln!("SKIPPED: cannot make namespace hosts: {why}"))
+        .ok()
+}
+
+#[test]
+fn collectives_across_two_namespace_hosts_are_bitwise_equal_to_the_reference() {
+    let Some(hosts) = netns_hosts() else {
+        return;
+    };
+    let exe = std::env::current_exe().unwrap();
+    // 1 + 1 ranks: every message crosses hosts; 2 + 2: pairs on a host and pairs across.
+    for np in [2, 4] {
+        let args = ["worker", "--exact", "--nocapture", "--test-threads", "1"];
+        let out = hosts
+            .mpirun(np, &exe, &args, &[(WORKER_ENV, "worker")])
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "np {np}: {stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("on 2 host(s): ").count(),
+            np,
+            "np {np}: every rank should see two hosts: {stdout}"
+        );
+        // With 2 ranks on a host, the large collectives pair them through shared memory.
+        let shm_lines = stdout
+            .lines()
+            .filter(|l| l.contains("WORKER-OK") && !l.contains(" 0 collectives through shared"));
+        assert_eq!(shm_lines.count(), if np == 4 { np } else { 0 }, "{stdout}");
+    }
+}
+
+#[test]
+fn training_across_two_namespace_hosts_equals_in_process_bitwise() {
+    let Some(hosts) = netns_hosts() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (np, stage, bf16) in [(2, 2, true), (4, 1, false), (4, 3, false), (4, 2, true)] {
+        train_and_compare(Some(&hosts), dir.path(), np, stage, bf16);
+    }
+}
+
+#[test]
+fn killing_a_rank_on_another_host_ends_the_job_naming_it() {
+    let Some(hosts) = netns_hosts() else {
+        return;
+    };
+    // Ranks 2 and 3 run on the second host.
+    kill_one_rank(Some(&hosts), 3);
 }

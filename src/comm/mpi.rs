@@ -23,7 +23,10 @@
 //! algorithms on each other's buffers mapped into their address space: zero copies, and only the
 //! arrival and a departure exchange through MPI ([`crate::comm::mpi_shm`] says why not staging or
 //! `process_vm_readv`). Otherwise the bytes travel as MPI point-to-point messages, composed as
-//! follows. Measured at 1 GiB f32 on this 2-vCPU VM under other jobs' load (busbw GB/s, `bench
+//! follows, except between two ranks of the same host when the world spans hosts: those
+//! (`Engine::near`) read each other's parts in place and copy results straight into each
+//! other's buffers inside the same reduce-scatter and all-gather, and end with the departure
+//! exchange of the shared-memory path. Measured at 1 GiB f32 on this 2-vCPU VM under other jobs' load (busbw GB/s, `bench
 //! comm`, in-process and MPI runs back to back, 22:50 UTC):
 //!
 //! | world | path | all_reduce | reduce_scatter (in-place) | all_gather (in-place) |
@@ -83,7 +86,7 @@ use std::ffi::c_void;
 use std::fmt;
 use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -131,6 +134,8 @@ struct Shared {
     /// A failure reason to send to every peer, set by `report_failure`; the thread sends it.
     failure_notice: Mutex<Option<String>>,
     poisoned: AtomicBool,
+    /// Collectives that exchanged with at least one peer through shared memory.
+    shm_calls: AtomicU64,
 }
 
 enum Msg {
@@ -178,6 +183,7 @@ impl MpiComm {
             stats: Mutex::new(CommStats::default()),
             failure_notice: Mutex::new(None),
             poisoned: AtomicBool::new(false),
+            shm_calls: AtomicU64::new(0),
         });
         let (tx, rx) = mpsc::channel::<Msg>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<MpiTopology, CommError>>();
@@ -224,6 +230,12 @@ impl MpiComm {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+    /// Collectives so far that exchanged with at least one peer through shared memory (the rest
+    /// used MPI messages only): shows which path a world's collectives take.
+    pub fn shared_memory_calls(&self) -> u64 {
+        self.shared.shm_calls.load(Ordering::Relaxed)
+    }
+
     /// The summary table of [`MpiComm::stats`].
     pub fn summary(&self) -> String {
         format!("rank {}:\n{}", self.topo.rank, self.stats().summary_table())
@@ -375,13 +387,20 @@ struct Engine {
     reqs: Vec<ffi::MPI_Request>,
     /// For each request in `reqs`: the peer, and whether it is a receive.
     req_peer: Vec<(usize, bool)>,
-    /// Whether the shared-memory path may be used (every rank on this host, `ZERODP_SHM` not 0).
+    /// Whether shared memory may be used between the ranks of this host (more than one rank
+    /// here, `ZERODP_SHM` not 0).
     shm: bool,
+    /// For every rank: whether it runs on this host (its process ids and memory mean something
+    /// here).
+    local: Vec<bool>,
+    /// For every rank at the current collective: whether this rank exchanges with it through
+    /// shared memory (a local rank whose buffers are shared) rather than MPI messages.
+    near: Vec<bool>,
     peer_maps: PeerMaps,
     /// Every rank's descriptor at the current collective (own at this rank's index).
     descs: Vec<[u64; DESC_WORDS]>,
-    /// Every rank's process id when all ranks share this host (so the ids mean something here).
-    pids: Option<Vec<u64>>,
+    /// Every rank's process id (checked for local ranks only).
+    pids: Vec<u64>,
     last_liveness: Instant,
 }
 
@@ -479,22 +498,38 @@ impl Engine {
                 ),
                 "MPI_Allreduce",
             )?;
+            // A host's name: the lowest world rank on it.
+            let mut host: c_int = 0;
+            check(
+                ffi::MPI_Allreduce(
+                    &rank as *const c_int as *const c_void,
+                    &mut host as *mut c_int as *mut c_void,
+                    1,
+                    ffi::RSMPI_INT32_T,
+                    ffi::RSMPI_MIN,
+                    local,
+                ),
+                "MPI_Allreduce",
+            )?;
             ffi::MPI_Comm_free(&mut local);
-            // Every rank's process id, to tell a dead local peer from a slow one while waiting.
-            let me = u64::from(std::process::id());
-            let mut pids = vec![0u64; size as usize];
+            // Every rank's process id (to tell a dead local peer from a slow one while waiting)
+            // and host.
+            let me = [u64::from(std::process::id()), host as u64];
+            let mut ids = vec![0u64; 2 * size as usize];
             check(
                 ffi::MPI_Allgather(
-                    &me as *const u64 as *const c_void,
-                    1,
+                    me.as_ptr() as *const c_void,
+                    2,
                     ffi::RSMPI_UINT64_T,
-                    pids.as_mut_ptr() as *mut c_void,
-                    1,
+                    ids.as_mut_ptr() as *mut c_void,
+                    2,
                     ffi::RSMPI_UINT64_T,
                     world,
                 ),
                 "MPI_Allgather",
             )?;
+            let pids: Vec<u64> = ids.iter().step_by(2).copied().collect();
+            let local: Vec<bool> = ids.iter().skip(1).step_by(2).map(|&h| h == me[1]).collect();
             let topo = MpiTopology {
                 rank: rank as usize,
                 size: size as usize,
@@ -516,12 +551,13 @@ impl Engine {
                 staging: Vec::new(),
                 reqs: Vec::new(),
                 req_peer: Vec::new(),
-                shm: topo.local_size == topo.size
-                    && topo.size > 1
+                shm: topo.local_size > 1
                     && std::env::var("ZERODP_SHM").map_or(true, |v| v.trim() != "0"),
+                near: vec![false; topo.size],
+                local,
                 peer_maps: PeerMaps::default(),
                 descs: Vec::new(),
-                pids: (local_size == size).then_some(pids),
+                pids,
                 last_liveness: Instant::now(),
             };
             check(
@@ -707,9 +743,33 @@ impl Engine {
             false => (None, None),
         };
         self.arrive(&w, desc, in_ref, out_ref)?;
-        if self.shm && n > 1 && self.all_shared(desc) {
-            return self.shm_execute(&w, call);
+        self.near.fill(false);
+        if self.shm && self.all_shared(desc) {
+            let every_rank_here = self.topo.local_size == n;
+            let mixed = !matches!(
+                desc.kind,
+                CollectiveKind::Barrier | CollectiveKind::Broadcast
+            );
+            if every_rank_here || mixed {
+                for k in (0..n).filter(|&k| k != r) {
+                    self.near[k] = self.local[k];
+                }
+            }
+            if every_rank_here {
+                return self.shm_execute(&w, call);
+            }
         }
+        let out = self.message_execute(&w, call)?;
+        match self.near.iter().any(|&x| x) {
+            true => self.depart(&w, out),
+            false => Ok(out),
+        }
+    }
+
+    /// The message path: MPI point-to-point with every peer, except those in `Engine::near`,
+    /// with which this rank exchanges through shared memory inside the same algorithm.
+    fn message_execute(&mut self, w: &Wait, call: Call) -> Completion {
+        let (n, r) = (self.topo.size, self.topo.rank);
         if n == 1 {
             return Ok(match call {
                 Call::Barrier => vec![],
@@ -719,7 +779,7 @@ impl Engine {
                 | Call::Broadcast(b, _) => vec![b],
                 Call::ReduceScatter(i, mut o, op) => {
                     self.reduce_scatter(
-                        &w,
+                        w,
                         buffer_addr(&i),
                         buffer_addr_mut(&mut o),
                         i.len(),
@@ -743,8 +803,8 @@ impl Engine {
                 let addr = buffer_addr_mut(&mut buf);
                 let mine = shard_range(len, n, r);
                 let res = self
-                    .reduce_scatter(&w, addr, addr + mine.start * dtype.size(), len, dtype, op)
-                    .and_then(|()| self.all_gather(&w, addr, len, dtype));
+                    .reduce_scatter(w, addr, addr + mine.start * dtype.size(), len, dtype, op)
+                    .and_then(|()| self.all_gather(w, addr, len, dtype, IN_AT));
                 match res {
                     Ok(()) => Ok(vec![buf]),
                     Err(e) => Err(self.leak_on(e, vec![buf])),
@@ -752,7 +812,7 @@ impl Engine {
             }
             Call::ReduceScatter(input, mut output, op) => {
                 let res = self.reduce_scatter(
-                    &w,
+                    w,
                     buffer_addr(&input),
                     buffer_addr_mut(&mut output),
                     input.len(),
@@ -768,14 +828,8 @@ impl Engine {
                 let (len, dtype) = (buf.len(), buf.dtype());
                 let addr = buffer_addr_mut(&mut buf);
                 let mine = shard_range(len, n, r);
-                match self.reduce_scatter(
-                    &w,
-                    addr,
-                    addr + mine.start * dtype.size(),
-                    len,
-                    dtype,
-                    op,
-                ) {
+                match self.reduce_scatter(w, addr, addr + mine.start * dtype.size(), len, dtype, op)
+                {
                     Ok(()) => Ok(vec![buf]),
                     Err(e) => Err(self.leak_on(e, vec![buf])),
                 }
@@ -792,7 +846,7 @@ impl Engine {
                         input.bytes(),
                     )
                 };
-                match self.all_gather(&w, out, len, dtype) {
+                match self.all_gather(w, out, len, dtype, OUT_AT) {
                     Ok(()) => Ok(vec![input, output]),
                     Err(e) => Err(self.leak_on(e, vec![input, output])),
                 }
@@ -800,7 +854,7 @@ impl Engine {
             Call::AllGatherInPlace(mut buf) => {
                 let (len, dtype) = (buf.len(), buf.dtype());
                 let addr = buffer_addr_mut(&mut buf);
-                match self.all_gather(&w, addr, len, dtype) {
+                match self.all_gather(w, addr, len, dtype, OUT_AT) {
                     Ok(()) => Ok(vec![buf]),
                     Err(e) => Err(self.leak_on(e, vec![buf])),
                 }
@@ -808,7 +862,7 @@ impl Engine {
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
-                match self.broadcast(&w, addr, bytes, root) {
+                match self.broadcast(w, addr, bytes, root) {
                     Ok(()) => Ok(vec![buf]),
                     Err(e) => Err(self.leak_on(e, vec![buf])),
                 }
@@ -816,16 +870,18 @@ impl Engine {
         }
     }
 
-    /// Whether every buffer the shared-memory algorithm of `desc` reads or writes in a peer is in
-    /// a shared region (decided from every rank's descriptor, so every rank decides alike).
+    /// Whether every buffer the shared-memory algorithm of `desc` reads or writes in a peer on
+    /// this host is in a shared region (decided from the descriptors of every rank here, so they
+    /// all decide alike).
     fn all_shared(&self, desc: &CallDesc) -> bool {
         let has = |d: &[u64; DESC_WORDS], at: usize| d[at] != u64::MAX;
+        let mut here = self.descs.iter().zip(&self.local).filter(|(_, l)| **l);
         match desc.kind {
             CollectiveKind::Barrier => false,
             CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
-                self.descs.iter().all(|d| has(d, IN_AT))
+                here.all(|(d, _)| has(d, IN_AT))
             }
-            CollectiveKind::AllGather => self.descs.iter().all(|d| has(d, OUT_AT)),
+            CollectiveKind::AllGather => here.all(|(d, _)| has(d, OUT_AT)),
             CollectiveKind::Broadcast => {
                 let root = desc.root.unwrap_or(0);
                 has(&self.descs[root], IN_AT)
@@ -937,11 +993,20 @@ impl Engine {
                 vec![buf]
             }
         };
+        self.depart(w, out)
+    }
+
+    /// The departure of a collective that used shared memory: an empty message to and from every
+    /// near peer, so that no buffer is handed back while one of them may still read or write it.
+    fn depart(&mut self, w: &Wait, out: Vec<crate::comm::Buffer>) -> Completion {
+        self.shared.shm_calls.fetch_add(1, Ordering::Relaxed);
         // Every write into a peer's buffer happens before this rank's departure messages.
         std::sync::atomic::fence(Ordering::SeqCst);
-        for k in (0..n).filter(|&k| k != r) {
-            self.post_recv(0, 0, k, TAG_DONE)?;
-            self.post_send(0, 0, k, TAG_DONE)?;
+        for k in 0..self.topo.size {
+            if self.near[k] {
+                self.post_recv(0, 0, k, TAG_DONE)?;
+                self.post_send(0, 0, k, TAG_DONE)?;
+            }
         }
         if let Err(e) = self.wait_all(w) {
             // A peer may still be writing into these buffers.
@@ -993,7 +1058,7 @@ impl Engine {
     /// into them later, so they are leaked rather than freed (the world is failed; the process is
     /// about to exit).
     fn leak_on(&mut self, e: CommError, buffers: Vec<crate::comm::Buffer>) -> CommError {
-        if !self.reqs.is_empty() {
+        if !self.reqs.is_empty() || self.near.iter().any(|&x| x) {
             std::mem::forget(buffers);
             std::mem::forget(std::mem::take(&mut self.staging));
             self.reqs.clear();
@@ -1210,20 +1275,19 @@ impl Engine {
         Ok(())
     }
 
-    /// On one host: fails with `PeerFailed` naming a peer whose process has died (killed, crashed)
-    /// while this rank still waits for its messages. Across hosts `mpirun` detects deaths.
+    /// Fails with `PeerFailed` naming a peer on this host whose process has died (killed,
+    /// crashed) while this rank still waits for its messages. Across hosts `mpirun` detects
+    /// deaths.
     fn check_peers_alive(&self, w: &Wait, done: &[bool]) -> Result<(), CommError> {
-        let Some(pids) = &self.pids else {
-            return Ok(());
-        };
         let waiting_for = self
             .req_peer
             .iter()
             .zip(done)
             .filter(|(_, d)| !**d)
-            .map(|((p, _), _)| *p);
+            .map(|((p, _), _)| *p)
+            .filter(|&p| self.local[p]);
         for peer in waiting_for {
-            let pid = pids[peer];
+            let pid = self.pids[peer];
             if !process_alive(pid) {
                 return Err(CommError::PeerFailed {
                     rank: self.topo.rank,
@@ -1284,11 +1348,17 @@ impl Engine {
             self.staging = vec![0u8; need];
         }
         let stage = self.staging.as_mut_ptr() as usize;
+        // Near peers' inputs, read in place.
+        let near = self.near.clone();
+        let mut near_in = vec![0usize; n];
+        for k in (0..n).filter(|&k| near[k]) {
+            near_in[k] = self.peer_addr(k, IN_AT)?;
+        }
         let mut srcs = vec![0usize; n];
         let mut off = 0;
         while off < longest {
             for (k, s) in shards.iter().enumerate() {
-                if k == r {
+                if k == r || near[k] {
                     continue;
                 }
                 let m = piece.min(s.len().saturating_sub(off));
@@ -1299,7 +1369,7 @@ impl Engine {
             let mine = &shards[r];
             let m = piece.min(mine.len().saturating_sub(off));
             if m > 0 {
-                for k in (0..n).filter(|&k| k != r) {
+                for k in (0..n).filter(|&k| k != r && !near[k]) {
                     self.post_recv(stage + k * piece * esz, m * esz, k, TAG_DATA)?;
                 }
             }
@@ -1308,13 +1378,16 @@ impl Engine {
                 for (k, src) in srcs.iter_mut().enumerate() {
                     *src = if k == r {
                         input + (mine.start + off) * esz
+                    } else if near[k] {
+                        near_in[k] + (mine.start + off) * esz
                     } else {
                         stage + k * piece * esz
                     };
                 }
                 // SAFETY: every source holds `m` elements of `dtype` (staging pieces were just
-                // received, the own part is in `input`); the destination is this rank's shard,
-                // possibly exactly its own source, which the kernel allows.
+                // received, the own part is in `input`, near peers' parts are in their inputs,
+                // which only this rank reads there until the departure); the destination is this
+                // rank's shard, possibly exactly its own source, which the kernel allows.
                 unsafe { reduce_into(dtype, op, &srcs, &[output + off * esz], m, Store::Cached) };
             }
             off += piece;
@@ -1323,18 +1396,21 @@ impl Engine {
     }
 
     /// In-place all-gather over `buf` of `len` elements: this rank's shard is in place; every
-    /// rank sends it to every other and receives theirs into their ranges.
+    /// rank sends it to every other and receives theirs into their ranges, except that it copies
+    /// its shard straight into the buffers of near peers (their region `peer_at` of this call).
     fn all_gather(
         &mut self,
         w: &Wait,
         buf: usize,
         len: usize,
         dtype: DType,
+        peer_at: usize,
     ) -> Result<(), CommError> {
         let (n, r) = (self.topo.size, self.topo.rank);
         let esz = dtype.size();
         let mine = shard_range(len, n, r);
-        for k in (0..n).filter(|&k| k != r) {
+        let near = self.near.clone();
+        for k in (0..n).filter(|&k| k != r && !near[k]) {
             let s = shard_range(len, n, k);
             if !s.is_empty() {
                 self.post_recv(buf + s.start * esz, s.len() * esz, k, TAG_DATA)?;
@@ -1342,6 +1418,22 @@ impl Engine {
             if !mine.is_empty() {
                 self.post_send(buf + mine.start * esz, mine.len() * esz, k, TAG_DATA)?;
             }
+        }
+        let mut dsts = Vec::new();
+        for k in (0..n).filter(|&k| near[k]) {
+            dsts.push(self.peer_addr(k, peer_at)? + mine.start * esz);
+        }
+        if !dsts.is_empty() && !mine.is_empty() {
+            // SAFETY: range r of a near peer's buffer is written by this rank alone until the
+            // departure, and nobody reads it before; this rank's shard is only read.
+            unsafe {
+                fan_out_copy(
+                    buf + mine.start * esz,
+                    &dsts,
+                    mine.len() * esz,
+                    Store::Cached,
+                )
+            };
         }
         self.wait_all(w)
     }
