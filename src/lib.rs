@@ -10,7 +10,9 @@
 //! * [`optim`]: Adam/AdamW kernels over flat shards and the learning-rate schedulers.
 //! * [`comm`]: the [`comm::Communicator`] trait, its asynchronous handles, backends and traces.
 //!   Knows nothing of ZeRO.
-//! * [`memory`]: the byte accountant the engine charges (below `zero`).
+//! * [`memory`]: the byte accountant the engine charges, per memory tier (below `zero`).
+//! * [`offload`]: storage of the host and NVMe tiers (swap files, aligned buffers); storage only,
+//!   below `zero`, whose optimizer step streams states through it.
 //! * [`setup`]: the one mapping from resolved settings to the engine's configuration.
 //! * [`checkpoint`]: sharded checkpoints (manifest, background atomic saves, resharding loads).
 //! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports, saves).
@@ -20,7 +22,7 @@
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //!
-//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory` <- `zero` <- `setup`,
+//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory`, `offload` <- `zero` <- `setup`,
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
@@ -30,6 +32,7 @@ pub mod config;
 pub mod limits;
 pub mod memory;
 pub mod model;
+pub mod offload;
 pub mod optim;
 pub mod planner;
 pub mod setup;

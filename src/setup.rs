@@ -14,7 +14,7 @@ use crate::config::{OffloadDevice, Precision, Settings};
 use crate::optim::adam::AdamParams;
 use crate::zero::loss_scaler::DynamicScaleParams;
 use crate::zero::precision::OverflowPolicy;
-use crate::zero::{EngineConfig, Stage};
+use crate::zero::{EngineConfig, OptimizerTier, Stage};
 
 /// A resolved config asks for something the engine does not do.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -27,12 +27,29 @@ pub enum SetupError {
     )]
     Fp16MasterWeights,
     #[error(
-        "offloading (zero_optimization.offload_optimizer / offload_param) is not supported by the \
-         in-process engine; remove the offload blocks or set their device to \"none\""
+        "zero_optimization.offload_param.device \"nvme\" is not supported yet (parameter shards \
+         stay in memory); use \"cpu\", or offload_optimizer.device \"nvme\" for the optimizer \
+         states"
     )]
-    Offload,
+    OffloadParamNvme,
     #[error("world size must be at least 1")]
     WorldSize,
+}
+
+/// `offload_optimizer` as the engine's tier: none at stage 0 (DeepSpeed ignores it there, and the
+/// config reader warns); NVMe streams `sub_group_size` elements at a time, at most
+/// [`crate::offload::MAX_STREAM_CHUNK`].
+fn optimizer_tier(s: &Settings, stage: Stage) -> OptimizerTier {
+    let z = &s.zero_optimization;
+    match (z.offload_optimizer.device, &z.offload_optimizer.nvme_path) {
+        _ if stage == Stage::Zero0 => OptimizerTier::Device,
+        (OffloadDevice::None, _) => OptimizerTier::Device,
+        (OffloadDevice::Cpu, _) | (OffloadDevice::Nvme, None) => OptimizerTier::Host,
+        (OffloadDevice::Nvme, Some(dir)) => OptimizerTier::Nvme {
+            dir: dir.clone(),
+            chunk: usize_of(z.sub_group_size).clamp(1, crate::offload::MAX_STREAM_CHUNK),
+        },
+    }
 }
 
 /// The engine's configuration for `world_size` ranks from resolved settings; `seed` seeds the
@@ -51,12 +68,15 @@ pub fn engine_config(
     if s.fp16.fp16_master_weights_and_grads {
         return Err(SetupError::Fp16MasterWeights);
     }
-    if z.offload_optimizer.device != OffloadDevice::None
-        || z.offload_param.device != OffloadDevice::None
-    {
-        return Err(SetupError::Offload);
-    }
     let mut cfg = EngineConfig::new(stage, world_size);
+    cfg.offload_optimizer = optimizer_tier(s, stage);
+    if stage.shards_params() {
+        match z.offload_param.device {
+            OffloadDevice::None => {}
+            OffloadDevice::Cpu => cfg.offload_params = true,
+            OffloadDevice::Nvme => return Err(SetupError::OffloadParamNvme),
+        }
+    }
     cfg.micro_batch = s.batch.micro_batch_per_gpu;
     cfg.grad_accum = s.batch.gradient_accumulation_steps;
     cfg.reduce_bucket_size = usize_of(z.reduce_bucket_size);

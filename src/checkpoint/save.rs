@@ -117,8 +117,8 @@ impl CheckpointWriter {
         let data = image.data_mut();
         let mut at = 0;
         for u in 0..engine.layout().num_units() {
-            let s = engine.optimizer_state(u);
-            for values in [s.master, s.exp_avg, s.exp_avg_sq] {
+            let s = engine.optimizer_state(u)?;
+            for values in [s.master, &s.exp_avg[..], &s.exp_avg_sq[..]] {
                 data[at..at + values.len()].copy_from_slice(values);
                 at += values.len();
             }

@@ -16,7 +16,7 @@ use zerodp::planner::{
     HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption, TrainProcess,
 };
 use zerodp::zero::unit::ModelSpec;
-use zerodp::zero::EngineConfig;
+use zerodp::zero::{EngineConfig, OptimizerTier};
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PreflightArgs {
@@ -59,7 +59,8 @@ pub fn check(
     };
     let input = plan_input(settings, engine, spec, gpt, capacity, host, process);
     let plan = planner::plan(&input)?;
-    // The engine has no offload: only the four stages are choices for `train`.
+    // The stages without offload, as the planner sizes them; the configured offload is then
+    // applied with the engine's own tier rules (`offload_tiers`).
     let stages: Vec<PlanOption> = plan
         .options
         .into_iter()
@@ -70,6 +71,7 @@ pub fn check(
         .find(|o| o.stage == engine.stage.index())
         .cloned()
         .context("the planner has no option for the configured stage")?;
+    let configured = offload_tiers(configured, engine, args.device_memory.is_some(), capacity);
     // Under mpirun, rank 0 alone says it (the launcher's rank, MPI not being up yet).
     let rank0 = zerodp::comm::detect_mpi_launch()
         .and_then(|l| l.rank)
@@ -90,6 +92,54 @@ pub fn check(
         return Ok(());
     }
     bail!("{}", refusal(&input, &stages, &configured, source));
+}
+
+/// `o` (the configured stage without offload) with the bytes the engine's offload takes out of
+/// what is compared with the capacity. NVMe offload moves Adam's m and v into the swap file and
+/// adds the two stream buffers. Host offload (the master, m and v; at stage 3 the parameter
+/// shards) leaves the device tier, which matters against a `--device-memory` budget; without one,
+/// the capacity is this machine's memory, which the host tier shares, so those bytes still count.
+fn offload_tiers(
+    mut o: PlanOption,
+    engine: &EngineConfig,
+    device_budget: bool,
+    capacity: u64,
+) -> PlanOption {
+    let b = &mut o.bytes_per_device;
+    let before = b.master + b.adam_m + b.adam_v + b.params + b.scratch_buffers;
+    let mut label = Vec::new();
+    match &engine.offload_optimizer {
+        OptimizerTier::Device => {}
+        OptimizerTier::Host => {
+            label.push("+opt cpu");
+            if device_budget {
+                (b.master, b.adam_m, b.adam_v) = (0, 0, 0);
+            }
+        }
+        OptimizerTier::Nvme { chunk, .. } => {
+            label.push("+opt nvme");
+            let longest = b.adam_m / 4;
+            b.scratch_buffers += 8 * (*chunk as u64).min(longest).div_ceil(1024) * 1024;
+            (b.adam_m, b.adam_v) = (0, 0);
+            if device_budget {
+                b.master = 0;
+            }
+        }
+    }
+    if engine.offload_params && engine.stage.shards_params() {
+        label.push("+param cpu");
+        if device_budget {
+            b.params = 0;
+        }
+    }
+    let after = b.master + b.adam_m + b.adam_v + b.params + b.scratch_buffers;
+    b.total = b.total + after - before;
+    b.model_states = b.params + b.grads + b.master + b.adam_m + b.adam_v;
+    o.fits_device = b.total <= capacity;
+    if !label.is_empty() {
+        o.label = format!("{} {}", o.label, label.join(" "));
+    }
+    o
 }
 
 /// The planner's input for this run: the engine's own model and settings on one node of `world`

@@ -47,12 +47,24 @@ impl MemoryKind {
     }
 }
 
-/// Bytes held now by kind, and the peak of their total.
+/// Where bytes are held: the device (what ZeRO's per-rank formulas count and a device budget
+/// limits), host memory, or a rank's NVMe swap file (offload).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tier {
+    Device,
+    Host,
+    Nvme,
+}
+
+/// Device-tier bytes held now by kind and the peak of their total; host and NVMe tiers as
+/// totals (what offload moved out of the device).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryLedger {
     current: [u64; 6],
     peak: [u64; 6],
     peak_total: u64,
+    host: u64,
+    nvme: u64,
 }
 
 impl MemoryLedger {
@@ -65,6 +77,22 @@ impl MemoryLedger {
         self.current[i] += bytes;
         self.peak[i] = self.peak[i].max(self.current[i]);
         self.peak_total = self.peak_total.max(self.total());
+    }
+    /// Record `bytes` more of `kind` in `tier` (the device tier is [`MemoryLedger::alloc`]).
+    pub fn alloc_in(&mut self, tier: Tier, kind: MemoryKind, bytes: u64) {
+        match tier {
+            Tier::Device => self.alloc(kind, bytes),
+            Tier::Host => self.host += bytes,
+            Tier::Nvme => self.nvme += bytes,
+        }
+    }
+    /// Bytes held in the host tier (offloaded out of the device).
+    pub fn host(&self) -> u64 {
+        self.host
+    }
+    /// Bytes held in the NVMe tier.
+    pub fn nvme(&self) -> u64 {
+        self.nvme
     }
     /// Record that `bytes` of `kind` were released. Panics on underflow, which is an engine bug.
     pub fn free(&mut self, kind: MemoryKind, bytes: u64) {
@@ -98,11 +126,14 @@ impl MemoryLedger {
             buffers: c(MemoryKind::Buffers),
             gather: c(MemoryKind::Gather),
             total: self.total(),
+            offloaded_host: self.host,
+            offloaded_nvme: self.nvme,
         }
     }
 }
 
-/// What a rank holds, by kind, in bytes (the `model_state_bytes` object of a metrics line).
+/// What a rank holds in the device tier, by kind, in bytes (the `model_state_bytes` object of a
+/// metrics line), and what offload holds outside it (present only when non-zero).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelStateBytes {
     pub params: u64,
@@ -112,6 +143,16 @@ pub struct ModelStateBytes {
     pub buffers: u64,
     pub gather: u64,
     pub total: u64,
+    /// Host-tier bytes (offloaded master, optimizer states, parameter shards, swap buffers).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offloaded_host: u64,
+    /// NVMe-tier bytes (the swap file).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub offloaded_nvme: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// Bytes sent and received per collective kind (keys as in [`CollectiveKind::name`]); barriers,

@@ -96,6 +96,28 @@ pub struct EngineConfig {
     /// Steps in a row with Inf/NaN gradients that are skipped before the run stops with an error
     /// (everything but dynamic fp16 loss scaling, which has its own minimum-scale error).
     pub max_skipped_steps: u64,
+    /// Where the fp32 master and Adam's moments of the rank's part live
+    /// (`zero_optimization.offload_optimizer`).
+    pub offload_optimizer: OptimizerTier,
+    /// Stage 3: the rank's parameter shards live in the host tier and are fetched into the
+    /// device tier to be gathered (`zero_optimization.offload_param.device = "cpu"`).
+    pub offload_params: bool,
+}
+
+/// Where a rank's optimizer states live.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum OptimizerTier {
+    /// In the device tier (no offload).
+    #[default]
+    Device,
+    /// In host memory; the step runs on the CPU (`"device": "cpu"`).
+    Host,
+    /// Adam's moments in a swap file per rank under `dir`, streamed `chunk` elements at a time
+    /// through fixed buffers; the fp32 master stays in host memory (`"device": "nvme"`).
+    Nvme {
+        dir: std::path::PathBuf,
+        chunk: usize,
+    },
 }
 
 impl EngineConfig {
@@ -125,6 +147,8 @@ impl EngineConfig {
             grad_accum_dtype: DType::F32,
             overflow: OverflowPolicy::Guard,
             max_skipped_steps: 10,
+            offload_optimizer: OptimizerTier::Device,
+            offload_params: false,
         }
     }
 }

@@ -31,22 +31,26 @@
 //! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
 //! it out in the fused unscale-and-clip factor.
 
+mod nvme;
 mod snapshot;
 
 pub use snapshot::{EngineCounters, UnitOptimizerState};
 
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
-use super::config::{EngineConfig, Stage};
+use super::config::{EngineConfig, OptimizerTier, Stage};
 use super::flat::FlatLayout;
 use super::gather::Coordinator;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
-use super::precision::{adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy, StepVerdict};
+use super::precision::{
+    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy, StepVerdict,
+};
 use super::schedule;
 use super::state::{full_grad_of, FlatState, StageState};
 use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
-use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes};
+use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
+use crate::offload::OffloadError;
 use crate::optim::adam::AdamState;
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -63,6 +67,8 @@ pub enum EngineError {
     LossScale(#[from] LossScaleError),
     #[error("invalid engine configuration: {0}")]
     Config(String),
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
     #[error(
         "step {step}: got {got} micro-batches, expected gradient_accumulation_steps = {expected}"
     )]
@@ -169,6 +175,8 @@ pub struct Engine<'a, M: UnitModel> {
     /// Loss scale and Inf/NaN skipping.
     policy: StepPolicy,
     ledger: MemoryLedger,
+    /// `offload_optimizer` to NVMe: Adam's moments in the rank's swap file.
+    nvme: Option<nvme::NvmeMoments>,
     step: u64,
     /// The two floats of the step's all-reduce (loss, squared norm), reused every step.
     scalars: Vec<f32>,
@@ -270,8 +278,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
         let (params, masters) = init_params(model, &cfg, &layout);
         let units = unit_states(&spec, &cfg, &layout, &plan, masters);
+        let nvme = match &cfg.offload_optimizer {
+            OptimizerTier::Nvme { dir, chunk } => {
+                let lens: Vec<usize> = units.iter().map(|u| u.updated.len()).collect();
+                Some(nvme::NvmeMoments::new(dir, comm.rank(), &lens, *chunk)?)
+            }
+            _ => None,
+        };
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params);
-        let ledger = initial_ledger(&cfg, &layout, &plan, &units);
+        let ledger = initial_ledger(&cfg, &layout, &plan, &units, nvme.as_ref());
         let buckets = Buckets::new(&plan, cfg.world_size);
         let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
@@ -290,6 +305,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             grad_pool,
             policy,
             ledger,
+            nvme,
             step: 0,
             scalars: vec![0.0; 2],
             phases: PhaseTimes::default(),
@@ -429,7 +445,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let outcome = self.judge(norm, loss_scale)?;
         self.phases.comm += t.elapsed().as_secs_f64();
         if !outcome.verdict.skipped {
-            self.update(lr, outcome.grad_scale);
+            self.update(lr, outcome.grad_scale)?;
             self.gather_updated()?;
         }
         self.step += 1;
@@ -750,7 +766,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Adam/AdamW on the part of every unit this rank updates, gradients multiplied by
     /// `grad_scale`.
-    fn update(&mut self, lr: f32, grad_scale: f32) {
+    fn update(&mut self, lr: f32, grad_scale: f32) -> Result<(), EngineError> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
@@ -775,10 +791,29 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     grad_shards.slice(slot),
                 ),
             };
-            let master = unit.master.as_deref_mut();
-            adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
+            let mut master = unit.master.as_deref_mut();
+            match &mut self.nvme {
+                None => adam_update(&mut unit.adam, master, p, g, &hp, grad_scale),
+                Some(nvme) => {
+                    unit.adam.step += 1;
+                    let step = unit.adam.step;
+                    let mut p = p;
+                    nvme.stream(u, |r, m, v| {
+                        let w = master.as_deref_mut().map(|w| &mut w[r.clone()]);
+                        let (p, g) = (p.sub_mut(r.clone()), g.sub(r));
+                        adam_apply(m, v, step, w, p, g, &hp, grad_scale);
+                    })?;
+                }
+            }
         }
         self.phases.optimizer += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Bytes read from and written to this rank's NVMe swap file so far (`(0, 0)` without NVMe
+    /// offload).
+    pub fn swap_traffic(&self) -> (u64, u64) {
+        self.nvme.as_ref().map_or((0, 0), |n| n.traffic())
     }
 
     /// Stages 1-2: all-gather the updated parameter shards into every rank's full parameters
@@ -927,7 +962,11 @@ fn unit_states(
                     && (cfg.activation_checkpointing
                         || (stage.shards_params() && !plan.keep_graph[u])),
                 kept_graph,
-                adam: AdamState::new(updated.len()),
+                // With NVMe offload the moments live in the swap file.
+                adam: AdamState::new(match cfg.offload_optimizer {
+                    OptimizerTier::Nvme { .. } => 0,
+                    _ => updated.len(),
+                }),
                 updated,
                 master,
             }
@@ -1015,6 +1054,7 @@ fn initial_ledger(
     layout: &FlatLayout,
     plan: &BufferPlan,
     units: &[UnitState],
+    nvme: Option<&nvme::NvmeMoments>,
 ) -> MemoryLedger {
     let (pdt, gdt) = (cfg.param_dtype, cfg.grad_accum_dtype);
     let elems = |sharded: bool| match sharded {
@@ -1026,10 +1066,25 @@ fn initial_ledger(
     let grad_elems = elems(cfg.stage.shards_grads());
     let adam_bytes = units.iter().map(|u| u.adam.bytes() as u64).sum();
     let mut ledger = MemoryLedger::new();
-    ledger.alloc(MemoryKind::Params, (param_elems * pdt.size()) as u64);
-    ledger.alloc(MemoryKind::Master, (master_elems * 4) as u64);
+    let param_tier = match cfg.offload_params && cfg.stage.shards_params() {
+        true => Tier::Host,
+        false => Tier::Device,
+    };
+    let optimizer_tier = match cfg.offload_optimizer {
+        OptimizerTier::Device => Tier::Device,
+        _ => Tier::Host,
+    };
+    let (pbytes, mbytes) = ((param_elems * pdt.size()) as u64, (master_elems * 4) as u64);
+    ledger.alloc_in(param_tier, MemoryKind::Params, pbytes);
+    ledger.alloc_in(optimizer_tier, MemoryKind::Master, mbytes);
     ledger.alloc(MemoryKind::Grads, (grad_elems * gdt.size()) as u64);
-    ledger.alloc(MemoryKind::OptimizerStates, adam_bytes);
+    match nvme {
+        Some(n) => {
+            ledger.alloc_in(Tier::Nvme, MemoryKind::OptimizerStates, n.file_bytes());
+            ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
+        }
+        None => ledger.alloc_in(optimizer_tier, MemoryKind::OptimizerStates, adam_bytes),
+    }
     ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
     ledger
 }

@@ -25,7 +25,7 @@ pub mod schedule;
 pub mod state;
 pub mod unit;
 
-pub use config::{EngineConfig, Stage};
+pub use config::{EngineConfig, OptimizerTier, Stage};
 pub use engine::{Engine, EngineCounters, EngineError, PhaseTimes, StepReport, UnitOptimizerState};
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,

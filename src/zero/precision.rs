@@ -75,6 +75,36 @@ impl<'a> Slice<'a> {
     }
 }
 
+impl<'a> Slice<'a> {
+    /// Elements `r` of the slice.
+    pub fn sub(self, r: Range<usize>) -> Slice<'a> {
+        match self {
+            Slice::F32(v) => Slice::F32(&v[r]),
+            Slice::BF16(v) => Slice::BF16(&v[r]),
+            Slice::F16(v) => Slice::F16(&v[r]),
+        }
+    }
+}
+
+impl<'a> SliceMut<'a> {
+    /// Elements `r` of the slice, borrowed (the slice stays usable after).
+    pub fn sub_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
+        match self {
+            SliceMut::F32(v) => SliceMut::F32(&mut v[r]),
+            SliceMut::BF16(v) => SliceMut::BF16(&mut v[r]),
+            SliceMut::F16(v) => SliceMut::F16(&mut v[r]),
+        }
+    }
+    /// Elements `r` of the slice.
+    pub fn sub(self, r: Range<usize>) -> SliceMut<'a> {
+        match self {
+            SliceMut::F32(v) => SliceMut::F32(&mut v[r]),
+            SliceMut::BF16(v) => SliceMut::BF16(&mut v[r]),
+            SliceMut::F16(v) => SliceMut::F16(&mut v[r]),
+        }
+    }
+}
+
 impl SliceMut<'_> {
     /// `self = src`, cast with round to nearest even where the types differ.
     pub fn copy_from(self, src: Slice<'_>) {
@@ -159,15 +189,43 @@ pub fn adam_update(
     hp: &AdamParams,
     grad_scale: f32,
 ) {
+    state.step += 1;
+    let step = state.step;
+    adam_apply(
+        &mut state.m,
+        &mut state.v,
+        step,
+        master,
+        params,
+        grads,
+        hp,
+        grad_scale,
+    );
+}
+
+/// [`adam_update`] on explicit moments `m` and `v` (as long as `params`) at update number
+/// `step`: the form for moments streamed in chunks from a swap file.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_apply(
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    master: Option<&mut [f32]>,
+    params: SliceMut<'_>,
+    grads: Slice<'_>,
+    hp: &AdamParams,
+    grad_scale: f32,
+) {
+    use crate::optim::adam::{adam_step, adam_step_with_copy};
     match master {
         None => {
             let SliceMut::F32(p) = params else {
                 panic!("16-bit parameters need an fp32 master copy")
             };
-            with_slice!(Slice, grads, g => state.update(p, g, hp, grad_scale))
+            with_slice!(Slice, grads, g => adam_step(p, g, m, v, step, hp, grad_scale))
         }
-        Some(m) => with_slice!(SliceMut, params, p => with_slice!(Slice, grads, g => {
-            state.update_with_copy(m, g, hp, grad_scale, p)
+        Some(w) => with_slice!(SliceMut, params, p => with_slice!(Slice, grads, g => {
+            adam_step_with_copy(w, g, m, v, step, hp, grad_scale, p)
         })),
     }
 }

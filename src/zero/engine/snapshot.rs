@@ -8,6 +8,7 @@ use super::{Engine, EngineError, UnitModel};
 use crate::comm::{Buffer, CommError, DType};
 use crate::zero::precision::{FlatBuffer, PolicySnapshot, Slice};
 use crate::zero::state::StageState;
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// The counters a resumed engine continues from.
@@ -26,10 +27,10 @@ pub struct UnitOptimizerState<'e> {
     pub range: Range<usize>,
     /// The fp32 master weights (the parameters themselves in fp32 training).
     pub master: &'e [f32],
-    /// Adam's first moment.
-    pub exp_avg: &'e [f32],
+    /// Adam's first moment (read from the swap file under NVMe offload).
+    pub exp_avg: Cow<'e, [f32]>,
     /// Adam's second moment.
-    pub exp_avg_sq: &'e [f32],
+    pub exp_avg_sq: Cow<'e, [f32]>,
 }
 
 impl<M: UnitModel> Engine<'_, M> {
@@ -49,8 +50,9 @@ impl<M: UnitModel> Engine<'_, M> {
         )
     }
 
-    /// Unit `unit`'s optimizer state over [`Engine::saved_range`].
-    pub fn optimizer_state(&self, unit: usize) -> UnitOptimizerState<'_> {
+    /// Unit `unit`'s optimizer state over [`Engine::saved_range`]. Fails only when the NVMe
+    /// swap file cannot be read.
+    pub fn optimizer_state(&self, unit: usize) -> Result<UnitOptimizerState<'_>, EngineError> {
         let range = self.saved_range(unit);
         let us = &self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
@@ -58,12 +60,22 @@ impl<M: UnitModel> Engine<'_, M> {
             Some(m) => &m[local.clone()],
             None => &self.fp32_updated_params(unit)[local.clone()],
         };
-        UnitOptimizerState {
+        let (exp_avg, exp_avg_sq) = match &self.nvme {
+            Some(nvme) => {
+                let (m, v) = nvme.read(unit, local)?;
+                (Cow::Owned(m), Cow::Owned(v))
+            }
+            None => (
+                Cow::Borrowed(&us.adam.m[local.clone()]),
+                Cow::Borrowed(&us.adam.v[local]),
+            ),
+        };
+        Ok(UnitOptimizerState {
             range,
             master,
-            exp_avg: &us.adam.m[local.clone()],
-            exp_avg_sq: &us.adam.v[local],
-        }
+            exp_avg,
+            exp_avg_sq,
+        })
     }
 
     /// The step counters and the loss-scaling state.
@@ -98,8 +110,13 @@ impl<M: UnitModel> Engine<'_, M> {
         }
         let us = &mut self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
-        us.adam.m[local.clone()].copy_from_slice(exp_avg);
-        us.adam.v[local.clone()].copy_from_slice(exp_avg_sq);
+        match &mut self.nvme {
+            Some(nvme) => nvme.write(unit, local.clone(), exp_avg, exp_avg_sq)?,
+            None => {
+                us.adam.m[local.clone()].copy_from_slice(exp_avg);
+                us.adam.v[local.clone()].copy_from_slice(exp_avg_sq);
+            }
+        }
         if let Some(m) = &mut us.master {
             m[local.clone()].copy_from_slice(master);
         }

@@ -1,0 +1,50 @@
+//! Offload tiers: where a rank's optimizer states live when they do not stay in the device tier.
+//!
+//! * **Host** (`offload_optimizer.device = "cpu"`, `offload_param.device = "cpu"`): the bytes sit
+//!   in host memory and the step runs on the CPU. On a machine without accelerators the device and
+//!   host tiers are the same DRAM, so this changes no computation, only which budget the bytes are
+//!   charged to (the ledger's tiers), exactly as ZeRO-Offload moves them out of device memory.
+//! * **NVMe** (`device = "nvme"`): Adam's moments live in a swap file per rank under `nvme_path`
+//!   ([`SwapFile`]) and are streamed through a few fixed buffers during the optimizer step.
+//!
+//! This module is storage only (files, aligned buffers, their errors); it knows nothing of ZeRO.
+//! It sits below `zero`, like the byte accountant: the engine's update phase streams through it.
+
+mod swap;
+
+pub use swap::{AlignedBuf, SwapFile, SWAP_ALIGN_ELEMS};
+
+use std::path::PathBuf;
+
+/// The most elements of each moment streamed through memory at once under NVMe offload
+/// (64 MiB per buffer): DeepSpeed's `sub_group_size` defaults to 1e9 elements, which would make
+/// the stream buffers as large as the states they keep out of memory.
+pub const MAX_STREAM_CHUNK: usize = 1 << 24;
+
+/// An offload tier could not be set up or used. Every message says what, where and how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum OffloadError {
+    #[error(
+        "offload_optimizer.nvme_path {path} {what}; set zero_optimization.offload_optimizer.\
+         nvme_path to an existing, writable directory on a local disk"
+    )]
+    BadDir { path: PathBuf, what: String },
+    #[error(
+        "cannot reserve {bytes} bytes for the NVMe swap file {path}: {source}; free space on that \
+         disk, point offload_optimizer.nvme_path at a larger one, or use more ranks (each holds \
+         1/N of the states)"
+    )]
+    Reserve {
+        path: PathBuf,
+        bytes: u64,
+        source: std::io::Error,
+    },
+    #[error("NVMe swap file {path}: {op} of {bytes} bytes at offset {offset} failed: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        bytes: usize,
+        offset: u64,
+        source: std::io::Error,
+    },
+}

@@ -1,0 +1,144 @@
+//! Offload (`offload_optimizer` to cpu or nvme, `offload_param` to cpu at stage 3): the same
+//! losses, norms and parameters as the same stage without offload, bit for bit, in fp32 and bf16
+//! at world sizes 1, 2 and 4; the bytes leave the device tier as the tiers say; the NVMe swap
+//! files exist only during the run; a bad `nvme_path` is a clear error before any step.
+
+mod common;
+
+use common::*;
+use zerodp::comm::DType;
+use zerodp::model::TokenBatch as Batch;
+use zerodp::trainer::{ReportLog, Trainer};
+use zerodp::zero::unit::UnitModel;
+use zerodp::zero::{EngineConfig, OptimizerTier, Stage};
+
+const GLOBAL: usize = 8;
+const SEQ: usize = 4;
+const STEPS: usize = 4;
+
+/// `(loss bits, grad norm bits)` per step and the final parameters' bits, every rank's reports.
+fn fingerprint(run: &Run) -> (Vec<Vec<(u32, u32)>>, Vec<Vec<u32>>) {
+    let steps = run
+        .reports
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|s| (s.loss.to_bits(), s.grad_norm.to_bits()))
+                .collect()
+        })
+        .collect();
+    let params = run
+        .params
+        .iter()
+        .map(|p| p.iter().map(|x| x.to_bits()).collect())
+        .collect();
+    (steps, params)
+}
+
+fn config(stage: Stage, world: usize, dtype: DType) -> EngineConfig {
+    let mut c = test_config(stage, world, 1, GLOBAL).with_precision(dtype);
+    c.gradient_clipping = 1.0;
+    c
+}
+
+#[test]
+fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
+    let model = Toy::new(16, 8, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    for world in [1usize, 2, 4] {
+        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for dtype in [DType::F32, DType::BF16] {
+                let base = config(stage, world, dtype);
+                let want = fingerprint(&train(&model, &base, STEPS, GLOBAL, SEQ));
+                // A chunk smaller than a unit's part, so that a part streams in several pieces.
+                let nvme = OptimizerTier::Nvme {
+                    dir: dir.path().to_path_buf(),
+                    chunk: 100,
+                };
+                for (tier, params) in [
+                    (OptimizerTier::Host, false),
+                    (nvme.clone(), false),
+                    (OptimizerTier::Host, true),
+                    (nvme, true),
+                ] {
+                    if params && stage != Stage::Zero3 {
+                        continue;
+                    }
+                    let mut cfg = base.clone();
+                    cfg.offload_optimizer = tier.clone();
+                    cfg.offload_params = params;
+                    let got = fingerprint(&train(&model, &cfg, STEPS, GLOBAL, SEQ));
+                    assert_eq!(
+                        got, want,
+                        "world {world} {stage:?} {dtype} {tier:?} params {params}"
+                    );
+                }
+                let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+                assert!(left.is_empty(), "swap files left behind: {left:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn offloaded_bytes_leave_the_device_tier() {
+    let model = Toy::new(16, 8, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    let base = config(Stage::Zero3, 2, DType::BF16);
+    let plain = train(&model, &base, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert!(plain.master > 0 && plain.optimizer_states > 0 && plain.params > 0);
+    assert_eq!((plain.offloaded_host, plain.offloaded_nvme), (0, 0));
+
+    let mut cpu = base.clone();
+    cpu.offload_optimizer = OptimizerTier::Host;
+    cpu.offload_params = true;
+    let m = train(&model, &cpu, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert_eq!((m.master, m.optimizer_states, m.params), (0, 0, 0));
+    assert_eq!(
+        m.offloaded_host,
+        plain.master + plain.optimizer_states + plain.params
+    );
+    assert_eq!(m.total, plain.total - m.offloaded_host);
+
+    let mut nvme = base.clone();
+    nvme.offload_optimizer = OptimizerTier::Nvme {
+        dir: dir.path().to_path_buf(),
+        chunk: 1 << 20,
+    };
+    let m = train(&model, &nvme, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert_eq!((m.master, m.optimizer_states), (0, 0));
+    // The moments on disk, each unit's record padded to 4 KiB; the master and the two stream
+    // buffers (as long as the longest part, padded) in host memory.
+    assert!(m.offloaded_nvme >= plain.optimizer_states, "{m:?}");
+    let units = model.spec().units.len() as u64;
+    assert!(
+        m.offloaded_nvme <= plain.optimizer_states + units * 2 * 4096,
+        "{m:?}"
+    );
+    assert!(m.offloaded_host >= plain.master + 2 * 4096, "{m:?}");
+}
+
+#[test]
+fn a_missing_nvme_path_fails_before_any_step_naming_it() {
+    let model = Toy::new(16, 8, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-disk");
+    let mut cfg = config(Stage::Zero2, 2, DType::F32);
+    cfg.offload_optimizer = OptimizerTier::Nvme {
+        dir: missing.clone(),
+        chunk: 1000,
+    };
+    let source = |_: zerodp::trainer::BatchIndex| -> Result<Batch, String> {
+        panic!("no batch may be asked for before the swap file exists")
+    };
+    let log = ReportLog::new();
+    let err = Trainer::new(&model, cfg)
+        .run(&source, 2, &[&log])
+        .err()
+        .expect("a missing nvme_path must fail")
+        .to_string();
+    assert!(
+        err.contains("no-such-disk") && err.contains("nvme_path"),
+        "{err}"
+    );
+}
