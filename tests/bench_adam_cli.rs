@@ -50,7 +50,10 @@ fn bench_adam_json_has_bandwidth_isa_and_one_result_per_thread_count_and_state_d
     }
     for threads in [1, 2] {
         for state in ["f32", "bf16"] {
-            assert!(seen.contains(&(threads, state.to_string())), "{threads} {state}");
+            assert!(
+                seen.contains(&(threads, state.to_string())),
+                "{threads} {state}"
+            );
         }
     }
 }
@@ -77,7 +80,10 @@ fn bench_adam_refuses_a_shard_larger_than_memory() {
         .expect("run zerodp");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("GiB") && err.contains("lower --params"), "{err}");
+    assert!(
+        err.contains("GiB") && err.contains("lower --params"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 }
 
@@ -90,5 +96,8 @@ fn bench_adam_refuses_an_unknown_forced_isa() {
         .expect("run zerodp");
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("ZERODP_ADAM_ISA") && err.contains("avx512"), "{err}");
+    assert!(
+        err.contains("ZERODP_ADAM_ISA") && err.contains("avx512"),
+        "{err}"
+    );
 }

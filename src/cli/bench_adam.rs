@@ -3,10 +3,13 @@
 //!
 //! The step is memory-bound on large shards: it reads p, g, m, v and writes p, m, v once each
 //! (28 bytes per parameter with f32 states and gradients, 20 with bf16 states), so the useful
-//! comparison is its traffic (`gbps`) against what the memory delivers. The reference is a
-//! STREAM-style triad `a = b + s * c` over three 128 MiB buffers (far above the 32 MiB LLC) on
-//! every hardware thread at once, counted as STREAM counts it: bytes read plus written (12 per
-//! element; the write-allocate read of `a` is not counted).
+//! comparison is its traffic (`gbps`) against what the memory delivers. The reference,
+//! `mem_bw_gbps`, is a STREAM-style in-place update `a[i] += s * b[i]` over two 256 MiB buffers
+//! (far above the 32 MiB LLC) on every hardware thread at once, counted as bytes read plus written
+//! (12 per element): Adam's own access pattern, where every written line was just read. STREAM's
+//! triad `a = b + s * c` is measured beside it (`triad_gbps`, also 12 bytes per element); it
+//! comes out lower because each store to `a` first reads the line (write-allocate), traffic
+//! STREAM does not count.
 //!
 //! Each thread count runs in its own rayon pool of that size; each number is the median of
 //! `--runs` timed steps after one warm-up step (which also maps the pages of m and v). With a
@@ -16,7 +19,9 @@
 use anyhow::{bail, Context};
 use half::bf16;
 use std::time::Instant;
-use zerodp::optim::adam::{adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams};
+use zerodp::optim::adam::{
+    adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
+};
 use zerodp::optim::kernels::{Element, TILE};
 
 use super::bench_comm::{available_memory, median, Format};
@@ -62,8 +67,8 @@ impl DtypeChoice {
     }
 }
 
-/// Bytes of the three triad buffers, each.
-const TRIAD_BYTES: usize = 128 << 20;
+/// Bytes of each bandwidth buffer.
+const STREAM_BYTES: usize = 256 << 20;
 
 /// One measured point. `params`, `threads`, `state_dtype`, `params_per_s` and `bytes_per_param`
 /// are the contract of `--format json`; the rest are extras.
@@ -88,8 +93,10 @@ struct Row {
 
 #[derive(serde::Serialize, Debug)]
 struct Report {
-    /// Triad bytes read plus written per second / 1e9, all threads of `mem_bw_threads`.
+    /// `a += s * b`: bytes read plus written per second / 1e9, all `mem_bw_threads` threads.
     mem_bw_gbps: f64,
+    /// STREAM triad `a = b + s * c`, counted the same way (write-allocate reads not counted).
+    triad_gbps: f64,
     mem_bw_threads: usize,
     /// The Adam kernel path every step ran on.
     isa: &'static str,
@@ -140,13 +147,13 @@ fn bytes_needed(n: usize, grad: DtypeChoice, state: DtypeChoice, copy: bool) -> 
 }
 
 /// Refuses a run whose largest shard (buffers of one size and state dtype live at a time) or
-/// triad buffers would not fit `available` bytes.
+/// bandwidth buffers would not fit `available` bytes.
 fn check_fits(args: &BenchAdamArgs, sizes: &[usize], available: u64) -> anyhow::Result<()> {
     let gib = |b: u128| b as f64 / (1u64 << 30) as f64;
     let copy = !args.no_copy;
     for &n in sizes {
         for &s in &args.state_dtypes {
-            let need = bytes_needed(n, args.grad_dtype, s, copy).max(3 * TRIAD_BYTES as u128);
+            let need = bytes_needed(n, args.grad_dtype, s, copy).max(3 * STREAM_BYTES as u128);
             if need > available as u128 {
                 bail!(
                     "--params {n}: with {s:?} states, {:?} gradients{} it needs {:.1} GiB, more \
@@ -176,27 +183,39 @@ fn time_median(runs: usize, mut f: impl FnMut()) -> f64 {
     median(samples)
 }
 
-/// STREAM triad on `threads` threads, each over its own contiguous part: bytes read plus written
-/// per second / 1e9 at the median of `runs` passes (after one that maps the pages).
-fn triad_gbps(threads: usize, runs: usize) -> f64 {
-    let len = TRIAD_BYTES / 4;
+/// Bytes read plus written per second / 1e9 at the median of `runs` passes (after one that maps
+/// the pages) of `a += s * b` (`triad` false) or `a = b + s * c` (`triad` true), 12 bytes per
+/// element either way, on `threads` threads each over its own contiguous part.
+fn stream_gbps(threads: usize, runs: usize, triad: bool) -> f64 {
+    let len = STREAM_BYTES / 4;
     let mut a = vec![0f32; len];
     let b = vec![1f32; len];
-    let c = vec![2f32; len];
+    let c = if triad { vec![2f32; len] } else { Vec::new() };
     let chunk = len.div_ceil(threads);
     let secs = time_median(runs, || {
         std::thread::scope(|s| {
-            for ((a, b), c) in a.chunks_mut(chunk).zip(b.chunks(chunk)).zip(c.chunks(chunk)) {
+            for (k, (a, b)) in a.chunks_mut(chunk).zip(b.chunks(chunk)).enumerate() {
+                let c = if triad {
+                    &c[k * chunk..k * chunk + a.len()]
+                } else {
+                    &[][..]
+                };
                 s.spawn(move || {
-                    for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
-                        *a = b + 3.0 * c;
+                    if triad {
+                        for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
+                            *a = b + 3.0 * c;
+                        }
+                    } else {
+                        for (a, b) in a.iter_mut().zip(b) {
+                            *a += 3.0 * b;
+                        }
                     }
                 });
             }
         });
     });
     std::hint::black_box(&a);
-    (3 * TRIAD_BYTES) as f64 / secs / 1e9
+    (3 * STREAM_BYTES) as f64 / secs / 1e9
 }
 
 fn pool(threads: usize) -> anyhow::Result<rayon::ThreadPool> {
@@ -207,7 +226,7 @@ fn pool(threads: usize) -> anyhow::Result<rayon::ThreadPool> {
 }
 
 /// All thread counts on one shard of `n` parameters with gradients `G` and moments `S`.
-fn measure<G: Element, S: Element>(
+fn measure<G: Element, S: StateElement>(
     n: usize,
     args: &BenchAdamArgs,
     pools: &[(usize, rayon::ThreadPool)],
@@ -268,7 +287,10 @@ fn measure<G: Element, S: Element>(
 pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
     let sizes = parse_params(&args.params)?;
     if args.threads.is_empty() || args.threads.contains(&0) {
-        bail!("--threads {:?}: give positive thread counts, such as --threads 1,2", args.threads);
+        bail!(
+            "--threads {:?}: give positive thread counts, such as --threads 1,2",
+            args.threads
+        );
     }
     if args.state_dtypes.is_empty() {
         bail!("--state-dtypes names no dtype; use f32, bf16 or f32,bf16");
@@ -284,7 +306,8 @@ pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
     }
     let isa = adam_isa();
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mem_bw_gbps = triad_gbps(all, args.runs.max(5));
+    let mem_bw_gbps = stream_gbps(all, args.runs.max(5), false);
+    let triad_gbps = stream_gbps(all, args.runs.max(5), true);
     let pools = args
         .threads
         .iter()
@@ -303,6 +326,7 @@ pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
     }
     let report = Report {
         mem_bw_gbps,
+        triad_gbps,
         mem_bw_threads: all,
         isa: isa.name(),
         isa_available: AdamIsa::available().iter().map(|i| i.name()).collect(),
@@ -318,12 +342,13 @@ pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
 
 fn print_table(r: &Report) -> anyhow::Result<()> {
     outln!(
-        "# adam step, {} path (available: {}); memory bandwidth {:.2} GB/s (triad, read+write, \
-         {} threads); median of {} steps",
+        "# adam step, {} path (available: {}); memory bandwidth {:.2} GB/s (a += s*b, read+write, \
+         {} threads; STREAM triad {:.2}); median of {} steps",
         r.isa,
         r.isa_available.join(", "),
         r.mem_bw_gbps,
         r.mem_bw_threads,
+        r.triad_gbps,
         r.runs
     );
     outln!(
@@ -340,7 +365,8 @@ fn print_table(r: &Report) -> anyhow::Result<()> {
         "+copy Mparams/s"
     );
     for row in &r.results {
-        let opt = |x: Option<f64>, scale: f64| x.map_or("-".into(), |x| format!("{:.1}", x * scale));
+        let opt =
+            |x: Option<f64>, scale: f64| x.map_or("-".into(), |x| format!("{:.1}", x * scale));
         outln!(
             "{:>13} {:>7} {:>6} {:>5} {:>9.2} {:>10.1} {:>7.2} {:>5.0} {:>16} {:>16}",
             row.params,
@@ -368,7 +394,10 @@ mod tests {
             parse_params("10M,100M,1G").unwrap(),
             [10_000_000, 100_000_000, 1_000_000_000]
         );
-        assert_eq!(parse_params("1B, 5k,42").unwrap(), [1_000_000_000, 5_000, 42]);
+        assert_eq!(
+            parse_params("1B, 5k,42").unwrap(),
+            [1_000_000_000, 5_000, 42]
+        );
         for bad in ["lots", "", "0", "1.5M", "99999999999999999999G"] {
             let e = parse_params(bad).unwrap_err().to_string();
             assert!(e.contains("--params"), "{bad}: {e}");

@@ -33,6 +33,7 @@
 //! the widest the CPU runs is chosen once per process ([`adam_isa`]; [`ADAM_ISA_ENV`] forces one).
 //! All three give the same bits (see [`AdamIsa`]).
 
+use half::bf16;
 use rayon::prelude::*;
 
 use super::kernels::{Element, PAR_CHUNK, PAR_MIN_LEN, TILE};
@@ -230,35 +231,76 @@ impl AdamIsa {
 /// `zerodp bench adam` checks [`AdamIsa::from_env`] itself and refuses it.
 pub fn adam_isa() -> AdamIsa {
     static ISA: std::sync::OnceLock<AdamIsa> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| AdamIsa::from_env().ok().flatten().unwrap_or_else(AdamIsa::best))
+    *ISA.get_or_init(|| {
+        AdamIsa::from_env()
+            .ok()
+            .flatten()
+            .unwrap_or_else(AdamIsa::best)
+    })
+}
+
+/// An element type for Adam's moments `m` and `v`: `f32`, or bf16 to halve the optimizer state.
+/// (f16 is not one: its range ends at 65504 and `v` holds squared gradients.) Conversions are per
+/// element and branch-free, so that the update loop stays one vectorised pass over the tile:
+/// widening bf16 is a shift, rounding is to nearest even with NaNs kept NaN, the bits of
+/// `half`'s `bf16::from_f32`.
+pub trait StateElement: Element {
+    /// The value as `f32` (exact).
+    fn load(self) -> f32;
+    /// `x` rounded to this type.
+    fn store(x: f32) -> Self;
+}
+
+impl StateElement for f32 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(x: f32) -> f32 {
+        x
+    }
+}
+
+impl StateElement for bf16 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        f32::from_bits(u32::from(self.to_bits()) << 16)
+    }
+    #[inline(always)]
+    fn store(x: f32) -> bf16 {
+        bf16::from_bits(crate::comm::kernels::f32_to_bf16_bits(x))
+    }
 }
 
 /// The update of one tile. `LERP_LOW` selects PyTorch's lerp formula for a weight `w1 < 0.5`
 /// (`m + w1 * (g - m)`, the usual case) or `>= 0.5` (`g - (g - m) * (1 - w1)`); being a const
-/// generic keeps the loop branch-free so that it vectorises.
+/// generic keeps the loop branch-free so that it vectorises. 16-bit moments are widened and
+/// rounded in the same loop, once per step.
 #[inline(always)]
-fn adam_tile<const LERP_LOW: bool>(
+fn adam_tile<S: StateElement, const LERP_LOW: bool>(
     p: &mut [f32],
     g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    m: &mut [S],
+    v: &mut [S],
     c: &StepConsts,
 ) {
     let one_minus_w1 = 1.0 - c.w1;
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let (m_old, v_old) = (m.load(), v.load());
         let g = g * c.grad_scale;
         let g = g + c.l2 * *p;
         let decayed = *p * c.decay;
         let m_new = if LERP_LOW {
-            *m + c.w1 * (g - *m)
+            m_old + c.w1 * (g - m_old)
         } else {
-            g - (g - *m) * one_minus_w1
+            g - (g - m_old) * one_minus_w1
         };
-        let v_new = *v * c.beta2 + c.one_minus_beta2 * g * g;
+        let v_new = v_old * c.beta2 + c.one_minus_beta2 * g * g;
         let denom = v_new.sqrt() / c.bc2_sqrt + c.eps;
         *p = decayed + c.neg_step_size * m_new / denom;
-        *m = m_new;
-        *v = v_new;
+        *m = S::store(m_new);
+        *v = S::store(v_new);
     }
 }
 
@@ -273,13 +315,13 @@ fn f32_view<'a, E: Element>(src: &'a [E], buf: &'a mut [f32]) -> &'a [f32] {
     }
 }
 
-/// One chunk, tile by tile: 16-bit gradients and states are widened into stack buffers, the
-/// states rounded back once per step, and the optional 16-bit copy of the new parameters written
-/// while the tile is hot. Inlined into each [`AdamIsa`] variant, so that the widening and
-/// rounding of bf16 (`Element`'s `#[inline(always)]` shift and round-to-nearest-even) are
-/// vectorised at that width too; f16 goes through `half`, which uses F16C where the CPU has it.
+/// One chunk, tile by tile: 16-bit gradients are widened into a stack buffer and the optional
+/// 16-bit copy of the new parameters is written while the tile is hot. Inlined into each
+/// [`AdamIsa`] variant, so that the bf16 conversions (of the moments, and `Element`'s
+/// `#[inline(always)]` widening and rounding of gradients and copy) are vectorised at that width
+/// too; f16 goes through `half`, which uses F16C where the CPU has it.
 #[inline(always)]
-fn adam_chunk_body<G: Element, S: Element, T: Element>(
+fn adam_chunk_body<G: Element, S: StateElement, T: Element>(
     p: &mut [f32],
     g: &[G],
     m: &mut [S],
@@ -289,28 +331,18 @@ fn adam_chunk_body<G: Element, S: Element, T: Element>(
 ) {
     let lerp_low = c.w1 < 0.5;
     let mut gbuf = [0f32; TILE];
-    let mut mbuf = [0f32; TILE];
-    let mut vbuf = [0f32; TILE];
-    for (i, p) in p.chunks_mut(TILE).enumerate() {
+    for (i, ((p, m), v)) in p
+        .chunks_mut(TILE)
+        .zip(m.chunks_mut(TILE))
+        .zip(v.chunks_mut(TILE))
+        .enumerate()
+    {
         let range = i * TILE..i * TILE + p.len();
-        let n = p.len();
-        let g32 = f32_view(&g[range.clone()], &mut gbuf[..n]);
-        let (m_s, v_s) = (&mut m[range.clone()], &mut v[range.clone()]);
-        let (m32, v32): (&mut [f32], &mut [f32]) = if S::IS_F32 {
-            (bytemuck::cast_slice_mut(m_s), bytemuck::cast_slice_mut(v_s))
-        } else {
-            S::widen(m_s, &mut mbuf[..n]);
-            S::widen(v_s, &mut vbuf[..n]);
-            (&mut mbuf[..n], &mut vbuf[..n])
-        };
+        let g32 = f32_view(&g[range.clone()], &mut gbuf[..p.len()]);
         if lerp_low {
-            adam_tile::<true>(p, g32, m32, v32, c);
+            adam_tile::<S, true>(p, g32, m, v, c);
         } else {
-            adam_tile::<false>(p, g32, m32, v32, c);
-        }
-        if !S::IS_F32 {
-            S::narrow(&mbuf[..n], m_s);
-            S::narrow(&vbuf[..n], v_s);
+            adam_tile::<S, false>(p, g32, m, v, c);
         }
         if let Some(out) = out.as_deref_mut() {
             T::narrow(p, &mut out[range]);
@@ -324,7 +356,7 @@ fn adam_chunk_body<G: Element, S: Element, T: Element>(
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn adam_chunk_avx2<G: Element, S: Element, T: Element>(
+unsafe fn adam_chunk_avx2<G: Element, S: StateElement, T: Element>(
     p: &mut [f32],
     g: &[G],
     m: &mut [S],
@@ -341,7 +373,7 @@ unsafe fn adam_chunk_avx2<G: Element, S: Element, T: Element>(
 /// The CPU has AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn adam_chunk_avx512<G: Element, S: Element, T: Element>(
+unsafe fn adam_chunk_avx512<G: Element, S: StateElement, T: Element>(
     p: &mut [f32],
     g: &[G],
     m: &mut [S],
@@ -354,7 +386,7 @@ unsafe fn adam_chunk_avx512<G: Element, S: Element, T: Element>(
 
 /// One chunk on the path `isa`, which the caller has checked is available.
 #[inline]
-fn adam_chunk<G: Element, S: Element, T: Element>(
+fn adam_chunk<G: Element, S: StateElement, T: Element>(
     isa: AdamIsa,
     p: &mut [f32],
     g: &[G],
@@ -375,7 +407,7 @@ fn adam_chunk<G: Element, S: Element, T: Element>(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn adam_impl<G: Element, S: Element, T: Element>(
+fn adam_impl<G: Element, S: StateElement, T: Element>(
     isa: AdamIsa,
     params: &mut [f32],
     grads: &[G],
@@ -401,7 +433,11 @@ fn adam_impl<G: Element, S: Element, T: Element>(
             out.len()
         );
     }
-    assert!(isa.is_available(), "adam_step: this CPU cannot run the {} path", isa.name());
+    assert!(
+        isa.is_available(),
+        "adam_step: this CPU cannot run the {} path",
+        isa.name()
+    );
     if n < PAR_MIN_LEN {
         adam_chunk(isa, params, grads, m, v, out, c);
         return;
@@ -415,8 +451,7 @@ fn adam_impl<G: Element, S: Element, T: Element>(
         Some(out) => chunks
             .zip(out.par_chunks_mut(PAR_CHUNK))
             .for_each(|((((p, g), m), v), o)| adam_chunk(isa, p, g, m, v, Some(o), c)),
-        None => chunks
-            .for_each(|(((p, g), m), v)| adam_chunk::<G, S, T>(isa, p, g, m, v, None, c)),
+        None => chunks.for_each(|(((p, g), m), v)| adam_chunk::<G, S, T>(isa, p, g, m, v, None, c)),
     }
 }
 
@@ -434,7 +469,7 @@ fn adam_impl<G: Element, S: Element, T: Element>(
 ///
 /// # Panics
 /// If the slices differ in length or `step == 0`.
-pub fn adam_step<G: Element, S: Element>(
+pub fn adam_step<G: Element, S: StateElement>(
     params: &mut [f32],
     grads: &[G],
     m: &mut [S],
@@ -453,7 +488,7 @@ pub fn adam_step<G: Element, S: Element>(
 /// # Panics
 /// If the slices differ in length or `step == 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn adam_step_with_copy<G: Element, S: Element, T: Element>(
+pub fn adam_step_with_copy<G: Element, S: StateElement, T: Element>(
     params: &mut [f32],
     grads: &[G],
     m: &mut [S],
@@ -471,7 +506,7 @@ pub fn adam_step_with_copy<G: Element, S: Element, T: Element>(
 /// moments' element type: `f32` (the default, 8 bytes per element) or bf16 (4 bytes per element;
 /// the update still runs in `f32`, see [`adam_step`]).
 #[derive(Debug, Clone, PartialEq)]
-pub struct AdamState<S: Element = f32> {
+pub struct AdamState<S: StateElement = f32> {
     /// First moment, one `S` per shard element.
     pub m: Vec<S>,
     /// Second moment, one `S` per shard element.
@@ -487,7 +522,7 @@ impl AdamState {
     }
 }
 
-impl<S: Element> AdamState<S> {
+impl<S: StateElement> AdamState<S> {
     /// Zeroed state of element type `S` for a shard of `len` elements.
     pub fn zeroed(len: usize) -> Self {
         Self {
@@ -844,7 +879,7 @@ mod tests {
     /// Three steps on path `isa` from fixed inputs; the bytes of p, m, v and the copy (if any).
     /// The first step's gradients hold NaN and +-Inf at three distinct elements, so that their
     /// propagation (and the NaN rounding of 16-bit outputs) is compared too.
-    fn run_on<G: Element, S: Element, T: Element>(
+    fn run_on<G: Element, S: StateElement, T: Element>(
         isa: AdamIsa,
         hp: &AdamParams,
         copy: bool,
@@ -870,7 +905,7 @@ mod tests {
 
     /// Every available path against the portable one, for one (gradient, state) type pair, with
     /// no copy and with bf16 and f16 copies, over Adam, AdamW and both lerp branches.
-    fn paths_agree<G: Element, S: Element>() {
+    fn paths_agree<G: Element, S: StateElement>() {
         let n = PAR_MIN_LEN + TILE + 7;
         let mut hps = Vec::new();
         for adam_w_mode in [true, false] {
@@ -969,6 +1004,26 @@ mod tests {
     }
 
     #[test]
+    fn bf16_state_conversions_are_halfs() {
+        // Every bf16 widens to half's value (NaNs: a NaN); rounding matches half bit for bit on
+        // about 1M f32 patterns over the whole range and their tie neighbourhoods, NaNs included.
+        for b in 0..=u16::MAX {
+            let h = bf16::from_bits(b);
+            let w = h.load();
+            assert!(w.to_bits() == h.to_f32().to_bits() || (w.is_nan() && h.is_nan()));
+        }
+        let mut b: u32 = 0;
+        while let Some(next) = b.checked_add(4093) {
+            let tie = (b & 0xffff_0000) | 0x8000;
+            for x in [b, tie, tie ^ 0x1_0000].map(f32::from_bits) {
+                let (got, want) = (bf16::store(x).to_bits(), bf16::from_f32(x).to_bits());
+                assert_eq!(got, want, "{:#010x}", x.to_bits());
+            }
+            b = next;
+        }
+    }
+
+    #[test]
     fn bf16_states_track_f32_states_on_a_quadratic() {
         // Minimise sum_i a_i (p_i - t_i)^2 / 2 (curvatures 0.1..10) with AdamW, 100 steps of
         // lr 1e-2, once with f32 moments and once with bf16 moments. Rounding m and v to 8
@@ -1010,8 +1065,14 @@ mod tests {
             max_diff = d.fold(max_diff, f32::max);
         }
         let (l32, l16) = (loss(&p32), loss(&p16));
-        assert!(l32 < 0.5 * loss0, "f32-state Adam did not learn: {loss0} -> {l32}");
-        assert!(max_diff <= 0.02, "bf16 states parted from f32 by {max_diff}");
+        assert!(
+            l32 < 0.5 * loss0,
+            "f32-state Adam did not learn: {loss0} -> {l32}"
+        );
+        assert!(
+            max_diff <= 0.02,
+            "bf16 states parted from f32 by {max_diff}"
+        );
         // Near the optimum the loss is Adam's own jitter (steps of about lr around each target),
         // so the losses are compared against the starting loss: the same progress within 0.5%.
         assert!(
