@@ -1,6 +1,8 @@
 //! CPU Adam throughput on one large flat shard, 1 thread and all threads.
 //!
-//! `cargo bench --bench adam` (optional: `ZERODP_BENCH_ELEMS=N`, `ZERODP_BENCH_RUNS=N`).
+//! `cargo bench --bench adam` (optional: `ZERODP_BENCH_ELEMS=N`, `ZERODP_BENCH_RUNS=N`, and
+//! `ZERODP_ADAM_ISA=portable|avx2|avx512` to force the kernel path; `zerodp bench adam` measures
+//! the same step per shard size next to the memory bandwidth).
 //! Prints the median of several timed runs (after one warm-up run) as milliseconds per step,
 //! parameters per second and the memory traffic that implies, and the share of the cores the
 //! process actually got (CPU time / wall time / threads), since the machine may be shared. No criterion: the step is long
@@ -9,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
-use zerodp::optim::adam::{adam_step, adam_step_with_copy, AdamParams};
+use zerodp::optim::adam::{adam_isa, adam_step, adam_step_with_copy, AdamParams};
 use zerodp::optim::kernels::{has_non_finite, sum_of_squares};
 
 fn env_usize(key: &str, default: usize) -> usize {
@@ -84,8 +86,9 @@ fn main() {
     let runs = env_usize("ZERODP_BENCH_RUNS", if full { 7 } else { 1 });
     let all = std::thread::available_parallelism().map_or(1, |v| v.get());
     println!(
-        "adam bench: {n} elements ({} MiB of f32 params), median of {runs} runs",
-        (n * 4) >> 20
+        "adam bench: {n} elements ({} MiB of f32 params), median of {runs} runs, {} path",
+        (n * 4) >> 20,
+        adam_isa().name()
     );
 
     let mut params: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
@@ -93,6 +96,8 @@ fn main() {
     let grads_bf16: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
     let mut m = vec![0f32; n];
     let mut v = vec![0f32; n];
+    let mut m16 = vec![bf16::ZERO; n];
+    let mut v16 = vec![bf16::ZERO; n];
     let mut copy = vec![bf16::ZERO; n];
     let hp = AdamParams {
         weight_decay: 0.01,
@@ -132,6 +137,13 @@ fn main() {
             });
             // Read p, m, v (f32) and g (bf16); write p, m, v and the bf16 copy: 28 bytes.
             report("adamw bf16 grads + bf16 copy-out", threads, n, 28, &t);
+
+            let t = measure(runs, threads, || {
+                step += 1;
+                adam_step(&mut params, &grads, &mut m16, &mut v16, step, &hp, 0.5);
+            });
+            // Read p, g (f32) and m, v (bf16); write p (f32), m, v (bf16): 20 bytes.
+            report("adamw f32 grads, bf16 states", threads, n, 20, &t);
 
             let mut sink = 0f64;
             let t = measure(runs, threads, || sink += sum_of_squares(&grads));

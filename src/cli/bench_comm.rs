@@ -198,7 +198,7 @@ struct Report {
     results: Vec<BenchResult>,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let m = v.len() / 2;
     if v.len() % 2 == 1 {
@@ -504,7 +504,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
 
 /// Bytes this machine can still give without swapping (`MemAvailable` in /proc/meminfo), when
 /// known.
-fn available_memory() -> Option<u64> {
+pub(crate) fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let kib = text
         .lines()

@@ -36,6 +36,7 @@ macro_rules! errln {
     };
 }
 
+pub mod bench_adam;
 pub mod bench_comm;
 pub mod bench_train;
 pub mod ckpt;
@@ -58,7 +59,7 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Per-device memory and traffic for every stage and offload choice, before a run.
     Plan(plan::PlanArgs),
-    /// Benchmarks: collectives and training throughput.
+    /// Benchmarks: collectives, training throughput and the Adam step.
     #[command(subcommand)]
     Bench(BenchCommand),
     /// Inspect checkpoints and consolidate their weights into one file.
@@ -75,6 +76,9 @@ pub enum BenchCommand {
     Comm(bench_comm::BenchCommArgs),
     /// Training throughput (tokens/s) per stage and world size.
     Train(bench_train::BenchTrainArgs),
+    /// CPU Adam step: parameters per second per shard size, thread count and state dtype, next
+    /// to this machine's memory bandwidth.
+    Adam(bench_adam::BenchAdamArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -90,6 +94,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Plan(a) => plan::run(a),
         Command::Bench(BenchCommand::Comm(a)) => bench_comm::run(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),
+        Command::Bench(BenchCommand::Adam(a)) => bench_adam::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
     }

@@ -62,10 +62,12 @@ impl Element for f32 {
     const IS_F32: bool = true;
     const NAME: &'static str = "f32";
 
+    #[inline(always)]
     fn widen(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
 
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
@@ -83,6 +85,9 @@ impl Element for bf16 {
     const IS_F32: bool = false;
     const NAME: &'static str = "bf16";
 
+    // inline(always) here and in `narrow`: the Adam kernel's AVX2 and AVX-512 builds must
+    // inline these loops to vectorise them at their width.
+    #[inline(always)]
     fn widen(src: &[bf16], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "bf16 widen: lengths differ");
         let bits: &[u16] = bytemuck::cast_slice(src);
@@ -91,6 +96,7 @@ impl Element for bf16 {
         }
     }
 
+    #[inline(always)]
     fn narrow(src: &[f32], dst: &mut [bf16]) {
         assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
         let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
