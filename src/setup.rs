@@ -107,6 +107,7 @@ pub fn engine_config(
     cfg.comm_dtype = dtype_of(s.communication_data_type);
     cfg.grad_accum_dtype = dtype_of(s.grad_accum_dtype);
     cfg.overflow = overflow_policy(s);
+    cfg.device_budget = s.zerodp.device_memory;
     Ok(cfg)
 }
 

@@ -142,3 +142,37 @@ fn a_missing_nvme_path_fails_before_any_step_naming_it() {
         "{err}"
     );
 }
+
+#[test]
+fn a_device_budget_is_held_to_by_the_engine_before_it_allocates() {
+    let model = Toy::new(16, 8, 2, true);
+    let peak = |cfg: &EngineConfig| zerodp::zero::device_peak(model.spec(), cfg, 0);
+    let stage0 = config(Stage::Zero0, 2, DType::F32);
+    let mut offloaded = config(Stage::Zero3, 2, DType::F32);
+    offloaded.offload_optimizer = OptimizerTier::Host;
+    offloaded.offload_params = true;
+    let budget = peak(&offloaded);
+    assert!(budget < peak(&stage0), "{budget} {}", peak(&stage0));
+
+    let mut refused = stage0.clone();
+    refused.device_budget = Some(budget);
+    let source = |_: zerodp::trainer::BatchIndex| -> Result<Batch, String> {
+        panic!("no batch may be asked for when the budget refuses the run")
+    };
+    let err = Trainer::new(&model, refused)
+        .run(&source, 1, &[])
+        .err()
+        .expect("stage 0 over the budget must be refused")
+        .to_string();
+    for want in ["bytes asked", "held: params", "offload"] {
+        assert!(err.contains(want), "{want:?} missing: {err}");
+    }
+
+    offloaded.device_budget = Some(budget);
+    let run = train(&model, &offloaded, 2, GLOBAL, SEQ);
+    for rank in &run.reports {
+        for r in rank {
+            assert!(r.peak_bytes <= budget, "{} > {budget}", r.peak_bytes);
+        }
+    }
+}

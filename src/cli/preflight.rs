@@ -20,8 +20,10 @@ use zerodp::zero::{EngineConfig, OptimizerTier};
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PreflightArgs {
-    /// Memory each rank may use, checked before the run starts: 2GiB, 500MB [default: this
-    /// machine's total memory (/proc/meminfo) divided by --world-size].
+    /// Memory each rank may use (its device tier), checked before the run starts and held to by
+    /// the engine: 2GiB, 500MB [default: zerodp.device_memory, else this machine's total memory
+    /// (/proc/meminfo, or the process's cgroup or ulimit -v limit if lower) divided by
+    /// --world-size].
     #[arg(long, value_name = "SIZE")]
     pub device_memory: Option<String>,
 }
@@ -43,19 +45,18 @@ pub fn check(
     gpt: &GptConfig,
     process: TrainProcess,
 ) -> anyhow::Result<()> {
-    let host = host_memory()?;
+    let (host, limit) = host_memory()?;
     // The ranks that share this machine's memory: all of them in-process; under MPI the job's
     // processes on this host.
     let (on_host, share) = match zerodp::comm::detect_mpi_launch() {
-        Some(l) => (
-            l.local_size.unwrap_or(l.size),
-            "this machine's memory / the ranks on this host",
-        ),
-        None => (engine.world_size, "this machine's memory / --world-size"),
+        Some(l) => (l.local_size.unwrap_or(l.size), "/ the ranks on this host"),
+        None => (engine.world_size, "/ --world-size"),
     };
-    let (capacity, source) = match &args.device_memory {
-        Some(s) => (parse_bytes(s, "--device-memory")?, "--device-memory"),
-        None => (host / on_host.max(1) as u64, share),
+    let share = format!("{limit} {share}");
+    let (capacity, source) = match (&args.device_memory, engine.device_budget) {
+        (Some(s), _) => (parse_bytes(s, "--device-memory")?, "--device-memory"),
+        (None, Some(b)) => (b, "zerodp.device_memory"),
+        (None, None) => (host / on_host.max(1) as u64, share.as_str()),
     };
     let input = plan_input(settings, engine, spec, gpt, capacity, host, process);
     let plan = planner::plan(&input)?;
@@ -71,7 +72,8 @@ pub fn check(
         .find(|o| o.stage == engine.stage.index())
         .cloned()
         .context("the planner has no option for the configured stage")?;
-    let configured = offload_tiers(configured, engine, args.device_memory.is_some(), capacity);
+    let budget = args.device_memory.is_some() || engine.device_budget.is_some();
+    let configured = offload_tiers(configured, engine, budget, capacity);
     // Under mpirun, rank 0 alone says it (the launcher's rank, MPI not being up yet).
     let rank0 = zerodp::comm::detect_mpi_launch()
         .and_then(|l| l.rank)
@@ -91,7 +93,27 @@ pub fn check(
         );
         return Ok(());
     }
-    bail!("{}", refusal(&input, &stages, &configured, source));
+    let mut text = refusal(&input, &stages, &configured, source);
+    if let Some(e) = device_tier_refusal(engine, spec, capacity) {
+        text.push_str(&format!(
+            "\n  the engine's device tier alone does not fit either: {e}"
+        ));
+    }
+    bail!("{text}");
+}
+
+/// The engine's own refusal of its device-tier bytes (model states and buffers, without the
+/// process's activations) under `capacity`, for the first rank that cannot hold them.
+fn device_tier_refusal(engine: &EngineConfig, spec: &ModelSpec, capacity: u64) -> Option<String> {
+    let cfg = EngineConfig {
+        device_budget: Some(capacity),
+        ..engine.clone()
+    };
+    (0..cfg.world_size).find_map(|rank| {
+        zerodp::zero::check_device_budget(spec, &cfg, rank)
+            .err()
+            .map(|e| e.to_string())
+    })
 }
 
 /// `o` (the configured stage without offload) with the bytes the engine's offload takes out of
@@ -285,17 +307,63 @@ fn size(bytes: u64) -> String {
     }
 }
 
-/// This machine's total memory in bytes (`MemTotal` in /proc/meminfo).
-fn host_memory() -> anyhow::Result<u64> {
+/// The memory this process may use: this machine's total (`MemTotal` in /proc/meminfo), lowered
+/// by a limit on the process, when one is set: its cgroup's `memory.max` (v2) or
+/// `memory.limit_in_bytes` (v1), and its address-space limit (`RLIMIT_AS`). Returns the bytes and
+/// where they come from.
+fn host_memory() -> anyhow::Result<(u64, &'static str)> {
     let text = std::fs::read_to_string("/proc/meminfo").context(
         "reading /proc/meminfo for the memory each rank may use; give --device-memory SIZE instead",
     )?;
+    let total = meminfo_total(&text)
+        .context("/proc/meminfo has no MemTotal line in kB; give --device-memory SIZE instead")?;
+    let mut out = (total, "this machine's memory");
+    if let Some(limit) = cgroup_limit().filter(|&l| l < out.0) {
+        out = (limit, "this process's cgroup memory limit");
+    }
+    if let Some(limit) = address_space_limit().filter(|&l| l < out.0) {
+        out = (limit, "this process's address-space limit (ulimit -v)");
+    }
+    Ok(out)
+}
+
+fn meminfo_total(text: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix("MemTotal:"))
         .and_then(|v| v.trim().strip_suffix("kB"))
         .and_then(|kb| kb.trim().parse::<u64>().ok())
         .map(|kb| kb * 1024)
-        .context("/proc/meminfo has no MemTotal line in kB; give --device-memory SIZE instead")
+}
+
+/// The memory limit of this process's cgroup, v2 (`0::/path`) or v1 (`N:memory:/path`); None when
+/// there is none or it cannot be read.
+fn cgroup_limit() -> Option<u64> {
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    own.lines().find_map(|line| {
+        let mut f = line.splitn(3, ':');
+        let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+        let file = match controllers {
+            "" => format!("/sys/fs/cgroup{path}/memory.max"),
+            c if c.split(',').any(|c| c == "memory") => {
+                format!("/sys/fs/cgroup/memory{path}/memory.limit_in_bytes")
+            }
+            _ => return None,
+        };
+        // "max" (v2) and v1's page-rounded i64::MAX both mean no limit.
+        let v: u64 = std::fs::read_to_string(file).ok()?.trim().parse().ok()?;
+        (v < 1 << 62).then_some(v)
+    })
+}
+
+/// `RLIMIT_AS`, when it is finite.
+fn address_space_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0;
+    (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
 }
 
 #[cfg(test)]
@@ -372,8 +440,13 @@ mod tests {
 
     #[test]
     fn host_memory_is_read_from_proc_meminfo() {
+        assert_eq!(
+            meminfo_total("MemTotal:       24576000 kB\nMemFree: 1 kB\n"),
+            Some(24576000 * 1024)
+        );
+        assert_eq!(meminfo_total("MemFree: 1 kB\n"), None);
         if std::path::Path::new("/proc/meminfo").exists() {
-            assert!(host_memory().unwrap() > 1 << 20);
+            assert!(host_memory().unwrap().0 > 1 << 20);
         }
     }
 }

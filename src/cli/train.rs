@@ -199,6 +199,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         bail!("--max-skipped-steps must be at least 1 (1 stops at the first step with Inf/NaN gradients)");
     }
     engine_cfg.max_skipped_steps = args.max_skipped_steps;
+    if let Some(text) = &args.preflight.device_memory {
+        engine_cfg.device_budget = Some(zerodp::planner::parse_bytes(text, "--device-memory")?);
+    }
     let engine_cfg = engine_cfg.clone();
 
     // The corpus is read after the check; its size is planned from the file's (a missing file is

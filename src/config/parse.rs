@@ -25,6 +25,7 @@ const TOP_KEYS: &[&str] = &[
     "checkpoint",
     "activation_checkpointing",
     "data_types",
+    "zerodp",
 ];
 
 const FP16_KEYS: &[&str] = &[
@@ -143,6 +144,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
     let comms_logger = comms_logger(r, root)?;
     let checkpoint = checkpoint(r, root)?;
     let activation_checkpointing = activation_checkpointing(r, root)?;
+    let zerodp = zerodp_block(r, root)?;
 
     if fp16.enabled && fp16.is_dynamic() && !fp16.dynamic_args_given && zero.stage >= 1 {
         r.warn(
@@ -175,6 +177,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
         comms_logger,
         checkpoint,
         activation_checkpointing,
+        zerodp,
         unresolved: std::mem::take(&mut r.unresolved),
     })
 }
@@ -777,6 +780,29 @@ fn scheduler(
         }
     };
     Ok(s)
+}
+
+/// zerodp's own block (DeepSpeed has no such keys): `device_memory`, the device tier's bytes per
+/// rank.
+fn zerodp_block(r: &mut Reader<'_>, root: Obj<'_>) -> Result<ZerodpSettings, ConfigError> {
+    let mut z = ZerodpSettings::default();
+    let Some(m) = root.get("zerodp") else {
+        return Ok(z);
+    };
+    let o = r.object("zerodp", &m.node)?;
+    r.deny_unknown(o, &["device_memory"])?;
+    if o.get("device_memory").is_some() {
+        let bytes = r.u64_or(o, "device_memory", 0)?;
+        if bytes == 0 {
+            return Err(ConfigError::OutOfRange {
+                at: r.key_at("zerodp.device_memory", o.get("device_memory").unwrap()),
+                message: "device_memory must be a positive number of bytes (for example 2e9)"
+                    .into(),
+            });
+        }
+        z.device_memory = Some(bytes);
+    }
+    Ok(z)
 }
 
 fn comms_logger(r: &mut Reader<'_>, root: Obj<'_>) -> Result<CommsLoggerSettings, ConfigError> {

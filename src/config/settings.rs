@@ -384,6 +384,13 @@ pub enum SchedulerSettings {
     },
 }
 
+/// zerodp's own keys (the top-level `zerodp` block; DeepSpeed has no such block).
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ZerodpSettings {
+    /// Bytes of the device tier each rank may hold (`zerodp.device_memory`); None: no limit.
+    pub device_memory: Option<u64>,
+}
+
 /// `comms_logger` (zerodp honours `enabled`; DeepSpeed enables logging whenever the block exists).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CommsLoggerSettings {
@@ -469,6 +476,7 @@ pub struct Settings {
     /// and bf16 at stages 1-3 (DeepSpeed's rule); fp32 -> fp32.
     pub grad_accum_dtype: Precision,
     pub comms_logger: CommsLoggerSettings,
+    pub zerodp: ZerodpSettings,
     pub checkpoint: CheckpointSettings,
     pub activation_checkpointing: ActivationCheckpointingSettings,
     /// JSON paths whose `"auto"` stayed unresolved (check mode only; always empty otherwise).
@@ -502,6 +510,7 @@ impl Default for Settings {
             communication_data_type: defaults::communication_data_type(precision),
             grad_accum_dtype: defaults::grad_accum_dtype(precision, 0),
             comms_logger: CommsLoggerSettings::default(),
+            zerodp: ZerodpSettings::default(),
             checkpoint: CheckpointSettings::default(),
             activation_checkpointing: ActivationCheckpointingSettings::default(),
             unresolved: Vec::new(),

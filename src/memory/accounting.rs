@@ -65,11 +65,50 @@ pub struct MemoryLedger {
     peak_total: u64,
     host: u64,
     nvme: u64,
+    /// Device-tier bytes [`MemoryLedger::try_alloc_in`] may hold in all.
+    budget: Option<u64>,
+}
+
+/// A device-tier allocation the budget cannot hold: what was asked, what was free, and what holds
+/// the rest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OverBudget {
+    pub asked: u64,
+    pub free: u64,
+    pub held: ModelStateBytes,
 }
 
 impl MemoryLedger {
     pub fn new() -> Self {
         Self::default()
+    }
+    /// A ledger whose device tier may hold at most `budget` bytes (None: no limit).
+    pub fn with_budget(budget: Option<u64>) -> Self {
+        MemoryLedger {
+            budget,
+            ..Self::default()
+        }
+    }
+    /// Like [`MemoryLedger::alloc_in`], but refuses (recording nothing) a device-tier allocation
+    /// beyond the budget.
+    pub fn try_alloc_in(
+        &mut self,
+        tier: Tier,
+        kind: MemoryKind,
+        bytes: u64,
+    ) -> Result<(), OverBudget> {
+        let free = self.budget.map(|b| b.saturating_sub(self.total()));
+        if let (Tier::Device, Some(free)) = (tier, free) {
+            if bytes > free {
+                return Err(OverBudget {
+                    asked: bytes,
+                    free,
+                    held: self.snapshot(),
+                });
+            }
+        }
+        self.alloc_in(tier, kind, bytes);
+        Ok(())
     }
     /// Record `bytes` more of `kind`.
     pub fn alloc(&mut self, kind: MemoryKind, bytes: u64) {
@@ -193,6 +232,21 @@ mod tests {
         assert_eq!(l.peak_of(MemoryKind::Gather), 50);
         let s = l.snapshot();
         assert_eq!((s.params, s.gather, s.total), (100, 20, 120));
+    }
+
+    #[test]
+    fn a_budget_refuses_device_bytes_beyond_it_and_records_nothing() {
+        let mut l = MemoryLedger::with_budget(Some(100));
+        l.try_alloc_in(Tier::Device, MemoryKind::Params, 60)
+            .unwrap();
+        l.try_alloc_in(Tier::Host, MemoryKind::Master, 500).unwrap();
+        let over = l
+            .try_alloc_in(Tier::Device, MemoryKind::Grads, 41)
+            .unwrap_err();
+        assert_eq!((over.asked, over.free, over.held.params), (41, 40, 60));
+        assert_eq!((l.total(), l.host()), (60, 500));
+        l.try_alloc_in(Tier::Device, MemoryKind::Grads, 40).unwrap();
+        assert_eq!(l.peak(), 100);
     }
 
     #[test]

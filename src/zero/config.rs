@@ -102,6 +102,10 @@ pub struct EngineConfig {
     /// Stage 3: the rank's parameter shards live in the host tier and are fetched into the
     /// device tier to be gathered (`zero_optimization.offload_param.device = "cpu"`).
     pub offload_params: bool,
+    /// Bytes of the device tier a rank may hold (`--device-memory`, `zerodp.device_memory`): the
+    /// engine refuses, before allocating, a configuration whose device-tier bytes at their fullest
+    /// exceed it. None: no limit.
+    pub device_budget: Option<u64>,
 }
 
 /// Where a rank's optimizer states live.
@@ -149,6 +153,7 @@ impl EngineConfig {
             max_skipped_steps: 10,
             offload_optimizer: OptimizerTier::Device,
             offload_params: false,
+            device_budget: None,
         }
     }
 }

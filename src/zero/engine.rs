@@ -31,6 +31,8 @@
 //! all-gather); fp16 multiplies the loss by the loss scale in the last unit's backward and divides
 //! it out in the fused unscale-and-clip factor.
 
+mod budget;
+pub use budget::{check as check_device_budget, device_peak};
 mod nvme;
 mod snapshot;
 
@@ -69,6 +71,22 @@ pub enum EngineError {
     Config(String),
     #[error(transparent)]
     Offload(#[from] OffloadError),
+    /// A device-tier allocation beyond `EngineConfig::device_budget`, refused before it is made.
+    #[error(
+        "the device memory budget of rank {rank} cannot hold {what}: {asked} bytes asked, \
+         {free} of the {budget}-byte budget free; held: params {}, master {}, grads {}, \
+         optimizer_states {}, buffers {}, gather {}; {advice}",
+        held.params, held.master, held.grads, held.optimizer_states, held.buffers, held.gather
+    )]
+    DeviceBudget {
+        rank: usize,
+        what: String,
+        asked: u64,
+        free: u64,
+        budget: u64,
+        held: ModelStateBytes,
+        advice: String,
+    },
     #[error(
         "step {step}: got {got} micro-batches, expected gradient_accumulation_steps = {expected}"
     )]
@@ -271,6 +289,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     ) -> Result<Self, EngineError> {
         let spec = model.spec().clone();
         validate(&spec, &cfg, comm)?;
+        budget::check(&spec, &cfg, comm.rank())?;
         let layout = FlatLayout::new(&spec, cfg.world_size, comm.rank());
         let plan = plan(&spec, &cfg);
         let precision = cfg.precision_name();
@@ -286,7 +305,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             _ => None,
         };
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params);
-        let ledger = initial_ledger(&cfg, &layout, &plan, &units, nvme.as_ref());
+        let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref());
         let buckets = Buckets::new(&plan, cfg.world_size);
         let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
@@ -1047,45 +1066,25 @@ fn coordinator(
     )
 }
 
-/// The ledger of what [`Engine::new`] allocates: the model states by kind, then the buffers of
-/// the plan.
+/// The ledger of what [`Engine::new`] allocates: each unit's model states by kind and tier and
+/// the buffers of the plan, as [`budget`] lays them out (the gather pool is charged as it fills),
+/// and the NVMe swap file with its stream buffers.
 fn initial_ledger(
+    spec: &ModelSpec,
     cfg: &EngineConfig,
-    layout: &FlatLayout,
-    plan: &BufferPlan,
-    units: &[UnitState],
+    rank: usize,
     nvme: Option<&nvme::NvmeMoments>,
 ) -> MemoryLedger {
-    let (pdt, gdt) = (cfg.param_dtype, cfg.grad_accum_dtype);
-    let elems = |sharded: bool| match sharded {
-        true => layout.shard_numel(),
-        false => layout.padded_numel(),
-    };
-    let param_elems = elems(cfg.stage.shards_params());
-    let master_elems: usize = units.iter().flat_map(|u| &u.master).map(Vec::len).sum();
-    let grad_elems = elems(cfg.stage.shards_grads());
-    let adam_bytes = units.iter().map(|u| u.adam.bytes() as u64).sum();
-    let mut ledger = MemoryLedger::new();
-    let param_tier = match cfg.offload_params && cfg.stage.shards_params() {
-        true => Tier::Host,
-        false => Tier::Device,
-    };
-    let optimizer_tier = match cfg.offload_optimizer {
-        OptimizerTier::Device => Tier::Device,
-        _ => Tier::Host,
-    };
-    let (pbytes, mbytes) = ((param_elems * pdt.size()) as u64, (master_elems * 4) as u64);
-    ledger.alloc_in(param_tier, MemoryKind::Params, pbytes);
-    ledger.alloc_in(optimizer_tier, MemoryKind::Master, mbytes);
-    ledger.alloc(MemoryKind::Grads, (grad_elems * gdt.size()) as u64);
-    match nvme {
-        Some(n) => {
-            ledger.alloc_in(Tier::Nvme, MemoryKind::OptimizerStates, n.file_bytes());
-            ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
+    let mut ledger = MemoryLedger::with_budget(cfg.device_budget);
+    for a in budget::allocations(spec, cfg, rank) {
+        if a.kind != MemoryKind::Gather {
+            ledger.alloc_in(a.tier, a.kind, a.bytes);
         }
-        None => ledger.alloc_in(optimizer_tier, MemoryKind::OptimizerStates, adam_bytes),
     }
-    ledger.alloc(MemoryKind::Buffers, plan.buffer_bytes());
+    if let Some(n) = nvme {
+        ledger.alloc_in(Tier::Nvme, MemoryKind::OptimizerStates, n.file_bytes());
+        ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
+    }
     ledger
 }
 

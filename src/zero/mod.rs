@@ -26,7 +26,10 @@ pub mod state;
 pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, Stage};
-pub use engine::{Engine, EngineCounters, EngineError, PhaseTimes, StepReport, UnitOptimizerState};
+pub use engine::{
+    check_device_budget, device_peak, Engine, EngineCounters, EngineError, PhaseTimes, StepReport,
+    UnitOptimizerState,
+};
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };

@@ -1,0 +1,215 @@
+//! Offload as a capacity decision, through `zerodp train`:
+//! * under a device budget that stage 0 cannot meet, stage 0 is refused naming the unit, the bytes
+//!   asked and free, what holds the rest and the config change that fits, and stage 3 with
+//!   optimizer and parameter offload trains under it, every rank's device-tier peak within it;
+//! * under a real memory limit on the process (a memory cgroup), a model whose optimizer states
+//!   alone (the ZeRO paper's 12Ψ: fp32 master, m and v) exceed the limit trains with NVMe offload,
+//!   and the same run without offload is refused by the pre-flight check.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn text(dir: &Path) -> PathBuf {
+    let p = dir.join("text.txt");
+    std::fs::write(&p, "to be or not to be, that is the question. ".repeat(400)).unwrap();
+    p
+}
+
+fn write_config(dir: &Path, name: &str, json: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, json).unwrap();
+    p
+}
+
+fn stderr(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// `zerodp train` on the 25M-parameter GPT (8 layers, width 512) at world size 2, two steps.
+fn train_25m(dir: &Path, config: &Path, extra: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args([
+            "train",
+            "--no-progress",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ])
+        .args(["--layers", "8", "--width", "512", "--heads", "8"])
+        .args(["--context", "128", "--config"])
+        .arg(config)
+        .arg("--data")
+        .arg(text(dir))
+        .args(extra)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_device_budget_refuses_stage_0_and_stage_3_with_offload_trains_under_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let batch = r#""train_batch_size": 2, "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}"#;
+    let s0 = write_config(
+        dir.path(),
+        "s0.json",
+        &format!(
+            r#"{{ {batch}, "zero_optimization": {{ "stage": 0, "reduce_bucket_size": 1e6 }} }}"#
+        ),
+    );
+    let budget = 200_000_000u64;
+    let out = train_25m(dir.path(), &s0, &["--device-memory", "200MB"]);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    for want in [
+        "pre-flight check: ZeRO stage 0 needs",
+        "the device memory budget of rank 0 cannot hold unit ",
+        "bytes asked",
+        "of the 200000000-byte budget free",
+        "held: params ",
+        "offload_optimizer and offload_param device \"cpu\"",
+    ] {
+        assert!(err.contains(want), "{want:?} missing: {err}");
+    }
+    assert!(!err.contains("done:"), "{err}");
+
+    let s3 = write_config(
+        dir.path(),
+        "s3.json",
+        &format!(
+            r#"{{ {batch}, "zero_optimization": {{ "stage": 3, "reduce_bucket_size": 1e6,
+                "stage3_max_live_parameters": 1e6, "stage3_prefetch_bucket_size": 1e6,
+                "stage3_max_reuse_distance": 0, "offload_optimizer": {{"device": "cpu"}},
+                "offload_param": {{"device": "cpu", "pin_memory": true}} }} }}"#
+        ),
+    );
+    let metrics = dir.path().join("m.jsonl");
+    let out = train_25m(
+        dir.path(),
+        &s3,
+        &[
+            "--device-memory",
+            "200MB",
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ],
+    );
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("done: 2 steps"), "{err}");
+    let lines = std::fs::read_to_string(&metrics).unwrap();
+    let mut ranks = std::collections::BTreeSet::new();
+    for line in lines.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        ranks.insert(v["rank"].as_u64().unwrap());
+        let peak = v["peak_bytes"].as_u64().unwrap();
+        assert!(
+            peak > 0 && peak <= budget,
+            "device-tier peak {peak} > {budget}: {line}"
+        );
+        let m = &v["model_state_bytes"];
+        for kind in ["params", "master", "optimizer_states"] {
+            assert_eq!(m[kind].as_u64(), Some(0), "{kind} on the device: {line}");
+        }
+        assert!(v["offloaded_bytes"]["host"].as_u64().unwrap() > 0, "{line}");
+    }
+    assert_eq!(ranks.len(), 2, "{lines}");
+}
+
+/// A child of this process's memory cgroup (v1 `memory.limit_in_bytes` or v2 `memory.max`) limited
+/// to `limit` bytes, removed on drop; None where cgroups cannot be made (not root, read-only).
+struct MemoryCgroup {
+    dir: PathBuf,
+}
+
+impl MemoryCgroup {
+    fn new(limit: u64) -> Option<Self> {
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let (base, file) = own.lines().find_map(|l| {
+            let f: Vec<&str> = l.splitn(3, ':').collect();
+            match f[..] {
+                [_, c, path] if c.split(',').any(|c| c == "memory") => Some((
+                    format!("/sys/fs/cgroup/memory{path}"),
+                    "memory.limit_in_bytes",
+                )),
+                [_, "", path] => Some((format!("/sys/fs/cgroup{path}"), "memory.max")),
+                _ => None,
+            }
+        })?;
+        let dir = PathBuf::from(base).join(format!("zerodp-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).ok()?;
+        let cg = MemoryCgroup { dir };
+        std::fs::write(cg.dir.join(file), limit.to_string()).ok()?;
+        Some(cg)
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+#[test]
+fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
+    // A 151M-parameter GPT in bf16 on one rank: the optimizer states (fp32 master 4Ψ, m 4Ψ,
+    // v 4Ψ) are 1.82 GB, the limit 1.7 GB. With NVMe offload m and v go to the swap file and the
+    // process holds about 1.6 GB (bf16 parameter and gradient shards, the master, buffers,
+    // activations).
+    let limit = 1_700_000_000u64;
+    let Some(cg) = MemoryCgroup::new(limit) else {
+        eprintln!(
+            "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let swap = dir.path().join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let zero = r#""stage": 3, "reduce_bucket_size": 1e6, "stage3_max_live_parameters": 1e7,
+        "stage3_prefetch_bucket_size": 1e6, "stage3_max_reuse_distance": 0,
+        "sub_group_size": 1e6"#;
+    let head = r#""train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}"#;
+    let plain = write_config(
+        dir.path(),
+        "plain.json",
+        &format!(r#"{{ {head}, "zero_optimization": {{ {zero} }} }}"#),
+    );
+    let nvme = write_config(
+        dir.path(),
+        "nvme.json",
+        &format!(
+            r#"{{ {head}, "zero_optimization": {{ {zero}, "offload_optimizer":
+                {{"device": "nvme", "nvme_path": "{}"}} }} }}"#,
+            swap.display()
+        ),
+    );
+    let data = text(dir.path());
+    let run = |config: &Path| {
+        let cmd = format!(
+            "echo $$ > {}/cgroup.procs && exec {} train --no-progress --steps 2 --layers 12 \
+             --width 1024 --heads 16 --context 128 --config {} --data {}",
+            cg.dir.display(),
+            env!("CARGO_BIN_EXE_zerodp"),
+            config.display(),
+            data.display()
+        );
+        Command::new("sh").args(["-c", &cmd]).output().unwrap()
+    };
+    let out = run(&plain);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("pre-flight check"), "{err}");
+    assert!(err.contains("cgroup memory limit"), "{err}");
+    assert!(!err.contains("done:"), "{err}");
+
+    let out = run(&nvme);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("+opt nvme"), "{err}");
+    assert!(err.contains("done: 2 steps"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&swap).unwrap().collect();
+    assert!(left.is_empty(), "swap files left: {left:?}");
+}
