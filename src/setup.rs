@@ -108,6 +108,11 @@ pub fn engine_config(
     cfg.grad_accum_dtype = dtype_of(s.grad_accum_dtype);
     cfg.overflow = overflow_policy(s);
     cfg.device_budget = s.zerodp.device_memory;
+    cfg.optimizer_states_dtype = match s.zerodp.optimizer_states_dtype {
+        Some(p) => dtype_of(p),
+        None if s.precision == Precision::Bf16 && s.bf16.bf16_optimizer_states => DType::BF16,
+        None => DType::F32,
+    };
     Ok(cfg)
 }
 

@@ -14,13 +14,18 @@ const GLOBAL: usize = 12;
 const SEQ: usize = 4;
 
 fn settings(stage: u8, world: usize, ga: usize, extra: &str) -> Settings {
+    settings_with(stage, world, ga, "", extra)
+}
+
+/// [`settings`] with `zero_extra` inside `zero_optimization` (offload blocks).
+fn settings_with(stage: u8, world: usize, ga: usize, zero_extra: &str, extra: &str) -> Settings {
     let text = format!(
         r#"{{ "train_batch_size": {GLOBAL}, "gradient_accumulation_steps": {ga},
              "optimizer": {{ "type": "AdamW", "params": {{ "lr": 0.01, "weight_decay": 0.01 }} }},
              "scheduler": {{ "type": "WarmupLR", "params": {{ "warmup_num_steps": 10,
                              "warmup_max_lr": 0.01 }} }},
              "gradient_clipping": 1.0,
-             "zero_optimization": {{ "stage": {stage}, "reduce_bucket_size": 50 }}
+             "zero_optimization": {{ "stage": {stage}, "reduce_bucket_size": 50 {zero_extra} }}
              {extra} }}"#
     );
     let ctx = ResolveContext {
@@ -109,6 +114,42 @@ fn a_resumed_run_equals_the_unbroken_run_bit_for_bit() {
             assert_eq!(resumed.losses, straight.losses[3..], "{what}");
             assert_eq!(resumed.params, straight.params, "{what}");
         }
+    }
+}
+
+/// Offloaded optimizer states (host memory, the NVMe swap file), offloaded parameters and bf16
+/// moments are saved and resumed like any other state: bit for bit.
+#[test]
+fn offloaded_and_bf16_states_resume_bit_for_bit() {
+    let model = Toy::new(16, 8, 2, true);
+    let swap = tempfile::tempdir().unwrap();
+    let nvme = format!(
+        r#", "sub_group_size": 7, "offload_optimizer": {{ "device": "nvme", "nvme_path": "{}" }}"#,
+        swap.path().display()
+    );
+    let cpu = r#", "offload_optimizer": { "device": "cpu" }"#;
+    let params = r#", "offload_param": { "device": "cpu" }"#;
+    let bf16_states = r#", "bf16": { "enabled": true, "bf16_optimizer_states": true }"#;
+    let fp32_bf16_states = r#", "zerodp": { "optimizer_states_dtype": "bf16" }"#;
+    let cases = [
+        (2, cpu.to_string(), ""),
+        (1, nvme.clone(), ""),
+        (3, format!("{nvme}{params}"), PRECISIONS[1]),
+        (3, format!("{cpu}{params}"), bf16_states),
+        (2, String::new(), fp32_bf16_states),
+        (0, String::new(), bf16_states),
+    ];
+    for (stage, zero_extra, extra) in cases {
+        let s = settings_with(stage, 2, 2, &zero_extra, extra);
+        let straight = run(&model, &s, 2, 6, None, None).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        run(&model, &s, 2, 3, Some(dir.path()), None).unwrap();
+        let resumed = run(&model, &s, 2, 6, None, Some(dir.path())).unwrap();
+        let what = format!("stage {stage} {zero_extra} {extra}");
+        assert_eq!(resumed.losses, straight.losses[3..], "{what}");
+        assert_eq!(resumed.params, straight.params, "{what}");
+        let left: Vec<_> = std::fs::read_dir(swap.path()).unwrap().collect();
+        assert!(left.is_empty(), "swap files left: {left:?}");
     }
 }
 

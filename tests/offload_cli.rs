@@ -213,3 +213,98 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
     let left: Vec<_> = std::fs::read_dir(&swap).unwrap().collect();
     assert!(left.is_empty(), "swap files left: {left:?}");
 }
+
+/// Rank 0's losses by step and its last `model_state_bytes.optimizer_states`.
+fn losses_and_state_bytes(metrics: &Path) -> (Vec<f64>, u64) {
+    let text = std::fs::read_to_string(metrics).unwrap();
+    let mut rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["rank"] == 0)
+        .collect();
+    rows.sort_by_key(|v| v["step"].as_u64());
+    let last = rows.last().unwrap()["model_state_bytes"]["optimizer_states"]
+        .as_u64()
+        .unwrap();
+    (
+        rows.iter().map(|v| v["loss"].as_f64().unwrap()).collect(),
+        last,
+    )
+}
+
+/// Adam's m and v in bf16 (DeepSpeed's `bf16.bf16_optimizer_states` in a bf16 run, zerodp's
+/// `zerodp.optimizer_states_dtype` in an fp32 one) hold half the bytes and track fp32 moments over
+/// 100 steps of the demo GPT: every step's loss within 0.2% (measured: 1.2e-4 in fp32, 6.7e-4 in
+/// bf16, at world size 2, stage 2).
+#[test]
+fn bf16_optimizer_states_track_fp32_states_over_100_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("corpus.txt");
+    // Real text that a 100-step run does not exhaust: this crate's own engine sources.
+    let text = [
+        include_str!("../src/zero/engine.rs"),
+        include_str!("../src/zero/gather.rs"),
+        include_str!("../src/zero/buffers.rs"),
+    ]
+    .concat();
+    std::fs::write(&data, text).unwrap();
+    let base = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0, "zero_optimization": { "stage": 2 }"#;
+    let run = |name: &str, extra: &str| {
+        let config = write_config(
+            dir.path(),
+            &format!("{name}.json"),
+            &format!("{{ {base} {extra} }}"),
+        );
+        let metrics = dir.path().join(format!("{name}.jsonl"));
+        let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+            .args([
+                "train",
+                "--no-progress",
+                "--world-size",
+                "2",
+                "--steps",
+                "100",
+            ])
+            .arg("--config")
+            .arg(&config)
+            .arg("--data")
+            .arg(&data)
+            .arg("--metrics")
+            .arg(&metrics)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        losses_and_state_bytes(&metrics)
+    };
+    let bf16 = r#", "bf16": {"enabled": true}"#;
+    for (reference, states_bf16) in [
+        (
+            run("fp32", ""),
+            run(
+                "fp32_bf16_states",
+                r#", "zerodp": {"optimizer_states_dtype": "bf16"}"#,
+            ),
+        ),
+        (
+            run("bf16", bf16),
+            run(
+                "bf16_bf16_states",
+                r#", "bf16": {"enabled": true, "bf16_optimizer_states": true}"#,
+            ),
+        ),
+    ] {
+        let ((want, want_bytes), (got, got_bytes)) = (reference, states_bf16);
+        assert_eq!((want.len(), got.len()), (100, 100));
+        assert_eq!(
+            got_bytes * 2,
+            want_bytes,
+            "bf16 moments hold half the bytes"
+        );
+        assert_ne!(want, got, "bf16 moments must change the arithmetic");
+        for (step, (a, b)) in want.iter().zip(&got).enumerate() {
+            assert!((a - b).abs() <= 2e-3 * a.abs(), "step {step}: {a} vs {b}");
+        }
+    }
+}

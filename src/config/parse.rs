@@ -299,9 +299,13 @@ fn precision(
     };
     if let Some((name, m)) = bf16_member {
         let o = r.object(name, &m.node)?;
-        r.collect_unknown(o, &["enabled", "immediate_grad_update"]);
+        r.collect_unknown(
+            o,
+            &["enabled", "immediate_grad_update", "bf16_optimizer_states"],
+        );
         bf16_en = enabled(r, o)?;
         bf16.immediate_grad_update = r.bool_or(o, "immediate_grad_update", false)?;
+        bf16.bf16_optimizer_states = r.bool_or(o, "bf16_optimizer_states", false)?;
     }
     let over = r.ctx.precision_override;
     let conflict =
@@ -783,14 +787,23 @@ fn scheduler(
 }
 
 /// zerodp's own block (DeepSpeed has no such keys): `device_memory`, the device tier's bytes per
-/// rank.
+/// rank; `optimizer_states_dtype`, Adam's moments in `fp32` or `bf16` whatever the training
+/// precision (DeepSpeed's `bf16.bf16_optimizer_states` says the same for bf16 runs only).
 fn zerodp_block(r: &mut Reader<'_>, root: Obj<'_>) -> Result<ZerodpSettings, ConfigError> {
     let mut z = ZerodpSettings::default();
     let Some(m) = root.get("zerodp") else {
         return Ok(z);
     };
     let o = r.object("zerodp", &m.node)?;
-    r.deny_unknown(o, &["device_memory"])?;
+    r.deny_unknown(o, &["device_memory", "optimizer_states_dtype"])?;
+    z.optimizer_states_dtype = r.read(
+        "zerodp.optimizer_states_dtype",
+        o.get("optimizer_states_dtype"),
+        None,
+        None,
+        HINT,
+        |r, p, n| dtype(r, p, n, &["fp32", "bf16"]).map(Some),
+    )?;
     if o.get("device_memory").is_some() {
         let bytes = r.u64_or(o, "device_memory", 0)?;
         if bytes == 0 {

@@ -285,6 +285,8 @@ impl Fp16Settings {
 pub struct Bf16Settings {
     pub enabled: bool,
     pub immediate_grad_update: bool,
+    /// Adam's m and v in bf16 (DeepSpeed's `bf16.bf16_optimizer_states`).
+    pub bf16_optimizer_states: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -389,6 +391,9 @@ pub enum SchedulerSettings {
 pub struct ZerodpSettings {
     /// Bytes of the device tier each rank may hold (`zerodp.device_memory`); None: no limit.
     pub device_memory: Option<u64>,
+    /// Adam's moments' element type (`zerodp.optimizer_states_dtype`); None: as the training
+    /// precision's `bf16.bf16_optimizer_states` says, else fp32.
+    pub optimizer_states_dtype: Option<Precision>,
 }
 
 /// `comms_logger` (zerodp honours `enabled`; DeepSpeed enables logging whenever the block exists).

@@ -106,6 +106,9 @@ pub struct EngineConfig {
     /// engine refuses, before allocating, a configuration whose device-tier bytes at their fullest
     /// exceed it. None: no limit.
     pub device_budget: Option<u64>,
+    /// Element type of Adam's moments: `F32`, or `BF16` (`bf16.bf16_optimizer_states`,
+    /// `zerodp.optimizer_states_dtype`), updated in f32 and rounded once per step.
+    pub optimizer_states_dtype: DType,
 }
 
 /// Where a rank's optimizer states live.
@@ -154,6 +157,7 @@ impl EngineConfig {
             offload_optimizer: OptimizerTier::Device,
             offload_params: false,
             device_budget: None,
+            optimizer_states_dtype: DType::F32,
         }
     }
 }

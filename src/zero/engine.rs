@@ -45,7 +45,8 @@ use super::flat::FlatLayout;
 use super::gather::Coordinator;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{
-    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Slice, StepPolicy, StepVerdict,
+    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Moments, Slice, SliceMut, StepPolicy,
+    StepVerdict,
 };
 use super::schedule;
 use super::state::{full_grad_of, FlatState, StageState};
@@ -53,7 +54,6 @@ use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, 
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::offload::OffloadError;
-use crate::optim::adam::AdamState;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -216,7 +216,7 @@ struct UnitState {
     /// otherwise.
     updated: Range<usize>,
     /// Adam state over `updated`.
-    adam: AdamState,
+    adam: Moments,
     /// Mixed precision: the fp32 master weights over `updated` (`None` in fp32, where the
     /// parameters are their own master).
     master: Option<Vec<f32>>,
@@ -820,6 +820,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     nvme.stream(u, |r, m, v| {
                         let w = master.as_deref_mut().map(|w| &mut w[r.clone()]);
                         let (p, g) = (p.sub_mut(r.clone()), g.sub(r));
+                        let (m, v) = (SliceMut::F32(m), SliceMut::F32(v));
                         adam_apply(m, v, step, w, p, g, &hp, grad_scale);
                     })?;
                 }
@@ -982,10 +983,13 @@ fn unit_states(
                         || (stage.shards_params() && !plan.keep_graph[u])),
                 kept_graph,
                 // With NVMe offload the moments live in the swap file.
-                adam: AdamState::new(match cfg.offload_optimizer {
-                    OptimizerTier::Nvme { .. } => 0,
-                    _ => updated.len(),
-                }),
+                adam: Moments::new(
+                    cfg.optimizer_states_dtype,
+                    match cfg.offload_optimizer {
+                        OptimizerTier::Nvme { .. } => 0,
+                        _ => updated.len(),
+                    },
+                ),
                 updated,
                 master,
             }
@@ -1139,6 +1143,19 @@ fn validate(
             cfg.precision_name(),
             cfg.precision_name(),
         ));
+    }
+    match (cfg.optimizer_states_dtype, &cfg.offload_optimizer) {
+        (DType::F16, _) => {
+            return bad("optimizer states may be fp32 or bf16, not fp16".into());
+        }
+        (DType::BF16, OptimizerTier::Nvme { .. }) => {
+            return bad(
+                "bf16 optimizer states with offload_optimizer.device \"nvme\" are not built yet \
+                 (the swap file holds fp32 moments): use fp32 states or offload to \"cpu\""
+                    .into(),
+            );
+        }
+        _ => {}
     }
     if spec.units.is_empty() {
         return bad("the model has no units".into());

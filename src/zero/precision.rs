@@ -15,9 +15,10 @@
 
 use super::loss_scaler::{DynamicScaleParams, LossScaleError, LossScaler, NonFiniteGuard};
 use crate::comm::{Buffer, DType};
-use crate::optim::adam::{AdamParams, AdamState};
+use crate::optim::adam::{AdamParams, StateElement};
 use crate::optim::kernels;
 use half::{bf16, f16};
+use std::borrow::Cow;
 use std::ops::Range;
 
 /// A borrowed flat slice of any element type the engine stores.
@@ -178,11 +179,58 @@ pub fn buffer_from_f32(dtype: DType, values: &[f32]) -> Buffer {
     b
 }
 
+/// Adam's moments of the part of a unit a rank updates, and the updates applied so far. The
+/// moments are `f32`, or bf16 (`bf16.bf16_optimizer_states`): half the bytes, updated in `f32`
+/// and rounded to nearest even once per step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Moments {
+    pub m: Buffer,
+    pub v: Buffer,
+    pub step: u64,
+}
+
+impl Moments {
+    /// Zeroed moments of `len` elements of `dtype` (`F32` or `BF16`).
+    pub fn new(dtype: DType, len: usize) -> Self {
+        assert!(dtype != DType::F16, "Adam's moments are f32 or bf16");
+        Moments {
+            m: Buffer::zeros(dtype, len),
+            v: Buffer::zeros(dtype, len),
+            step: 0,
+        }
+    }
+    /// Bytes held (`m` and `v`).
+    pub fn bytes(&self) -> usize {
+        (self.m.len() + self.v.len()) * self.m.dtype().size()
+    }
+    /// `m` and `v` over `r` as `f32` (borrowed when they are `f32`, widened exactly otherwise).
+    pub fn f32_range(&self, r: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+        (widen(&self.m, r.clone()), widen(&self.v, r))
+    }
+    /// Sets `m` and `v` over `r` from `f32` values (rounded once to the moments' type).
+    pub fn set_f32(&mut self, r: Range<usize>, m: &[f32], v: &[f32]) {
+        self.m.slice_mut(r.clone()).copy_from(Slice::F32(m));
+        self.v.slice_mut(r).copy_from(Slice::F32(v));
+    }
+}
+
+/// `b` over `r` as `f32`: borrowed when it is `f32`, widened (exactly) otherwise.
+fn widen(b: &Buffer, r: Range<usize>) -> Cow<'_, [f32]> {
+    match b {
+        Buffer::F32(v) => Cow::Borrowed(&v[r]),
+        other => {
+            let mut out = vec![0.0; r.len()];
+            other.slice(r).widen_into(&mut out);
+            Cow::Owned(out)
+        }
+    }
+}
+
 /// One Adam/AdamW update of a shard. Without a master copy `params` is the f32 shard itself;
 /// with one, the fp32 `master` is updated and `params` (16-bit) receives its rounded copy in the
 /// same pass. `grads` may be of any element type.
 pub fn adam_update(
-    state: &mut AdamState,
+    state: &mut Moments,
     master: Option<&mut [f32]>,
     params: SliceMut<'_>,
     grads: Slice<'_>,
@@ -191,9 +239,10 @@ pub fn adam_update(
 ) {
     state.step += 1;
     let step = state.step;
+    let Moments { m, v, .. } = state;
     adam_apply(
-        &mut state.m,
-        &mut state.v,
+        m.all_mut(),
+        v.all_mut(),
         step,
         master,
         params,
@@ -203,12 +252,34 @@ pub fn adam_update(
     );
 }
 
-/// [`adam_update`] on explicit moments `m` and `v` (as long as `params`) at update number
-/// `step`: the form for moments streamed in chunks from a swap file.
+/// [`adam_update`] on explicit moments `m` and `v` (as long as `params`, both `f32` or both
+/// bf16) at update number `step`: the form for moments streamed in chunks from a swap file.
 #[allow(clippy::too_many_arguments)]
 pub fn adam_apply(
-    m: &mut [f32],
-    v: &mut [f32],
+    m: SliceMut<'_>,
+    v: SliceMut<'_>,
+    step: u64,
+    master: Option<&mut [f32]>,
+    params: SliceMut<'_>,
+    grads: Slice<'_>,
+    hp: &AdamParams,
+    grad_scale: f32,
+) {
+    match (m, v) {
+        (SliceMut::F32(m), SliceMut::F32(v)) => {
+            adam_typed(m, v, step, master, params, grads, hp, grad_scale)
+        }
+        (SliceMut::BF16(m), SliceMut::BF16(v)) => {
+            adam_typed(m, v, step, master, params, grads, hp, grad_scale)
+        }
+        _ => panic!("Adam's moments are both f32 or both bf16"),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn adam_typed<S: StateElement>(
+    m: &mut [S],
+    v: &mut [S],
     step: u64,
     master: Option<&mut [f32]>,
     params: SliceMut<'_>,
@@ -387,7 +458,7 @@ mod tests {
         let hp = AdamParams::default();
         let mut master = vec![1.0f32, -1.0];
         let mut p16 = buffer_from_f32(DType::BF16, &master);
-        let mut state = AdamState::new(2);
+        let mut state = Moments::new(DType::F32, 2);
         let g = buffer_from_f32(DType::BF16, &[0.5, -0.5]);
         adam_update(
             &mut state,

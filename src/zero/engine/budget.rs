@@ -48,7 +48,10 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
                 params: (param_tier, elems(cfg.stage.shards_params()) * pdt),
                 master: (master_tier, cfg.is_mixed() as u64 * updated * 4),
                 grads: elems(cfg.stage.shards_grads()) * gdt,
-                moments: (moment_tier, updated * 2 * 4),
+                moments: (
+                    moment_tier,
+                    updated * 2 * cfg.optimizer_states_dtype.size() as u64,
+                ),
             }
         })
         .collect()

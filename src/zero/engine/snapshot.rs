@@ -27,7 +27,8 @@ pub struct UnitOptimizerState<'e> {
     pub range: Range<usize>,
     /// The fp32 master weights (the parameters themselves in fp32 training).
     pub master: &'e [f32],
-    /// Adam's first moment (read from the swap file under NVMe offload).
+    /// Adam's first moment (read from the swap file under NVMe offload; bf16 moments widened,
+    /// exactly).
     pub exp_avg: Cow<'e, [f32]>,
     /// Adam's second moment.
     pub exp_avg_sq: Cow<'e, [f32]>,
@@ -65,10 +66,7 @@ impl<M: UnitModel> Engine<'_, M> {
                 let (m, v) = nvme.read(unit, local)?;
                 (Cow::Owned(m), Cow::Owned(v))
             }
-            None => (
-                Cow::Borrowed(&us.adam.m[local.clone()]),
-                Cow::Borrowed(&us.adam.v[local]),
-            ),
+            None => us.adam.f32_range(local),
         };
         Ok(UnitOptimizerState {
             range,
@@ -112,10 +110,7 @@ impl<M: UnitModel> Engine<'_, M> {
         let local = range.start - us.updated.start..range.end - us.updated.start;
         match &mut self.nvme {
             Some(nvme) => nvme.write(unit, local.clone(), exp_avg, exp_avg_sq)?,
-            None => {
-                us.adam.m[local.clone()].copy_from_slice(exp_avg);
-                us.adam.v[local.clone()].copy_from_slice(exp_avg_sq);
-            }
+            None => us.adam.set_f32(local.clone(), exp_avg, exp_avg_sq),
         }
         if let Some(m) = &mut us.master {
             m[local.clone()].copy_from_slice(master);
