@@ -17,7 +17,10 @@ const SEQ: usize = 4;
 const STEPS: usize = 4;
 
 /// `(loss bits, grad norm bits)` per step and the final parameters' bits, every rank's reports.
-fn fingerprint(run: &Run) -> (Vec<Vec<(u32, u32)>>, Vec<Vec<u32>>) {
+/// Per rank, per step `(loss bits, grad norm bits)`.
+type StepBits = Vec<Vec<(u32, u32)>>;
+
+fn fingerprint(run: &Run) -> (StepBits, Vec<Vec<u32>>) {
     let steps = run
         .reports
         .iter()
@@ -134,8 +137,8 @@ fn a_missing_nvme_path_fails_before_any_step_naming_it() {
     let log = ReportLog::new();
     let err = Trainer::new(&model, cfg)
         .run(&source, 2, &[&log])
-        .err()
-        .expect("a missing nvme_path must fail")
+        .map(|_| ())
+        .expect_err("a missing nvme_path must fail")
         .to_string();
     assert!(
         err.contains("no-such-disk") && err.contains("nvme_path"),
@@ -161,8 +164,8 @@ fn a_device_budget_is_held_to_by_the_engine_before_it_allocates() {
     };
     let err = Trainer::new(&model, refused)
         .run(&source, 1, &[])
-        .err()
-        .expect("stage 0 over the budget must be refused")
+        .map(|_| ())
+        .expect_err("stage 0 over the budget must be refused")
         .to_string();
     for want in ["bytes asked", "held: params", "offload"] {
         assert!(err.contains(want), "{want:?} missing: {err}");

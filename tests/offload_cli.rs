@@ -214,6 +214,72 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
     assert!(left.is_empty(), "swap files left: {left:?}");
 }
 
+/// About `words` words of English-like sentences from a fixed vocabulary, drawn with a fixed
+/// seed: text a 100-step run learns from without memorising it.
+fn sentences(words: usize) -> String {
+    const VOCAB: &[&str] = &[
+        "the",
+        "a",
+        "ship",
+        "sails",
+        "under",
+        "grey",
+        "skies",
+        "while",
+        "old",
+        "sailors",
+        "sing",
+        "of",
+        "distant",
+        "harbours",
+        "and",
+        "storms",
+        "that",
+        "broke",
+        "their",
+        "masts",
+        "in",
+        "winter",
+        "nights",
+        "when",
+        "lanterns",
+        "burned",
+        "low",
+        "beside",
+        "quiet",
+        "water",
+        "gulls",
+        "cried",
+        "over",
+        "nets",
+        "full",
+        "silver",
+        "fish",
+        "morning",
+        "came",
+        "slowly",
+        "across",
+        "hills",
+        "where",
+        "shepherds",
+        "counted",
+        "sheep",
+        "before",
+        "rain",
+        "fell",
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut out = String::new();
+    for i in 0..words {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        out.push_str(VOCAB[(state >> 33) as usize % VOCAB.len()]);
+        out.push_str(if i % 11 == 10 { ".\n" } else { " " });
+    }
+    out
+}
+
 /// Rank 0's losses by step and its last `model_state_bytes.optimizer_states`.
 fn losses_and_state_bytes(metrics: &Path) -> (Vec<f64>, u64) {
     let text = std::fs::read_to_string(metrics).unwrap();
@@ -234,20 +300,14 @@ fn losses_and_state_bytes(metrics: &Path) -> (Vec<f64>, u64) {
 
 /// Adam's m and v in bf16 (DeepSpeed's `bf16.bf16_optimizer_states` in a bf16 run, zerodp's
 /// `zerodp.optimizer_states_dtype` in an fp32 one) hold half the bytes and track fp32 moments over
-/// 100 steps of the demo GPT: every step's loss within 0.2% (measured: 1.2e-4 in fp32, 6.7e-4 in
-/// bf16, at world size 2, stage 2).
+/// 100 steps of the demo GPT at world size 2, stage 2: every step's loss within 0.5% and the mean
+/// of the last 10 within 0.1% (measured: at most 1.4e-4 and 2e-6 in fp32, 1.4e-3 and 2.9e-4 in
+/// bf16).
 #[test]
 fn bf16_optimizer_states_track_fp32_states_over_100_steps() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("corpus.txt");
-    // Real text that a 100-step run does not exhaust: this crate's own engine sources.
-    let text = [
-        include_str!("../src/zero/engine.rs"),
-        include_str!("../src/zero/gather.rs"),
-        include_str!("../src/zero/buffers.rs"),
-    ]
-    .concat();
-    std::fs::write(&data, text).unwrap();
+    std::fs::write(&data, sentences(40_000)).unwrap();
     let base = r#""train_batch_size": 8, "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "gradient_clipping": 1.0, "zero_optimization": { "stage": 2 }"#;
@@ -304,7 +364,10 @@ fn bf16_optimizer_states_track_fp32_states_over_100_steps() {
         );
         assert_ne!(want, got, "bf16 moments must change the arithmetic");
         for (step, (a, b)) in want.iter().zip(&got).enumerate() {
-            assert!((a - b).abs() <= 2e-3 * a.abs(), "step {step}: {a} vs {b}");
+            assert!((a - b).abs() <= 5e-3 * a.abs(), "step {step}: {a} vs {b}");
         }
+        let tail = |l: &[f64]| l[90..].iter().sum::<f64>() / 10.0;
+        let (a, b) = (tail(&want), tail(&got));
+        assert!((a - b).abs() <= 1e-3 * a, "last 10 steps: {a} vs {b}");
     }
 }

@@ -32,7 +32,7 @@
 //! it out in the fused unscale-and-clip factor.
 
 mod budget;
-pub use budget::{check as check_device_budget, device_peak};
+pub use budget::{check as check_device_budget, device_peak, OverDeviceBudget};
 mod nvme;
 mod snapshot;
 
@@ -72,21 +72,8 @@ pub enum EngineError {
     #[error(transparent)]
     Offload(#[from] OffloadError),
     /// A device-tier allocation beyond `EngineConfig::device_budget`, refused before it is made.
-    #[error(
-        "the device memory budget of rank {rank} cannot hold {what}: {asked} bytes asked, \
-         {free} of the {budget}-byte budget free; held: params {}, master {}, grads {}, \
-         optimizer_states {}, buffers {}, gather {}; {advice}",
-        held.params, held.master, held.grads, held.optimizer_states, held.buffers, held.gather
-    )]
-    DeviceBudget {
-        rank: usize,
-        what: String,
-        asked: u64,
-        free: u64,
-        budget: u64,
-        held: ModelStateBytes,
-        advice: String,
-    },
+    #[error(transparent)]
+    DeviceBudget(Box<budget::OverDeviceBudget>),
     #[error(
         "step {step}: got {got} micro-batches, expected gradient_accumulation_steps = {expected}"
     )]
@@ -784,46 +771,34 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Adam/AdamW on the part of every unit this rank updates, gradients multiplied by
-    /// `grad_scale`.
+    /// `grad_scale`; under NVMe offload the moments stream through the swap file.
     fn update(&mut self, lr: f32, grad_scale: f32) -> Result<(), EngineError> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
-        let FlatState { grads, stage } = &mut self.state;
-        for (u, unit) in self.units.iter_mut().enumerate() {
-            let part = unit.updated.clone();
-            let slot = self.layout.shard_slot(u);
-            let (p, g) = match stage {
-                StageState::Replicated { params, kept_grads } => (
-                    params[u].slice_mut(part.clone()),
-                    full_grad_of(kept_grads.as_deref(), grads, u, part),
-                ),
-                StageState::ShardedGrads {
-                    params,
-                    grad_shards,
-                } => (params[u].slice_mut(part), grad_shards.slice(slot)),
-                StageState::ShardedParams {
-                    coordinator,
-                    grad_shards,
-                } => (
-                    coordinator.shards_mut()[u].all_mut(),
-                    grad_shards.slice(slot),
-                ),
-            };
-            let mut master = unit.master.as_deref_mut();
-            match &mut self.nvme {
-                None => adam_update(&mut unit.adam, master, p, g, &hp, grad_scale),
-                Some(nvme) => {
-                    unit.adam.step += 1;
-                    let step = unit.adam.step;
-                    let mut p = p;
-                    nvme.stream(u, |r, m, v| {
-                        let w = master.as_deref_mut().map(|w| &mut w[r.clone()]);
-                        let (p, g) = (p.sub_mut(r.clone()), g.sub(r));
-                        let (m, v) = (SliceMut::F32(m), SliceMut::F32(v));
-                        adam_apply(m, v, step, w, p, g, &hp, grad_scale);
-                    })?;
+        let mut parts = update_parts(&mut self.state, &self.layout, &self.units);
+        match &mut self.nvme {
+            None => {
+                for (unit, (p, g)) in self.units.iter_mut().zip(parts) {
+                    let master = unit.master.as_deref_mut();
+                    adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
                 }
+            }
+            Some(nvme) => {
+                let mut masters = Vec::with_capacity(self.units.len());
+                let mut step = 0;
+                for unit in &mut self.units {
+                    unit.adam.step += 1;
+                    step = unit.adam.step;
+                    masters.push(unit.master.as_deref_mut());
+                }
+                nvme.step(|u, r, m, v| {
+                    let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
+                    let (p, g) = &mut parts[u];
+                    let (p, g) = (p.sub_mut(r.clone()), g.range(r));
+                    let (m, v) = (SliceMut::F32(m), SliceMut::F32(v));
+                    adam_apply(m, v, step, w, p, g, &hp, grad_scale);
+                })?;
             }
         }
         self.phases.optimizer += t.elapsed().as_secs_f64();
@@ -1090,6 +1065,49 @@ fn initial_ledger(
         ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
     }
     ledger
+}
+
+/// Per unit, the parameters Adam updates on this rank and their gradients.
+fn update_parts<'s>(
+    state: &'s mut FlatState,
+    layout: &FlatLayout,
+    units: &[UnitState],
+) -> Vec<(SliceMut<'s>, Slice<'s>)> {
+    let FlatState { grads, stage } = state;
+    let part = |u: usize| units[u].updated.clone();
+    match stage {
+        StageState::Replicated { params, kept_grads } => {
+            let kept = kept_grads.as_deref();
+            let grads = &*grads;
+            params
+                .iter_mut()
+                .enumerate()
+                .map(|(u, p)| (p.slice_mut(part(u)), full_grad_of(kept, grads, u, part(u))))
+                .collect()
+        }
+        StageState::ShardedGrads {
+            params,
+            grad_shards,
+        } => params
+            .iter_mut()
+            .enumerate()
+            .map(|(u, p)| {
+                (
+                    p.slice_mut(part(u)),
+                    grad_shards.slice(layout.shard_slot(u)),
+                )
+            })
+            .collect(),
+        StageState::ShardedParams {
+            coordinator,
+            grad_shards,
+        } => coordinator
+            .shards_mut()
+            .iter_mut()
+            .enumerate()
+            .map(|(u, p)| (p.all_mut(), grad_shards.slice(layout.shard_slot(u))))
+            .collect(),
+    }
 }
 
 /// The part of unit `unit`'s flat buffer this rank updates: all of it at stage 0, its own shard

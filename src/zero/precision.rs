@@ -78,7 +78,7 @@ impl<'a> Slice<'a> {
 
 impl<'a> Slice<'a> {
     /// Elements `r` of the slice.
-    pub fn sub(self, r: Range<usize>) -> Slice<'a> {
+    pub fn range(self, r: Range<usize>) -> Slice<'a> {
         match self {
             Slice::F32(v) => Slice::F32(&v[r]),
             Slice::BF16(v) => Slice::BF16(&v[r]),
@@ -90,14 +90,6 @@ impl<'a> Slice<'a> {
 impl<'a> SliceMut<'a> {
     /// Elements `r` of the slice, borrowed (the slice stays usable after).
     pub fn sub_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
-        match self {
-            SliceMut::F32(v) => SliceMut::F32(&mut v[r]),
-            SliceMut::BF16(v) => SliceMut::BF16(&mut v[r]),
-            SliceMut::F16(v) => SliceMut::F16(&mut v[r]),
-        }
-    }
-    /// Elements `r` of the slice.
-    pub fn sub(self, r: Range<usize>) -> SliceMut<'a> {
         match self {
             SliceMut::F32(v) => SliceMut::F32(&mut v[r]),
             SliceMut::BF16(v) => SliceMut::BF16(&mut v[r]),

@@ -7,11 +7,30 @@
 //! that would fit, found by sizing the other stages and offloads with the same rules.
 
 use super::{updated_part, EngineError};
-use crate::memory::accounting::{MemoryKind, MemoryLedger, Tier};
+use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::zero::buffers::plan;
 use crate::zero::config::{EngineConfig, OptimizerTier, Stage};
 use crate::zero::flat::FlatLayout;
 use crate::zero::unit::ModelSpec;
+
+/// A device-tier allocation the budget cannot hold: which, how much, what holds the rest, and the
+/// config change that would fit.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the device memory budget of rank {rank} cannot hold {what}: {asked} bytes asked, {free} of \
+     the {budget}-byte budget free; held: params {}, master {}, grads {}, optimizer_states {}, \
+     buffers {}, gather {}; {advice}",
+    held.params, held.master, held.grads, held.optimizer_states, held.buffers, held.gather
+)]
+pub struct OverDeviceBudget {
+    pub rank: usize,
+    pub what: String,
+    pub asked: u64,
+    pub free: u64,
+    pub budget: u64,
+    pub held: ModelStateBytes,
+    pub advice: String,
+}
 
 /// Bytes of one unit's model states on this rank, by kind, and the tier each kind lives in.
 struct UnitBytes {
@@ -128,7 +147,7 @@ pub fn check(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> Result<(), En
     let mut ledger = MemoryLedger::with_budget(Some(budget));
     for a in allocations(spec, cfg, rank) {
         if let Err(over) = ledger.try_alloc_in(a.tier, a.kind, a.bytes) {
-            return Err(EngineError::DeviceBudget {
+            return Err(EngineError::DeviceBudget(Box::new(OverDeviceBudget {
                 rank,
                 what: a.what,
                 asked: over.asked,
@@ -136,7 +155,7 @@ pub fn check(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> Result<(), En
                 budget,
                 held: over.held,
                 advice: advice(spec, cfg, rank, budget),
-            });
+            })));
         }
     }
     Ok(())

@@ -1,10 +1,13 @@
 //! `offload_optimizer.device = "nvme"`: Adam's moments of every unit's updated part in the rank's
-//! swap file, streamed through two fixed buffers of `chunk` elements during the optimizer step.
+//! swap file, streamed during the optimizer step through two fixed buffer sets (`m` and `v` of
+//! `chunk` elements each) so that the disk and the CPU work at once: while Adam updates chunk k in
+//! one set, an I/O thread writes chunk k-1 back from the other set and reads chunk k+1 into it
+//! (write behind, read ahead), across unit boundaries.
 //!
 //! File layout: per unit, its `m` record then its `v` record, each padded to the direct-I/O
-//! alignment. A step reads a chunk of both, runs the same Adam kernel on it (so the bits equal an
-//! in-memory run's), and writes it back. The fp32 master stays in host memory: it is also what
-//! the parameters are rebuilt from, and it is 4 of the 12 optimizer bytes per parameter.
+//! alignment. Each chunk runs the same Adam kernel as an in-memory run, so the bits are equal.
+//! The fp32 master stays in host memory: it is also what the parameters are rebuilt from, and it
+//! is 4 of the 12 optimizer bytes per parameter.
 
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use std::ops::Range;
@@ -12,8 +15,8 @@ use std::path::Path;
 
 pub(super) struct NvmeMoments {
     file: SwapFile,
-    m: AlignedBuf,
-    v: AlignedBuf,
+    /// Two sets of stream buffers, each `m` then `v`.
+    sets: [[AlignedBuf; 2]; 2],
     /// Elements per streamed chunk (a multiple of the alignment).
     chunk: usize,
     /// Per unit: the element offset of its `m` record and its length (unpadded).
@@ -42,16 +45,15 @@ impl NvmeMoments {
         }
         Ok(NvmeMoments {
             file: SwapFile::create(dir, rank, at)?,
-            m: AlignedBuf::zeroed(chunk),
-            v: AlignedBuf::zeroed(chunk),
+            sets: std::array::from_fn(|_| std::array::from_fn(|_| AlignedBuf::zeroed(chunk))),
             chunk,
             records,
         })
     }
 
-    /// Bytes of the two stream buffers (host tier).
+    /// Bytes of the stream buffers (host tier).
     pub(super) fn buffer_bytes(&self) -> u64 {
-        (self.m.bytes() + self.v.bytes()) as u64
+        self.sets.iter().flatten().map(|b| b.bytes() as u64).sum()
     }
 
     /// Bytes of the swap file (NVMe tier).
@@ -68,27 +70,71 @@ impl NvmeMoments {
         (self.file.bytes_read(), self.file.bytes_written())
     }
 
-    /// Runs `f(range, m, v)` over unit `unit`'s moments a chunk at a time: `range` is the chunk's
-    /// place in the unit's updated part, `m` and `v` its moments, read before and written after.
-    pub(super) fn stream(
-        &mut self,
-        unit: usize,
-        mut f: impl FnMut(Range<usize>, &mut [f32], &mut [f32]),
-    ) -> Result<(), OffloadError> {
-        let (at, len) = self.records[unit];
-        let v_at = at + padded(len);
-        let mut off = 0;
-        while off < len {
-            let n = self.chunk.min(len - off);
-            let io = padded(n);
-            self.file.read(at + off, &mut self.m[..io])?;
-            self.file.read(v_at + off, &mut self.v[..io])?;
-            f(off..off + n, &mut self.m[..n], &mut self.v[..n]);
-            self.file.write(at + off, &self.m[..io])?;
-            self.file.write(v_at + off, &self.v[..io])?;
-            off += n;
+    /// Every unit's chunks in step order: `(unit, offset in its updated part, elements)`.
+    fn chunks(&self) -> Vec<(usize, usize, usize)> {
+        let mut out = Vec::new();
+        for (u, &(_, len)) in self.records.iter().enumerate() {
+            let mut off = 0;
+            while off < len {
+                let n = self.chunk.min(len - off);
+                out.push((u, off, n));
+                off += n;
+            }
         }
-        Ok(())
+        out
+    }
+
+    /// Runs `f(unit, range, m, v)` over every unit's moments a chunk at a time, in unit order:
+    /// `range` is the chunk's place in the unit's updated part, `m` and `v` its moments, read
+    /// before `f` and written after it, the I/O of the neighbouring chunks overlapping `f`.
+    pub(super) fn step(
+        &mut self,
+        mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32]),
+    ) -> Result<(), OffloadError> {
+        let chunks = self.chunks();
+        let records = &self.records;
+        // Element offsets of chunk `c`'s m and v in the file, and its I/O length (padded).
+        let place = |(u, off, n): (usize, usize, usize)| {
+            let (at, len) = records[u];
+            (at + off, at + padded(len) + off, padded(n))
+        };
+        let Some(&first) = chunks.first() else {
+            return Ok(());
+        };
+        let [set_a, set_b] = &mut self.sets;
+        let file = &mut self.file;
+        read_chunk(file, place(first), set_a)?;
+        for (k, &(u, off, n)) in chunks.iter().enumerate() {
+            let (cur, other) = match k % 2 {
+                0 => (&mut *set_a, &mut *set_b),
+                _ => (&mut *set_b, &mut *set_a),
+            };
+            let behind = k.checked_sub(1).map(|j| place(chunks[j]));
+            let ahead = chunks.get(k + 1).map(|&c| place(c));
+            let io = &mut *file;
+            std::thread::scope(|s| {
+                let worker = s.spawn(move || -> Result<(), OffloadError> {
+                    if let Some(p) = behind {
+                        write_chunk(io, p, other)?;
+                    }
+                    if let Some(p) = ahead {
+                        read_chunk(io, p, other)?;
+                    }
+                    Ok(())
+                });
+                let [m, v] = cur;
+                f(u, off..off + n, &mut m[..n], &mut v[..n]);
+                worker
+                    .join()
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+            })?;
+        }
+        let last = chunks.len() - 1;
+        let set = match last % 2 {
+            0 => set_a,
+            _ => set_b,
+        };
+        write_chunk(file, place(chunks[last]), set)
     }
 
     /// Unit `unit`'s moments over `range` of its updated part (for a checkpoint).
@@ -126,4 +172,25 @@ impl NvmeMoments {
         }
         Ok(())
     }
+}
+
+/// Reads a chunk's m and v (`(m at, v at, padded length)`) into `set`.
+fn read_chunk(
+    file: &SwapFile,
+    (m_at, v_at, io): (usize, usize, usize),
+    set: &mut [AlignedBuf; 2],
+) -> Result<(), OffloadError> {
+    let [m, v] = set;
+    file.read(m_at, &mut m[..io])?;
+    file.read(v_at, &mut v[..io])
+}
+
+/// Writes a chunk's m and v back from `set`.
+fn write_chunk(
+    file: &mut SwapFile,
+    (m_at, v_at, io): (usize, usize, usize),
+    set: &[AlignedBuf; 2],
+) -> Result<(), OffloadError> {
+    file.write(m_at, &set[0][..io])?;
+    file.write(v_at, &set[1][..io])
 }
