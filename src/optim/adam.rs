@@ -80,6 +80,8 @@ impl Default for AdamParams {
 #[derive(Debug, Clone, Copy)]
 struct StepConsts {
     grad_scale: f32,
+    /// AdamW (decoupled decay, `decay` applies) or classic Adam (`l2` applies).
+    adamw: bool,
     /// Classic-Adam L2 coefficient (0 in AdamW mode).
     l2: f32,
     /// AdamW multiplier `1 - lr * wd` (1 in classic-Adam mode).
@@ -111,6 +113,7 @@ impl StepConsts {
         };
         Self {
             grad_scale,
+            adamw: hp.adam_w_mode,
             l2: l2 as f32,
             decay: decay as f32,
             w1: (1.0 - hp.beta1) as f32,
@@ -274,11 +277,13 @@ impl StateElement for bf16 {
 }
 
 /// The update of one tile. `LERP_LOW` selects PyTorch's lerp formula for a weight `w1 < 0.5`
-/// (`m + w1 * (g - m)`, the usual case) or `>= 0.5` (`g - (g - m) * (1 - w1)`); being a const
-/// generic keeps the loop branch-free so that it vectorises. 16-bit moments are widened and
-/// rounded in the same loop, once per step.
+/// (`m + w1 * (g - m)`, the usual case) or `>= 0.5` (`g - (g - m) * (1 - w1)`); `ADAMW` applies
+/// the decoupled decay `p * (1 - lr * wd)`, else the classic L2 term `g + wd * p` (each only where
+/// PyTorch applies it, so the bits stay PyTorch's). Const generics keep the loop branch-free so
+/// that it vectorises, and free the registers of the term not taken (AVX2 has 16). 16-bit moments
+/// are widened and rounded in the same loop, once per step.
 #[inline(always)]
-fn adam_tile<S: StateElement, const LERP_LOW: bool>(
+fn adam_tile<S: StateElement, const LERP_LOW: bool, const ADAMW: bool>(
     p: &mut [f32],
     g: &[f32],
     m: &mut [S],
@@ -289,8 +294,10 @@ fn adam_tile<S: StateElement, const LERP_LOW: bool>(
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let (m_old, v_old) = (m.load(), v.load());
         let g = g * c.grad_scale;
-        let g = g + c.l2 * *p;
-        let decayed = *p * c.decay;
+        let (g, decayed) = match ADAMW {
+            true => (g, *p * c.decay),
+            false => (g + c.l2 * *p, *p),
+        };
         let m_new = if LERP_LOW {
             m_old + c.w1 * (g - m_old)
         } else {
@@ -329,7 +336,7 @@ fn adam_chunk_body<G: Element, S: StateElement, T: Element>(
     mut out: Option<&mut [T]>,
     c: &StepConsts,
 ) {
-    let lerp_low = c.w1 < 0.5;
+    let (lerp_low, adamw) = (c.w1 < 0.5, c.adamw);
     let mut gbuf = [0f32; TILE];
     for (i, ((p, m), v)) in p
         .chunks_mut(TILE)
@@ -339,10 +346,11 @@ fn adam_chunk_body<G: Element, S: StateElement, T: Element>(
     {
         let range = i * TILE..i * TILE + p.len();
         let g32 = f32_view(&g[range.clone()], &mut gbuf[..p.len()]);
-        if lerp_low {
-            adam_tile::<S, true>(p, g32, m, v, c);
-        } else {
-            adam_tile::<S, false>(p, g32, m, v, c);
+        match (lerp_low, adamw) {
+            (true, true) => adam_tile::<S, true, true>(p, g32, m, v, c),
+            (true, false) => adam_tile::<S, true, false>(p, g32, m, v, c),
+            (false, true) => adam_tile::<S, false, true>(p, g32, m, v, c),
+            (false, false) => adam_tile::<S, false, false>(p, g32, m, v, c),
         }
         if let Some(out) = out.as_deref_mut() {
             T::narrow(p, &mut out[range]);

@@ -16,6 +16,7 @@
 //! | `num_params` | Ψ, the model's parameter count (tied weights once) |
 //! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (the fp32 master shard under bf16/fp16, 0 in fp32), `optimizer_states`, `buffers` (buckets, gradient and parameter scratch), `gather` (stage-3 pool), `total` |
 //! | `offloaded_bytes` | what offload holds outside the device tier: `host` (master, Adam's moments, stage-3 parameter shards, NVMe stream buffers) and `nvme` (the swap file) |
+//! | `nvme_io_bytes` | bytes this rank has `read` from and `written` to its NVMe swap file since the start (0 without NVMe offload) |
 //! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
@@ -62,6 +63,7 @@ pub fn metrics_line(
             "total": m.total,
         },
         "offloaded_bytes": { "host": m.offloaded_host, "nvme": m.offloaded_nvme },
+        "nvme_io_bytes": { "read": r.swap_io.0, "written": r.swap_io.1 },
         "peak_bytes": r.peak_bytes,
         "sent_bytes": traffic.sent_bytes,
         "recv_bytes": traffic.recv_bytes,

@@ -135,6 +135,9 @@ pub struct StepReport {
     pub peak_bytes: u64,
     /// The largest the stage-3 gather pool has been so far (0 at other stages).
     pub peak_gather_bytes: u64,
+    /// Bytes read from and written to this rank's NVMe swap file so far (`(0, 0)` without NVMe
+    /// offload).
+    pub swap_io: (u64, u64),
     pub phases: PhaseTimes,
 }
 
@@ -854,6 +857,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             memory: self.ledger.snapshot(),
             peak_bytes: self.ledger.peak(),
             peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
+            swap_io: self.swap_traffic(),
             phases: self.phases,
         }
     }
