@@ -17,7 +17,7 @@ use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, PhaseTimes, Stage, StepReport};
+use zerodp::zero::{EngineConfig, OptimizerTier, PhaseTimes, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTrainArgs {
@@ -55,6 +55,17 @@ pub struct BenchTrainArgs {
     /// Recompute units in backward at every stage.
     #[arg(long)]
     pub checkpoint_activations: bool,
+    /// Where Adam's states live, comma-separated: `none`, `cpu` (host tier) or `nvme` (a swap
+    /// file per rank under --nvme-path, streamed --sub-group-size elements at a time). With `nvme`
+    /// the disk's sequential direct-I/O speed is measured in the same run.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![Offload::None])]
+    pub offload: Vec<Offload>,
+    /// Directory of the NVMe swap files [default: the system's temporary directory].
+    #[arg(long)]
+    pub nvme_path: Option<std::path::PathBuf>,
+    /// Elements of Adam's moments streamed at a time under NVMe offload (`sub_group_size`).
+    #[arg(long, default_value_t = 1_000_000)]
+    pub sub_group_size: usize,
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
@@ -64,6 +75,25 @@ pub struct BenchTrainArgs {
     pub backend: super::launch::BackendChoice,
 }
 
+/// Where Adam's states live in a benchmark row.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    None,
+    Cpu,
+    Nvme,
+}
+
+impl std::fmt::Display for Offload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Offload::None => "none",
+            Offload::Cpu => "cpu",
+            Offload::Nvme => "nvme",
+        })
+    }
+}
+
 /// Under MPI: this process's rank and the rayon threads it computes with.
 type MpiRank = (Arc<dyn Communicator>, usize);
 
@@ -71,6 +101,8 @@ type MpiRank = (Arc<dyn Communicator>, usize);
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchRow {
     pub stage: u8,
+    /// Where Adam's states lived: `none`, `cpu` or `nvme`.
+    pub offload: Offload,
     pub world_size: usize,
     pub num_params: usize,
     pub tokens_per_step: usize,
@@ -85,6 +117,22 @@ pub struct BenchRow {
     pub rayon_threads_per_rank: usize,
     /// Rank 0's time split of its median-time step, in seconds.
     pub phases: zerodp::zero::PhaseTimes,
+    /// NVMe offload: rank 0's swap-file bytes read and written per step, and their rate over the
+    /// median step and over its optimizer phase (when the disk works), in GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nvme: Option<NvmeRates>,
+}
+
+/// Swap-file traffic of an NVMe-offloaded row, beside the disk's own sequential speed.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct NvmeRates {
+    pub read_bytes_per_step: u64,
+    pub written_bytes_per_step: u64,
+    pub gbps_over_step: f64,
+    pub gbps_over_optimizer: f64,
+    /// The disk under --nvme-path, measured in the same run: 1 GiB written then read, direct I/O.
+    pub disk_write_gbps: f64,
+    pub disk_read_gbps: f64,
 }
 
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
@@ -121,31 +169,39 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     for round in 0..args.rounds {
         for &world in &world_sizes {
             for &s in &args.stages {
-                let stage =
-                    Stage::from_index(s).ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-                let got = measure(&args, &model, &data, stage, world, mpi.as_ref())?;
-                if args.format == "table" && rank == 0 {
-                    let mut times = got.steps.clone();
-                    times.sort_by(f64::total_cmp);
-                    errln!(
-                        "round {} stage {s} world {world}: median step {:.1} ms",
-                        round + 1,
-                        times[times.len() / 2] * 1e3
-                    );
-                }
-                match samples
-                    .iter_mut()
-                    .find(|x| x.stage == stage && x.world == world)
-                {
-                    Some(x) => x.merge(got),
-                    None => samples.push(got),
+                for &offload in &args.offload {
+                    let stage = Stage::from_index(s)
+                        .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
+                    let got = measure(&args, &model, &data, (stage, offload), world, mpi.as_ref())?;
+                    if args.format == "table" && rank == 0 {
+                        let mut times = got.steps.clone();
+                        times.sort_by(f64::total_cmp);
+                        errln!(
+                            "round {} stage {s} offload {offload} world {world}: median step {:.1} ms",
+                            round + 1,
+                            times[times.len() / 2] * 1e3
+                        );
+                    }
+                    let same =
+                        |x: &Samples| x.stage == stage && x.offload == offload && x.world == world;
+                    match samples.iter_mut().find(|x| same(x)) {
+                        Some(x) => x.merge(got),
+                        None => samples.push(got),
+                    }
                 }
             }
         }
     }
+    let disk = match args.offload.contains(&Offload::Nvme) && rank == 0 {
+        true => Some(zerodp::offload::sequential_speed(
+            &nvme_dir(&args),
+            1 << 30,
+        )?),
+        false => None,
+    };
     let rows: Vec<BenchRow> = samples
         .iter()
-        .map(|x| x.row(model.spec().num_params(), data.context()))
+        .map(|x| x.row(model.spec().num_params(), data.context(), disk))
         .collect();
     if rank != 0 {
         return Ok(0);
@@ -154,9 +210,10 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         for r in &rows {
             let p = &r.phases;
             errln!(
-                "stage {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: forward {:.1}, \
-                 recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
+                "stage {} offload {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: \
+                 forward {:.1}, recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
                 r.stage,
+                r.offload,
                 r.world_size,
                 r.tokens_per_s,
                 r.median_step_s * 1e3,
@@ -166,6 +223,19 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 p.comm * 1e3,
                 p.optimizer * 1e3
             );
+            if let Some(n) = &r.nvme {
+                errln!(
+                    "  nvme: {:.1} MB read + {:.1} MB written per step on rank 0, {:.2} GB/s over \
+                     the step, {:.2} GB/s over the optimizer phase; the disk: {:.2} GB/s write, \
+                     {:.2} GB/s read (sequential, direct I/O, same run)",
+                    n.read_bytes_per_step as f64 / 1e6,
+                    n.written_bytes_per_step as f64 / 1e6,
+                    n.gbps_over_step,
+                    n.gbps_over_optimizer,
+                    n.disk_write_gbps,
+                    n.disk_read_gbps
+                );
+            }
         }
     }
     if args.format == "json" {
@@ -179,6 +249,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
 /// Timed steps of one configuration, over one or more rounds.
 struct Samples {
     stage: Stage,
+    offload: Offload,
     world: usize,
     per_rank: usize,
     threads: usize,
@@ -187,6 +258,8 @@ struct Samples {
     /// Rank 0's phase split of each step.
     phases: Vec<PhaseTimes>,
     last: StepReport,
+    /// Rank 0's swap-file bytes (read, written) per timed step.
+    swap_per_step: (u64, u64),
 }
 
 impl Samples {
@@ -196,14 +269,31 @@ impl Samples {
         self.last = other.last;
     }
 
-    fn row(&self, num_params: usize, context: usize) -> BenchRow {
+    fn row(&self, num_params: usize, context: usize, disk: Option<(f64, f64)>) -> BenchRow {
         let mut order: Vec<usize> = (0..self.steps.len()).collect();
         order.sort_by(|&a, &b| self.steps[a].total_cmp(&self.steps[b]));
         let median_index = order[order.len() / 2];
         let median = self.steps[median_index];
         let tokens = self.per_rank * self.world * context;
+        let phases = self.phases[median_index];
+        let nvme = match (self.offload, disk) {
+            (Offload::Nvme, Some((w, r))) => {
+                let (read, written) = self.swap_per_step;
+                let bytes = (read + written) as f64;
+                Some(NvmeRates {
+                    read_bytes_per_step: read,
+                    written_bytes_per_step: written,
+                    gbps_over_step: bytes / median / 1e9,
+                    gbps_over_optimizer: bytes / phases.optimizer / 1e9,
+                    disk_write_gbps: w / 1e9,
+                    disk_read_gbps: r / 1e9,
+                })
+            }
+            _ => None,
+        };
         BenchRow {
             stage: self.stage.index(),
+            offload: self.offload,
             world_size: self.world,
             num_params,
             tokens_per_step: tokens,
@@ -214,16 +304,22 @@ impl Samples {
             bytes_per_rank: self.last.memory.total,
             peak_bytes_per_rank: self.last.peak_bytes,
             rayon_threads_per_rank: self.threads,
-            phases: self.phases[median_index],
+            phases,
+            nvme,
         }
     }
+}
+
+/// Where the NVMe swap files go.
+fn nvme_dir(args: &BenchTrainArgs) -> std::path::PathBuf {
+    args.nvme_path.clone().unwrap_or_else(std::env::temp_dir)
 }
 
 fn measure(
     args: &BenchTrainArgs,
     model: &GptModel,
     data: &DataLoader,
-    stage: Stage,
+    (stage, offload): (Stage, Offload),
     world: usize,
     mpi: Option<&MpiRank>,
 ) -> anyhow::Result<Samples> {
@@ -236,6 +332,16 @@ fn measure(
     cfg.overlap_comm = !args.no_overlap;
     cfg.activation_checkpointing = args.checkpoint_activations;
     cfg.max_reuse_distance = args.max_reuse_distance;
+    cfg.offload_optimizer = match offload {
+        Offload::None => OptimizerTier::Device,
+        Offload::Cpu => OptimizerTier::Host,
+        Offload::Nvme => OptimizerTier::Nvme {
+            dir: nvme_dir(args),
+            chunk: args
+                .sub_group_size
+                .clamp(1, zerodp::offload::MAX_STREAM_CHUNK),
+        },
+    };
     let mut trainer = Trainer::new(model, cfg)
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);
@@ -274,13 +380,29 @@ fn measure(
     let last = per_rank[0].last().expect("at least one timed step").clone();
     Ok(Samples {
         stage,
+        offload,
         world,
         per_rank: args.per_rank,
         threads,
         steps,
         phases,
+        swap_per_step: swap_per_step(&per_rank[0]),
         last,
     })
+}
+
+/// Swap-file bytes (read, written) per step over the timed steps `reports` (cumulative counters).
+fn swap_per_step(reports: &[StepReport]) -> (u64, u64) {
+    match (reports.first(), reports.last()) {
+        (Some(a), Some(b)) if reports.len() > 1 => {
+            let steps = (reports.len() - 1) as u64;
+            (
+                (b.swap_io.0 - a.swap_io.0) / steps,
+                (b.swap_io.1 - a.swap_io.1) / steps,
+            )
+        }
+        _ => (0, 0),
+    }
 }
 
 fn print_table(
@@ -299,8 +421,9 @@ fn print_table(
         per_rank
     );
     outln!(
-        "{:>5} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12}",
+        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12}",
         "stage",
+        "offload",
         "world",
         "tokens/step",
         "median ms",
@@ -312,12 +435,13 @@ fn print_table(
     for r in rows {
         let base = rows
             .iter()
-            .find(|b| b.stage == 0 && b.world_size == r.world_size)
+            .find(|b| b.stage == 0 && b.offload == Offload::None && b.world_size == r.world_size)
             .map(|b| format!("{:+.1}%", (r.tokens_per_s / b.tokens_per_s - 1.0) * 100.0))
             .unwrap_or_else(|| "-".into());
         outln!(
-            "{:>5} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1}",
+            "{:>5} {:>7} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1}",
             r.stage,
+            r.offload.to_string(),
             r.world_size,
             r.tokens_per_step,
             r.median_step_s * 1e3,

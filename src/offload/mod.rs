@@ -14,7 +14,31 @@ mod swap;
 
 pub use swap::{AlignedBuf, SwapFile, SWAP_ALIGN_ELEMS};
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Sequential speed of the disk under `dir` as the swap file sees it: `bytes` written then read
+/// back in 16 MiB requests through a [`SwapFile`] (direct I/O where the file system allows it),
+/// in bytes per second `(write, read)`. The file is removed afterwards.
+pub fn sequential_speed(dir: &Path, bytes: usize) -> Result<(f64, f64), OffloadError> {
+    const REQUEST: usize = 4 << 20; // elements: 16 MiB
+    let elems = bytes.div_ceil(4).div_ceil(REQUEST) * REQUEST;
+    let mut file = SwapFile::create_named(dir, "speed-probe", elems)?;
+    let mut buf = AlignedBuf::zeroed(REQUEST);
+    buf.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
+    let t = Instant::now();
+    for at in (0..elems).step_by(REQUEST) {
+        file.write(at, &buf)?;
+    }
+    file.sync()?;
+    let write = (elems * 4) as f64 / t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for at in (0..elems).step_by(REQUEST) {
+        file.read(at, &mut buf)?;
+    }
+    let read = (elems * 4) as f64 / t.elapsed().as_secs_f64();
+    Ok((write, read))
+}
 
 /// The most elements of each moment streamed through memory at once under NVMe offload
 /// (64 MiB per buffer): DeepSpeed's `sub_group_size` defaults to 1e9 elements, which would make

@@ -86,6 +86,11 @@ pub struct SwapFile {
 impl SwapFile {
     /// Creates `zerodp-swap-<pid>-rank<rank>.bin` under `dir` with room for `elems` f32, zeroed.
     pub fn create(dir: &Path, rank: usize, elems: usize) -> Result<SwapFile, OffloadError> {
+        Self::create_named(dir, &format!("rank{rank}"), elems)
+    }
+
+    /// [`SwapFile::create`] for the file `zerodp-swap-<pid>-<tag>.bin`.
+    pub fn create_named(dir: &Path, tag: &str, elems: usize) -> Result<SwapFile, OffloadError> {
         let bad = |what: String| OffloadError::BadDir {
             path: dir.to_path_buf(),
             what,
@@ -95,7 +100,7 @@ impl SwapFile {
             Ok(_) => return Err(bad("is not a directory".into())),
             Err(e) => return Err(bad(format!("cannot be used ({e})"))),
         }
-        let path = dir.join(format!("zerodp-swap-{}-rank{rank}.bin", std::process::id()));
+        let path = dir.join(format!("zerodp-swap-{}-{tag}.bin", std::process::id()));
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(true).create_new(true).mode(0o600);
@@ -137,6 +142,13 @@ impl SwapFile {
             }
         }
         Ok(swap)
+    }
+
+    /// Flushes written data to the disk (`fdatasync`).
+    pub fn sync(&self) -> Result<(), OffloadError> {
+        self.file
+            .sync_data()
+            .map_err(|source| self.io_error("sync", 0, 0, source))
     }
 
     /// Whether reads and writes bypass the page cache.
