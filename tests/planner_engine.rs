@@ -60,6 +60,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
         dtypes: DtypeOverrides {
             communication: Some(precision_of(cfg.comm_dtype)),
             grad_accum: Some(precision_of(cfg.grad_accum_dtype)),
+            optimizer_states: Some(precision_of(cfg.optimizer_states_dtype)),
         },
         configured: None,
         process: None,
@@ -327,6 +328,28 @@ fn mixed_precision_with_every_grad_accum_and_communication_dtype() {
                         check(&model, &cfg, Gather::Exact);
                     }
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_optimizer_states_are_sized_as_the_engine_holds_them() {
+    // Adam's m and v in bf16, in fp32 and in bf16 training: half the moments' bytes, planned as
+    // the ledger counts them.
+    let model = Toy::new(16, 8, 2, true);
+    for dtype in [DType::F32, DType::BF16] {
+        for stage in STAGES {
+            for world in [1, 2] {
+                let mut cfg = config(stage, world, 2).with_precision(dtype);
+                cfg.optimizer_states_dtype = DType::BF16;
+                let o = check(&model, &cfg, Gather::Exact);
+                let fp32 = plan_option(
+                    &input_for(&model, &config(stage, world, 2).with_precision(dtype)),
+                    choice(stage),
+                );
+                let half = |b: &zerodp::planner::DeviceBytes| b.adam_m + b.adam_v;
+                assert_eq!(half(&o.bytes_per_device) * 2, half(&fp32.bytes_per_device));
             }
         }
     }

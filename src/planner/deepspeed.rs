@@ -40,6 +40,11 @@ impl ConfigKeys {
             dtypes: DtypeOverrides {
                 communication: Some(precision(s.communication_data_type)),
                 grad_accum: Some(precision(s.grad_accum_dtype)),
+                optimizer_states: match s.zerodp.optimizer_states_dtype {
+                    Some(p) => Some(precision(p)),
+                    None if s.bf16.enabled && s.bf16.bf16_optimizer_states => Some(Precision::Bf16),
+                    None => None,
+                },
             },
         }
     }

@@ -52,6 +52,7 @@ pub fn run_settings(input: &PlanInput, stage: u8) -> Settings {
         defaults::grad_accum_dtype(precision, stage),
         config_precision,
     );
+    s.zerodp.optimizer_states_dtype = input.dtypes.optimizer_states.map(config_precision);
     let world = usize::try_from(input.cluster.world_size()).unwrap_or(usize::MAX);
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     s.batch.micro_batch_per_gpu = size(input.micro_batch);

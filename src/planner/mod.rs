@@ -93,6 +93,20 @@ pub struct DtypeOverrides {
     pub communication: Option<Precision>,
     /// `data_types.grad_accum_dtype`.
     pub grad_accum: Option<Precision>,
+    /// Adam's moments (`bf16.bf16_optimizer_states`, `zerodp.optimizer_states_dtype`); None: fp32.
+    pub optimizer_states: Option<Precision>,
+}
+
+/// Adam's m and v in bf16: half their bytes on the device, and 8 instead of 12 optimizer-state
+/// bytes per element where they are offloaded (the fp32 copy stays fp32).
+fn bf16_moments(d: &mut DeviceBytes, off: &mut OffBytes) {
+    d.adam_m /= 2;
+    d.adam_v /= 2;
+    d.model_states = d.params + d.grads + d.master + d.adam_m + d.adam_v;
+    off.host_optimizer_states = off.host_optimizer_states / 12 * 8;
+    off.nvme_optimizer_states = off.nvme_optimizer_states / 12 * 8;
+    off.host = off.host_optimizer_states + off.host_fp32_grads + off.host_params;
+    off.nvme = off.nvme_optimizer_states + off.nvme_params;
 }
 
 /// Everything the planner needs.
@@ -186,7 +200,10 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     let psi = engine
         .as_ref()
         .map_or(input.model.params, EngineRun::padded_params);
-    let (mut bytes, off_per_device) = model_state_bytes(choice, input.precision, psi, n);
+    let (mut bytes, mut off_per_device) = model_state_bytes(choice, input.precision, psi, n);
+    if input.dtypes.optimizer_states == Some(Precision::Bf16) {
+        bf16_moments(&mut bytes, &mut off_per_device);
+    }
     if let Some(e) = &engine {
         // The engine keeps its gradients in `grad_accum_dtype`, which need not be the
         // precision's (bf16 stage 0 accumulates in fp32 by default).

@@ -162,7 +162,8 @@ pub fn check(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> Result<(), En
 }
 
 /// The smallest change to `cfg` whose device-tier peak fits `budget`: offloading the optimizer
-/// first (it keeps the stage's traffic), then a higher stage, then stage 3 with offloads.
+/// first (it keeps the stage's traffic; not at stage 0, where configs ignore it), then a higher
+/// stage, then stage 3 with offloads.
 fn advice(spec: &ModelSpec, cfg: &EngineConfig, rank: usize, budget: u64) -> String {
     let offload_opt = |mut c: EngineConfig| {
         if c.offload_optimizer == OptimizerTier::Device {
@@ -174,7 +175,11 @@ fn advice(spec: &ModelSpec, cfg: &EngineConfig, rank: usize, budget: u64) -> Str
         stage: s,
         ..cfg.clone()
     };
-    let mut candidates = vec![(offload_opt(cfg.clone()), "offload_optimizer.device \"cpu\"")];
+    // DeepSpeed (and the config mapping) ignore offload_optimizer at stage 0.
+    let mut candidates = Vec::new();
+    if cfg.stage != Stage::Zero0 {
+        candidates.push((offload_opt(cfg.clone()), "offload_optimizer.device \"cpu\""));
+    }
     for (s, text) in [
         (Stage::Zero1, "stage 1"),
         (Stage::Zero2, "stage 2"),
