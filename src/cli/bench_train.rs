@@ -117,6 +117,17 @@ pub struct BenchRow {
     pub rayon_threads_per_rank: usize,
     /// Rank 0's time split of its median-time step, in seconds.
     pub phases: zerodp::zero::PhaseTimes,
+    /// The model's FLOPs per second at the median step ([`GptConfig::flops_per_token`] times
+    /// tokens/s).
+    ///
+    /// [`GptConfig::flops_per_token`]: zerodp::model::GptConfig::flops_per_token
+    pub model_flops_per_s: f64,
+    /// The machine's f32 GEMM rate on the block's largest product (rows of one rank's batch,
+    /// width, 4 x width), one thread per compute thread of the run, all at once, measured after
+    /// the timed steps of the same run.
+    pub gemm_flops_per_s: f64,
+    /// Model FLOPs utilisation against that rate: `model_flops_per_s / gemm_flops_per_s`.
+    pub mfu: f64,
     /// NVMe offload: rank 0's swap-file bytes read and written per step, and their rate over the
     /// median step and over its optimizer phase (when the disk works), in GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -199,10 +210,26 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         )?),
         false => None,
     };
-    let rows: Vec<BenchRow> = samples
+    let mut rows: Vec<BenchRow> = samples
         .iter()
         .map(|x| x.row(model.spec().num_params(), data.context(), disk))
         .collect();
+    let shape = (args.per_rank * gpt.context, gpt.width, 4 * gpt.width);
+    let mut probed: Vec<(usize, usize, f64)> = Vec::new();
+    for r in &mut rows {
+        let key = (r.world_size, r.rayon_threads_per_rank);
+        let rate = match probed.iter().find(|p| (p.0, p.1) == key) {
+            Some(p) => p.2,
+            None => {
+                let rate = machine_gemm_rate(shape, key, mpi.as_ref())?;
+                probed.push((key.0, key.1, rate));
+                rate
+            }
+        };
+        r.model_flops_per_s = gpt.flops_per_token() * r.tokens_per_s;
+        r.gemm_flops_per_s = rate;
+        r.mfu = r.model_flops_per_s / rate;
+    }
     if rank != 0 {
         return Ok(0);
     }
@@ -305,9 +332,36 @@ impl Samples {
             peak_bytes_per_rank: self.last.peak_bytes,
             rayon_threads_per_rank: self.threads,
             phases,
+            model_flops_per_s: 0.0,
+            gemm_flops_per_s: 0.0,
+            mfu: 0.0,
             nvme,
         }
     }
+}
+
+/// The GEMM rate the run's compute threads can reach together: in-process, one probe thread per
+/// compute thread of all ranks (at most the machine's cores); under MPI, every process probes
+/// with its own threads at the same time and the rates are summed.
+fn machine_gemm_rate(
+    shape: (usize, usize, usize),
+    (world, threads_per_rank): (usize, usize),
+    mpi: Option<&MpiRank>,
+) -> anyhow::Result<f64> {
+    const PROBE_SECS: f64 = 1.0;
+    let Some((comm, threads)) = mpi else {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = (world * threads_per_rank).clamp(1, cores);
+        return Ok(zerodp::model::gemm_flops_per_s(shape, threads, PROBE_SECS));
+    };
+    // Start together, so that the probes share the machine as the ranks did.
+    comm.barrier().wait_one()?;
+    let mine = zerodp::model::gemm_flops_per_s(shape, *threads, PROBE_SECS);
+    // In GFLOP/s: an f32 sum of a few processes' rates keeps 7 digits.
+    let total = comm
+        .all_reduce(Buffer::F32(vec![(mine / 1e9) as f32]), ReduceOp::Sum)
+        .wait_one()?;
+    Ok(f64::from(total.get_f32(0)) * 1e9)
 }
 
 /// Where the NVMe swap files go.
@@ -421,7 +475,7 @@ fn print_table(
         per_rank
     );
     outln!(
-        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12}",
+        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12} {:>14} {:>14} {:>6}",
         "stage",
         "offload",
         "world",
@@ -430,7 +484,10 @@ fn print_table(
         "tokens/s",
         "vs ZeRO-0",
         "MiB/rank",
-        "peak MiB"
+        "peak MiB",
+        "model GFLOP/s",
+        "GEMM GFLOP/s",
+        "MFU"
     );
     for r in rows {
         let base = rows
@@ -439,7 +496,7 @@ fn print_table(
             .map(|b| format!("{:+.1}%", (r.tokens_per_s / b.tokens_per_s - 1.0) * 100.0))
             .unwrap_or_else(|| "-".into());
         outln!(
-            "{:>5} {:>7} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1}",
+            "{:>5} {:>7} {:>5} {:>12} {:>12.1} {:>12.0} {:>9} {:>12.1} {:>12.1} {:>14.1} {:>14.1} {:>5.1}%",
             r.stage,
             r.offload.to_string(),
             r.world_size,
@@ -448,7 +505,10 @@ fn print_table(
             r.tokens_per_s,
             base,
             r.bytes_per_rank as f64 / (1024.0 * 1024.0),
-            r.peak_bytes_per_rank as f64 / (1024.0 * 1024.0)
+            r.peak_bytes_per_rank as f64 / (1024.0 * 1024.0),
+            r.model_flops_per_s / 1e9,
+            r.gemm_flops_per_s / 1e9,
+            r.mfu * 100.0
         );
     }
     Ok(())

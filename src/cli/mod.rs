@@ -38,6 +38,7 @@ macro_rules! errln {
 
 pub mod bench_adam;
 pub mod bench_comm;
+pub mod bench_ops;
 pub mod bench_train;
 pub mod ckpt;
 pub mod config;
@@ -59,7 +60,7 @@ pub enum Command {
     Train(train::TrainArgs),
     /// Per-device memory and traffic for every stage and offload choice, before a run.
     Plan(plan::PlanArgs),
-    /// Benchmarks: collectives, training throughput and the Adam step.
+    /// Benchmarks: collectives, training throughput, the step's ops and the Adam step.
     #[command(subcommand)]
     Bench(BenchCommand),
     /// Inspect checkpoints and consolidate their weights into one file.
@@ -79,6 +80,9 @@ pub enum BenchCommand {
     /// CPU Adam step: parameters per second per shard size, thread count and state dtype, next
     /// to this machine's memory bandwidth.
     Adam(bench_adam::BenchAdamArgs),
+    /// Where one rank's training step spends its time: every op of the GPT alone on one rank's
+    /// shapes, forward and backward, against the FLOPs and bytes it must move.
+    Ops(bench_ops::BenchOpsArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -95,6 +99,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(BenchCommand::Comm(a)) => bench_comm::run(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),
         Command::Bench(BenchCommand::Adam(a)) => bench_adam::run(a),
+        Command::Bench(BenchCommand::Ops(a)) => bench_ops::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
     }

@@ -186,6 +186,22 @@ impl GptConfig {
         let (v, t, c, l) = (self.vocab_size, self.context, self.width, self.layers);
         v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c
     }
+
+    /// Model FLOPs of one training token (forward and backward) at full context, by the
+    /// convention of PaLM's model FLOPs utilisation: 6 per weight of every matrix multiply (the
+    /// blocks' 12c² per layer and the tied head's Vc; the embedding lookups multiply nothing)
+    /// plus attention's 12·L·t·c (scores and weighted sum, forward 2·2·t·c per layer, backward
+    /// twice that, counted over the full t×t square as the convention does, although the causal
+    /// mask makes half of it unnecessary). Biases, norms and activations are left out.
+    pub fn flops_per_token(&self) -> f64 {
+        let (v, t, c, l) = (
+            self.vocab_size as f64,
+            self.context as f64,
+            self.width as f64,
+            self.layers as f64,
+        );
+        6.0 * (12.0 * c * c * l + v * c) + 12.0 * l * t * c
+    }
 }
 
 /// Make candle's element-wise ops run on the calling thread (sets `CANDLE_NUM_THREADS=1` unless

@@ -362,6 +362,37 @@ fn gemm_into<T: Real>(
     }
 }
 
+/// The machine's f32 GEMM rate in FLOP/s for an `[m, k] @ [k, n]` product, as the model's
+/// kernels call it (the `gemm` crate, one thread each): `threads` threads at once, each on its own
+/// matrices, for at least `min_secs`, summed. The denominator of `bench train`'s model FLOPs
+/// utilisation, measured in the same run because a shared machine's rate drifts.
+pub fn gemm_flops_per_s((m, k, n): (usize, usize, usize), threads: usize, min_secs: f64) -> f64 {
+    // Each thread in a one-thread rayon pool, so that `gemm_into` runs it unparallelised.
+    let one = move || -> f64 {
+        let Ok(pool) = rayon::ThreadPoolBuilder::new().num_threads(1).build() else {
+            return 0.0;
+        };
+        pool.install(|| {
+            let lhs: Vec<f32> = (0..m * k).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+            let rhs: Vec<f32> = (0..k * n).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+            let mut dst = vec![0f32; m * n];
+            let mut call = || gemm_into((m, n, k), &mut dst, false, &lhs, (k, 1), &rhs, (n, 1));
+            call(); // warm-up: packing buffers, page faults
+            let start = std::time::Instant::now();
+            let mut calls = 0u32;
+            while calls == 0 || start.elapsed().as_secs_f64() < min_secs {
+                call();
+                calls += 1;
+            }
+            2.0 * (m * k * n) as f64 * f64::from(calls) / start.elapsed().as_secs_f64()
+        })
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads.max(1)).map(|_| s.spawn(one)).collect();
+        handles.into_iter().map(|h| h.join().unwrap_or(0.0)).sum()
+    })
+}
+
 impl Linear {
     fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
         let (out, inp) = (b.len(), w.len() / b.len().max(1));

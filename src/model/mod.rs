@@ -12,5 +12,6 @@ pub mod weights;
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use data::{Corpus, DataError, DataLoader, TokenBatch, DEFAULT_CORPUS_PATH};
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
+pub use kernels::gemm_flops_per_s;
 pub use rng::{mix_seed, SplitMix64};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};

@@ -1,0 +1,137 @@
+//! `zerodp bench ops` and the model-FLOPs columns of `zerodp bench train`: the per-op table's
+//! FLOPs are the ops' own (checked against the shapes), the rows cover the whole step, and MFU is
+//! model FLOP/s over the GEMM rate of the same run.
+
+use std::process::Command;
+
+fn zerodp_json(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(args)
+        .output()
+        .expect("run zerodp");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+#[test]
+fn bench_ops_times_every_op_of_the_step_with_its_flops() {
+    // tiny: 2 layers, width 32, 2 heads, vocab 256; context 16, 2 sequences = 32 rows.
+    let v = zerodp_json(&[
+        "bench",
+        "ops",
+        "--model",
+        "tiny",
+        "--per-rank",
+        "2",
+        "--reps",
+        "1",
+        "--steps",
+        "1",
+        "--format",
+        "json",
+    ]);
+    let ops = v["ops"].as_array().unwrap();
+    let (n, c, l, vocab, t) = (32.0, 32.0, 2.0, 256.0, 16.0);
+    let find = |name: &str| {
+        ops.iter()
+            .find(|o| o["op"].as_str().unwrap().starts_with(name))
+            .unwrap_or_else(|| panic!("no row {name}"))
+    };
+    // Each linear: 2 n in out forward, twice that backward; once per layer.
+    for (name, inp, out) in [
+        ("linear qkv", c, 3.0 * c),
+        ("linear proj", c, c),
+        ("linear fc ", c, 4.0 * c),
+        ("linear fc2", 4.0 * c, c),
+    ] {
+        let o = find(name);
+        assert_eq!(
+            o["forward_flops"].as_f64(),
+            Some(2.0 * n * inp * out),
+            "{name}"
+        );
+        assert_eq!(
+            o["backward_flops"].as_f64(),
+            Some(4.0 * n * inp * out),
+            "{name}"
+        );
+        assert_eq!(o["count"].as_f64(), Some(l), "{name}");
+    }
+    assert_eq!(
+        find("attention")["forward_flops"].as_f64(),
+        Some(2.0 * n * t * c)
+    );
+    assert_eq!(
+        find("head logits")["forward_flops"].as_f64(),
+        Some(2.0 * n * c * vocab)
+    );
+    assert_eq!(find("layer norm")["count"].as_f64(), Some(2.0 * l + 1.0));
+    let mut sum = 0.0;
+    for o in ops {
+        let (f, b) = (
+            o["forward_ms"].as_f64().unwrap(),
+            o["backward_ms"].as_f64().unwrap(),
+        );
+        assert!(f > 0.0 && b > 0.0, "{o}");
+        let step = o["step_ms"].as_f64().unwrap();
+        assert!((step - o["count"].as_f64().unwrap() * (f + b)).abs() < 1e-9);
+        sum += step;
+    }
+    assert!((v["ops_ms"].as_f64().unwrap() - sum).abs() < 1e-9);
+    assert!(v["step_ms"].as_f64().unwrap() > 0.0);
+    assert!(v["gemm_flops_per_s"].as_f64().unwrap() > 1e6);
+    // 6 per weight of the blocks' matrices and the tied head, plus attention's 12 L t c, per token.
+    let per_token = 6.0 * (12.0 * c * c * l + vocab * c) + 12.0 * l * t * c;
+    assert_eq!(v["model_flops_per_step"].as_f64(), Some(per_token * n));
+}
+
+#[test]
+fn bench_train_reports_model_flops_utilisation_against_the_measured_gemm_rate() {
+    let v = zerodp_json(&[
+        "bench",
+        "train",
+        "--model",
+        "tiny",
+        "--world-sizes",
+        "1",
+        "--stages",
+        "0",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--per-rank",
+        "2",
+        "--backend",
+        "inprocess",
+        "--format",
+        "json",
+    ]);
+    let row = &v.as_array().unwrap()[0];
+    let tokens_per_s = row["tokens_per_s"].as_f64().unwrap();
+    let (c, l, vocab, t) = (32.0, 2.0, 256.0, 16.0);
+    let per_token = 6.0 * (12.0 * c * c * l + vocab * c) + 12.0 * l * t * c;
+    let model = row["model_flops_per_s"].as_f64().unwrap();
+    assert!((model - per_token * tokens_per_s).abs() <= 1e-9 * model);
+    let gemm = row["gemm_flops_per_s"].as_f64().unwrap();
+    assert!(gemm > 1e6 && gemm.is_finite());
+    assert!((row["mfu"].as_f64().unwrap() - model / gemm).abs() <= 1e-12);
+}
+
+#[test]
+fn bench_ops_rejects_zero_threads_with_a_message() {
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["bench", "ops", "--model", "tiny", "--threads", "0"])
+        .output()
+        .expect("run zerodp");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--threads") && !err.contains("panicked"),
+        "{err}"
+    );
+}
