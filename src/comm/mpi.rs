@@ -1264,7 +1264,7 @@ impl Engine {
             let waited = now - begun;
             if waited < self.spin {
                 std::hint::spin_loop();
-            } else if waited < Duration::from_millis(10) {
+            } else if waited < Duration::from_millis(10) && !self.spin.is_zero() {
                 std::thread::yield_now();
             } else {
                 std::thread::sleep(Duration::from_micros(100));
