@@ -293,3 +293,26 @@ fn communicators_work_as_trait_objects_on_caller_threads() {
     });
     assert_eq!(results, vec![vec![3.0; 5], vec![3.0; 5]]);
 }
+
+#[test]
+fn waiting_for_the_wrong_number_of_buffers_is_an_error_not_a_panic() {
+    let out = run_ranks(2, CommOptions::default(), |comm, _| {
+        let one = comm.barrier().wait_one().unwrap_err();
+        let pair = comm
+            .all_reduce(make(DType::F32, 8, 0, 1), ReduceOp::Sum)
+            .wait_pair()
+            .unwrap_err();
+        Ok::<_, CommError>((one.to_string(), pair.to_string()))
+    })
+    .unwrap();
+    for (one, pair) in out {
+        assert!(
+            one.contains("wait_one expects") && one.contains("returned 0"),
+            "{one}"
+        );
+        assert!(
+            pair.contains("wait_pair expects") && pair.contains("returned 1"),
+            "{pair}"
+        );
+    }
+}

@@ -355,7 +355,7 @@ fn machine_gemm_rate(
         return Ok(zerodp::model::gemm_flops_per_s(shape, threads, PROBE_SECS));
     };
     // Start together, so that the probes share the machine as the ranks did.
-    comm.barrier().wait_one()?;
+    comm.barrier().wait()?;
     let mine = zerodp::model::gemm_flops_per_s(shape, *threads, PROBE_SECS);
     // In GFLOP/s: an f32 sum of a few processes' rates keeps 7 digits.
     let total = comm

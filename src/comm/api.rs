@@ -278,6 +278,13 @@ pub enum CommError {
     },
     #[error("invalid collective call on rank {rank}: {what}")]
     InvalidArgument { rank: usize, what: String },
+    /// A handle waited on for a number of buffers its collective does not return.
+    #[error("{call} expects a collective that returns {want} buffer(s), this one returned {got} (wait on a barrier with `wait()`)")]
+    WrongBufferCount {
+        call: &'static str,
+        want: usize,
+        got: usize,
+    },
     #[error("communicator shut down: {0}")]
     Closed(String),
 }
@@ -335,17 +342,30 @@ impl CommHandle {
             None => done,
         }
     }
-    /// For single-buffer collectives (`all_reduce`, `broadcast`).
+    /// For single-buffer collectives (`all_reduce`, `broadcast`). A collective that returned a
+    /// different number of buffers (a `barrier` returns none) is an error, not a panic.
     pub fn wait_one(self) -> Result<Buffer, CommError> {
-        let mut v = self.wait()?;
-        Ok(v.swap_remove(0))
+        let v = self.wait()?;
+        match <[Buffer; 1]>::try_from(v) {
+            Ok([one]) => Ok(one),
+            Err(v) => Err(CommError::WrongBufferCount {
+                call: "wait_one",
+                want: 1,
+                got: v.len(),
+            }),
+        }
     }
     /// For two-buffer collectives (`reduce_scatter`, `all_gather`): `(input, output)`.
     pub fn wait_pair(self) -> Result<(Buffer, Buffer), CommError> {
-        let mut v = self.wait()?;
-        let output = v.pop().expect("two buffers");
-        let input = v.pop().expect("two buffers");
-        Ok((input, output))
+        let v = self.wait()?;
+        match <[Buffer; 2]>::try_from(v) {
+            Ok([input, output]) => Ok((input, output)),
+            Err(v) => Err(CommError::WrongBufferCount {
+                call: "wait_pair",
+                want: 2,
+                got: v.len(),
+            }),
+        }
     }
 }
 
