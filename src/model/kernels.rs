@@ -360,13 +360,10 @@ fn gemm_into<T: Real>(
     dst: &mut [T],
     accumulate: bool,
     lhs: &[T],
-    (lhs_rs, lhs_cs): (usize, usize),
+    lhs_strides: (usize, usize),
     rhs: &[T],
-    (rhs_rs, rhs_cs): (usize, usize),
+    rhs_strides: (usize, usize),
 ) {
-    assert!(dst.len() >= m * n, "gemm destination too small");
-    assert!(m == 0 || k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
-    assert!(k == 0 || n == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
     // The current pool's size (a rank's own pool when the engine runs ranks as threads), capped
     // by candle's thread count (physical cores, or RAYON_NUM_THREADS).
     let threads = rayon::current_num_threads().min(candle_core::utils::get_num_threads());
@@ -375,8 +372,43 @@ fn gemm_into<T: Real>(
     } else {
         gemm::Parallelism::None
     };
-    // SAFETY: the asserts above keep every index the strides can reach inside the slices; dst
-    // does not alias lhs or rhs (it is borrowed mutably).
+    let dst = (dst, n);
+    gemm_strided(
+        (m, n, k),
+        dst,
+        accumulate,
+        (lhs, lhs_strides),
+        (rhs, rhs_strides),
+        parallelism,
+    );
+}
+
+/// A matrix operand: the slice its first element starts and its (row, column) strides.
+type Strided<'a, T> = (&'a [T], (usize, usize));
+
+/// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]`, `dst` given with its row stride (column stride 1),
+/// with the given parallelism (`None` inside tasks that are already parallel).
+fn gemm_strided<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (&mut [T], usize),
+    accumulate: bool,
+    (lhs, (lhs_rs, lhs_cs)): Strided<'_, T>,
+    (rhs, (rhs_rs, rhs_cs)): Strided<'_, T>,
+    parallelism: gemm::Parallelism,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        dst.len() > (m - 1) * dst_rs + (n - 1),
+        "gemm destination too small"
+    );
+    assert!(n <= dst_rs, "gemm destination rows overlap");
+    assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
+    assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    // SAFETY: the asserts above keep every index the strides can reach inside the slices, and
+    // the destination's rows (n <= dst_rs) do not overlap; dst does not alias lhs or rhs (it is
+    // borrowed mutably).
     unsafe {
         gemm::gemm(
             m,
@@ -384,7 +416,7 @@ fn gemm_into<T: Real>(
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
             lhs.as_ptr(),
             lhs_cs as isize,
@@ -549,135 +581,104 @@ impl CausalAttention {
         Ok(cols3 / 3)
     }
 
-    /// Part `part` (0 = q, 1 = k, 2 = v) of rows `[b*t, stride]` at column offset `part * c` as a
-    /// `[b*heads, t, hd]` tensor.
-    fn split<T: Real>(&self, src: &[T], stride: usize, c: usize, part: usize) -> Result<Tensor> {
-        let (b, t, nh) = (self.batch, self.seq, self.heads);
-        let hd = c / nh;
-        let mut out = vec![lit::<T>(0.0); b * t * c];
-        for bi in 0..b {
-            for ti in 0..t {
-                let row = &src[(bi * t + ti) * stride + part * c..][..c];
-                for h in 0..nh {
-                    let dst = ((bi * nh + h) * t + ti) * hd;
-                    out[dst..dst + hd].copy_from_slice(&row[h * hd..(h + 1) * hd]);
-                }
-            }
-        }
-        tensor(out, (b * nh, t, hd))
-    }
-
-    /// Inverse of `split`: write a `[b*heads, t, hd]` tensor into columns `part*c..` of `dst`.
-    fn merge<T: Real>(
+    /// The causal softmax of `scale * q k^T` for one (sequence, head) into `p [t, t]` (zero above
+    /// the diagonal): `q` and `k` start at the head's first element in `qkv` and step `stride`
+    /// per row. The scores come from one GEMM over the full square; the mask only skips the
+    /// upper triangle's exponentials.
+    fn probs_into<T: Real>(
         &self,
-        src: &Tensor,
-        dst: &mut [T],
+        p: &mut [T],
+        q: &[T],
+        k: &[T],
         stride: usize,
-        c: usize,
-        part: usize,
-    ) -> Result<()> {
-        let (b, t, nh) = (self.batch, self.seq, self.heads);
-        let hd = c / nh;
-        with_slice::<T, _>(src, |s| {
-            for bi in 0..b {
-                for ti in 0..t {
-                    let row = &mut dst[(bi * t + ti) * stride + part * c..][..c];
-                    for h in 0..nh {
-                        let at = ((bi * nh + h) * t + ti) * hd;
-                        row[h * hd..(h + 1) * hd].copy_from_slice(&s[at..at + hd]);
-                    }
-                }
-            }
-            Ok(())
-        })
-    }
-
-    /// Causal softmax of `scale * q k^T` per row: `[b*heads, t, t]`, zero above the diagonal.
-    fn probs<T: Real>(&self, q: &Tensor, k: &Tensor, scale: f64) -> Result<Tensor> {
+        hd: usize,
+        scale: f64,
+    ) {
         let t = self.seq;
-        let scores = q.matmul(&k.t()?)?;
-        let p = with_slice::<T, _>(&scores, |s| {
-            let mut p = vec![lit::<T>(0.0); s.len()];
-            p.par_chunks_mut(t * t)
-                .zip(s.par_chunks(t * t))
-                .for_each(|(pm, sm)| {
-                    for i in 0..t {
-                        let (pr, sr) = (&mut pm[i * t..i * t + t], &sm[i * t..i * t + t]);
-                        let max = sr[..=i]
-                            .iter()
-                            .fold(sr[0], |m, &x| if x > m { x } else { m });
-                        let mut sum = lit::<T>(0.0);
-                        for j in 0..=i {
-                            let e = ((sr[j] - max) * lit::<T>(scale)).exp();
-                            pr[j] = e;
-                            sum += e;
-                        }
-                        let inv = lit::<T>(1.0) / sum;
-                        pr[..=i].iter_mut().for_each(|x| *x *= inv);
-                    }
-                });
-            Ok(p)
-        })?;
-        tensor(p, scores.shape())
+        let none = gemm::Parallelism::None;
+        gemm_strided(
+            (t, t, hd),
+            (&mut *p, t),
+            false,
+            (q, (stride, 1)),
+            (k, (1, stride)),
+            none,
+        );
+        for (i, row) in p.chunks_mut(t).enumerate() {
+            let (live, masked) = row.split_at_mut(i + 1);
+            let max = live.iter().fold(live[0], |m, &x| if x > m { x } else { m });
+            let mut sum = lit::<T>(0.0);
+            for x in live.iter_mut() {
+                *x = ((*x - max) * lit::<T>(scale)).exp();
+                sum += *x;
+            }
+            let inv = lit::<T>(1.0) / sum;
+            live.iter_mut().for_each(|x| *x *= inv);
+            masked.fill(lit::<T>(0.0));
+        }
     }
 
+    /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v` straight from and
+    /// into the row-major activations (no per-head copies).
     fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
         let c = self.width(cols3)?;
-        let scale = 1.0 / ((c / self.heads) as f64).sqrt();
-        let (q, k, v) = (
-            self.split(qkv, cols3, c, 0)?,
-            self.split(qkv, cols3, c, 1)?,
-            self.split(qkv, cols3, c, 2)?,
-        );
-        let y = self.probs::<T>(&q, &k, scale)?.matmul(&v)?;
-        let mut out = vec![lit::<T>(0.0); self.batch * self.seq * c];
-        self.merge(&y, &mut out, c, c, 0)?;
+        let (t, hd) = (self.seq, c / self.heads);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let none = gemm::Parallelism::None;
+        let mut out = vec![lit::<T>(0.0); self.batch * t * c];
+        out.par_chunks_mut(t * c).enumerate().for_each(|(bi, y)| {
+            let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+            let mut p = vec![lit::<T>(0.0); t * t];
+            for h in 0..self.heads {
+                let (q, k, v) = (&x[h * hd..], &x[c + h * hd..], &x[2 * c + h * hd..]);
+                self.probs_into(&mut p, q, k, cols3, hd, scale);
+                let dst = (&mut y[h * hd..], c);
+                gemm_strided((t, hd, t), dst, false, (&p, (t, 1)), (v, (cols3, 1)), none);
+            }
+        });
         Ok(out)
     }
 
+    /// `dqkv [b*t, 3c]` from `dy [b*t, c]`, the probabilities recomputed per (sequence, head):
+    /// `dv = p^T dy`, `dp = dy v^T`, `ds = scale p (dp - rowsum(p dp))`, `dq = ds k`,
+    /// `dk = ds^T q`.
     fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
         let c = self.width(cols3)?;
-        let t = self.seq;
-        let scale = 1.0 / ((c / self.heads) as f64).sqrt();
-        let (q, k, v) = (
-            self.split(qkv, cols3, c, 0)?,
-            self.split(qkv, cols3, c, 1)?,
-            self.split(qkv, cols3, c, 2)?,
-        );
-        let p = self.probs::<T>(&q, &k, scale)?;
-        let dy = self.split(dy, c, c, 0)?;
-        let dv = p.t()?.matmul(&dy)?;
-        let dp = dy.matmul(&v.t()?)?;
-        // dS = scale * P * (dP - rowsum(P * dP)); zero above the diagonal because P is.
-        let ds = with_slice::<T, _>(&p, |p| {
-            with_slice::<T, _>(&dp, |dp| {
-                let mut ds = vec![lit::<T>(0.0); p.len()];
-                ds.par_chunks_mut(t * t)
-                    .zip(p.par_chunks(t * t))
-                    .zip(dp.par_chunks(t * t))
-                    .for_each(|((dsm, pm), dpm)| {
-                        for i in 0..t {
-                            let r = i * t..i * t + i + 1;
-                            let (pr, dpr) = (&pm[r.clone()], &dpm[r.clone()]);
-                            let dot = pr
-                                .iter()
-                                .zip(dpr)
-                                .fold(lit::<T>(0.0), |a, (&p, &g)| a + p * g);
-                            for ((d, &p), &g) in dsm[r].iter_mut().zip(pr).zip(dpr) {
-                                *d = lit::<T>(scale) * p * (g - dot);
-                            }
-                        }
-                    });
-                Ok(ds)
-            })
-        })?;
-        let ds = tensor(ds, p.shape())?;
-        let dq = ds.matmul(&k)?;
-        let dk = ds.t()?.matmul(&q)?;
+        let (t, hd) = (self.seq, c / self.heads);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let none = gemm::Parallelism::None;
         let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
-        self.merge(&dq, &mut dqkv, cols3, c, 0)?;
-        self.merge(&dk, &mut dqkv, cols3, c, 1)?;
-        self.merge(&dv, &mut dqkv, cols3, c, 2)?;
+        dqkv.par_chunks_mut(t * cols3)
+            .enumerate()
+            .for_each(|(bi, dx)| {
+                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                let g = &dy[bi * t * c..(bi + 1) * t * c];
+                let (mut p, mut ds) = (vec![lit::<T>(0.0); t * t], vec![lit::<T>(0.0); t * t]);
+                for h in 0..self.heads {
+                    let (o, g) = (h * hd, &g[h * hd..]);
+                    let (q, k, v) = (&x[o..], &x[c + o..], &x[2 * c + o..]);
+                    self.probs_into(&mut p, q, k, cols3, hd, scale);
+                    let dv = (&mut dx[2 * c + o..], cols3);
+                    gemm_strided((t, hd, t), dv, false, (&p, (1, t)), (g, (c, 1)), none);
+                    let dp = (&mut ds[..], t);
+                    gemm_strided((t, t, hd), dp, false, (g, (c, 1)), (v, (1, cols3)), none);
+                    for (i, (dsr, pr)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
+                        let live = i + 1;
+                        let dot = pr[..live]
+                            .iter()
+                            .zip(&dsr[..live])
+                            .fold(lit::<T>(0.0), |a, (&p, &g)| a + p * g);
+                        for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
+                            *d = lit::<T>(scale) * p * (*d - dot);
+                        }
+                        dsr[live..].fill(lit::<T>(0.0));
+                    }
+                    let dq = (&mut dx[o..], cols3);
+                    gemm_strided((t, hd, t), dq, false, (&ds, (t, 1)), (k, (cols3, 1)), none);
+                    let dk = (&mut dx[c + o..], cols3);
+                    gemm_strided((t, hd, t), dk, false, (&ds, (1, t)), (q, (cols3, 1)), none);
+                }
+            });
         Ok(dqkv)
     }
 }
