@@ -52,6 +52,17 @@ JSON
 "$PY" "$PEERS/torch_gpt.py" --weights "$D/init.safetensors" --corpus "$D/corpus.txt" \
   --layers "$LAYERS" --width "$WIDTH" --heads "$HEADS" --context "$CONTEXT" --steps "$STEPS" --lr "$LR" \
   --threads 2 --metrics "$D/torch.jsonl"
+# The noise floor: PyTorch against itself with the windows in reverse order (the same sums in
+# another order).
+"$PY" "$PEERS/torch_gpt.py" --weights "$D/init.safetensors" --corpus "$D/corpus.txt" \
+  --layers "$LAYERS" --width "$WIDTH" --heads "$HEADS" --context "$CONTEXT" --steps "$STEPS" --lr "$LR" \
+  --threads 2 --order reversed --metrics "$D/torch_reversed.jsonl"
+"$PY" - "$D/torch_reversed.jsonl" "$D/torch.jsonl" <<'PYEOF'
+import json, sys
+a = [json.loads(l)["loss"] for l in open(sys.argv[1])]
+b = [json.loads(l)["loss"] for l in open(sys.argv[2])]
+print(f"noise floor (PyTorch, windows reversed, against PyTorch): {max(abs(x - y) for x, y in zip(a, b)):.2e}")
+PYEOF
 "$PY" - "$D/zerodp.jsonl" "$D/torch.jsonl" <<'PYEOF'
 import json, sys
 z = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]

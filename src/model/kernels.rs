@@ -99,6 +99,26 @@ fn lit<T: Real>(x: f64) -> T {
     T::from_f64(x)
 }
 
+/// Runs an element-wise loop compiled for AVX2 (8 lanes) when the CPU has it, else as built
+/// (SSE2 on x86-64). `f` is inlined into the AVX2 function, so that its loop is vectorised at
+/// that width; no FMA is enabled, so both builds give the same bits (Rust never contracts
+/// `a * b + c` on its own).
+#[inline(always)]
+fn wide<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { avx2(f) };
+        }
+    }
+    f()
+}
+
 /// The contiguous elements of a CPU storage under `layout`.
 fn slice_of<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
@@ -158,13 +178,95 @@ pub(crate) struct LayerNorm {
     pub eps: f64,
 }
 
+/// Elements summed per lane by [`lane_sum`].
+const LANES: usize = 8;
+
+/// `sum f(x)` over `row` in [`LANES`] interleaved partial sums combined in a fixed tree: the
+/// loop vectorises (a single running sum cannot, its order is fixed) and the result still
+/// depends only on the row, never on threads or the CPU.
+#[inline(always)]
+fn lane_sum<T: Real>(row: &[T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [lit::<T>(0.0); LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f(x);
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(lit::<T>(0.0), |a, &x| a + f(x));
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// The largest element of a non-empty `row`, over [`LANES`] interleaved maxima (exact: the
+/// order of a maximum does not matter).
+#[inline(always)]
+fn lane_max<T: Real>(row: &[T]) -> T {
+    let max = |a: T, b: T| if b > a { b } else { a };
+    let mut acc = [row[0]; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a = max(*a, x);
+        }
+    }
+    let m = acc.iter().fold(acc[0], |m, &x| max(m, x));
+    chunks.remainder().iter().fold(m, |m, &x| max(m, x))
+}
+
+/// `sum a_j b_j` in [`LANES`] interleaved partial sums, combined as in [`lane_sum`].
+#[inline(always)]
+fn lane_dot<T: Real>(a: &[T], b: &[T]) -> T {
+    let mut acc = [lit::<T>(0.0); LANES];
+    let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for ((s, &x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    let tail = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .fold(lit::<T>(0.0), |s, (&x, &y)| s + x * y);
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// LayerNorm backward's two row sums, `sum g` and `sum g xhat` with `g = dy w`, in [`LANES`]
+/// interleaved partial sums each, combined as in [`lane_sum`].
+#[inline(always)]
+fn lane_sums_g_gx<T: Real>(dy: &[T], w: &[T], xhat: &[T]) -> (T, T) {
+    let (mut sg, mut sgx) = ([lit::<T>(0.0); LANES], [lit::<T>(0.0); LANES]);
+    let mut rows = (
+        dy.chunks_exact(LANES),
+        w.chunks_exact(LANES),
+        xhat.chunks_exact(LANES),
+    );
+    for ((d8, w8), x8) in (&mut rows.0).zip(&mut rows.1).zip(&mut rows.2) {
+        let lanes = sg.iter_mut().zip(sgx.iter_mut());
+        for ((a, b), ((&d, &w), &x)) in lanes.zip(d8.iter().zip(w8).zip(x8)) {
+            let g = d * w;
+            *a += g;
+            *b += g * x;
+        }
+    }
+    let fold = |s: &[T; LANES]| ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+    let (mut g_sum, mut gx_sum) = (fold(&sg), fold(&sgx));
+    let tail = rows.0.remainder().iter().zip(rows.1.remainder());
+    for ((&d, &w), &x) in tail.zip(rows.2.remainder()) {
+        g_sum += d * w;
+        gx_sum += d * w * x;
+    }
+    (g_sum, gx_sum)
+}
+
+#[inline(always)]
 fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
     let n = lit::<T>(row.len() as f64);
-    let mean = row.iter().fold(lit::<T>(0.0), |a, &x| a + x) / n;
-    let var = row
-        .iter()
-        .fold(lit::<T>(0.0), |a, &x| a + (x - mean) * (x - mean))
-        / n;
+    let mean = lane_sum(row, |x| x) / n;
+    let var = lane_sum(row, |x| (x - mean) * (x - mean)) / n;
     (mean, lit::<T>(1.0) / (var + lit(eps)).sqrt())
 }
 
@@ -175,12 +277,14 @@ impl LayerNorm {
         y.par_chunks_mut(cols * ROWS_PER_TASK)
             .zip(x.par_chunks(cols * ROWS_PER_TASK))
             .for_each(|(ys, xs)| {
-                for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
-                    let (mean, rstd) = ln_stats(xr, self.eps);
-                    for j in 0..cols {
-                        yr[j] = (xr[j] - mean) * rstd * w[j] + b[j];
+                wide(|| {
+                    for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
+                        let (mean, rstd) = ln_stats(xr, self.eps);
+                        for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                            *y = (x - mean) * rstd * w + b;
+                        }
                     }
-                }
+                })
             });
         y
     }
@@ -196,27 +300,32 @@ impl LayerNorm {
             .map(|((dxs, xs), dys)| {
                 let mut dw = vec![lit::<T>(0.0); cols];
                 let mut db = vec![lit::<T>(0.0); cols];
-                for ((dxr, xr), dyr) in dxs
-                    .chunks_mut(cols)
-                    .zip(xs.chunks(cols))
-                    .zip(dys.chunks(cols))
-                {
-                    let (mean, rstd) = ln_stats(xr, self.eps);
-                    let (mut sum_g, mut sum_gx) = (lit::<T>(0.0), lit::<T>(0.0));
-                    for j in 0..cols {
-                        let xhat = (xr[j] - mean) * rstd;
-                        let g = dyr[j] * w[j];
-                        dw[j] += dyr[j] * xhat;
-                        db[j] += dyr[j];
-                        sum_g += g;
-                        sum_gx += g * xhat;
+                // Per row: xhat into dx (reused as scratch), the weight and bias gradients, then
+                // the two row means and dx itself; every loop element-wise or a lane sum.
+                wide(|| {
+                    for ((dxr, xr), dyr) in dxs
+                        .chunks_mut(cols)
+                        .zip(xs.chunks(cols))
+                        .zip(dys.chunks(cols))
+                    {
+                        let (mean, rstd) = ln_stats(xr, self.eps);
+                        for (xhat, &x) in dxr.iter_mut().zip(xr) {
+                            *xhat = (x - mean) * rstd;
+                        }
+                        for (((dw, db), &g), &xhat) in
+                            dw.iter_mut().zip(&mut db).zip(dyr).zip(&*dxr)
+                        {
+                            *dw += g * xhat;
+                            *db += g;
+                        }
+                        let (sum_g, sum_gx) = lane_sums_g_gx(dyr, w, dxr);
+                        let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+                        for ((dx, &g), &w) in dxr.iter_mut().zip(dyr).zip(w) {
+                            let xhat = *dx;
+                            *dx = rstd * (g * w - mean_g - xhat * mean_gx);
+                        }
                     }
-                    let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
-                    for j in 0..cols {
-                        let xhat = (xr[j] - mean) * rstd;
-                        dxr[j] = rstd * (dyr[j] * w[j] - mean_g - xhat * mean_gx);
-                    }
-                }
+                });
                 (dw, db)
             })
             .collect();
@@ -292,15 +401,18 @@ const GELU_C: f64 = 0.044_715;
 /// tanh through one `exp`: `1 - 2 / (1 + e^(2u))`, which saturates correctly at both ends
 /// (e^(2u) = inf gives 1, e^(2u) = 0 gives -1). About 2x faster than libm's `tanhf`; its absolute
 /// error (a few ulps of 1) is what matters inside GELU's `1 + tanh`.
+#[inline(always)]
 fn fast_tanh<T: Real>(u: T) -> T {
     lit::<T>(1.0) - lit::<T>(2.0) / (lit::<T>(1.0) + (u + u).exp())
 }
 
+#[inline(always)]
 fn gelu<T: Real>(x: T) -> T {
     let inner = lit::<T>(SQRT_2_OVER_PI) * (x + lit::<T>(GELU_C) * x * x * x);
     lit::<T>(0.5) * x * (lit::<T>(1.0) + fast_tanh(inner))
 }
 
+#[inline(always)]
 fn gelu_grad<T: Real>(x: T) -> T {
     let inner = lit::<T>(SQRT_2_OVER_PI) * (x + lit::<T>(GELU_C) * x * x * x);
     let t = fast_tanh(inner);
@@ -319,7 +431,9 @@ impl CustomOp1 for Gelu {
             let mut y = vec![lit::<T>(0.0); x.len()];
             y.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(x.par_chunks(ELEMS_PER_TASK))
-                .for_each(|(ys, xs)| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x)));
+                .for_each(|(ys, xs)| {
+                    wide(|| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x)))
+                });
             Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
         })
     }
@@ -333,9 +447,11 @@ impl CustomOp1 for Gelu {
                         .zip(x.par_chunks(ELEMS_PER_TASK))
                         .zip(dy.par_chunks(ELEMS_PER_TASK))
                         .for_each(|((d, xs), gs)| {
-                            for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
-                                *d = g * gelu_grad(x);
-                            }
+                            wide(|| {
+                                for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                                    *d = g * gelu_grad(x);
+                                }
+                            })
                         });
                     Ok(dx)
                 })
@@ -604,18 +720,18 @@ impl CausalAttention {
             (k, (1, stride)),
             none,
         );
-        for (i, row) in p.chunks_mut(t).enumerate() {
-            let (live, masked) = row.split_at_mut(i + 1);
-            let max = live.iter().fold(live[0], |m, &x| if x > m { x } else { m });
-            let mut sum = lit::<T>(0.0);
-            for x in live.iter_mut() {
-                *x = ((*x - max) * lit::<T>(scale)).exp();
-                sum += *x;
+        wide(|| {
+            for (i, row) in p.chunks_mut(t).enumerate() {
+                let (live, masked) = row.split_at_mut(i + 1);
+                let max = lane_max(live);
+                for x in live.iter_mut() {
+                    *x = ((*x - max) * lit::<T>(scale)).exp();
+                }
+                let inv = lit::<T>(1.0) / lane_sum(live, |x| x);
+                live.iter_mut().for_each(|x| *x *= inv);
+                masked.fill(lit::<T>(0.0));
             }
-            let inv = lit::<T>(1.0) / sum;
-            live.iter_mut().for_each(|x| *x *= inv);
-            masked.fill(lit::<T>(0.0));
-        }
+        })
     }
 
     /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v` straight from and
@@ -662,17 +778,16 @@ impl CausalAttention {
                     gemm_strided((t, hd, t), dv, false, (&p, (1, t)), (g, (c, 1)), none);
                     let dp = (&mut ds[..], t);
                     gemm_strided((t, t, hd), dp, false, (g, (c, 1)), (v, (1, cols3)), none);
-                    for (i, (dsr, pr)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
-                        let live = i + 1;
-                        let dot = pr[..live]
-                            .iter()
-                            .zip(&dsr[..live])
-                            .fold(lit::<T>(0.0), |a, (&p, &g)| a + p * g);
-                        for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
-                            *d = lit::<T>(scale) * p * (*d - dot);
+                    wide(|| {
+                        for (i, (dsr, pr)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
+                            let live = i + 1;
+                            let dot = lane_dot(&pr[..live], &dsr[..live]);
+                            for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
+                                *d = lit::<T>(scale) * p * (*d - dot);
+                            }
+                            dsr[live..].fill(lit::<T>(0.0));
                         }
-                        dsr[live..].fill(lit::<T>(0.0));
-                    }
+                    });
                     let dq = (&mut dx[o..], cols3);
                     gemm_strided((t, hd, t), dq, false, (&ds, (t, 1)), (k, (cols3, 1)), none);
                     let dk = (&mut dx[c + o..], cols3);
