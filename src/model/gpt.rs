@@ -431,8 +431,8 @@ impl Gpt {
         }
     }
 
-    // The ops below are `#[doc(hidden)] pub` for examples/gpt_op_profile.rs, which times each on
-    // its own; they are the exact code the units run.
+    // The ops below are `#[doc(hidden)] pub` for `zerodp bench ops` (src/cli/bench_ops.rs), which
+    // times each on its own; they are the exact code the units run.
 
     /// Token plus position embeddings of `b x t` token ids: `[b*t, c]`.
     #[doc(hidden)]
