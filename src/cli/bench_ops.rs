@@ -11,7 +11,7 @@
 use super::train::ModelArgs;
 use anyhow::Context as _;
 use candle_core::{Device, Tensor, Var};
-use zerodp::model::{Corpus, DataLoader, Gpt, GptConfig, GptModel, SplitMix64};
+use zerodp::model::{Gpt, GptConfig, GptModel, SplitMix64};
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::{EngineConfig, Stage};
 
@@ -270,11 +270,7 @@ fn measure_step(
     args: &BenchOpsArgs,
 ) -> anyhow::Result<(f64, zerodp::zero::PhaseTimes)> {
     let model = GptModel::new(gpt.clone())?;
-    let mut rng = SplitMix64::new(1);
-    let bytes: Vec<u8> = (0..(gpt.context + 1) * 4096)
-        .map(|_| (rng.next_u64() % 128) as u8)
-        .collect();
-    let data = DataLoader::new(Corpus::from_bytes("random bytes", bytes)?, gpt.context, 1)?;
+    let data = super::bench_train::random_windows(gpt.context)?;
     let mut cfg = EngineConfig::new(Stage::Zero0, 1);
     cfg.micro_batch = args.per_rank;
     let trainer = Trainer::new(&model, cfg)

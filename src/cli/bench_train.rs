@@ -171,11 +171,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
     let gpt = args.model.build("small")?;
     let model = GptModel::new(gpt.clone())?;
-    let mut rng = SplitMix64::new(1);
-    let bytes: Vec<u8> = (0..(gpt.context + 1) * 4096)
-        .map(|_| (rng.next_u64() % 128) as u8)
-        .collect();
-    let data = DataLoader::new(Corpus::from_bytes("random bytes", bytes)?, gpt.context, 1)?;
+    let data = random_windows(gpt.context)?;
     let mut samples: Vec<Samples> = Vec::new();
     for round in 0..args.rounds {
         for &world in &world_sizes {
@@ -271,6 +267,20 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         print_table(&rows, &gpt, args.per_rank)?;
     }
     Ok(0)
+}
+
+/// The benchmarks' data: 4096 windows of `context + 1` seeded random ASCII bytes (throughput
+/// does not depend on the text).
+pub(super) fn random_windows(context: usize) -> anyhow::Result<DataLoader> {
+    let mut rng = SplitMix64::new(1);
+    let bytes: Vec<u8> = (0..(context + 1) * 4096)
+        .map(|_| (rng.next_u64() % 128) as u8)
+        .collect();
+    Ok(DataLoader::new(
+        Corpus::from_bytes("random bytes", bytes)?,
+        context,
+        1,
+    )?)
 }
 
 /// Timed steps of one configuration, over one or more rounds.
