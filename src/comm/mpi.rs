@@ -359,6 +359,30 @@ impl Communicator for MpiComm {
     }
 }
 
+/// One `c_int` reduced with `op` over `comm` (start-up queries only).
+///
+/// # Safety
+/// MPI is initialised and `comm` is a live communicator this thread may use.
+unsafe fn all_reduce_int(
+    value: c_int,
+    op: ffi::MPI_Op,
+    comm: ffi::MPI_Comm,
+) -> Result<c_int, CommError> {
+    let mut out: c_int = 0;
+    check(
+        ffi::MPI_Allreduce(
+            &value as *const c_int as *const c_void,
+            &mut out as *mut c_int as *mut c_void,
+            1,
+            ffi::RSMPI_INT32_T,
+            op,
+            comm,
+        ),
+        "MPI_Allreduce",
+    )?;
+    Ok(out)
+}
+
 /// Checks an MPI return code.
 fn check(rc: c_int, what: &str) -> Result<(), CommError> {
     if rc == 0 {
@@ -486,31 +510,9 @@ impl Engine {
             check(ffi::MPI_Comm_rank(local, &mut local_rank), "MPI_Comm_rank")?;
             check(ffi::MPI_Comm_size(local, &mut local_size), "MPI_Comm_size")?;
             let leader: c_int = c_int::from(local_rank == 0);
-            let mut hosts: c_int = 0;
-            check(
-                ffi::MPI_Allreduce(
-                    &leader as *const c_int as *const c_void,
-                    &mut hosts as *mut c_int as *mut c_void,
-                    1,
-                    ffi::RSMPI_INT32_T,
-                    ffi::RSMPI_SUM,
-                    world,
-                ),
-                "MPI_Allreduce",
-            )?;
+            let hosts = all_reduce_int(leader, ffi::RSMPI_SUM, world)?;
             // A host's name: the lowest world rank on it.
-            let mut host: c_int = 0;
-            check(
-                ffi::MPI_Allreduce(
-                    &rank as *const c_int as *const c_void,
-                    &mut host as *mut c_int as *mut c_void,
-                    1,
-                    ffi::RSMPI_INT32_T,
-                    ffi::RSMPI_MIN,
-                    local,
-                ),
-                "MPI_Allreduce",
-            )?;
+            let host = all_reduce_int(rank, ffi::RSMPI_MIN, local)?;
             ffi::MPI_Comm_free(&mut local);
             // Every rank's process id (to tell a dead local peer from a slow one while waiting)
             // and host.

@@ -804,11 +804,11 @@ fn zerodp_block(r: &mut Reader<'_>, root: Obj<'_>) -> Result<ZerodpSettings, Con
         HINT,
         |r, p, n| dtype(r, p, n, &["fp32", "bf16"]).map(Some),
     )?;
-    if o.get("device_memory").is_some() {
+    if let Some(node) = o.get("device_memory") {
         let bytes = r.u64_or(o, "device_memory", 0)?;
         if bytes == 0 {
             return Err(ConfigError::OutOfRange {
-                at: r.key_at("zerodp.device_memory", o.get("device_memory").unwrap()),
+                at: r.key_at("zerodp.device_memory", node),
                 message: "device_memory must be a positive number of bytes (for example 2e9)"
                     .into(),
             });

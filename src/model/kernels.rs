@@ -181,6 +181,12 @@ pub(crate) struct LayerNorm {
 /// Elements summed per lane by [`lane_sum`].
 const LANES: usize = 8;
 
+/// The [`LANES`] partial sums combined in one fixed tree (the order every lane sum here uses).
+#[inline(always)]
+fn fold_lanes<T: Real>(s: &[T; LANES]) -> T {
+    ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))
+}
+
 /// `sum f(x)` over `row` in [`LANES`] interleaved partial sums combined in a fixed tree: the
 /// loop vectorises (a single running sum cannot, its order is fixed) and the result still
 /// depends only on the row, never on threads or the CPU.
@@ -197,7 +203,7 @@ fn lane_sum<T: Real>(row: &[T], f: impl Fn(T) -> T) -> T {
         .remainder()
         .iter()
         .fold(lit::<T>(0.0), |a, &x| a + f(x));
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    fold_lanes(&acc) + tail
 }
 
 /// The largest element of a non-empty `row`, over [`LANES`] interleaved maxima (exact: the
@@ -216,7 +222,7 @@ fn lane_max<T: Real>(row: &[T]) -> T {
     chunks.remainder().iter().fold(m, |m, &x| max(m, x))
 }
 
-/// `sum a_j b_j` in [`LANES`] interleaved partial sums, combined as in [`lane_sum`].
+/// `sum a_j b_j` in [`LANES`] interleaved partial sums, combined by [`fold_lanes`].
 #[inline(always)]
 fn lane_dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut acc = [lit::<T>(0.0); LANES];
@@ -231,11 +237,11 @@ fn lane_dot<T: Real>(a: &[T], b: &[T]) -> T {
         .iter()
         .zip(cb.remainder())
         .fold(lit::<T>(0.0), |s, (&x, &y)| s + x * y);
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    fold_lanes(&acc) + tail
 }
 
 /// LayerNorm backward's two row sums, `sum g` and `sum g xhat` with `g = dy w`, in [`LANES`]
-/// interleaved partial sums each, combined as in [`lane_sum`].
+/// interleaved partial sums each, combined by [`fold_lanes`].
 #[inline(always)]
 fn lane_sums_g_gx<T: Real>(dy: &[T], w: &[T], xhat: &[T]) -> (T, T) {
     let (mut sg, mut sgx) = ([lit::<T>(0.0); LANES], [lit::<T>(0.0); LANES]);
@@ -252,8 +258,7 @@ fn lane_sums_g_gx<T: Real>(dy: &[T], w: &[T], xhat: &[T]) -> (T, T) {
             *b += g * x;
         }
     }
-    let fold = |s: &[T; LANES]| ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
-    let (mut g_sum, mut gx_sum) = (fold(&sg), fold(&sgx));
+    let (mut g_sum, mut gx_sum) = (fold_lanes(&sg), fold_lanes(&sgx));
     let tail = rows.0.remainder().iter().zip(rows.1.remainder());
     for ((&d, &w), &x) in tail.zip(rows.2.remainder()) {
         g_sum += d * w;
@@ -833,7 +838,7 @@ pub(crate) struct CrossEntropy;
 impl CrossEntropy {
     /// Per row: (log-sum-exp, max) of the logits.
     fn lse<T: Real>(row: &[T]) -> T {
-        let max = row.iter().fold(row[0], |m, &x| if x > m { x } else { m });
+        let max = lane_max(row);
         let sum = row.iter().fold(lit::<T>(0.0), |a, &x| a + (x - max).exp());
         max + sum.ln()
     }
