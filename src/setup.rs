@@ -38,7 +38,7 @@ pub enum SetupError {
 
 /// `offload_optimizer` as the engine's tier: none at stage 0 (DeepSpeed ignores it there, and the
 /// config reader warns); NVMe streams `sub_group_size` elements at a time, at most
-/// [`crate::offload::MAX_STREAM_CHUNK`].
+/// [`crate::offload::MAX_STREAM_CHUNK`], through `offload_optimizer.buffer_count` buffers.
 fn optimizer_tier(s: &Settings, stage: Stage) -> OptimizerTier {
     let z = &s.zero_optimization;
     match (z.offload_optimizer.device, &z.offload_optimizer.nvme_path) {
@@ -48,6 +48,7 @@ fn optimizer_tier(s: &Settings, stage: Stage) -> OptimizerTier {
         (OffloadDevice::Nvme, Some(dir)) => OptimizerTier::Nvme {
             dir: dir.clone(),
             chunk: usize_of(z.sub_group_size).clamp(1, crate::offload::MAX_STREAM_CHUNK),
+            buffer_count: usize_of(z.offload_optimizer.buffer_count),
         },
     }
 }

@@ -57,10 +57,18 @@ fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
                 let nvme = OptimizerTier::Nvme {
                     dir: dir.path().to_path_buf(),
                     chunk: 100,
+                    buffer_count: 4,
+                };
+                // A ring of three buffer sets: chunks read two ahead.
+                let ring = OptimizerTier::Nvme {
+                    dir: dir.path().to_path_buf(),
+                    chunk: 100,
+                    buffer_count: 6,
                 };
                 for (tier, params) in [
                     (OptimizerTier::Host, false),
                     (nvme.clone(), false),
+                    (ring, false),
                     (OptimizerTier::Host, true),
                     (nvme, true),
                 ] {
@@ -107,6 +115,7 @@ fn offloaded_bytes_leave_the_device_tier() {
     nvme.offload_optimizer = OptimizerTier::Nvme {
         dir: dir.path().to_path_buf(),
         chunk: 1 << 20,
+        buffer_count: 4,
     };
     let m = train(&model, &nvme, 1, GLOBAL, SEQ).reports[0][0].memory;
     assert_eq!((m.master, m.optimizer_states), (0, 0));
@@ -119,6 +128,22 @@ fn offloaded_bytes_leave_the_device_tier() {
         "{m:?}"
     );
     assert!(m.offloaded_host >= plain.master + 2 * 4096, "{m:?}");
+
+    // offload_optimizer.buffer_count: 8 buffers hold twice the stream bytes of 4, and fewer than 4
+    // count as 4 (double buffering).
+    let stream_with = |buffer_count: usize| {
+        let mut cfg = nvme.clone();
+        cfg.offload_optimizer = OptimizerTier::Nvme {
+            dir: dir.path().to_path_buf(),
+            chunk: 1 << 20,
+            buffer_count,
+        };
+        let m = train(&model, &cfg, 1, GLOBAL, SEQ).reports[0][0].memory;
+        m.offloaded_host - plain.master
+    };
+    let four = stream_with(4);
+    assert_eq!(stream_with(8), 2 * four);
+    assert_eq!(stream_with(1), four);
 }
 
 #[test]
@@ -130,6 +155,7 @@ fn a_missing_nvme_path_fails_before_any_step_naming_it() {
     cfg.offload_optimizer = OptimizerTier::Nvme {
         dir: missing.clone(),
         chunk: 1000,
+        buffer_count: 4,
     };
     let source = |_: zerodp::trainer::BatchIndex| -> Result<Batch, String> {
         panic!("no batch may be asked for before the swap file exists")

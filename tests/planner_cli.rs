@@ -248,3 +248,100 @@ fn bad_input_says_what_and_how_to_fix() {
         "{err}"
     );
 }
+
+/// The offload rates come from flags: the host Adam rate prices the CPU step (Ψ/N elements per
+/// device, every device of the node on the host's Adam), `measure` times zerodp's own Adam here and
+/// says so, and a bad rate is refused naming the flag.
+#[test]
+fn offload_costs_follow_the_host_adam_rate() {
+    let offload_s = |rate: &str| -> f64 {
+        let (code, out, err) = zerodp(&[
+            "--params",
+            "1e9",
+            "--devices",
+            "8",
+            "--devices-per-node",
+            "8",
+            "--device-memory",
+            "80GB",
+            "--host-adam-rate",
+            rate,
+            "--format",
+            "json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
+        let opt = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["label"] == "stage 3 +opt cpu")
+            .expect("stage 3 +opt cpu listed")
+            .clone();
+        opt["offload"]["predicted_s"].as_f64().unwrap()
+    };
+    // 1e9 / 8 parameters per device, 8 devices on one host: 1e9 updates per step on the host.
+    let slow = offload_s("1e9");
+    let fast = offload_s("4e9");
+    assert!(((slow - fast) - 0.75).abs() < 1e-9, "{slow} {fast}");
+
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "1e9",
+        "--devices",
+        "8",
+        "--host-adam-rate",
+        "measure",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("zerodp's CPU Adam measured on this machine"),
+        "{out}"
+    );
+
+    let (code, _, err) = zerodp(&[
+        "--params",
+        "1e9",
+        "--devices",
+        "8",
+        "--host-adam-rate",
+        "fast",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--host-adam-rate"), "{err}");
+    let (code, _, err) = zerodp(&[
+        "--params",
+        "1e9",
+        "--devices",
+        "8",
+        "--nvme-bandwidth",
+        "quick",
+    ]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--nvme-bandwidth"), "{err}");
+}
+
+/// When only parameter offload to NVMe fits, the recommendation says that `zerodp train` refuses
+/// it (the planner's advice matches what train does).
+#[test]
+fn a_param_nvme_recommendation_says_train_refuses_it() {
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "4e11",
+        "--devices",
+        "8",
+        "--device-memory",
+        "80GB",
+        "--host-memory",
+        "2TB",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("recommendation: stage 3 +opt nvme +param nvme\n"),
+        "{out}"
+    );
+    assert!(
+        out.contains("zerodp train refuses offload_param nvme"),
+        "{out}"
+    );
+}

@@ -218,6 +218,29 @@ fn stream_gbps(threads: usize, runs: usize, triad: bool) -> f64 {
     (3 * STREAM_BYTES) as f64 / secs / 1e9
 }
 
+/// Parameters per second of zerodp's CPU Adam on this machine as an offloaded mixed-precision step
+/// runs it (bf16 gradients in, fp32 master and moments, the bf16 copy written in the same pass), on
+/// every core, over 16M parameters (448 MiB of traffic per step, far above the last-level cache):
+/// the host Adam rate `zerodp plan --host-adam-rate measure` prices the CPU step with.
+pub fn host_adam_rate() -> anyhow::Result<f64> {
+    const N: usize = 16 << 20;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let hp = AdamParams::default();
+    let mut p = vec![0.01f32; N];
+    let g = vec![bf16::from_f32(1e-3); N];
+    let (mut m, mut v) = (vec![0f32; N], vec![0f32; N]);
+    let mut copy = vec![bf16::ZERO; N];
+    let mut step = 0u64;
+    let secs = pool(threads)?.install(|| {
+        time_median(5, || {
+            step += 1;
+            adam_step_with_copy(&mut p, &g, &mut m, &mut v, step, &hp, 1.0, &mut copy);
+        })
+    });
+    std::hint::black_box((&p, &copy));
+    Ok(N as f64 / secs)
+}
+
 fn pool(threads: usize) -> anyhow::Result<rayon::ThreadPool> {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

@@ -66,6 +66,10 @@ pub struct BenchTrainArgs {
     /// Elements of Adam's moments streamed at a time under NVMe offload (`sub_group_size`).
     #[arg(long, default_value_t = 1_000_000)]
     pub sub_group_size: usize,
+    /// Stream buffers of that many elements under NVMe offload, half for m and half for v
+    /// (`offload_optimizer.buffer_count`; DeepSpeed's default 4 is double buffering).
+    #[arg(long, default_value_t = 4)]
+    pub buffer_count: usize,
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
@@ -404,6 +408,7 @@ fn measure(
             chunk: args
                 .sub_group_size
                 .clamp(1, zerodp::offload::MAX_STREAM_CHUNK),
+            buffer_count: args.buffer_count,
         },
     };
     let mut trainer = Trainer::new(model, cfg)

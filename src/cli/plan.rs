@@ -85,6 +85,18 @@ pub struct PlanFlags {
     /// 6e13 for fp32).
     #[arg(long)]
     pub flops: Option<f64>,
+    /// Adam updates per second the host sustains for the CPU step under optimizer offload, per
+    /// node (default 2e9, a two-socket server), or `measure`: time zerodp's own CPU Adam on this
+    /// machine, all cores, fp32 states with the 16-bit copy, as `train` runs it.
+    #[arg(long, value_name = "PARAMS/S|measure")]
+    pub host_adam_rate: Option<String>,
+    /// Device-to-host copy bandwidth per device under offload (default 24GB/s, PCIe Gen4 x16).
+    #[arg(long, value_name = "BANDWIDTH")]
+    pub host_link_bandwidth: Option<String>,
+    /// NVMe read/write bandwidth per node (default 12GB/s; `zerodp bench train --offload nvme`
+    /// measures a disk's).
+    #[arg(long, value_name = "BANDWIDTH")]
+    pub nvme_bandwidth: Option<String>,
 
     /// Sequences per device per micro-step (default: the config's, else 1).
     #[arg(long)]
@@ -140,6 +152,35 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// The offload rates: the defaults, each replaced by its flag; `--host-adam-rate measure` times
+/// zerodp's CPU Adam here.
+fn host_links(args: &PlanFlags) -> anyhow::Result<HostLinks> {
+    let mut h = HostLinks::default();
+    if let Some(b) = &args.host_link_bandwidth {
+        h.device_to_host = parse_bandwidth(b, "--host-link-bandwidth")?;
+    }
+    if let Some(b) = &args.nvme_bandwidth {
+        h.nvme = parse_bandwidth(b, "--nvme-bandwidth")?;
+    }
+    match args.host_adam_rate.as_deref().map(str::trim) {
+        None => {}
+        Some("measure") => {
+            h.host_adam_params_per_s = super::bench_adam::host_adam_rate()?;
+            h.host_adam_measured = true;
+        }
+        Some(text) => {
+            let rate = parse_count(text, "--host-adam-rate")? as f64;
+            if rate <= 0.0 {
+                anyhow::bail!(
+                    "--host-adam-rate {text}: give a positive rate in parameters per second, such as 2e9, or `measure`"
+                );
+            }
+            h.host_adam_params_per_s = rate;
+        }
+    }
+    Ok(h)
 }
 
 /// Flags and config into the planner's input.
@@ -220,7 +261,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
         host_memory: parse_bytes(&args.host_memory, "--host-memory")?,
         intra,
         inter,
-        host: HostLinks::default(),
+        host: host_links(args)?,
         device_flops: args.flops.unwrap_or(default_flops),
     };
     let seq_len = args

@@ -118,7 +118,7 @@ fn device_tier_refusal(engine: &EngineConfig, spec: &ModelSpec, capacity: u64) -
 
 /// `o` (the configured stage without offload) with the bytes the engine's offload takes out of
 /// what is compared with the capacity. NVMe offload moves Adam's m and v into the swap file and
-/// adds the two stream buffers. Host offload (the master, m and v; at stage 3 the parameter
+/// adds the stream buffers. Host offload (the master, m and v; at stage 3 the parameter
 /// shards) leaves the device tier, which matters against a `--device-memory` budget; without one,
 /// the capacity is this machine's memory, which the host tier shares, so those bytes still count.
 fn offload_tiers(
@@ -138,10 +138,14 @@ fn offload_tiers(
                 (b.master, b.adam_m, b.adam_v) = (0, 0, 0);
             }
         }
-        OptimizerTier::Nvme { chunk, .. } => {
+        OptimizerTier::Nvme {
+            chunk,
+            buffer_count,
+            ..
+        } => {
             label.push("+opt nvme");
-            let longest = b.adam_m / 4;
-            b.scratch_buffers += 8 * (*chunk as u64).min(longest).div_ceil(1024) * 1024;
+            let longest = usize::try_from(b.adam_m / 4).unwrap_or(usize::MAX);
+            b.scratch_buffers += zerodp::zero::stream_buffer_bytes(*chunk, *buffer_count, longest);
             (b.adam_m, b.adam_v) = (0, 0);
             if device_budget {
                 b.master = 0;

@@ -106,6 +106,9 @@ pub struct HostLinks {
     /// Adam updates per second a node's CPUs sustain (DeepSpeed's SIMD CPU Adam on a
     /// two-socket server ≈ 2e9 params/s).
     pub host_adam_params_per_s: f64,
+    /// Whether `host_adam_params_per_s` was measured on this machine (`plan --host-adam-rate
+    /// measure`) rather than assumed.
+    pub host_adam_measured: bool,
 }
 
 impl Default for HostLinks {
@@ -114,6 +117,7 @@ impl Default for HostLinks {
             device_to_host: 24e9,
             nvme: 12e9,
             host_adam_params_per_s: 2e9,
+            host_adam_measured: false,
         }
     }
 }

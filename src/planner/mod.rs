@@ -526,11 +526,17 @@ fn notes(input: &PlanInput) -> Vec<String> {
     ];
     let h = &input.cluster.host;
     notes.push(format!(
-        "offload: device-host copies at {:.0} GB/s per device, NVMe at {:.0} GB/s per node, host Adam at {:.1e} params/s per node",
+        "offload: device-host copies at {:.0} GB/s per device, NVMe at {:.1} GB/s per node, host Adam at {:.2e} params/s per node ({})",
         h.device_to_host / 1e9,
         h.nvme / 1e9,
-        h.host_adam_params_per_s
+        h.host_adam_params_per_s,
+        if h.host_adam_measured {
+            "zerodp's CPU Adam measured on this machine"
+        } else {
+            "assumed; --host-adam-rate measure times it here"
+        }
     ));
+    notes.push("offload as DeepSpeed does it (its estimators' bytes); zerodp train runs every option but offload_param nvme, which it refuses, and its optimizer offload to nvme keeps the fp32 master in host memory (4 bytes per element more there, 8 instead of 12 each way on NVMe)".into());
     notes.push("communication: the faster of a flat ring and a hierarchical (intra-node, then inter-node) algorithm per collective, alpha-beta model".into());
     if input.model.shape.is_none() {
         notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());

@@ -120,10 +120,13 @@ pub enum OptimizerTier {
     /// In host memory; the step runs on the CPU (`"device": "cpu"`).
     Host,
     /// Adam's moments in a swap file per rank under `dir`, streamed `chunk` elements at a time
-    /// through fixed buffers; the fp32 master stays in host memory (`"device": "nvme"`).
+    /// (`sub_group_size`) through `buffer_count` fixed buffers of `chunk` elements, half for `m`
+    /// and half for `v` (`offload_optimizer.buffer_count`; fewer than 4 counts as 4, double
+    /// buffering); the fp32 master stays in host memory (`"device": "nvme"`).
     Nvme {
         dir: std::path::PathBuf,
         chunk: usize,
+        buffer_count: usize,
     },
 }
 

@@ -34,6 +34,7 @@
 mod budget;
 pub use budget::{check as check_device_budget, device_peak, OverDeviceBudget};
 mod nvme;
+pub use nvme::stream_buffer_bytes;
 mod snapshot;
 
 pub use snapshot::{EngineCounters, UnitOptimizerState};
@@ -288,9 +289,14 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let (params, masters) = init_params(model, &cfg, &layout);
         let units = unit_states(&spec, &cfg, &layout, &plan, masters);
         let nvme = match &cfg.offload_optimizer {
-            OptimizerTier::Nvme { dir, chunk } => {
+            OptimizerTier::Nvme {
+                dir,
+                chunk,
+                buffer_count,
+            } => {
                 let lens: Vec<usize> = units.iter().map(|u| u.updated.len()).collect();
-                Some(nvme::NvmeMoments::new(dir, comm.rank(), &lens, *chunk)?)
+                let (rank, chunk, count) = (comm.rank(), *chunk, *buffer_count);
+                Some(nvme::NvmeMoments::new(dir, rank, &lens, chunk, count)?)
             }
             _ => None,
         };

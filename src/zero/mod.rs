@@ -27,8 +27,8 @@ pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, Stage};
 pub use engine::{
-    check_device_budget, device_peak, Engine, EngineCounters, EngineError, PhaseTimes, StepReport,
-    UnitOptimizerState,
+    check_device_budget, device_peak, stream_buffer_bytes, Engine, EngineCounters, EngineError,
+    PhaseTimes, StepReport, UnitOptimizerState,
 };
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,

@@ -1,8 +1,9 @@
 //! `offload_optimizer.device = "nvme"`: Adam's moments of every unit's updated part in the rank's
-//! swap file, streamed during the optimizer step through two fixed buffer sets (`m` and `v` of
-//! `chunk` elements each) so that the disk and the CPU work at once: while Adam updates chunk k in
-//! one set, an I/O thread writes chunk k-1 back from the other set and reads chunk k+1 into it
-//! (write behind, read ahead), across unit boundaries.
+//! swap file, streamed during the optimizer step through a ring of fixed buffer sets (`m` and `v`
+//! of `chunk` elements each; `buffer_count` buffers make `buffer_count / 2` sets, at least two) so
+//! that the disk and the CPU work at once: while Adam updates chunk k in one set, an I/O thread
+//! writes chunk k-1 back from the set before it and reads chunk k+S-1 into that same set (write
+//! behind, read ahead S-1 chunks for S sets), across unit boundaries.
 //!
 //! File layout: per unit, its `m` record then its `v` record, each padded to the direct-I/O
 //! alignment. Each chunk runs the same Adam kernel as an in-memory run, so the bits are equal.
@@ -15,8 +16,8 @@ use std::path::Path;
 
 pub(super) struct NvmeMoments {
     file: SwapFile,
-    /// Two sets of stream buffers, each `m` then `v`.
-    sets: [[AlignedBuf; 2]; 2],
+    /// The ring of stream buffer sets (at least two), each `m` then `v`.
+    sets: Vec<[AlignedBuf; 2]>,
     /// Elements per streamed chunk (a multiple of the alignment).
     chunk: usize,
     /// Per unit: the element offset of its `m` record and its length (unpadded).
@@ -27,16 +28,37 @@ fn padded(len: usize) -> usize {
     len.div_ceil(SWAP_ALIGN_ELEMS) * SWAP_ALIGN_ELEMS
 }
 
+/// Buffer sets (`m` and `v`) the stream keeps for `buffer_count` buffers: half of them, at least
+/// two (double buffering; DeepSpeed asks for at least 4 buffers for Adam, its default).
+fn set_count(buffer_count: usize) -> usize {
+    (buffer_count / 2).max(2)
+}
+
+/// Elements of each stream buffer for `chunk` requested and `longest` updated part: no longer
+/// than the longest part, padded to the direct-I/O alignment.
+fn buffer_elems(chunk: usize, longest: usize) -> usize {
+    padded(chunk.clamp(1, longest.max(1)))
+}
+
+/// Host bytes of the NVMe stream buffers: `buffer_count` buffers (rounded down to whole sets of `m`
+/// and `v`, at least four) of `chunk` f32 elements, capped at the `longest` updated part and
+/// padded. The engine allocates exactly this; the pre-flight check counts it before a run.
+pub fn stream_buffer_bytes(chunk: usize, buffer_count: usize, longest: usize) -> u64 {
+    (2 * set_count(buffer_count) * buffer_elems(chunk, longest) * 4) as u64
+}
+
 impl NvmeMoments {
-    /// A zeroed swap file under `dir` for moments of `lens[u]` elements per unit.
+    /// A zeroed swap file under `dir` for moments of `lens[u]` elements per unit, streamed
+    /// `chunk` elements at a time through `buffer_count` buffers.
     pub(super) fn new(
         dir: &Path,
         rank: usize,
         lens: &[usize],
         chunk: usize,
+        buffer_count: usize,
     ) -> Result<NvmeMoments, OffloadError> {
         let longest = lens.iter().copied().max().unwrap_or(0);
-        let chunk = padded(chunk.clamp(1, longest.max(1)));
+        let chunk = buffer_elems(chunk, longest);
         let mut records = Vec::with_capacity(lens.len());
         let mut at = 0;
         for &len in lens {
@@ -45,7 +67,9 @@ impl NvmeMoments {
         }
         Ok(NvmeMoments {
             file: SwapFile::create(dir, rank, at)?,
-            sets: std::array::from_fn(|_| std::array::from_fn(|_| AlignedBuf::zeroed(chunk))),
+            sets: (0..set_count(buffer_count))
+                .map(|_| std::array::from_fn(|_| AlignedBuf::zeroed(chunk)))
+                .collect(),
             chunk,
             records,
         })
@@ -98,19 +122,20 @@ impl NvmeMoments {
             let (at, len) = records[u];
             (at + off, at + padded(len) + off, padded(n))
         };
-        let Some(&first) = chunks.first() else {
-            return Ok(());
-        };
-        let [set_a, set_b] = &mut self.sets;
+        let n = chunks.len();
+        let ring = self.sets.len();
         let file = &mut self.file;
-        read_chunk(file, place(first), set_a)?;
-        for (k, &(u, off, n)) in chunks.iter().enumerate() {
-            let (cur, other) = match k % 2 {
-                0 => (&mut *set_a, &mut *set_b),
-                _ => (&mut *set_b, &mut *set_a),
-            };
+        // Chunk j lives in set j % ring. Before the first update, read the first ring-1 chunks.
+        for (j, &c) in chunks.iter().enumerate().take(ring - 1) {
+            read_chunk(file, place(c), &mut self.sets[j])?;
+        }
+        for (k, &(u, off, n_elems)) in chunks.iter().enumerate() {
+            // The I/O set is the one before the current set: it holds chunk k-1 to write back,
+            // then receives chunk k+ring-1.
+            let io_set = (k + ring - 1) % ring;
+            let (cur, other) = two_mut(&mut self.sets, k % ring, io_set);
             let behind = k.checked_sub(1).map(|j| place(chunks[j]));
-            let ahead = chunks.get(k + 1).map(|&c| place(c));
+            let ahead = chunks.get(k + ring - 1).map(|&c| place(c));
             let io = &mut *file;
             std::thread::scope(|s| {
                 let worker = s.spawn(move || -> Result<(), OffloadError> {
@@ -123,18 +148,16 @@ impl NvmeMoments {
                     Ok(())
                 });
                 let [m, v] = cur;
-                f(u, off..off + n, &mut m[..n], &mut v[..n]);
+                f(u, off..off + n_elems, &mut m[..n_elems], &mut v[..n_elems]);
                 worker
                     .join()
                     .unwrap_or_else(|e| std::panic::resume_unwind(e))
             })?;
         }
-        let last = chunks.len() - 1;
-        let set = match last % 2 {
-            0 => set_a,
-            _ => set_b,
-        };
-        write_chunk(file, place(chunks[last]), set)
+        match n.checked_sub(1) {
+            Some(last) => write_chunk(file, place(chunks[last]), &self.sets[last % ring]),
+            None => Ok(()),
+        }
     }
 
     /// Unit `unit`'s moments over `range` of its updated part (for a checkpoint).
@@ -193,4 +216,16 @@ fn write_chunk(
 ) -> Result<(), OffloadError> {
     file.write(m_at, &set[0][..io])?;
     file.write(v_at, &set[1][..io])
+}
+
+/// Two distinct elements of `v` mutably (`a != b`).
+fn two_mut<T>(v: &mut [T], a: usize, b: usize) -> (&mut T, &mut T) {
+    debug_assert_ne!(a, b);
+    if a < b {
+        let (lo, hi) = v.split_at_mut(b);
+        (&mut lo[a], &mut hi[0])
+    } else {
+        let (lo, hi) = v.split_at_mut(a);
+        (&mut hi[0], &mut lo[b])
+    }
 }
