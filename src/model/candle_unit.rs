@@ -333,6 +333,30 @@ impl<T: CandleUnits> Candle<T> {
         Ok((loss_value, grads))
     }
 
+    /// The checks every forward makes before computing: the unit exists, one parameter slice per
+    /// group of the right length, a float dtype, a valid batch, an input for every unit but the
+    /// first. Returns the unit's spec.
+    pub(super) fn check_call(
+        &self,
+        unit: usize,
+        params: &[&[f32]],
+        input: Option<&Tensor>,
+        batch: &T::Batch,
+    ) -> Result<&UnitSpec, ModelError> {
+        let spec = self.unit_spec(unit)?;
+        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
+        self.check_groups(spec, &lengths)?;
+        self.check_dtype()?;
+        self.units.check_batch(batch)?;
+        if unit > 0 && input.is_none() {
+            return Err(ModelError::Invalid(format!(
+                "unit {} needs the previous unit's output as input",
+                spec.name
+            )));
+        }
+        Ok(spec)
+    }
+
     fn unit_spec(&self, unit: usize) -> Result<&UnitSpec, ModelError> {
         let units = &self.units.spec().units;
         units.get(unit).ok_or_else(|| {
@@ -418,7 +442,7 @@ impl<T> std::fmt::Debug for Candle<T> {
     }
 }
 
-fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
+pub(super) fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
     move |e| ModelError::Compute {
         unit: unit.to_string(),
         message: e.to_string(),
@@ -514,17 +538,7 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         batch: &T::Batch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Tensor, CandleSaved>, ModelError> {
-        let spec = self.unit_spec(unit)?;
-        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
-        self.check_groups(spec, &lengths)?;
-        self.check_dtype()?;
-        self.units.check_batch(batch)?;
-        if unit > 0 && input.is_none() {
-            return Err(ModelError::Invalid(format!(
-                "unit {} needs the previous unit's output as input",
-                spec.name
-            )));
-        }
+        let spec = self.check_call(unit, params, input, batch)?;
         let err = compute_err(&spec.name);
         let train = mode == ForwardMode::Train;
         let units = &self.units.spec().units;

@@ -72,8 +72,9 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::candle_unit::{Candle, CandleSaved, CandleUnits};
+use super::candle_unit::{compute_err, Candle, CandleSaved, CandleUnits};
 use super::data::TokenBatch;
+use super::gpt_block::{self, BlockSaved, BlockShape};
 use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::{
@@ -237,8 +238,14 @@ enum UnitKind {
     Head,
 }
 
-/// What a `Train` forward of the GPT keeps for backward (the candle helper's saved state).
-pub type GptSaved = CandleSaved;
+/// What a `Train` forward of the GPT keeps for backward: the candle helper's saved state (the
+/// embeddings and the head), or a block's activations ([`super::gpt_block`]).
+pub struct GptSaved(SavedBy);
+
+enum SavedBy {
+    Candle(CandleSaved),
+    Block { unit: usize, saved: BlockSaved },
+}
 
 /// The GPT's units as candle compute: a [`CandleUnits`], which [`GptModel`] wraps in the helper
 /// [`Candle`] to make the [`UnitModel`] the engine trains.
@@ -661,9 +668,13 @@ impl CandleUnits for Gpt {
 }
 
 /// The GPT as a [`UnitModel`]: [`Gpt`] on the candle helper ([`Candle`]), which turns the flat
-/// parameter slices into tensors, runs backward and writes the gradients back.
+/// parameter slices into tensors, runs backward and writes the gradients back; in f32 on the fused
+/// kernels (the default) the transformer blocks skip candle's graph and run the same kernels on
+/// slices ([`super::gpt_block`]), with the same bits.
 pub struct GptModel {
     inner: Candle<Gpt>,
+    /// Blocks on [`super::gpt_block`] rather than through candle's graph.
+    direct_blocks: bool,
 }
 
 impl GptModel {
@@ -685,7 +696,33 @@ impl GptModel {
     pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
         Ok(Self {
             inner: Candle::new(Gpt::with_options(config, dtype, fused)?),
+            direct_blocks: fused && dtype == DType::F32,
         })
+    }
+
+    /// As [`Self::new`], with the blocks through candle's graph (`direct_blocks` false) or on
+    /// slices (true, the default): the reference the direct blocks are tested against.
+    #[doc(hidden)]
+    pub fn with_direct_blocks(config: GptConfig, direct_blocks: bool) -> Result<Self, ModelError> {
+        let mut model = Self::new(config)?;
+        model.direct_blocks = direct_blocks;
+        Ok(model)
+    }
+
+    /// Whether unit `unit` runs on [`super::gpt_block`].
+    fn runs_direct(&self, unit: usize) -> bool {
+        self.direct_blocks && matches!(self.gpt().kind(unit), Ok(UnitKind::Block))
+    }
+
+    fn block_shape(&self, batch: &TokenBatch) -> BlockShape {
+        let c = self.config();
+        BlockShape {
+            width: c.width,
+            heads: c.heads,
+            batch: batch.batch_size,
+            seq: batch.seq_len,
+            eps: LN_EPS,
+        }
     }
 
     pub fn config(&self) -> &GptConfig {
@@ -741,7 +778,25 @@ impl UnitModel for GptModel {
         batch: &TokenBatch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Tensor, GptSaved>, ModelError> {
-        self.inner.forward(unit, params, input, batch, mode)
+        if !self.runs_direct(unit) {
+            let f = self.inner.forward(unit, params, input, batch, mode)?;
+            return Ok(UnitForward {
+                output: f.output,
+                loss: f.loss,
+                saved: f.saved.map(|s| GptSaved(SavedBy::Candle(s))),
+            });
+        }
+        let spec = self.inner.check_call(unit, params, input, batch)?;
+        let input =
+            input.ok_or_else(|| ModelError::Invalid(format!("unit {} has no input", spec.name)))?;
+        let keep = mode == ForwardMode::Train;
+        let (output, saved) = gpt_block::forward(self.block_shape(batch), params[0], input, keep)
+            .map_err(compute_err(&spec.name))?;
+        Ok(UnitForward {
+            output: Some(output),
+            loss: None,
+            saved: saved.map(|saved| GptSaved(SavedBy::Block { unit, saved })),
+        })
     }
 
     fn backward(
@@ -752,7 +807,33 @@ impl UnitModel for GptModel {
         loss_weight: f32,
         grads: &mut [&mut [f32]],
     ) -> Result<Option<Tensor>, ModelError> {
-        self.inner
-            .backward(unit, saved, grad_output, loss_weight, grads)
+        let (saved_unit, saved) = match saved.0 {
+            SavedBy::Candle(s) => {
+                return self
+                    .inner
+                    .backward(unit, s, grad_output, loss_weight, grads)
+            }
+            SavedBy::Block { unit, saved } => (unit, saved),
+        };
+        let name = &self.spec().units[saved_unit].name;
+        if saved_unit != unit {
+            return Err(ModelError::Invalid(format!(
+                "backward of unit {} was given the saved state of unit {name}",
+                self.spec().units.get(unit).map_or("?", |u| u.name.as_str())
+            )));
+        }
+        let grad_output = grad_output.ok_or_else(|| {
+            ModelError::Invalid(format!(
+                "backward of unit {name} needs the gradient of its output"
+            ))
+        })?;
+        let Some(own) = grads.first_mut() else {
+            return Err(ModelError::Invalid(format!(
+                "backward of unit {name} was given no gradient slice"
+            )));
+        };
+        gpt_block::backward(saved, grad_output, own)
+            .map(Some)
+            .map_err(compute_err(name))
     }
 }

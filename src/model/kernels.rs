@@ -128,7 +128,7 @@ fn slice_of<'a, T: Real>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [T]> {
 }
 
 /// Run `f` on the contiguous elements of `t` (no copy when `t` is already contiguous).
-fn with_slice<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
+pub(super) fn with_slice<T: Real, R>(t: &Tensor, f: impl FnOnce(&[T]) -> Result<R>) -> Result<R> {
     let t = t.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
@@ -276,7 +276,7 @@ fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
 }
 
 impl LayerNorm {
-    fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+    pub(super) fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let cols = w.len();
         let mut y = vec![lit::<T>(0.0); x.len()];
         y.par_chunks_mut(cols * ROWS_PER_TASK)
@@ -294,7 +294,7 @@ impl LayerNorm {
         y
     }
 
-    fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
+    pub(super) fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
         let cols = w.len();
         let n = lit::<T>(cols as f64);
         let mut dx = vec![lit::<T>(0.0); x.len()];
@@ -425,6 +425,31 @@ fn gelu_grad<T: Real>(x: T) -> T {
     lit::<T>(0.5) * (lit::<T>(1.0) + t) + lit::<T>(0.5) * x * (lit::<T>(1.0) - t * t) * d_inner
 }
 
+impl Gelu {
+    pub(super) fn fwd<T: Real>(x: &[T]) -> Vec<T> {
+        let mut y = vec![lit::<T>(0.0); x.len()];
+        y.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(x.par_chunks(ELEMS_PER_TASK))
+            .for_each(|(ys, xs)| wide(|| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x))));
+        y
+    }
+
+    pub(super) fn bwd<T: Real>(x: &[T], dy: &[T]) -> Vec<T> {
+        let mut dx = vec![lit::<T>(0.0); x.len()];
+        dx.par_chunks_mut(ELEMS_PER_TASK)
+            .zip(x.par_chunks(ELEMS_PER_TASK))
+            .zip(dy.par_chunks(ELEMS_PER_TASK))
+            .for_each(|((d, xs), gs)| {
+                wide(|| {
+                    for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                        *d = g * gelu_grad(x);
+                    }
+                })
+            });
+        dx
+    }
+}
+
 impl CustomOp1 for Gelu {
     fn name(&self) -> &'static str {
         "zerodp-gelu-tanh"
@@ -432,35 +457,14 @@ impl CustomOp1 for Gelu {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         by_dtype!(storage_dtype(s), self.name(), |T| {
-            let x = slice_of::<T>(s, l)?;
-            let mut y = vec![lit::<T>(0.0); x.len()];
-            y.par_chunks_mut(ELEMS_PER_TASK)
-                .zip(x.par_chunks(ELEMS_PER_TASK))
-                .for_each(|(ys, xs)| {
-                    wide(|| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x)))
-                });
+            let y = Self::fwd(slice_of::<T>(s, l)?);
             Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
         })
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         by_dtype!(x.dtype(), self.name(), |T| {
-            let dx = with_slice::<T, _>(x, |x| {
-                with_slice::<T, _>(dy, |dy| {
-                    let mut dx = vec![lit::<T>(0.0); x.len()];
-                    dx.par_chunks_mut(ELEMS_PER_TASK)
-                        .zip(x.par_chunks(ELEMS_PER_TASK))
-                        .zip(dy.par_chunks(ELEMS_PER_TASK))
-                        .for_each(|((d, xs), gs)| {
-                            wide(|| {
-                                for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
-                                    *d = g * gelu_grad(x);
-                                }
-                            })
-                        });
-                    Ok(dx)
-                })
-            })?;
+            let dx = with_slice::<T, _>(x, |x| with_slice::<T, _>(dy, |dy| Ok(Self::bwd(x, dy))))?;
             Ok(Some(tensor(dx, x.shape())?))
         })
     }
@@ -587,7 +591,7 @@ pub fn gemm_flops_per_s((m, k, n): (usize, usize, usize), threads: usize, min_se
 }
 
 impl Linear {
-    fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
+    pub(super) fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
         let (out, inp) = (b.len(), w.len() / b.len().max(1));
         if out == 0 || w.len() != out * inp || x.len() % inp != 0 {
             bail!(
@@ -608,7 +612,7 @@ impl Linear {
         Ok(y)
     }
 
-    fn bwd<T: Real>(x: &[T], w: &[T], dy: &[T], out: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
+    pub(super) fn bwd<T: Real>(x: &[T], w: &[T], dy: &[T], out: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
         let inp = w.len() / out;
         let n = x.len() / inp;
         // dx [n, in] = dy [n, out] @ w [out, in]
@@ -741,7 +745,7 @@ impl CausalAttention {
 
     /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v` straight from and
     /// into the row-major activations (no per-head copies).
-    fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
+    pub(super) fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
         let c = self.width(cols3)?;
         let (t, hd) = (self.seq, c / self.heads);
         let scale = 1.0 / (hd as f64).sqrt();
@@ -763,7 +767,7 @@ impl CausalAttention {
     /// `dqkv [b*t, 3c]` from `dy [b*t, c]`, the probabilities recomputed per (sequence, head):
     /// `dv = p^T dy`, `dp = dy v^T`, `ds = scale p (dp - rowsum(p dp))`, `dq = ds k`,
     /// `dk = ds^T q`.
-    fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
+    pub(super) fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
         let c = self.width(cols3)?;
         let (t, hd) = (self.seq, c / self.heads);
         let scale = 1.0 / (hd as f64).sqrt();

@@ -5,6 +5,7 @@
 pub mod candle_unit;
 pub mod data;
 pub mod gpt;
+mod gpt_block;
 mod kernels;
 mod rng;
 pub mod weights;

@@ -17,10 +17,11 @@
 //! whatever the training precision (16-bit parameters are widened first), so every count below is
 //! 4 bytes an element.
 //!
-//! * A training forward builds a candle graph that keeps every intermediate tensor, not only what
-//!   backward needs: a block keeps 19nc (its input copied into a leaf, ln_1, qkv 3nc, attention,
-//!   c_proj, the residual, ln_2, c_fc 4nc, GELU 4nc, c_proj, the output); the embeddings keep 2nc and
-//!   the tokens; the head keeps 2nc, the logits nV and the targets.
+//! * A training forward of the embeddings or the head builds a candle graph that keeps every
+//!   intermediate tensor: the embeddings 2nc and the tokens; the head 2nc, the logits nV and the
+//!   targets. A block runs without a graph ([`crate::model::GptModel`]'s direct blocks) and keeps
+//!   17nc: its input, ln_1, qkv 3nc, attention, the residual, ln_2, c_fc 4nc, GELU 4nc, and its
+//!   output.
 //! * Each forward copies the weights it reads into candle variables ([`crate::model::GptModel`]'s
 //!   `param_tensor`), and a kept graph holds them until its backward: 12c²+13c per block, (V+T)c for
 //!   the embeddings, 2c + Vc for the head (the tied token embedding, a second copy). At stage 3 the
@@ -28,8 +29,8 @@
 //!   not counted twice.
 //! * Backward allocates, above the graph: candle's gradient store (each gradient is a zeros tensor
 //!   plus the sum, alive together for a moment), the parameter gradients, and the kernels' scratch.
-//!   At its fullest a block needs the largest of 14nc+3P+9c² (attention backward), 9nc+16c² (c_fc
-//!   weight gradient), 8nc+18c² (c_attn weight gradient) and 19nc+4c² (GELU backward), plus 4nc for
+//!   A block's backward holds a few gradients at a time: at its fullest the largest of 9nc+4c²
+//!   (GELU backward beside the output gradient) and 6nc+3P+3c² (attention backward), plus 4nc for
 //!   gemm's packing buffers; the head the largest of 4nV+Vc, nV+2nc+6Vc and nV+6nc+2Vc, plus
 //!   max(nc, Vc); the embeddings 7nc + 2·max(nc, Vc) + Tc.
 //! * A forward without a graph (activation checkpointing, or a stage-3 unit recomputed in backward)
@@ -165,17 +166,12 @@ fn units(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
         no_grad: 2 * nc + n,
     };
     let block = UnitMemory {
-        graph: 19 * nc,
+        graph: 17 * nc,
         copies: shape.block_params(),
-        backward: [
-            14 * nc + 3 * probs + 9 * c * c,
-            9 * nc + 16 * c * c,
-            8 * nc + 18 * c * c,
-            19 * nc + 4 * c * c,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
+        backward: [9 * nc + 4 * c * c, 6 * nc + 3 * probs + 3 * c * c]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
             + 4 * nc,
         no_grad: (12 * nc).max(8 * nc + 2 * probs),
     };

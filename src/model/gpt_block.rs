@@ -1,0 +1,201 @@
+//! The GPT's transformer block straight on the fused kernels' slice functions, without a candle
+//! graph: the forward keeps what its backward reads in plain vectors, the backward walks the block
+//! in reverse and adds the parameter gradients into the unit's flat gradient slice.
+//!
+//! WHY: the candle path ([`super::Gpt`]'s `compute` on [`super::Candle`]) runs the same kernels,
+//! but candle's backward pays for its generality on every node: each gradient starts as a zeros
+//! tensor and is summed into (`GradStore::or_insert`, a memset and an add over the tensor), each
+//! parameter is copied into a variable and its gradient out of one, and the graph keeps every
+//! intermediate (the two projections' outputs and the block's output too). Profiled on the
+//! benchmark GPT that bookkeeping was about a tenth of a step.
+//!
+//! The arithmetic is the candle path's, op for op: the same kernel functions, the residual sums as
+//! `input + branch`, and each tensor with two consumers (the block input, the first residual)
+//! receives the sum of its two gradients, which is the same in either order. So the two paths give
+//! the same bits; `tests/model_gpt.rs` checks it against the candle path.
+
+use super::kernels::{CausalAttention, Gelu, LayerNorm, Linear};
+use candle_core::{Device, Result, Tensor};
+use std::ops::Range;
+
+/// A block's shapes: width, heads, and the micro-batch's sequences and their length.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BlockShape {
+    pub width: usize,
+    pub heads: usize,
+    pub batch: usize,
+    pub seq: usize,
+    pub eps: f64,
+}
+
+/// What a block's training forward keeps for its backward.
+pub struct BlockSaved {
+    /// A copy of the unit's flat parameters (the engine may release its gathered buffer).
+    params: Vec<f32>,
+    shape: BlockShape,
+    /// The block's input, as the previous unit returned it.
+    input: Tensor,
+    ln1: Vec<f32>,
+    qkv: Vec<f32>,
+    att: Vec<f32>,
+    x1: Vec<f32>,
+    ln2: Vec<f32>,
+    fc: Vec<f32>,
+    h: Vec<f32>,
+}
+
+impl BlockShape {
+    fn rows(&self) -> usize {
+        self.batch * self.seq
+    }
+
+    /// Element ranges of the block's twelve tensors in its flat buffer, in `ParamSpec` order:
+    /// ln_1 w, b; c_attn w, b; attn c_proj w, b; ln_2 w, b; c_fc w, b; mlp c_proj w, b.
+    fn ranges(&self) -> [Range<usize>; 12] {
+        let c = self.width;
+        let sizes = [
+            c,
+            c,
+            3 * c * c,
+            3 * c,
+            c * c,
+            c,
+            c,
+            c,
+            4 * c * c,
+            4 * c,
+            4 * c * c,
+            c,
+        ];
+        let mut at = 0;
+        sizes.map(|n| {
+            at += n;
+            at - n..at
+        })
+    }
+
+    fn attention(&self) -> CausalAttention {
+        CausalAttention {
+            batch: self.batch,
+            seq: self.seq,
+            heads: self.heads,
+        }
+    }
+}
+
+fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
+    a.iter().zip(b).map(|(&a, &b)| a + b).collect()
+}
+
+/// The block's forward on `input` (`[rows, width]`) with its flat parameters `p`: the output, and
+/// with `keep` what backward needs.
+pub(super) fn forward(
+    shape: BlockShape,
+    p: &[f32],
+    input: &Tensor,
+    keep: bool,
+) -> Result<(Tensor, Option<BlockSaved>)> {
+    let (c, rows) = (shape.width, shape.rows());
+    if input.dims() != [rows, c] {
+        candle_core::bail!(
+            "block input has shape {:?}, expected [{rows}, {c}]",
+            input.dims()
+        );
+    }
+    let r = shape.ranges();
+    let ln = LayerNorm { eps: shape.eps };
+    // Without `keep`, each activation is freed after its last use (a forward without a graph holds
+    // little beside its output, as activation checkpointing and stage-3 recomputation expect).
+    let kept = |v: Vec<f32>| if keep { v } else { Vec::new() };
+    let x = input.flatten_all()?.to_vec1::<f32>()?;
+    let ln1 = ln.fwd(&x, &p[r[0].clone()], &p[r[1].clone()]);
+    let qkv = Linear::fwd(&ln1, &p[r[2].clone()], &p[r[3].clone()])?;
+    let ln1 = kept(ln1);
+    let att = shape.attention().forward(&qkv, 3 * c)?;
+    let qkv = kept(qkv);
+    let proj = Linear::fwd(&att, &p[r[4].clone()], &p[r[5].clone()])?;
+    let att = kept(att);
+    let x1 = sum(&x, &proj);
+    drop((x, proj));
+    let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()]);
+    let fc = Linear::fwd(&ln2, &p[r[8].clone()], &p[r[9].clone()])?;
+    let ln2 = kept(ln2);
+    let h = Gelu::fwd(&fc);
+    let fc = kept(fc);
+    let fc2 = Linear::fwd(&h, &p[r[10].clone()], &p[r[11].clone()])?;
+    let h = kept(h);
+    let out = Tensor::from_vec(sum(&x1, &fc2), (rows, c), &Device::Cpu)?;
+    let saved = keep.then(|| BlockSaved {
+        params: p.to_vec(),
+        shape,
+        input: input.clone(),
+        ln1,
+        qkv,
+        att,
+        x1,
+        ln2,
+        fc,
+        h,
+    });
+    Ok((out, saved))
+}
+
+/// The block's backward from `saved` and the gradient of its output: adds the parameter gradients
+/// into `grads` (the unit's flat gradient slice) and returns the gradient of its input.
+pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -> Result<Tensor> {
+    let (c, rows) = (s.shape.width, s.shape.rows());
+    if grad_output.dims() != [rows, c] {
+        candle_core::bail!(
+            "output gradient has shape {:?}, the output [{rows}, {c}]",
+            grad_output.dims()
+        );
+    }
+    let r = s.shape.ranges();
+    if grads.len() != r[11].end || s.params.len() != r[11].end {
+        candle_core::bail!(
+            "block gradient slice of {} elements, parameters of {}, expected {}",
+            grads.len(),
+            s.params.len(),
+            r[11].end
+        );
+    }
+    let p = &s.params;
+    let ln = LayerNorm { eps: s.shape.eps };
+    let mut add = |k: usize, g: Vec<f32>| {
+        grads[r[k].clone()]
+            .iter_mut()
+            .zip(g)
+            .for_each(|(a, g)| *a += g);
+    };
+    let dout = grad_output.flatten_all()?.to_vec1::<f32>()?;
+    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout.
+    let (dh, dw, db) = Linear::bwd(&s.h, &p[r[10].clone()], &dout, c);
+    add(10, dw);
+    add(11, db);
+    let dfc = Gelu::bwd(&s.fc, &dh);
+    drop(dh);
+    let (dln2, dw, db) = Linear::bwd(&s.ln2, &p[r[8].clone()], &dfc, 4 * c);
+    add(8, dw);
+    add(9, db);
+    drop(dfc);
+    let (dx1_norm, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
+    add(6, dw);
+    add(7, db);
+    let dx1 = sum(&dout, &dx1_norm);
+    drop((dout, dx1_norm, dln2));
+    // x1 = x + c_proj(attention(c_attn(ln_1(x)))).
+    let (datt, dw, db) = Linear::bwd(&s.att, &p[r[4].clone()], &dx1, c);
+    add(4, dw);
+    add(5, db);
+    let dqkv = s.shape.attention().backward(&s.qkv, &datt, 3 * c)?;
+    drop(datt);
+    let (dln1, dw, db) = Linear::bwd(&s.ln1, &p[r[2].clone()], &dqkv, 3 * c);
+    add(2, dw);
+    add(3, db);
+    drop(dqkv);
+    let x = s.input.flatten_all()?.to_vec1::<f32>()?;
+    let (dx_norm, dw, db) = ln.bwd(&x, &p[r[0].clone()], &dln1);
+    add(0, dw);
+    add(1, db);
+    Tensor::from_vec(sum(&dx1, &dx_norm), (rows, c), &Device::Cpu)
+}
