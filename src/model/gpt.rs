@@ -21,7 +21,9 @@
 //! The model is written as a [`CandleUnits`] ([`Gpt`]: the layout, the initialisation and each
 //! unit's forward on tensors); [`GptModel`] wraps it in the candle helper [`Candle`], which does
 //! the rest of the contract (tensors from the flat slices, backward, gradient write-back), the
-//! same helper any other candle model uses (see [`super::candle_unit`]).
+//! same helper any other candle model uses (see [`super::candle_unit`]). In f32 on the fused
+//! kernels [`GptModel`] runs the blocks on the kernels' slice functions instead, without a candle
+//! graph ([`super::gpt_block`]), with the same bits.
 //!
 //! Activations between units ([`UnitModel::Act`]) are `[batch * seq, width]` tensors in the
 //! compute dtype, rows in (sequence, position) order.
