@@ -280,5 +280,8 @@ fn a_full_disk_during_a_save_fails_clearly_and_keeps_the_last_checkpoint() {
         "the last complete checkpoint verifies: {}",
         String::from_utf8_lossy(&inspect.stdout)
     );
-    assert!(leftovers.is_empty(), "the failed save left {leftovers:?}");
+    assert!(
+        leftovers.is_empty(),
+        "the failed save left {leftovers:?}; the run said:\n{err}"
+    );
 }
