@@ -118,7 +118,7 @@ impl CheckpointWriter {
         let mut at = 0;
         for u in 0..engine.layout().num_units() {
             let s = engine.optimizer_state(u)?;
-            for values in [s.master, &s.exp_avg[..], &s.exp_avg_sq[..]] {
+            for values in [&s.master[..], &s.exp_avg[..], &s.exp_avg_sq[..]] {
                 data[at..at + values.len()].copy_from_slice(values);
                 at += values.len();
             }
@@ -179,16 +179,25 @@ impl CheckpointWriter {
         } else {
             0.0
         };
-        let all = comm
-            .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)
-            .wait_one()?;
-        let failed = all.get_f32(0);
         let tmp = self.dir.join(format!(".tmp-{}", step_dir_name(p.step)));
+        let agreed = comm
+            .all_reduce(Buffer::F32(vec![mine]), ReduceOp::Max)
+            .wait_one();
+        // A save that will not be committed leaves nothing behind. Once the agreement is in,
+        // every rank's writer has finished, so any rank may remove the temporary directory; the
+        // ranks that know of the failure do (rank 1's own failure can end the world before rank
+        // 0 reads the agreement, which it then sees as a failed collective).
+        let all = match agreed {
+            Ok(all) => all,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&tmp);
+                return Err(e.into());
+            }
+        };
+        let failed = all.get_f32(0);
         let bytes = match (&written, failed > 0.0) {
             (Err(_), _) | (Ok(_), true) => {
-                if self.rank == 0 {
-                    let _ = std::fs::remove_dir_all(&tmp);
-                }
+                let _ = std::fs::remove_dir_all(&tmp);
                 return Err(match written {
                     Err(e) => e,
                     Ok(_) => CheckpointError::RankFailed {
