@@ -14,7 +14,7 @@ use crate::config::{OffloadDevice, Precision, Settings};
 use crate::optim::adam::AdamParams;
 use crate::zero::loss_scaler::DynamicScaleParams;
 use crate::zero::precision::OverflowPolicy;
-use crate::zero::{EngineConfig, OptimizerTier, Stage};
+use crate::zero::{EngineConfig, OptimizerTier, ParamTier, Stage};
 
 /// A resolved config asks for something the engine does not do.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -26,12 +26,6 @@ pub enum SetupError {
          remove the key or set it to false"
     )]
     Fp16MasterWeights,
-    #[error(
-        "zero_optimization.offload_param.device \"nvme\" is not supported yet (parameter shards \
-         stay in memory); use \"cpu\", or offload_optimizer.device \"nvme\" for the optimizer \
-         states"
-    )]
-    OffloadParamNvme,
     #[error("world size must be at least 1")]
     WorldSize,
 }
@@ -49,6 +43,22 @@ fn optimizer_tier(s: &Settings, stage: Stage) -> OptimizerTier {
             dir: dir.clone(),
             chunk: usize_of(z.sub_group_size).clamp(1, crate::offload::MAX_STREAM_CHUNK),
             buffer_count: usize_of(z.offload_optimizer.buffer_count),
+        },
+    }
+}
+
+/// `offload_param` as the engine's tier (stage 3 only; DeepSpeed ignores it below, and the config
+/// reader warns): NVMe reads shards through `offload_param.buffer_count` staging buffers of at
+/// most `buffer_size` elements.
+fn param_tier(s: &Settings) -> ParamTier {
+    let p = &s.zero_optimization.offload_param;
+    match (p.device, &p.nvme_path) {
+        (OffloadDevice::None, _) => ParamTier::Device,
+        (OffloadDevice::Cpu, _) | (OffloadDevice::Nvme, None) => ParamTier::Host,
+        (OffloadDevice::Nvme, Some(dir)) => ParamTier::Nvme {
+            dir: dir.clone(),
+            buffer_count: usize_of(p.buffer_count),
+            buffer_size: usize_of(p.buffer_size),
         },
     }
 }
@@ -72,11 +82,7 @@ pub fn engine_config(
     let mut cfg = EngineConfig::new(stage, world_size);
     cfg.offload_optimizer = optimizer_tier(s, stage);
     if stage.shards_params() {
-        match z.offload_param.device {
-            OffloadDevice::None => {}
-            OffloadDevice::Cpu => cfg.offload_params = true,
-            OffloadDevice::Nvme => return Err(SetupError::OffloadParamNvme),
-        }
+        cfg.offload_param = param_tier(s);
     }
     cfg.micro_batch = s.batch.micro_batch_per_gpu;
     cfg.grad_accum = s.batch.gradient_accumulation_steps;

@@ -117,8 +117,9 @@ fn a_resumed_run_equals_the_unbroken_run_bit_for_bit() {
     }
 }
 
-/// Offloaded optimizer states (host memory, the NVMe swap file), offloaded parameters and bf16
-/// moments are saved and resumed like any other state: bit for bit.
+/// Offloaded optimizer states (host memory, the NVMe swap file), offloaded parameters (host
+/// memory, the parameter swap file) and bf16 moments are saved and resumed like any other state:
+/// bit for bit.
 #[test]
 fn offloaded_and_bf16_states_resume_bit_for_bit() {
     let model = Toy::new(16, 8, 2, true);
@@ -129,6 +130,10 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
     );
     let cpu = r#", "offload_optimizer": { "device": "cpu" }"#;
     let params = r#", "offload_param": { "device": "cpu" }"#;
+    let params_nvme = format!(
+        r#", "offload_param": {{ "device": "nvme", "nvme_path": "{}" }}"#,
+        swap.path().display()
+    );
     let bf16_states = r#", "bf16": { "enabled": true, "bf16_optimizer_states": true }"#;
     let fp32_bf16_states = r#", "zerodp": { "optimizer_states_dtype": "bf16" }"#;
     let cases = [
@@ -136,6 +141,8 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         (1, nvme.clone(), ""),
         (3, format!("{nvme}{params}"), PRECISIONS[1]),
         (3, format!("{cpu}{params}"), bf16_states),
+        (3, format!("{nvme}{params_nvme}"), ""),
+        (3, format!("{cpu}{params_nvme}"), PRECISIONS[1]),
         (2, String::new(), fp32_bf16_states),
         (0, String::new(), bf16_states),
     ];

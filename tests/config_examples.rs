@@ -111,8 +111,12 @@ fn all_examples_resolve_at_world_sizes_1_2_4() {
         check_common(&s3n, world);
         let z = &s3n.zero_optimization;
         assert_eq!(z.stage, 3);
-        assert_eq!(z.offload_param.device, OffloadDevice::Cpu);
+        assert_eq!(z.offload_param.device, OffloadDevice::Nvme);
         assert!(z.offload_param.pin_memory);
+        assert_eq!(
+            z.offload_param.nvme_path.as_deref(),
+            Some(std::path::Path::new("/tmp"))
+        );
         assert_eq!(z.offload_optimizer.device, OffloadDevice::Nvme);
         assert_eq!(
             z.offload_optimizer.nvme_path.as_deref(),

@@ -1,4 +1,4 @@
-//! Offload (`offload_optimizer` to cpu or nvme, `offload_param` to cpu at stage 3): the same
+//! Offload (`offload_optimizer` to cpu or nvme, `offload_param` to cpu or nvme at stage 3): the same
 //! losses, norms and parameters as the same stage without offload, bit for bit, in fp32 and bf16
 //! at world sizes 1, 2 and 4; the bytes leave the device tier as the tiers say; the NVMe swap
 //! files exist only during the run; a bad `nvme_path` is a clear error before any step.
@@ -10,7 +10,7 @@ use zerodp::comm::DType;
 use zerodp::model::TokenBatch as Batch;
 use zerodp::trainer::{ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, OptimizerTier, Stage};
+use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, Stage};
 
 const GLOBAL: usize = 8;
 const SEQ: usize = 4;
@@ -65,23 +65,32 @@ fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
                     chunk: 100,
                     buffer_count: 6,
                 };
+                // Parameter shards on NVMe through one staging buffer (raised to what a visit
+                // gathers) and through DeepSpeed's default five.
+                let param_nvme = |buffer_count| ParamTier::Nvme {
+                    dir: dir.path().to_path_buf(),
+                    buffer_count,
+                    buffer_size: 100_000_000,
+                };
                 for (tier, params) in [
-                    (OptimizerTier::Host, false),
-                    (nvme.clone(), false),
-                    (ring, false),
-                    (OptimizerTier::Host, true),
-                    (nvme, true),
+                    (OptimizerTier::Host, ParamTier::Device),
+                    (nvme.clone(), ParamTier::Device),
+                    (ring, ParamTier::Device),
+                    (OptimizerTier::Host, ParamTier::Host),
+                    (nvme.clone(), ParamTier::Host),
+                    (OptimizerTier::Host, param_nvme(1)),
+                    (nvme, param_nvme(5)),
                 ] {
-                    if params && stage != Stage::Zero3 {
+                    if params != ParamTier::Device && stage != Stage::Zero3 {
                         continue;
                     }
                     let mut cfg = base.clone();
                     cfg.offload_optimizer = tier.clone();
-                    cfg.offload_params = params;
+                    cfg.offload_param = params.clone();
                     let got = fingerprint(&train(&model, &cfg, STEPS, GLOBAL, SEQ));
                     assert_eq!(
                         got, want,
-                        "world {world} {stage:?} {dtype} {tier:?} params {params}"
+                        "world {world} {stage:?} {dtype} {tier:?} params {params:?}"
                     );
                 }
                 let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
@@ -102,7 +111,7 @@ fn offloaded_bytes_leave_the_device_tier() {
 
     let mut cpu = base.clone();
     cpu.offload_optimizer = OptimizerTier::Host;
-    cpu.offload_params = true;
+    cpu.offload_param = ParamTier::Host;
     let m = train(&model, &cpu, 1, GLOBAL, SEQ).reports[0][0].memory;
     assert_eq!((m.master, m.optimizer_states, m.params), (0, 0, 0));
     assert_eq!(
@@ -146,6 +155,88 @@ fn offloaded_bytes_leave_the_device_tier() {
     assert_eq!(stream_with(1), four);
 }
 
+/// `offload_param` to NVMe: the parameter shards leave memory for the swap file (each unit's
+/// record padded to 4 KiB), the staging buffers come into the host tier, and the shards are read
+/// for every gather and written once per step.
+#[test]
+fn swapped_parameter_shards_are_charged_to_the_nvme_tier_and_read_per_gather() {
+    let model = Toy::new(16, 8, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    let base = config(Stage::Zero3, 2, DType::BF16);
+    let plain = train(&model, &base, 1, GLOBAL, SEQ).reports[0][0].clone();
+    let mut cfg = base.clone();
+    cfg.offload_param = ParamTier::Nvme {
+        dir: dir.path().to_path_buf(),
+        buffer_count: 5,
+        buffer_size: 100_000_000,
+    };
+    let run = train(&model, &cfg, 2, GLOBAL, SEQ);
+    let (one, two) = (&run.reports[0][0], &run.reports[0][1]);
+    let m = one.memory;
+    assert_eq!(m.params, 0, "{m:?}");
+    let units = model.spec().units.len() as u64;
+    assert!(m.offloaded_nvme >= plain.memory.params, "{m:?}");
+    assert!(
+        m.offloaded_nvme <= plain.memory.params + units * 4096,
+        "{m:?}"
+    );
+    assert_eq!(
+        m.offloaded_host,
+        zerodp::zero::param_staging_bytes(model.spec(), &cfg),
+        "{m:?}"
+    );
+    assert_eq!(m.total, plain.memory.total - plain.memory.params);
+    // Each step reads at least every shard once per gather and writes every shard once
+    // (bf16: Adam overwrites the shard from the master, so the step does not read it first).
+    let (read, written) = (two.swap_io.0 - one.swap_io.0, two.swap_io.1 - one.swap_io.1);
+    assert!(read >= 2 * plain.memory.params, "{read} {:?}", plain.memory);
+    assert!(written >= plain.memory.params, "{written}");
+    assert!(written <= plain.memory.params + units * 4096, "{written}");
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "swap files left behind: {left:?}");
+}
+
+/// A shard longer than `offload_param.buffer_size` is refused before any step, naming the key
+/// and the size that would do, as DeepSpeed refuses a parameter larger than its buffers; a
+/// missing `offload_param.nvme_path` names that key.
+#[test]
+fn param_swap_config_errors_name_the_key_and_the_fix() {
+    let model = Toy::new(16, 8, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    let source = |_: zerodp::trainer::BatchIndex| -> Result<Batch, String> {
+        panic!("no batch may be asked for before the parameter swap file exists")
+    };
+    let mut cfg = config(Stage::Zero3, 2, DType::F32);
+    cfg.offload_param = ParamTier::Nvme {
+        dir: dir.path().to_path_buf(),
+        buffer_count: 5,
+        buffer_size: 10,
+    };
+    let err = Trainer::new(&model, cfg.clone())
+        .run(&source, 1, &[])
+        .map(|_| ())
+        .expect_err("a buffer_size below the longest shard must be refused")
+        .to_string();
+    assert!(
+        err.contains("offload_param.buffer_size") && err.contains("at least"),
+        "{err}"
+    );
+    cfg.offload_param = ParamTier::Nvme {
+        dir: dir.path().join("gone"),
+        buffer_count: 5,
+        buffer_size: 100_000_000,
+    };
+    let err = Trainer::new(&model, cfg)
+        .run(&source, 1, &[])
+        .map(|_| ())
+        .expect_err("a missing nvme_path must fail")
+        .to_string();
+    assert!(
+        err.contains("gone") && err.contains("offload_param.nvme_path"),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_missing_nvme_path_fails_before_any_step_naming_it() {
     let model = Toy::new(16, 8, 2, true);
@@ -179,7 +270,7 @@ fn a_device_budget_is_held_to_by_the_engine_before_it_allocates() {
     let stage0 = config(Stage::Zero0, 2, DType::F32);
     let mut offloaded = config(Stage::Zero3, 2, DType::F32);
     offloaded.offload_optimizer = OptimizerTier::Host;
-    offloaded.offload_params = true;
+    offloaded.offload_param = ParamTier::Host;
     let budget = peak(&offloaded);
     assert!(budget < peak(&stage0), "{budget} {}", peak(&stage0));
 

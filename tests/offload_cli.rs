@@ -124,7 +124,7 @@ struct MemoryCgroup {
 }
 
 impl MemoryCgroup {
-    fn new(limit: u64) -> Option<Self> {
+    fn new(limit: u64, tag: &str) -> Option<Self> {
         let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
         let (base, file) = own.lines().find_map(|l| {
             let f: Vec<&str> = l.splitn(3, ':').collect();
@@ -137,7 +137,7 @@ impl MemoryCgroup {
                 _ => None,
             }
         })?;
-        let dir = PathBuf::from(base).join(format!("zerodp-test-{}", std::process::id()));
+        let dir = PathBuf::from(base).join(format!("zerodp-test-{}-{tag}", std::process::id()));
         std::fs::create_dir(&dir).ok()?;
         let cg = MemoryCgroup { dir };
         std::fs::write(cg.dir.join(file), limit.to_string()).ok()?;
@@ -158,7 +158,7 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
     // process holds about 1.6 GB (bf16 parameter and gradient shards, the master, buffers,
     // activations).
     let limit = 1_700_000_000u64;
-    let Some(cg) = MemoryCgroup::new(limit) else {
+    let Some(cg) = MemoryCgroup::new(limit, "opt") else {
         eprintln!(
             "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
         );
@@ -209,6 +209,67 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
     let err = stderr(&out);
     assert!(out.status.success(), "{err}");
     assert!(err.contains("+opt nvme"), "{err}");
+    assert!(err.contains("done: 2 steps"), "{err}");
+    let left: Vec<_> = std::fs::read_dir(&swap).unwrap().collect();
+    assert!(left.is_empty(), "swap files left: {left:?}");
+}
+
+#[test]
+fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
+    // The same 151M-parameter GPT with m and v on NVMe needs about 1.57 GB by the pre-flight's
+    // count (the process peaks near 1.49 GB); with the parameter shards on NVMe too (ZeRO-Infinity)
+    // their 303 MB leave memory for five staging buffers of the longest shard (151 MB), and the
+    // pre-flight counts 1.42 GB (the process peaks near 1.34 GB). The limit sits between.
+    let limit = 1_500_000_000u64;
+    let Some(cg) = MemoryCgroup::new(limit, "param") else {
+        eprintln!(
+            "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
+        );
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let swap = dir.path().join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    let nvme = format!(r#"{{"device": "nvme", "nvme_path": "{}"}}"#, swap.display());
+    let zero = format!(
+        r#""stage": 3, "reduce_bucket_size": 1e6, "stage3_max_live_parameters": 1e7,
+        "stage3_prefetch_bucket_size": 1e6, "stage3_max_reuse_distance": 0,
+        "sub_group_size": 1e6, "offload_optimizer": {nvme}"#
+    );
+    let head = r#""train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}"#;
+    let opt = write_config(
+        dir.path(),
+        "opt.json",
+        &format!(r#"{{ {head}, "zero_optimization": {{ {zero} }} }}"#),
+    );
+    let all = write_config(
+        dir.path(),
+        "all.json",
+        &format!(r#"{{ {head}, "zero_optimization": {{ {zero}, "offload_param": {nvme} }} }}"#),
+    );
+    let data = text(dir.path());
+    let run = |config: &Path| {
+        let cmd = format!(
+            "echo $$ > {}/cgroup.procs && exec {} train --no-progress --steps 2 --layers 12 \
+             --width 1024 --heads 16 --context 128 --config {} --data {}",
+            cg.dir.display(),
+            env!("CARGO_BIN_EXE_zerodp"),
+            config.display(),
+            data.display()
+        );
+        Command::new("sh").args(["-c", &cmd]).output().unwrap()
+    };
+    let out = run(&opt);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("pre-flight check"), "{err}");
+    assert!(!err.contains("done:"), "{err}");
+
+    let out = run(&all);
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("+opt nvme +param nvme"), "{err}");
     assert!(err.contains("done: 2 steps"), "{err}");
     let left: Vec<_> = std::fs::read_dir(&swap).unwrap().collect();
     assert!(left.is_empty(), "swap files left: {left:?}");

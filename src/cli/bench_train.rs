@@ -17,7 +17,7 @@ use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, OptimizerTier, PhaseTimes, Stage, StepReport};
+use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, PhaseTimes, Stage, StepReport};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchTrainArgs {
@@ -55,9 +55,11 @@ pub struct BenchTrainArgs {
     /// Recompute units in backward at every stage.
     #[arg(long)]
     pub checkpoint_activations: bool,
-    /// Where Adam's states live, comma-separated: `none`, `cpu` (host tier) or `nvme` (a swap
-    /// file per rank under --nvme-path, streamed --sub-group-size elements at a time). With `nvme`
-    /// the disk's sequential direct-I/O speed is measured in the same run.
+    /// Where Adam's states live, comma-separated: `none`, `cpu` (host tier), `nvme` (a swap
+    /// file per rank under --nvme-path, streamed --sub-group-size elements at a time) or
+    /// `nvme-all` (`nvme`, and at stage 3 the parameter shards in a second swap file, DeepSpeed's
+    /// offload_param to nvme). With NVMe the disk's sequential direct-I/O speed is measured in the
+    /// same run.
     #[arg(long, value_delimiter = ',', default_values_t = vec![Offload::None])]
     pub offload: Vec<Offload>,
     /// Directory of the NVMe swap files [default: the system's temporary directory].
@@ -86,6 +88,15 @@ pub enum Offload {
     None,
     Cpu,
     Nvme,
+    /// Optimizer states and, at stage 3, parameter shards on NVMe.
+    #[serde(rename = "nvme-all")]
+    NvmeAll,
+}
+
+impl Offload {
+    fn uses_nvme(self) -> bool {
+        matches!(self, Offload::Nvme | Offload::NvmeAll)
+    }
 }
 
 impl std::fmt::Display for Offload {
@@ -94,6 +105,7 @@ impl std::fmt::Display for Offload {
             Offload::None => "none",
             Offload::Cpu => "cpu",
             Offload::Nvme => "nvme",
+            Offload::NvmeAll => "nvme-all",
         })
     }
 }
@@ -203,7 +215,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    let disk = match args.offload.contains(&Offload::Nvme) && rank == 0 {
+    let disk = match args.offload.iter().any(|o| o.uses_nvme()) && rank == 0 {
         true => Some(zerodp::offload::sequential_speed(
             &nvme_dir(&args),
             1 << 30,
@@ -318,7 +330,7 @@ impl Samples {
         let tokens = self.per_rank * self.world * context;
         let phases = self.phases[median_index];
         let nvme = match (self.offload, disk) {
-            (Offload::Nvme, Some((w, r))) => {
+            (o, Some((w, r))) if o.uses_nvme() => {
                 let (read, written) = self.swap_per_step;
                 let bytes = (read + written) as f64;
                 Some(NvmeRates {
@@ -403,7 +415,7 @@ fn measure(
     cfg.offload_optimizer = match offload {
         Offload::None => OptimizerTier::Device,
         Offload::Cpu => OptimizerTier::Host,
-        Offload::Nvme => OptimizerTier::Nvme {
+        Offload::Nvme | Offload::NvmeAll => OptimizerTier::Nvme {
             dir: nvme_dir(args),
             chunk: args
                 .sub_group_size
@@ -411,6 +423,15 @@ fn measure(
             buffer_count: args.buffer_count,
         },
     };
+    if offload == Offload::NvmeAll && stage.shards_params() {
+        // DeepSpeed's offload_param defaults for the staging buffers.
+        let d = zerodp::config::OffloadParamSettings::default();
+        cfg.offload_param = ParamTier::Nvme {
+            dir: nvme_dir(args),
+            buffer_count: usize::try_from(d.buffer_count).unwrap_or(usize::MAX),
+            buffer_size: usize::try_from(d.buffer_size).unwrap_or(usize::MAX),
+        };
+    }
     let mut trainer = Trainer::new(model, cfg)
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);

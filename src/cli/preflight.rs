@@ -16,7 +16,7 @@ use zerodp::planner::{
     HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption, TrainProcess,
 };
 use zerodp::zero::unit::ModelSpec;
-use zerodp::zero::{EngineConfig, OptimizerTier};
+use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier};
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PreflightArgs {
@@ -73,7 +73,7 @@ pub fn check(
         .cloned()
         .context("the planner has no option for the configured stage")?;
     let budget = args.device_memory.is_some() || engine.device_budget.is_some();
-    let configured = offload_tiers(configured, engine, budget, capacity);
+    let configured = offload_tiers(configured, engine, spec, budget, capacity);
     // Under mpirun, rank 0 alone says it (the launcher's rank, MPI not being up yet).
     let rank0 = zerodp::comm::detect_mpi_launch()
         .and_then(|l| l.rank)
@@ -117,13 +117,14 @@ fn device_tier_refusal(engine: &EngineConfig, spec: &ModelSpec, capacity: u64) -
 }
 
 /// `o` (the configured stage without offload) with the bytes the engine's offload takes out of
-/// what is compared with the capacity. NVMe offload moves Adam's m and v into the swap file and
-/// adds the stream buffers. Host offload (the master, m and v; at stage 3 the parameter
+/// what is compared with the capacity. NVMe offload moves Adam's m and v (and at stage 3 the
+/// parameter shards) into swap files and adds the buffers they stream through. Host offload (the master, m and v; at stage 3 the parameter
 /// shards) leaves the device tier, which matters against a `--device-memory` budget; without one,
 /// the capacity is this machine's memory, which the host tier shares, so those bytes still count.
 fn offload_tiers(
     mut o: PlanOption,
     engine: &EngineConfig,
+    spec: &ModelSpec,
     device_budget: bool,
     capacity: u64,
 ) -> PlanOption {
@@ -152,11 +153,19 @@ fn offload_tiers(
             }
         }
     }
-    if engine.offload_params && engine.stage.shards_params() {
-        label.push("+param cpu");
-        if device_budget {
-            b.params = 0;
+    match (&engine.offload_param, engine.stage.shards_params()) {
+        (ParamTier::Host, true) => {
+            label.push("+param cpu");
+            if device_budget {
+                b.params = 0;
+            }
         }
+        (ParamTier::Nvme { .. }, true) => {
+            label.push("+param nvme");
+            b.params = 0;
+            b.scratch_buffers += zerodp::zero::param_staging_bytes(spec, engine);
+        }
+        _ => {}
     }
     let after = b.master + b.adam_m + b.adam_v + b.params + b.scratch_buffers;
     b.total = b.total + after - before;

@@ -23,7 +23,7 @@ use std::time::Instant;
 pub fn sequential_speed(dir: &Path, bytes: usize) -> Result<(f64, f64), OffloadError> {
     const REQUEST: usize = 4 << 20; // elements: 16 MiB
     let elems = bytes.div_ceil(4).div_ceil(REQUEST) * REQUEST;
-    let mut file = SwapFile::create_named(dir, "speed-probe", elems)?;
+    let mut file = SwapFile::create_for(dir, "offload_optimizer", "speed-probe", elems)?;
     let mut buf = AlignedBuf::zeroed(REQUEST);
     buf.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
     let t = Instant::now();
@@ -49,16 +49,22 @@ pub const MAX_STREAM_CHUNK: usize = 1 << 24;
 #[derive(Debug, thiserror::Error)]
 pub enum OffloadError {
     #[error(
-        "offload_optimizer.nvme_path {path} {what}; set zero_optimization.offload_optimizer.\
-         nvme_path to an existing, writable directory on a local disk"
+        "{key}.nvme_path {path} {what}; set zero_optimization.{key}.nvme_path to an existing, \
+         writable directory on a local disk"
     )]
-    BadDir { path: PathBuf, what: String },
+    BadDir {
+        /// The config block whose `nvme_path` it is (`offload_optimizer` or `offload_param`).
+        key: &'static str,
+        path: PathBuf,
+        what: String,
+    },
     #[error(
         "cannot reserve {bytes} bytes for the NVMe swap file {path}: {source}; free space on that \
-         disk, point offload_optimizer.nvme_path at a larger one, or use more ranks (each holds \
-         1/N of the states)"
+         disk, point {key}.nvme_path at a larger one, or use more ranks (each holds 1/N of the \
+         states)"
     )]
     Reserve {
+        key: &'static str,
         path: PathBuf,
         bytes: u64,
         source: std::io::Error,

@@ -84,14 +84,22 @@ pub struct SwapFile {
 }
 
 impl SwapFile {
-    /// Creates `zerodp-swap-<pid>-rank<rank>.bin` under `dir` with room for `elems` f32, zeroed.
+    /// Creates `zerodp-swap-<pid>-rank<rank>.bin` under `dir` with room for `elems` f32, zeroed,
+    /// for the optimizer states (`offload_optimizer.nvme_path`).
     pub fn create(dir: &Path, rank: usize, elems: usize) -> Result<SwapFile, OffloadError> {
-        Self::create_named(dir, &format!("rank{rank}"), elems)
+        Self::create_for(dir, "offload_optimizer", &format!("rank{rank}"), elems)
     }
 
-    /// [`SwapFile::create`] for the file `zerodp-swap-<pid>-<tag>.bin`.
-    pub fn create_named(dir: &Path, tag: &str, elems: usize) -> Result<SwapFile, OffloadError> {
+    /// [`SwapFile::create`] for the file `zerodp-swap-<pid>-<tag>.bin` under the `nvme_path` of
+    /// the config block `key` (which its errors name).
+    pub fn create_for(
+        dir: &Path,
+        key: &'static str,
+        tag: &str,
+        elems: usize,
+    ) -> Result<SwapFile, OffloadError> {
         let bad = |what: String| OffloadError::BadDir {
+            key,
             path: dir.to_path_buf(),
             what,
         };
@@ -135,6 +143,7 @@ impl SwapFile {
             let rc = unsafe { libc::posix_fallocate(swap.file.as_raw_fd(), 0, bytes as i64) };
             if rc != 0 {
                 return Err(OffloadError::Reserve {
+                    key,
                     path: swap.path.clone(),
                     bytes,
                     source: std::io::Error::from_raw_os_error(rc),

@@ -107,12 +107,6 @@ impl ZeroChoice {
         ]
     }
 
-    /// Whether `zerodp train` runs this choice: all but parameter offload to NVMe (refused with a
-    /// message by the engine's setup).
-    pub fn zerodp_trains(&self) -> bool {
-        !(self.stage == 3 && self.offload_param == Offload::Nvme)
-    }
-
     /// Preference order when several fit, from DeepSpeed's guidance (speed: 0 > 1 > 2 > 2+offload
     /// > 3 > 3+offload): the lowest rank that fits is recommended.
     pub fn preference_rank(&self) -> u32 {

@@ -536,7 +536,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
             "assumed; --host-adam-rate measure times it here"
         }
     ));
-    notes.push("offload as DeepSpeed does it (its estimators' bytes); zerodp train runs every option but offload_param nvme, which it refuses, and its optimizer offload to nvme keeps the fp32 master in host memory (4 bytes per element more there, 8 instead of 12 each way on NVMe)".into());
+    notes.push("offload as DeepSpeed does it (its estimators' bytes); zerodp train runs every option, and its optimizer offload to nvme keeps the fp32 master in host memory (4 bytes per element more there, 8 instead of 12 each way on NVMe)".into());
     notes.push("communication: the faster of a flat ring and a hierarchical (intra-node, then inter-node) algorithm per collective, alpha-beta model".into());
     if input.model.shape.is_none() {
         notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());

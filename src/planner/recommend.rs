@@ -35,12 +35,6 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
             for o in ranked.iter().take_while(|o| o.label != best.label) {
                 reasons.push(why_not(o, mem, input.cluster.host_memory));
             }
-            if !best.choice().zerodp_trains() {
-                reasons.push(format!(
-                    "{} is a DeepSpeed (ZeRO-Infinity) choice: zerodp train refuses offload_param nvme; with zerodp, add devices until a stage-3 option with offload_param cpu fits",
-                    best.label
-                ));
-            }
             reasons.push(format!(
                 "predicted per step: compute {}, communication {} ({} per device){}",
                 format_seconds(best.predicted_compute_s),

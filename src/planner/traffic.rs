@@ -165,7 +165,12 @@ pub fn offload_traffic(
         let copies = mul(&[2, gas, shard, dtype]);
         out.host_link_bytes = out.host_link_bytes.saturating_add(copies);
         if choice.offload_param == Offload::Nvme {
-            out.nvme_bytes_per_node = out.nvme_bytes_per_node.saturating_add(mul(&[copies, g]));
+            // Read for each gather (forward and backward), written once after the step.
+            let written = mul(&[shard, dtype, g]);
+            let read = mul(&[copies, g]);
+            out.nvme_bytes_per_node = out
+                .nvme_bytes_per_node
+                .saturating_add(read.saturating_add(written));
         }
     }
     out.predicted_s = out.host_link_bytes as f64 / cluster.host.device_to_host

@@ -99,9 +99,9 @@ pub struct EngineConfig {
     /// Where the fp32 master and Adam's moments of the rank's part live
     /// (`zero_optimization.offload_optimizer`).
     pub offload_optimizer: OptimizerTier,
-    /// Stage 3: the rank's parameter shards live in the host tier and are fetched into the
-    /// device tier to be gathered (`zero_optimization.offload_param.device = "cpu"`).
-    pub offload_params: bool,
+    /// Stage 3: where the rank's parameter shards live between gathers
+    /// (`zero_optimization.offload_param`); ignored at stages 0-2, as DeepSpeed ignores it.
+    pub offload_param: ParamTier,
     /// Bytes of the device tier a rank may hold (`--device-memory`, `zerodp.device_memory`): the
     /// engine refuses, before allocating, a configuration whose device-tier bytes at their fullest
     /// exceed it. None: no limit.
@@ -127,6 +127,26 @@ pub enum OptimizerTier {
         dir: std::path::PathBuf,
         chunk: usize,
         buffer_count: usize,
+    },
+}
+
+/// Where a stage-3 rank's parameter shards live between gathers.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ParamTier {
+    /// In the device tier (no offload).
+    #[default]
+    Device,
+    /// In host memory, fetched into the device tier to be gathered (`"device": "cpu"`).
+    Host,
+    /// In a swap file per rank under `dir` (`"device": "nvme"`): each gather reads its shard into
+    /// one of `buffer_count` host staging buffers as long as the longest shard (raised to the
+    /// most units one visit gathers), and the optimizer step writes the updated shards back.
+    /// `buffer_size` (elements) is DeepSpeed's bound on one staging buffer: a shard longer than it
+    /// is refused with the fix, as DeepSpeed refuses such a parameter.
+    Nvme {
+        dir: std::path::PathBuf,
+        buffer_count: usize,
+        buffer_size: usize,
     },
 }
 
@@ -158,7 +178,7 @@ impl EngineConfig {
             overflow: OverflowPolicy::Guard,
             max_skipped_steps: 10,
             offload_optimizer: OptimizerTier::Device,
-            offload_params: false,
+            offload_param: ParamTier::Device,
             device_budget: None,
             optimizer_states_dtype: DType::F32,
         }

@@ -35,22 +35,24 @@ mod budget;
 pub use budget::{check as check_device_budget, device_peak, OverDeviceBudget};
 mod nvme;
 pub use nvme::stream_buffer_bytes;
+mod parts;
 mod snapshot;
 
 pub use snapshot::{EngineCounters, UnitOptimizerState};
 
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
-use super::config::{EngineConfig, OptimizerTier, Stage};
+use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use super::flat::FlatLayout;
-use super::gather::Coordinator;
+use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{
     adam_apply, adam_update, buffer_from_f32, FlatBuffer, Moments, Slice, SliceMut, StepPolicy,
     StepVerdict,
 };
 use super::schedule;
-use super::state::{full_grad_of, FlatState, StageState};
+use super::shards::{ShardStore, SwappedShards};
+use super::state::{FlatState, StageState};
 use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
@@ -90,6 +92,15 @@ pub enum EngineError {
         expected: usize,
         got: usize,
     },
+}
+
+impl From<GatherError> for EngineError {
+    fn from(e: GatherError) -> Self {
+        match e {
+            GatherError::Comm(e) => EngineError::Comm(e),
+            GatherError::Offload(e) => EngineError::Offload(e),
+        }
+    }
 }
 
 /// Where a step's time went on this rank (wall-clock seconds; `comm` is time spent issuing,
@@ -136,8 +147,8 @@ pub struct StepReport {
     pub peak_bytes: u64,
     /// The largest the stage-3 gather pool has been so far (0 at other stages).
     pub peak_gather_bytes: u64,
-    /// Bytes read from and written to this rank's NVMe swap file so far (`(0, 0)` without NVMe
-    /// offload).
+    /// Bytes read from and written to this rank's NVMe swap files (optimizer states and parameter
+    /// shards) so far (`(0, 0)` without NVMe offload).
     pub swap_io: (u64, u64),
     pub phases: PhaseTimes,
 }
@@ -300,8 +311,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
             _ => None,
         };
-        let state = flat_state(&spec, &cfg, &layout, &plan, &units, params);
-        let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref());
+        let state = flat_state(&spec, &cfg, &layout, &plan, &units, params, comm.rank())?;
+        let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref(), &state);
         let buckets = Buckets::new(&plan, cfg.world_size);
         let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
@@ -377,14 +388,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             StageState::ShardedParams { coordinator, .. } => {
                 coordinator.invalidate()?;
                 let own = self.layout.own_shard(unit);
-                let shard = &mut coordinator.shards_mut()[unit];
-                shard.fill_zero();
-                let end = own.end.min(ul.numel);
-                if own.start < end {
-                    shard
-                        .slice_mut(0..end - own.start)
-                        .copy_from(Slice::F32(&values[own.start..end]));
-                }
+                coordinator.shards_mut().modify(unit, |shard| {
+                    shard.fill_zero();
+                    let end = own.end.min(ul.numel);
+                    if own.start < end {
+                        shard
+                            .slice_mut(0..end - own.start)
+                            .copy_from(Slice::F32(&values[own.start..end]));
+                    }
+                })?;
             }
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
                 params[unit]
@@ -412,7 +424,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 (Some(m), _) if sharded_master => gather(Buffer::F32(m.clone()), ul.padded)?,
                 (Some(m), _) => m.clone(),
                 (None, StageState::ShardedParams { coordinator, .. }) => {
-                    gather(coordinator.shards()[u].clone(), ul.padded)?
+                    gather(coordinator.shards().read(u)?, ul.padded)?
                 }
                 (None, _) => self
                     .state
@@ -785,11 +797,14 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
-        let mut parts = update_parts(&mut self.state, &self.layout, &self.units);
+        let overwritten = self.cfg.is_mixed();
+        let mut parts =
+            parts::UpdateParts::new(&mut self.state, &self.layout, &self.units, overwritten);
         match &mut self.nvme {
             None => {
-                for (unit, (p, g)) in self.units.iter_mut().zip(parts) {
+                for (u, unit) in self.units.iter_mut().enumerate() {
                     let master = unit.master.as_deref_mut();
+                    let (p, g) = parts.get(u)?;
                     adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
                 }
             }
@@ -803,21 +818,28 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 }
                 nvme.step(|u, r, m, v| {
                     let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
-                    let (p, g) = &mut parts[u];
+                    let (mut p, g) = parts.get(u)?;
                     let (p, g) = (p.sub_mut(r.clone()), g.range(r));
                     let (m, v) = (SliceMut::F32(m), SliceMut::F32(v));
                     adam_apply(m, v, step, w, p, g, &hp, grad_scale);
+                    Ok(())
                 })?;
             }
         }
+        parts.finish()?;
         self.phases.optimizer += t.elapsed().as_secs_f64();
         Ok(())
     }
 
-    /// Bytes read from and written to this rank's NVMe swap file so far (`(0, 0)` without NVMe
-    /// offload).
+    /// Bytes read from and written to this rank's NVMe swap files (optimizer states and parameter
+    /// shards) so far (`(0, 0)` without NVMe offload).
     pub fn swap_traffic(&self) -> (u64, u64) {
-        self.nvme.as_ref().map_or((0, 0), |n| n.traffic())
+        let (r, w) = self.nvme.as_ref().map_or((0, 0), |n| n.traffic());
+        let (pr, pw) = match &self.state.stage {
+            StageState::ShardedParams { coordinator, .. } => coordinator.shards().traffic(),
+            _ => (0, 0),
+        };
+        (r + pr, w + pw)
     }
 
     /// Stages 1-2: all-gather the updated parameter shards into every rank's full parameters
@@ -869,7 +891,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Stage 3: gather visit `pos`'s units (and prefetch what fits).
-    fn acquire(&mut self, pos: usize) -> Result<(), CommError> {
+    fn acquire(&mut self, pos: usize) -> Result<(), GatherError> {
         if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
             let t = Instant::now();
             coordinator.acquire(pos, self.comm, &mut self.ledger)?;
@@ -991,7 +1013,8 @@ fn flat_state(
     plan: &BufferPlan,
     units: &[UnitState],
     params: Vec<Buffer>,
-) -> FlatState {
+    rank: usize,
+) -> Result<FlatState, EngineError> {
     let gdt = cfg.grad_accum_dtype;
     let transient = || vec![Vec::new(); layout.num_units()];
     let grad_shards = || Buffer::zeros(gdt, layout.shard_numel());
@@ -1017,7 +1040,7 @@ fn flat_state(
             )
         }
         Stage::Zero3 => {
-            let coordinator = coordinator(spec, cfg, layout, plan, units, params);
+            let coordinator = coordinator(spec, cfg, layout, plan, units, params, rank)?;
             let grad_shards = grad_shards();
             let stage = StageState::ShardedParams {
                 coordinator,
@@ -1026,11 +1049,12 @@ fn flat_state(
             (stage, transient())
         }
     };
-    FlatState { grads, stage }
+    Ok(FlatState { grads, stage })
 }
 
 /// Stage 3: the coordinator of the parameter `shards`, with every visit's gathers planned. A unit
-/// that keeps its forward graph needs nothing gathered for its backward.
+/// that keeps its forward graph needs nothing gathered for its backward. Under `offload_param` to
+/// NVMe the shards move into the rank's parameter swap file.
 fn coordinator(
     spec: &ModelSpec,
     cfg: &EngineConfig,
@@ -1038,21 +1062,68 @@ fn coordinator(
     plan: &BufferPlan,
     units: &[UnitState],
     shards: Vec<Buffer>,
-) -> Coordinator {
+    rank: usize,
+) -> Result<Coordinator, EngineError> {
     let visits = schedule::visits(spec, cfg.grad_accum);
     let kept_graph: Vec<usize> = units.iter().map(|u| u.kept_graph).collect();
     let prefetch = match cfg.overlap_comm {
         true => cfg.prefetch_bucket_size,
         false => 0,
     };
-    Coordinator::new(
-        shards,
+    let store = match &cfg.offload_param {
+        ParamTier::Nvme {
+            dir,
+            buffer_count,
+            buffer_size,
+        } => {
+            let longest = layout.units.iter().map(|u| u.shard_len).max().unwrap_or(0);
+            if longest > *buffer_size {
+                return Err(EngineError::Config(format!(
+                    "offload_param.buffer_size is {buffer_size} elements but the longest \
+                     parameter shard has {longest}; raise zero_optimization.offload_param.\
+                     buffer_size to at least {longest}, or use more ranks"
+                )));
+            }
+            let staging = param_staging_count(spec, *buffer_count);
+            ShardStore::Nvme(Box::new(SwappedShards::new(dir, rank, shards, staging)?))
+        }
+        ParamTier::Device | ParamTier::Host => ShardStore::Memory(shards),
+    };
+    Ok(Coordinator::new(
+        store,
         layout,
         plan.persistent.clone(),
         plan.gather_pool_elems,
         prefetch,
         schedule::gather_needs(&visits, &kept_graph),
-    )
+    ))
+}
+
+/// Staging buffers for shards read from the parameter swap file: `offload_param.buffer_count`,
+/// raised to the most units one visit can gather (a unit and the units it uses), so that a demand
+/// fetch always finds one.
+fn param_staging_count(spec: &ModelSpec, buffer_count: usize) -> usize {
+    let most = spec
+        .units
+        .iter()
+        .map(|u| 1 + u.uses.len())
+        .max()
+        .unwrap_or(1);
+    buffer_count.max(most)
+}
+
+/// Host bytes of the parameter swap file's staging under `offload_param` to NVMe at stage 3 (0
+/// otherwise): the engine allocates exactly this; the pre-flight check counts it before a run.
+pub fn param_staging_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
+    match (&cfg.offload_param, cfg.stage.shards_params()) {
+        (ParamTier::Nvme { buffer_count, .. }, true) => {
+            let layout = FlatLayout::new(spec, cfg.world_size, 0);
+            let longest = layout.units.iter().map(|u| u.shard_len).max().unwrap_or(0);
+            let staging = param_staging_count(spec, *buffer_count);
+            super::shards::staging_bytes(cfg.param_dtype, longest, staging)
+        }
+        _ => 0,
+    }
 }
 
 /// The ledger of what [`Engine::new`] allocates: each unit's model states by kind and tier and
@@ -1063,6 +1134,7 @@ fn initial_ledger(
     cfg: &EngineConfig,
     rank: usize,
     nvme: Option<&nvme::NvmeMoments>,
+    state: &FlatState,
 ) -> MemoryLedger {
     let mut ledger = MemoryLedger::with_budget(cfg.device_budget);
     for a in budget::allocations(spec, cfg, rank) {
@@ -1074,50 +1146,13 @@ fn initial_ledger(
         ledger.alloc_in(Tier::Nvme, MemoryKind::OptimizerStates, n.file_bytes());
         ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
     }
-    ledger
-}
-
-/// Per unit, the parameters Adam updates on this rank and their gradients.
-fn update_parts<'s>(
-    state: &'s mut FlatState,
-    layout: &FlatLayout,
-    units: &[UnitState],
-) -> Vec<(SliceMut<'s>, Slice<'s>)> {
-    let FlatState { grads, stage } = state;
-    let part = |u: usize| units[u].updated.clone();
-    match stage {
-        StageState::Replicated { params, kept_grads } => {
-            let kept = kept_grads.as_deref();
-            let grads = &*grads;
-            params
-                .iter_mut()
-                .enumerate()
-                .map(|(u, p)| (p.slice_mut(part(u)), full_grad_of(kept, grads, u, part(u))))
-                .collect()
+    if let StageState::ShardedParams { coordinator, .. } = &state.stage {
+        if let ShardStore::Nvme(s) = coordinator.shards() {
+            ledger.alloc_in(Tier::Nvme, MemoryKind::Params, s.file_bytes());
+            ledger.alloc_in(Tier::Host, MemoryKind::Buffers, s.host_bytes());
         }
-        StageState::ShardedGrads {
-            params,
-            grad_shards,
-        } => params
-            .iter_mut()
-            .enumerate()
-            .map(|(u, p)| {
-                (
-                    p.slice_mut(part(u)),
-                    grad_shards.slice(layout.shard_slot(u)),
-                )
-            })
-            .collect(),
-        StageState::ShardedParams {
-            coordinator,
-            grad_shards,
-        } => coordinator
-            .shards_mut()
-            .iter_mut()
-            .enumerate()
-            .map(|(u, p)| (p.all_mut(), grad_shards.slice(layout.shard_slot(u))))
-            .collect(),
     }
+    ledger
 }
 
 /// The part of unit `unit`'s flat buffer this rank updates: all of it at stage 0, its own shard

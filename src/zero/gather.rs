@@ -9,12 +9,26 @@
 //! Every fetch, demand or prefetch, must fit in the pool (`max_live_parameters`, raised to the
 //! largest working set): a prefetch that does not fit waits for a later visit, and because prefetches
 //! are issued strictly in visit order a demand fetch always fits. Gathered buffers are slabs recycled
-//! through the pool, so steady-state steps allocate nothing.
+//! through the pool, so steady-state steps allocate nothing. Under `offload_param` to NVMe a
+//! fetch also needs one of the [`ShardStore`]'s staging buffers (the shard read from the swap
+//! file travels in it): a prefetch waits for a free one, and there are at least as many as a
+//! visit needs units, so a demand fetch always finds one.
 
 use super::flat::FlatLayout;
 use super::precision::FlatBuffer;
+use super::shards::ShardStore;
 use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType};
 use crate::memory::accounting::{MemoryKind, MemoryLedger};
+use crate::offload::OffloadError;
+
+/// A gather failed: its collective, or reading its shard from the parameter swap file.
+#[derive(Debug, thiserror::Error)]
+pub enum GatherError {
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    #[error(transparent)]
+    Offload(#[from] OffloadError),
+}
 
 /// Recycled gathered-parameter slabs whose capacities never add up to more than `limit` elements.
 #[derive(Debug)]
@@ -85,8 +99,9 @@ enum Residency {
 
 /// Gathers, prefetches and releases the units of a stage-3 step.
 pub struct Coordinator {
-    /// The rank's parameter shard of every unit (empty while its gather is in flight).
-    shards: Vec<Buffer>,
+    /// The rank's parameter shard of every unit (in memory, empty while its gather is in flight,
+    /// or in the parameter swap file).
+    shards: ShardStore,
     residency: Vec<Residency>,
     persistent: Vec<bool>,
     padded: Vec<usize>,
@@ -102,7 +117,7 @@ pub struct Coordinator {
 
 impl Coordinator {
     pub fn new(
-        shards: Vec<Buffer>,
+        shards: ShardStore,
         layout: &FlatLayout,
         persistent: Vec<bool>,
         pool_elems: usize,
@@ -110,7 +125,7 @@ impl Coordinator {
         needs: Vec<Vec<usize>>,
     ) -> Self {
         let n = layout.num_units();
-        let dtype = shards.first().map_or(DType::F32, Buffer::dtype);
+        let dtype = shards.dtype();
         Coordinator {
             shards,
             residency: (0..n).map(|_| Residency::Released).collect(),
@@ -124,15 +139,16 @@ impl Coordinator {
         }
     }
 
-    /// The shards, for the optimizer step. Only valid after [`Coordinator::invalidate`].
-    pub fn shards_mut(&mut self) -> &mut [Buffer] {
+    /// The shards, for the optimizer step and restores. Only valid after
+    /// [`Coordinator::invalidate`] (every shard home).
+    pub fn shards_mut(&mut self) -> &mut ShardStore {
         debug_assert!(self
             .residency
             .iter()
             .all(|r| matches!(r, Residency::Released)));
         &mut self.shards
     }
-    pub fn shards(&self) -> &[Buffer] {
+    pub fn shards(&self) -> &ShardStore {
         &self.shards
     }
 
@@ -144,12 +160,18 @@ impl Coordinator {
         }
     }
 
-    fn issue(&mut self, comm: &dyn Communicator, unit: usize, ledger: &mut MemoryLedger) {
+    fn issue(
+        &mut self,
+        comm: &dyn Communicator,
+        unit: usize,
+        ledger: &mut MemoryLedger,
+    ) -> Result<(), OffloadError> {
+        let shard = self.shards.take(unit)?;
         let out = self.pool.take(self.padded[unit], ledger);
-        let shard = std::mem::replace(&mut self.shards[unit], Buffer::F32(Vec::new()));
         let h = comm.all_gather(shard, out);
         self.residency[unit] = Residency::InFlight(h);
         self.live += self.padded[unit];
+        Ok(())
     }
 
     fn wait(&mut self, unit: usize) -> Result<(), CommError> {
@@ -160,7 +182,7 @@ impl Coordinator {
                 unreachable!()
             };
             let (shard, full) = h.wait_pair()?;
-            self.shards[unit] = shard;
+            self.shards.give_back(unit, shard);
             self.residency[unit] = Residency::Ready(full);
         }
         Ok(())
@@ -172,15 +194,15 @@ impl Coordinator {
         pos: usize,
         comm: &dyn Communicator,
         ledger: &mut MemoryLedger,
-    ) -> Result<(), CommError> {
+    ) -> Result<(), GatherError> {
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
             if matches!(self.residency[u], Residency::Released) {
-                self.issue(comm, u, ledger);
+                self.issue(comm, u, ledger)?;
             }
         }
         self.issued_upto = self.issued_upto.max(pos + 1);
-        self.prefetch(pos, comm, ledger);
+        self.prefetch(pos, comm, ledger)?;
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
             self.wait(u)?;
@@ -188,9 +210,14 @@ impl Coordinator {
         Ok(())
     }
 
-    /// Issue gathers for the visits after `pos`, in order, while they fit both the prefetch limit
-    /// and the pool; stop at the first unit that does not fit.
-    fn prefetch(&mut self, pos: usize, comm: &dyn Communicator, ledger: &mut MemoryLedger) {
+    /// Issue gathers for the visits after `pos`, in order, while they fit the prefetch limit, the
+    /// pool and the free staging buffers; stop at the first unit that does not fit.
+    fn prefetch(
+        &mut self,
+        pos: usize,
+        comm: &dyn Communicator,
+        ledger: &mut MemoryLedger,
+    ) -> Result<(), OffloadError> {
         let mut ahead: usize = (0..self.residency.len())
             .filter(|&u| {
                 !matches!(self.residency[u], Residency::Released)
@@ -207,14 +234,18 @@ impl Coordinator {
                     continue;
                 }
                 let size = self.padded[u];
-                if ahead + size > self.prefetch_limit || self.live + size > self.pool.limit {
-                    return;
+                if ahead + size > self.prefetch_limit
+                    || self.live + size > self.pool.limit
+                    || !self.shards.can_take()
+                {
+                    return Ok(());
                 }
-                self.issue(comm, u, ledger);
+                self.issue(comm, u, ledger)?;
                 ahead += size;
             }
             self.issued_upto = j + 1;
         }
+        Ok(())
     }
 
     /// Release visit `pos`'s units unless they persist or the next visit needs them (FSDP2's

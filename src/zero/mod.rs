@@ -9,6 +9,7 @@
 //! * [`buckets`]: bucketed all-reduce (stage 0), true reduce-scatter (stages 1-3) and the
 //!   post-step all-gather (stages 1-2).
 //! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
+//! * [`shards`]: where a stage-3 rank keeps its parameter shards: memory or an NVMe swap file.
 //! * [`engine`]: one rank's [`Engine`] and its [`StepReport`].
 //! * [`loss_scaler`]: fp16 loss scaling and the Inf/NaN guard.
 //! * [`precision`]: dtype-tagged flat storage (f32, bf16, f16) and the per-step overflow policy.
@@ -22,13 +23,14 @@ pub mod gather;
 pub mod loss_scaler;
 pub mod precision;
 pub mod schedule;
+pub mod shards;
 pub mod state;
 pub mod unit;
 
-pub use config::{EngineConfig, OptimizerTier, Stage};
+pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use engine::{
-    check_device_budget, device_peak, stream_buffer_bytes, Engine, EngineCounters, EngineError,
-    PhaseTimes, StepReport, UnitOptimizerState,
+    check_device_budget, device_peak, param_staging_bytes, stream_buffer_bytes, Engine,
+    EngineCounters, EngineError, PhaseTimes, StepReport, UnitOptimizerState,
 };
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,

@@ -9,7 +9,7 @@
 use super::{updated_part, EngineError};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::zero::buffers::plan;
-use crate::zero::config::{EngineConfig, OptimizerTier, Stage};
+use crate::zero::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use crate::zero::flat::FlatLayout;
 use crate::zero::unit::ModelSpec;
 
@@ -46,9 +46,10 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
         cfg.param_dtype.size() as u64,
         cfg.grad_accum_dtype.size() as u64,
     );
-    let param_tier = match cfg.offload_params && cfg.stage.shards_params() {
-        true => Tier::Host,
-        false => Tier::Device,
+    let param_tier = match (&cfg.offload_param, cfg.stage.shards_params()) {
+        (_, false) | (ParamTier::Device, true) => Tier::Device,
+        (ParamTier::Host, true) => Tier::Host,
+        (ParamTier::Nvme { .. }, true) => Tier::Nvme,
     };
     let (master_tier, moment_tier) = match cfg.offload_optimizer {
         OptimizerTier::Device => (Tier::Device, Tier::Device),
@@ -85,7 +86,8 @@ pub(super) struct Allocation {
 }
 
 /// Every device- and host-tier allocation [`super::Engine`] makes for `cfg`, in its order; the
-/// gather pool is at its limit. NVMe-tier bytes are the swap file's and are charged by the engine.
+/// gather pool is at its limit. NVMe-tier bytes are the swap files' and are charged by the engine,
+/// with the host buffers they stream through.
 pub(super) fn allocations(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> Vec<Allocation> {
     let layout = FlatLayout::new(spec, cfg.world_size, rank);
     let buffers = plan(spec, cfg);
@@ -195,7 +197,7 @@ fn advice(spec: &ModelSpec, cfg: &EngineConfig, rank: usize, budget: u64) -> Str
         "stage 3 with offload_optimizer.device \"cpu\"",
     ));
     let mut all = three;
-    all.offload_params = true;
+    all.offload_param = ParamTier::Host;
     candidates.push((
         all,
         "stage 3 with offload_optimizer and offload_param device \"cpu\"",

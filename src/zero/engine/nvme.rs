@@ -110,10 +110,11 @@ impl NvmeMoments {
 
     /// Runs `f(unit, range, m, v)` over every unit's moments a chunk at a time, in unit order:
     /// `range` is the chunk's place in the unit's updated part, `m` and `v` its moments, read
-    /// before `f` and written after it, the I/O of the neighbouring chunks overlapping `f`.
+    /// before `f` and written after it, the I/O of the neighbouring chunks overlapping `f`. An
+    /// error from `f` stops the stream after the chunk's I/O.
     pub(super) fn step(
         &mut self,
-        mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32]),
+        mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32]) -> Result<(), OffloadError>,
     ) -> Result<(), OffloadError> {
         let chunks = self.chunks();
         let records = &self.records;
@@ -148,10 +149,11 @@ impl NvmeMoments {
                     Ok(())
                 });
                 let [m, v] = cur;
-                f(u, off..off + n_elems, &mut m[..n_elems], &mut v[..n_elems]);
+                let updated = f(u, off..off + n_elems, &mut m[..n_elems], &mut v[..n_elems]);
                 worker
                     .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e))
+                    .unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+                updated
             })?;
         }
         match n.checked_sub(1) {

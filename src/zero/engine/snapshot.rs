@@ -7,6 +7,7 @@
 use super::{Engine, EngineError, UnitModel};
 use crate::comm::{Buffer, CommError, DType};
 use crate::zero::precision::{FlatBuffer, PolicySnapshot, Slice};
+use crate::zero::shards::ShardStore;
 use crate::zero::state::StageState;
 use std::borrow::Cow;
 use std::ops::Range;
@@ -25,8 +26,9 @@ pub struct EngineCounters {
 pub struct UnitOptimizerState<'e> {
     /// Elements of the unit's flat buffer the slices cover.
     pub range: Range<usize>,
-    /// The fp32 master weights (the parameters themselves in fp32 training).
-    pub master: &'e [f32],
+    /// The fp32 master weights (the parameters themselves in fp32 training, read from the
+    /// parameter swap file under `offload_param` to NVMe).
+    pub master: Cow<'e, [f32]>,
     /// Adam's first moment (read from the swap file under NVMe offload; bf16 moments widened,
     /// exactly).
     pub exp_avg: Cow<'e, [f32]>,
@@ -58,8 +60,11 @@ impl<M: UnitModel> Engine<'_, M> {
         let us = &self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
         let master = match &us.master {
-            Some(m) => &m[local.clone()],
-            None => &self.fp32_updated_params(unit)[local.clone()],
+            Some(m) => Cow::Borrowed(&m[local.clone()]),
+            None => match self.fp32_updated_params(unit)? {
+                Cow::Borrowed(p) => Cow::Borrowed(&p[local.clone()]),
+                Cow::Owned(p) => Cow::Owned(p[local.clone()].to_vec()),
+            },
         };
         let (exp_avg, exp_avg_sq) = match &self.nvme {
             Some(nvme) => {
@@ -120,9 +125,9 @@ impl<M: UnitModel> Engine<'_, M> {
         match &mut self.state.stage {
             StageState::ShardedParams { coordinator, .. } => {
                 coordinator.invalidate()?;
-                coordinator.shards_mut()[unit]
-                    .slice_mut(local)
-                    .copy_from(Slice::F32(master));
+                coordinator
+                    .shards_mut()
+                    .modify(unit, |s| s.slice_mut(local).copy_from(Slice::F32(master)))?;
             }
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
                 let at = updated.start + local.start..updated.start + local.end;
@@ -143,15 +148,19 @@ impl<M: UnitModel> Engine<'_, M> {
         self.gather_updated()
     }
 
-    /// fp32 training: the parameters over the updated part, which are their own master.
-    fn fp32_updated_params(&self, unit: usize) -> &[f32] {
+    /// fp32 training: the parameters over the updated part, which are their own master (read
+    /// from the parameter swap file under `offload_param` to NVMe).
+    fn fp32_updated_params(&self, unit: usize) -> Result<Cow<'_, [f32]>, EngineError> {
         let updated = self.units[unit].updated.clone();
-        match &self.state.stage {
-            StageState::ShardedParams { coordinator, .. } => f32_of(&coordinator.shards()[unit]),
+        Ok(match &self.state.stage {
+            StageState::ShardedParams { coordinator, .. } => match coordinator.shards() {
+                ShardStore::Memory(shards) => Cow::Borrowed(f32_of(&shards[unit])),
+                store => Cow::Owned(store.read(unit)?.into_f32().expect("f32 parameters")),
+            },
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
-                &f32_of(&params[unit])[updated]
+                Cow::Borrowed(&f32_of(&params[unit])[updated])
             }
-        }
+        })
     }
 }
 

@@ -1,0 +1,313 @@
+//! Stage 3: where a rank keeps its parameter shards between gathers.
+//!
+//! In memory ([`ShardStore::Memory`]: the device tier, or the host tier under
+//! `offload_param.device = "cpu"`, which on a machine without accelerators is the same DRAM charged
+//! to another budget), or in a swap file under `offload_param.nvme_path` ([`ShardStore::Nvme`],
+//! ZeRO-Infinity's parameter offload): a gather reads the shard from the file into one of a fixed
+//! set of staging buffers, which travels inside the all-gather and is free again once the gather
+//! completes. A shard changes only in the optimizer step, so forward and backward only read it;
+//! the step reads each unit's shard, updates it and writes it back, one unit at a time.
+
+use super::precision::FlatBuffer;
+use crate::comm::{Buffer, DType};
+use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
+use std::path::Path;
+
+/// The config key whose `nvme_path` the parameter swap file lives under (for its errors).
+const KEY: &str = "offload_param";
+
+/// A stage-3 rank's parameter shards, one per unit, in the parameters' dtype.
+pub enum ShardStore {
+    /// Every shard in memory.
+    Memory(Vec<Buffer>),
+    /// Every shard in the rank's parameter swap file (boxed: the file, its records and buffers
+    /// would make every stage's state as large).
+    Nvme(Box<SwappedShards>),
+}
+
+/// The shards in a swap file, read into staging buffers for gathers and updates.
+pub struct SwappedShards {
+    file: SwapFile,
+    dtype: DType,
+    /// Per unit: the 4-byte word its record starts at in the file, and its length in elements.
+    records: Vec<(usize, usize)>,
+    /// Free staging buffers, each with room for the longest shard; the others are inside gathers.
+    free: Vec<Buffer>,
+    /// Staging buffers in existence, free or not.
+    staging: usize,
+    /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one.
+    bounce: AlignedBuf,
+}
+
+/// 4-byte words of a record of `len` elements of `dtype`, padded to the direct-I/O alignment.
+fn record_words(dtype: DType, len: usize) -> usize {
+    (len * dtype.size()).div_ceil(4 * SWAP_ALIGN_ELEMS) * SWAP_ALIGN_ELEMS
+}
+
+/// Host bytes a parameter swap file streams through: `staging` buffers of the `longest` shard
+/// and the aligned bounce buffer direct I/O passes through.
+pub fn staging_bytes(dtype: DType, longest: usize, staging: usize) -> u64 {
+    (staging * longest * dtype.size() + record_words(dtype, longest) * 4) as u64
+}
+
+fn bytes_of(b: &Buffer) -> &[u8] {
+    match b {
+        Buffer::F32(v) => bytemuck::cast_slice(v),
+        Buffer::BF16(v) => bytemuck::cast_slice(v),
+        Buffer::F16(v) => bytemuck::cast_slice(v),
+    }
+}
+
+fn bytes_of_mut(b: &mut Buffer) -> &mut [u8] {
+    match b {
+        Buffer::F32(v) => bytemuck::cast_slice_mut(v),
+        Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
+        Buffer::F16(v) => bytemuck::cast_slice_mut(v),
+    }
+}
+
+impl SwappedShards {
+    /// A swap file under `dir` holding `shards` (which are written to it and dropped), read through
+    /// `staging` buffers of the longest shard.
+    pub fn new(
+        dir: &Path,
+        rank: usize,
+        shards: Vec<Buffer>,
+        staging: usize,
+    ) -> Result<SwappedShards, OffloadError> {
+        let dtype = shards.first().map_or(DType::F32, Buffer::dtype);
+        let mut records = Vec::with_capacity(shards.len());
+        let mut at = 0;
+        for s in &shards {
+            records.push((at, s.len()));
+            at += record_words(dtype, s.len());
+        }
+        let longest = shards.iter().map(Buffer::len).max().unwrap_or(0);
+        let file = SwapFile::create_for(dir, KEY, &format!("rank{rank}-params"), at)?;
+        let mut store = SwappedShards {
+            file,
+            dtype,
+            records,
+            free: (0..staging)
+                .map(|_| Buffer::zeros(dtype, longest))
+                .collect(),
+            staging,
+            bounce: AlignedBuf::zeroed(record_words(dtype, longest)),
+        };
+        for (u, s) in shards.iter().enumerate() {
+            store.store(u, s)?;
+        }
+        Ok(store)
+    }
+
+    /// Reads unit `unit`'s shard into `dst` (resized to the shard's length).
+    fn load(&mut self, unit: usize, dst: &mut Buffer) -> Result<(), OffloadError> {
+        let SwappedShards { file, bounce, .. } = self;
+        Self::load_via(file, &self.records, self.dtype, unit, dst, bounce)
+    }
+
+    /// [`SwappedShards::load`] through the aligned buffer `bounce` (as long as the record).
+    fn load_via(
+        file: &SwapFile,
+        records: &[(usize, usize)],
+        dtype: DType,
+        unit: usize,
+        dst: &mut Buffer,
+        bounce: &mut [f32],
+    ) -> Result<(), OffloadError> {
+        let (at, len) = records[unit];
+        let words = record_words(dtype, len);
+        file.read(at, &mut bounce[..words])?;
+        dst.resize_zeroed(len);
+        let n = len * dtype.size();
+        bytes_of_mut(dst).copy_from_slice(&bytemuck::cast_slice(&bounce[..words])[..n]);
+        Ok(())
+    }
+
+    /// Writes `src` as unit `unit`'s shard.
+    fn store(&mut self, unit: usize, src: &Buffer) -> Result<(), OffloadError> {
+        let (at, len) = self.records[unit];
+        debug_assert_eq!(src.len(), len);
+        let words = record_words(self.dtype, len);
+        let n = len * self.dtype.size();
+        bytemuck::cast_slice_mut(&mut self.bounce[..words])[..n].copy_from_slice(bytes_of(src));
+        self.file.write(at, &self.bounce[..words])
+    }
+
+    fn take_staging(&mut self) -> Buffer {
+        self.free
+            .pop()
+            .expect("the coordinator keeps its gathers within the staging buffers")
+    }
+
+    /// Host bytes of the staging buffers and the bounce buffer.
+    pub fn host_bytes(&self) -> u64 {
+        let longest = self.records.iter().map(|r| r.1).max().unwrap_or(0);
+        staging_bytes(self.dtype, longest, self.staging)
+    }
+
+    /// Bytes of the swap file.
+    pub fn file_bytes(&self) -> u64 {
+        let words: usize = self
+            .records
+            .iter()
+            .map(|&(_, len)| record_words(self.dtype, len))
+            .sum();
+        (words * 4) as u64
+    }
+
+    /// Bytes read from and written to the swap file so far.
+    pub fn traffic(&self) -> (u64, u64) {
+        (self.file.bytes_read(), self.file.bytes_written())
+    }
+}
+
+impl ShardStore {
+    /// Unit `unit`'s shard, to travel inside its gather: moved out of memory, or read from the swap
+    /// file into a staging buffer. Give it back with [`ShardStore::give_back`].
+    pub fn take(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
+        match self {
+            ShardStore::Memory(v) => Ok(std::mem::replace(&mut v[unit], Buffer::F32(Vec::new()))),
+            ShardStore::Nvme(s) => {
+                let mut b = s.take_staging();
+                match s.load(unit, &mut b) {
+                    Ok(()) => Ok(b),
+                    Err(e) => {
+                        s.free.push(b);
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Unit `unit`'s shard to be overwritten whole: [`ShardStore::take`] without reading the swap
+    /// file (its contents are unspecified there). Put it back with [`ShardStore::put_back`].
+    pub fn take_to_overwrite(&mut self, unit: usize) -> Buffer {
+        match self {
+            ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
+            ShardStore::Nvme(s) => {
+                let mut b = s.take_staging();
+                b.resize_zeroed(s.records[unit].1);
+                b
+            }
+        }
+    }
+
+    /// The shard [`ShardStore::take`] gave out, unchanged, back from its gather.
+    pub fn give_back(&mut self, unit: usize, shard: Buffer) {
+        match self {
+            ShardStore::Memory(v) => v[unit] = shard,
+            ShardStore::Nvme(s) => s.free.push(shard),
+        }
+    }
+
+    /// A shard [`ShardStore::take`] gave out, changed: kept as unit `unit`'s shard (written to the
+    /// swap file under NVMe offload, its staging buffer free again either way).
+    pub fn put_back(&mut self, unit: usize, shard: Buffer) -> Result<(), OffloadError> {
+        match self {
+            ShardStore::Memory(v) => {
+                v[unit] = shard;
+                Ok(())
+            }
+            ShardStore::Nvme(s) => {
+                let stored = s.store(unit, &shard);
+                s.free.push(shard);
+                stored
+            }
+        }
+    }
+
+    /// Whether another shard can be taken now (a staging buffer is free).
+    pub fn can_take(&self) -> bool {
+        match self {
+            ShardStore::Memory(_) => true,
+            ShardStore::Nvme(s) => !s.free.is_empty(),
+        }
+    }
+
+    /// A copy of unit `unit`'s shard (for checkpoints and full-parameter reads: under NVMe
+    /// offload it reads through a buffer of its own, so that it needs no `&mut`).
+    pub fn read(&self, unit: usize) -> Result<Buffer, OffloadError> {
+        match self {
+            ShardStore::Memory(v) => Ok(v[unit].clone()),
+            ShardStore::Nvme(s) => {
+                let mut b = Buffer::zeros(s.dtype, 0);
+                let mut bounce = AlignedBuf::zeroed(record_words(s.dtype, s.records[unit].1));
+                SwappedShards::load_via(&s.file, &s.records, s.dtype, unit, &mut b, &mut bounce)?;
+                Ok(b)
+            }
+        }
+    }
+
+    /// Runs `f` on unit `unit`'s shard and keeps what it leaves there (read from and written back
+    /// to the swap file under NVMe offload). Every shard must be home (no gather in flight).
+    pub fn modify<R>(
+        &mut self,
+        unit: usize,
+        f: impl FnOnce(&mut Buffer) -> R,
+    ) -> Result<R, OffloadError> {
+        let mut shard = self.take(unit)?;
+        let out = f(&mut shard);
+        self.put_back(unit, shard)?;
+        Ok(out)
+    }
+
+    /// Bytes read from and written to the parameter swap file so far (`(0, 0)` in memory).
+    pub fn traffic(&self) -> (u64, u64) {
+        match self {
+            ShardStore::Memory(_) => (0, 0),
+            ShardStore::Nvme(s) => s.traffic(),
+        }
+    }
+
+    /// The dtype of the shards.
+    pub fn dtype(&self) -> DType {
+        match self {
+            ShardStore::Memory(v) => v.first().map_or(DType::F32, Buffer::dtype),
+            ShardStore::Nvme(s) => s.dtype,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zero::precision::buffer_from_f32;
+
+    #[test]
+    fn swapped_shards_round_trip_through_the_file_in_every_dtype() {
+        let dir = tempfile::tempdir().unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let shards: Vec<Buffer> = [3usize, 2000, 1]
+                .iter()
+                .map(|&n| {
+                    let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 7.0).collect();
+                    buffer_from_f32(dtype, &v)
+                })
+                .collect();
+            let s = SwappedShards::new(dir.path(), 0, shards.clone(), 2).unwrap();
+            let mut store = ShardStore::Nvme(Box::new(s));
+            for (u, want) in shards.iter().enumerate() {
+                assert_eq!(&store.read(u).unwrap(), want);
+            }
+            // Two takes exhaust two staging buffers; giving one back frees one.
+            let a = store.take(1).unwrap();
+            let b = store.take(0).unwrap();
+            assert_eq!((&a, &b), (&shards[1], &shards[0]));
+            assert!(!store.can_take());
+            store.give_back(1, a);
+            assert!(store.can_take());
+            store.give_back(0, b);
+            store
+                .modify(2, |b| {
+                    b.all_mut().copy_from(buffer_from_f32(dtype, &[5.0]).all())
+                })
+                .unwrap();
+            assert_eq!(store.read(2).unwrap(), buffer_from_f32(dtype, &[5.0]));
+            assert_eq!(store.read(1).unwrap(), shards[1]);
+        }
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
