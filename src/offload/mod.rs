@@ -23,7 +23,7 @@ use std::time::Instant;
 pub fn sequential_speed(dir: &Path, bytes: usize) -> Result<(f64, f64), OffloadError> {
     const REQUEST: usize = 4 << 20; // elements: 16 MiB
     let elems = bytes.div_ceil(4).div_ceil(REQUEST) * REQUEST;
-    let mut file = SwapFile::create_for(dir, "offload_optimizer", "speed-probe", elems)?;
+    let file = SwapFile::create_for(dir, "offload_optimizer", "speed-probe", elems)?;
     let mut buf = AlignedBuf::zeroed(REQUEST);
     buf.iter_mut().enumerate().for_each(|(i, x)| *x = i as f32);
     let t = Instant::now();

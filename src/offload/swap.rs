@@ -192,7 +192,7 @@ impl SwapFile {
     }
 
     /// Writes `src` (a multiple of the alignment, aligned) at element `at`.
-    pub fn write(&mut self, at: usize, src: &[f32]) -> Result<(), OffloadError> {
+    pub fn write(&self, at: usize, src: &[f32]) -> Result<(), OffloadError> {
         let off = (at * 4) as u64;
         let bytes: &[u8] = bytemuck::cast_slice(src);
         self.file
@@ -233,7 +233,7 @@ mod tests {
     #[test]
     fn records_round_trip_and_the_file_goes_with_the_swap() {
         let dir = tempfile::tempdir().unwrap();
-        let mut s = SwapFile::create(dir.path(), 3, 3000).unwrap();
+        let s = SwapFile::create(dir.path(), 3, 3000).unwrap();
         let path = s.path().to_path_buf();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), 3 * 4096);
         let mut a = AlignedBuf::zeroed(2048);

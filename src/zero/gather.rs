@@ -203,6 +203,7 @@ impl Coordinator {
         }
         self.issued_upto = self.issued_upto.max(pos + 1);
         self.prefetch(pos, comm, ledger)?;
+        self.read_ahead();
         for i in 0..self.needs[pos].len() {
             let u = self.needs[pos][i];
             self.wait(u)?;
@@ -236,7 +237,7 @@ impl Coordinator {
                 let size = self.padded[u];
                 if ahead + size > self.prefetch_limit
                     || self.live + size > self.pool.limit
-                    || !self.shards.can_take()
+                    || !self.shards.can_take(u)
                 {
                     return Ok(());
                 }
@@ -246,6 +247,18 @@ impl Coordinator {
             self.issued_upto = j + 1;
         }
         Ok(())
+    }
+
+    /// Under NVMe parameter offload, start reading the shard of the next unit to be gathered (the
+    /// first released unit of the visits not yet issued), so that the read overlaps this visit.
+    fn read_ahead(&mut self) {
+        let next = self.needs[self.issued_upto.min(self.needs.len())..]
+            .iter()
+            .flatten()
+            .find(|&&u| matches!(self.residency[u], Residency::Released));
+        if let Some(&u) = next {
+            self.shards.read_ahead(u);
+        }
     }
 
     /// Release visit `pos`'s units unless they persist or the next visit needs them (FSDP2's
@@ -280,6 +293,7 @@ impl Coordinator {
             self.wait(u)?;
             self.drop_unit(u);
         }
+        self.shards.settle();
         self.issued_upto = 0;
         Ok(())
     }

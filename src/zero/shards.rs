@@ -7,11 +7,18 @@
 //! set of staging buffers, which travels inside the all-gather and is free again once the gather
 //! completes. A shard changes only in the optimizer step, so forward and backward only read it;
 //! the step reads each unit's shard, updates it and writes it back, one unit at a time.
+//!
+//! Reads overlap compute: the coordinator names the next unit it will gather
+//! ([`ShardStore::read_ahead`]) and a thread reads that shard into a free staging buffer while the
+//! current visit computes; the gather then takes it ready. A read ahead is discarded when the
+//! shards are about to change ([`ShardStore::settle`]) and when a demand fetch needs its buffer.
 
 use super::precision::FlatBuffer;
 use crate::comm::{Buffer, DType};
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use std::path::Path;
+use std::sync::Arc;
+use std::thread::JoinHandle;
 
 /// The config key whose `nvme_path` the parameter swap file lives under (for its errors).
 const KEY: &str = "offload_param";
@@ -27,7 +34,8 @@ pub enum ShardStore {
 
 /// The shards in a swap file, read into staging buffers for gathers and updates.
 pub struct SwappedShards {
-    file: SwapFile,
+    /// Shared with the read-ahead thread (reads and writes are positioned, `pread`/`pwrite`).
+    file: Arc<SwapFile>,
     dtype: DType,
     /// Per unit: the 4-byte word its record starts at in the file, and its length in elements.
     records: Vec<(usize, usize)>,
@@ -37,6 +45,17 @@ pub struct SwappedShards {
     staging: usize,
     /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one.
     bounce: AlignedBuf,
+    /// The read-ahead's own bounce buffer, here while no read ahead is in flight.
+    spare: Option<AlignedBuf>,
+    /// The read ahead in flight, if any.
+    ahead: Option<ReadAhead>,
+}
+
+/// A shard being read on a thread of its own: the unit, and the thread, which hands back the
+/// staging buffer, the bounce buffer and whether the read succeeded.
+struct ReadAhead {
+    unit: usize,
+    thread: JoinHandle<(Buffer, AlignedBuf, Result<(), OffloadError>)>,
 }
 
 /// 4-byte words of a record of `len` elements of `dtype`, padded to the direct-I/O alignment.
@@ -45,9 +64,10 @@ fn record_words(dtype: DType, len: usize) -> usize {
 }
 
 /// Host bytes a parameter swap file streams through: `staging` buffers of the `longest` shard
-/// and the aligned bounce buffer direct I/O passes through.
+/// and the two aligned bounce buffers direct I/O passes through (the compute thread's and the
+/// read-ahead's).
 pub fn staging_bytes(dtype: DType, longest: usize, staging: usize) -> u64 {
-    (staging * longest * dtype.size() + record_words(dtype, longest) * 4) as u64
+    (staging * longest * dtype.size() + 2 * record_words(dtype, longest) * 4) as u64
 }
 
 fn bytes_of(b: &Buffer) -> &[u8] {
@@ -85,7 +105,7 @@ impl SwappedShards {
         let longest = shards.iter().map(Buffer::len).max().unwrap_or(0);
         let file = SwapFile::create_for(dir, KEY, &format!("rank{rank}-params"), at)?;
         let mut store = SwappedShards {
-            file,
+            file: Arc::new(file),
             dtype,
             records,
             free: (0..staging)
@@ -93,6 +113,8 @@ impl SwappedShards {
                 .collect(),
             staging,
             bounce: AlignedBuf::zeroed(record_words(dtype, longest)),
+            spare: Some(AlignedBuf::zeroed(record_words(dtype, longest))),
+            ahead: None,
         };
         for (u, s) in shards.iter().enumerate() {
             store.store(u, s)?;
@@ -103,27 +125,104 @@ impl SwappedShards {
     /// Reads unit `unit`'s shard into `dst` (resized to the shard's length).
     fn load(&mut self, unit: usize, dst: &mut Buffer) -> Result<(), OffloadError> {
         let SwappedShards { file, bounce, .. } = self;
-        Self::load_via(file, &self.records, self.dtype, unit, dst, bounce)
+        load_via(file, self.records[unit], self.dtype, dst, bounce)
     }
 
-    /// [`SwappedShards::load`] through the aligned buffer `bounce` (as long as the record).
-    fn load_via(
-        file: &SwapFile,
-        records: &[(usize, usize)],
-        dtype: DType,
-        unit: usize,
-        dst: &mut Buffer,
-        bounce: &mut [f32],
-    ) -> Result<(), OffloadError> {
-        let (at, len) = records[unit];
-        let words = record_words(dtype, len);
-        file.read(at, &mut bounce[..words])?;
-        dst.resize_zeroed(len);
-        let n = len * dtype.size();
-        bytes_of_mut(dst).copy_from_slice(&bytemuck::cast_slice(&bounce[..words])[..n]);
-        Ok(())
+    /// Starts reading unit `unit`'s shard on a thread, when no read ahead is in flight and a
+    /// staging buffer is free.
+    fn start_read_ahead(&mut self, unit: usize) {
+        if self.ahead.is_some() || self.free.is_empty() {
+            return;
+        }
+        let Some(mut bounce) = self.spare.take() else {
+            return;
+        };
+        let mut dst = self.take_staging();
+        let (file, record, dtype) = (self.file.clone(), self.records[unit], self.dtype);
+        let spawned = std::thread::Builder::new()
+            .name("zerodp-param-read".into())
+            .spawn(move || {
+                let r = load_via(&file, record, dtype, &mut dst, &mut bounce);
+                (dst, bounce, r)
+            });
+        // Without a thread the gather reads the shard itself; the buffers went with the closure,
+        // so allocate their like again (a failed spawn is rare: out of threads).
+        match spawned {
+            Ok(thread) => self.ahead = Some(ReadAhead { unit, thread }),
+            Err(_) => {
+                let longest = self.records.iter().map(|r| r.1).max().unwrap_or(0);
+                self.free.push(Buffer::zeros(self.dtype, longest));
+                self.spare = Some(AlignedBuf::zeroed(record_words(self.dtype, longest)));
+            }
+        }
     }
 
+    /// Waits for the read ahead in flight (if any): the shard it read, or its error (the staging
+    /// buffer then free again); the bounce buffer back either way.
+    fn join_read_ahead(&mut self) -> Option<Result<Buffer, OffloadError>> {
+        let ReadAhead { thread, .. } = self.ahead.take()?;
+        let (buf, bounce, r) = thread
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        self.spare = Some(bounce);
+        Some(match r {
+            Ok(()) => Ok(buf),
+            Err(e) => {
+                self.free.push(buf);
+                Err(e)
+            }
+        })
+    }
+
+    /// Discards the read ahead in flight (if any), its staging buffer free again. Its error, if
+    /// it had one, is dropped with its data: the next read of that shard meets the disk again.
+    fn discard_read_ahead(&mut self) {
+        if let Some(Ok(buf)) = self.join_read_ahead() {
+            self.free.push(buf);
+        }
+    }
+
+    /// Unit `unit`'s shard in a staging buffer: the read ahead's if it was this unit's, else read
+    /// now (discarding another unit's read ahead when it holds the last free buffer).
+    fn fetch(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
+        if self.ahead.as_ref().is_some_and(|a| a.unit == unit) {
+            if let Some(r) = self.join_read_ahead() {
+                return r;
+            }
+        }
+        if self.free.is_empty() {
+            self.discard_read_ahead();
+        }
+        let mut b = self.take_staging();
+        match self.load(unit, &mut b) {
+            Ok(()) => Ok(b),
+            Err(e) => {
+                self.free.push(b);
+                Err(e)
+            }
+        }
+    }
+}
+
+/// Reads the shard of `record` (`(word offset, elements)`) into `dst` (resized to the shard's
+/// length) through the aligned buffer `bounce` (as long as the record).
+fn load_via(
+    file: &SwapFile,
+    record: (usize, usize),
+    dtype: DType,
+    dst: &mut Buffer,
+    bounce: &mut [f32],
+) -> Result<(), OffloadError> {
+    let (at, len) = record;
+    let words = record_words(dtype, len);
+    file.read(at, &mut bounce[..words])?;
+    dst.resize_zeroed(len);
+    let n = len * dtype.size();
+    bytes_of_mut(dst).copy_from_slice(&bytemuck::cast_slice(&bounce[..words])[..n]);
+    Ok(())
+}
+
+impl SwappedShards {
     /// Writes `src` as unit `unit`'s shard.
     fn store(&mut self, unit: usize, src: &Buffer) -> Result<(), OffloadError> {
         let (at, len) = self.records[unit];
@@ -168,16 +267,7 @@ impl ShardStore {
     pub fn take(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
         match self {
             ShardStore::Memory(v) => Ok(std::mem::replace(&mut v[unit], Buffer::F32(Vec::new()))),
-            ShardStore::Nvme(s) => {
-                let mut b = s.take_staging();
-                match s.load(unit, &mut b) {
-                    Ok(()) => Ok(b),
-                    Err(e) => {
-                        s.free.push(b);
-                        Err(e)
-                    }
-                }
-            }
+            ShardStore::Nvme(s) => s.fetch(unit),
         }
     }
 
@@ -187,6 +277,9 @@ impl ShardStore {
         match self {
             ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
             ShardStore::Nvme(s) => {
+                if s.free.is_empty() {
+                    s.discard_read_ahead();
+                }
                 let mut b = s.take_staging();
                 b.resize_zeroed(s.records[unit].1);
                 b
@@ -218,11 +311,30 @@ impl ShardStore {
         }
     }
 
-    /// Whether another shard can be taken now (a staging buffer is free).
-    pub fn can_take(&self) -> bool {
+    /// Whether unit `unit`'s shard can be taken now without waiting for a buffer: a staging
+    /// buffer is free, or the read ahead is this unit's.
+    pub fn can_take(&self, unit: usize) -> bool {
         match self {
             ShardStore::Memory(_) => true,
-            ShardStore::Nvme(s) => !s.free.is_empty(),
+            ShardStore::Nvme(s) => {
+                !s.free.is_empty() || s.ahead.as_ref().is_some_and(|a| a.unit == unit)
+            }
+        }
+    }
+
+    /// Starts reading unit `unit`'s shard on a thread of its own, to be taken by its gather (under
+    /// NVMe offload, when no other read ahead is in flight and a staging buffer is free; nothing
+    /// in memory).
+    pub fn read_ahead(&mut self, unit: usize) {
+        if let ShardStore::Nvme(s) = self {
+            s.start_read_ahead(unit);
+        }
+    }
+
+    /// Discards any read ahead: the shards are about to change (or be read for an update).
+    pub fn settle(&mut self) {
+        if let ShardStore::Nvme(s) = self {
+            s.discard_read_ahead();
         }
     }
 
@@ -234,7 +346,7 @@ impl ShardStore {
             ShardStore::Nvme(s) => {
                 let mut b = Buffer::zeros(s.dtype, 0);
                 let mut bounce = AlignedBuf::zeroed(record_words(s.dtype, s.records[unit].1));
-                SwappedShards::load_via(&s.file, &s.records, s.dtype, unit, &mut b, &mut bounce)?;
+                load_via(&s.file, s.records[unit], s.dtype, &mut b, &mut bounce)?;
                 Ok(b)
             }
         }
@@ -270,6 +382,14 @@ impl ShardStore {
     }
 }
 
+impl Drop for SwappedShards {
+    /// The read-ahead thread holds the file too: join it, so that the file is gone when the store
+    /// is.
+    fn drop(&mut self) {
+        self.discard_read_ahead();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -295,10 +415,25 @@ mod tests {
             let a = store.take(1).unwrap();
             let b = store.take(0).unwrap();
             assert_eq!((&a, &b), (&shards[1], &shards[0]));
-            assert!(!store.can_take());
+            assert!(!store.can_take(2));
             store.give_back(1, a);
-            assert!(store.can_take());
+            assert!(store.can_take(2));
             store.give_back(0, b);
+            // A read ahead is taken ready by its unit's fetch, and is discarded when another
+            // unit needs its buffer.
+            store.read_ahead(1);
+            assert!(store.can_take(1));
+            let a = store.take(1).unwrap();
+            assert_eq!(a, shards[1]);
+            store.read_ahead(0);
+            assert!(!store.can_take(2) && store.can_take(0));
+            let c = store.take(2).unwrap();
+            assert_eq!(c, shards[2]);
+            store.give_back(1, a);
+            store.give_back(2, c);
+            store.read_ahead(0);
+            store.settle();
+            assert!(store.can_take(2));
             store
                 .modify(2, |b| {
                     b.all_mut().copy_from(buffer_from_f32(dtype, &[5.0]).all())
