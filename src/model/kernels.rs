@@ -99,17 +99,25 @@ fn lit<T: Real>(x: f64) -> T {
     T::from_f64(x)
 }
 
-/// Runs an element-wise loop compiled for AVX2 (8 lanes) when the CPU has it, else as built
-/// (SSE2 on x86-64). `f` is inlined into the AVX2 function, so that its loop is vectorised at
-/// that width; no FMA is enabled, so both builds give the same bits (Rust never contracts
-/// `a * b + c` on its own).
+/// Runs an element-wise loop compiled for AVX-512 (16 lanes) or AVX2 (8 lanes) when the CPU has
+/// it, else as built (SSE2 on x86-64). `f` is inlined into the wide function, so that its loop is
+/// vectorised at that width; every build gives the same bits (Rust never contracts `a * b + c`
+/// into a fused multiply-add on its own, and the lane sums fix their order in the source).
 #[inline(always)]
 fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
+        #[target_feature(enable = "avx512f")]
+        unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
+            f()
+        }
         #[target_feature(enable = "avx2")]
         unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
+        }
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked just above).
+            return unsafe { avx512(f) };
         }
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2 (checked just above).
@@ -919,7 +927,7 @@ fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
 
 #[cfg(test)]
 mod tests {
-    use super::exp_f32;
+    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide};
 
     /// The distance between `y` and the next f32 away from zero.
     fn ulp(y: f32) -> f64 {
@@ -943,6 +951,28 @@ mod tests {
         }
         assert!(worst <= 2.0, "worst error {worst} ulp");
         assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    /// The element-wise loops give the same bits at every vector width `wide` picks (AVX-512,
+    /// AVX2) as one element at a time in the baseline build: GELU and its gradient (through
+    /// `exp_f32`), and the fixed-order lane sums.
+    #[test]
+    fn wide_loops_equal_the_scalar_baseline_bit_for_bit() {
+        #[inline(never)]
+        fn scalar(x: &[f32]) -> (Vec<u32>, Vec<u32>, u32) {
+            let y = x.iter().map(|&v| gelu(v).to_bits()).collect();
+            let g = x.iter().map(|&v| gelu_grad(v).to_bits()).collect();
+            (y, g, lane_sum(x, |v| v * v).to_bits())
+        }
+        let x: Vec<f32> = (0..10_007)
+            .map(|i| ((i as f32) * 0.618_034).sin() * 9.0 - (i % 7) as f32)
+            .collect();
+        let wide_out = wide(|| {
+            let y: Vec<u32> = x.iter().map(|&v| gelu(v).to_bits()).collect();
+            let g: Vec<u32> = x.iter().map(|&v| gelu_grad(v).to_bits()).collect();
+            (y, g, lane_sum(&x, |v| v * v).to_bits())
+        });
+        assert!(wide_out == scalar(&x));
     }
 
     #[test]
