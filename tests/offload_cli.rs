@@ -145,6 +145,34 @@ impl MemoryCgroup {
     }
 }
 
+/// A memory cgroup of `limit` bytes, a temporary directory and its `swap` folder; None (saying
+/// the test is skipped) where cgroups cannot be made.
+fn limited_setup(limit: u64, tag: &str) -> Option<(MemoryCgroup, tempfile::TempDir, PathBuf)> {
+    let Some(cg) = MemoryCgroup::new(limit, tag) else {
+        eprintln!(
+            "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
+        );
+        return None;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let swap = dir.path().join("swap");
+    std::fs::create_dir(&swap).unwrap();
+    Some((cg, dir, swap))
+}
+
+/// Two steps of the 151M-parameter GPT (12 layers, width 1024) on one rank, in the cgroup `cg`.
+fn train_151m_in(cg: &MemoryCgroup, config: &Path, data: &Path) -> Output {
+    let cmd = format!(
+        "echo $$ > {}/cgroup.procs && exec {} train --no-progress --steps 2 --layers 12 \
+         --width 1024 --heads 16 --context 128 --config {} --data {}",
+        cg.dir.display(),
+        env!("CARGO_BIN_EXE_zerodp"),
+        config.display(),
+        data.display()
+    );
+    Command::new("sh").args(["-c", &cmd]).output().unwrap()
+}
+
 impl Drop for MemoryCgroup {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir(&self.dir);
@@ -158,15 +186,9 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
     // process holds about 1.6 GB (bf16 parameter and gradient shards, the master, buffers,
     // activations).
     let limit = 1_700_000_000u64;
-    let Some(cg) = MemoryCgroup::new(limit, "opt") else {
-        eprintln!(
-            "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
-        );
+    let Some((cg, dir, swap)) = limited_setup(limit, "opt") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let swap = dir.path().join("swap");
-    std::fs::create_dir(&swap).unwrap();
     let zero = r#""stage": 3, "reduce_bucket_size": 1e6, "stage3_max_live_parameters": 1e7,
         "stage3_prefetch_bucket_size": 1e6, "stage3_max_reuse_distance": 0,
         "sub_group_size": 1e6"#;
@@ -187,17 +209,7 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
         ),
     );
     let data = text(dir.path());
-    let run = |config: &Path| {
-        let cmd = format!(
-            "echo $$ > {}/cgroup.procs && exec {} train --no-progress --steps 2 --layers 12 \
-             --width 1024 --heads 16 --context 128 --config {} --data {}",
-            cg.dir.display(),
-            env!("CARGO_BIN_EXE_zerodp"),
-            config.display(),
-            data.display()
-        );
-        Command::new("sh").args(["-c", &cmd]).output().unwrap()
-    };
+    let run = |config: &Path| train_151m_in(&cg, config, &data);
     let out = run(&plain);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
@@ -218,18 +230,13 @@ fn nvme_offload_trains_under_a_memory_limit_its_optimizer_states_exceed() {
 fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
     // The same 151M-parameter GPT with m and v on NVMe needs about 1.57 GB by the pre-flight's
     // count (the process peaks near 1.49 GB); with the parameter shards on NVMe too (ZeRO-Infinity)
-    // their 303 MB leave memory for five staging buffers of the longest shard (151 MB), and the
-    // pre-flight counts 1.42 GB (the process peaks near 1.34 GB). The limit sits between.
+    // their 303 MB leave memory for five staging buffers of the longest shard and two bounce
+    // buffers (176 MB), and the pre-flight counts 1.45 GB (the process peaks near 1.36 GB). The
+    // limit sits between.
     let limit = 1_500_000_000u64;
-    let Some(cg) = MemoryCgroup::new(limit, "param") else {
-        eprintln!(
-            "skipped: cannot create a memory cgroup here (needs root and a writable cgroup fs)"
-        );
+    let Some((cg, dir, swap)) = limited_setup(limit, "param") else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let swap = dir.path().join("swap");
-    std::fs::create_dir(&swap).unwrap();
     let nvme = format!(r#"{{"device": "nvme", "nvme_path": "{}"}}"#, swap.display());
     let zero = format!(
         r#""stage": 3, "reduce_bucket_size": 1e6, "stage3_max_live_parameters": 1e7,
@@ -249,17 +256,7 @@ fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
         &format!(r#"{{ {head}, "zero_optimization": {{ {zero}, "offload_param": {nvme} }} }}"#),
     );
     let data = text(dir.path());
-    let run = |config: &Path| {
-        let cmd = format!(
-            "echo $$ > {}/cgroup.procs && exec {} train --no-progress --steps 2 --layers 12 \
-             --width 1024 --heads 16 --context 128 --config {} --data {}",
-            cg.dir.display(),
-            env!("CARGO_BIN_EXE_zerodp"),
-            config.display(),
-            data.display()
-        );
-        Command::new("sh").args(["-c", &cmd]).output().unwrap()
-    };
+    let run = |config: &Path| train_151m_in(&cg, config, &data);
     let out = run(&opt);
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
