@@ -131,7 +131,7 @@ impl SwappedShards {
     /// Starts reading unit `unit`'s shard on a thread, when no read ahead is in flight and a
     /// staging buffer is free.
     fn start_read_ahead(&mut self, unit: usize) {
-        if self.ahead.is_some() || self.free.is_empty() {
+        if self.ahead.is_some() || self.free.is_empty() || unit >= self.records.len() {
             return;
         }
         let Some(mut bounce) = self.spare.take() else {

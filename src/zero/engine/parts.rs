@@ -2,7 +2,8 @@
 //! part and their reduced gradient. At stages 0-2 both are in memory; at stage 3 the parameter
 //! shard is taken out of the [`ShardStore`] for its unit's update (read from the parameter swap
 //! file under `offload_param` to NVMe) and put back, written, before the next unit's is taken, so
-//! that at most one shard is out at a time.
+//! that at most one shard is out at a time; where the shards must be read (fp32), the next unit's
+//! is read ahead on a thread while this one is updated.
 
 use super::UnitState;
 use crate::comm::Buffer;
@@ -98,6 +99,11 @@ impl<'s> UpdateParts<'s> {
                         false => store.take(unit)?,
                     };
                     *out = Some((unit, shard));
+                    if !*overwritten {
+                        // The next unit's shard is read while this one is updated (units are
+                        // updated in order).
+                        store.read_ahead(unit + 1);
+                    }
                 }
                 let shard = &mut out.as_mut().expect("taken above").1;
                 Ok((shard.all_mut(), grad_shards.slice(layout.shard_slot(unit))))
@@ -109,10 +115,14 @@ impl<'s> UpdateParts<'s> {
     pub(super) fn finish(self) -> Result<(), OffloadError> {
         match self {
             UpdateParts::Resident(_) => Ok(()),
-            UpdateParts::Sharded { store, out, .. } => match out {
-                Some((u, shard)) => store.put_back(u, shard),
-                None => Ok(()),
-            },
+            UpdateParts::Sharded { store, out, .. } => {
+                let put = match out {
+                    Some((u, shard)) => store.put_back(u, shard),
+                    None => Ok(()),
+                };
+                store.settle();
+                put
+            }
         }
     }
 }
