@@ -45,6 +45,19 @@ pub fn sequential_speed(dir: &Path, bytes: usize) -> Result<(f64, f64), OffloadE
 /// the stream buffers as large as the states they keep out of memory.
 pub const MAX_STREAM_CHUNK: usize = 1 << 24;
 
+impl OffloadError {
+    /// The thread doing `op` on the swap file `path` stopped with a panic (its I/O is lost).
+    pub fn io_thread_panicked(path: &Path, op: &'static str) -> OffloadError {
+        OffloadError::Io {
+            path: path.to_path_buf(),
+            op,
+            bytes: 0,
+            offset: 0,
+            source: std::io::Error::other("the I/O thread stopped with a panic"),
+        }
+    }
+}
+
 /// An offload tier could not be set up or used. Every message says what, where and how to fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum OffloadError {

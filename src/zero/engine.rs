@@ -1076,7 +1076,7 @@ fn coordinator(
             buffer_count,
             buffer_size,
         } => {
-            let longest = layout.units.iter().map(|u| u.shard_len).max().unwrap_or(0);
+            let longest = layout.longest_shard();
             if longest > *buffer_size {
                 return Err(EngineError::Config(format!(
                     "offload_param.buffer_size is {buffer_size} elements but the longest \
@@ -1118,7 +1118,7 @@ pub fn param_staging_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
     match (&cfg.offload_param, cfg.stage.shards_params()) {
         (ParamTier::Nvme { buffer_count, .. }, true) => {
             let layout = FlatLayout::new(spec, cfg.world_size, 0);
-            let longest = layout.units.iter().map(|u| u.shard_len).max().unwrap_or(0);
+            let longest = layout.longest_shard();
             let staging = param_staging_count(spec, *buffer_count);
             super::shards::staging_bytes(cfg.param_dtype, longest, staging)
         }

@@ -78,6 +78,10 @@ impl FlatLayout {
         }
     }
 
+    /// Elements of the longest shard of any unit (0 without units).
+    pub fn longest_shard(&self) -> usize {
+        self.units.iter().map(|u| u.shard_len).max().unwrap_or(0)
+    }
     pub fn num_units(&self) -> usize {
         self.units.len()
     }

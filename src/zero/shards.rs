@@ -43,6 +43,8 @@ pub struct SwappedShards {
     free: Vec<Buffer>,
     /// Staging buffers in existence, free or not.
     staging: usize,
+    /// Elements of the longest shard: the length of every staging buffer.
+    longest: usize,
     /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one.
     bounce: AlignedBuf,
     /// The read-ahead's own bounce buffer, here while no read ahead is in flight.
@@ -108,14 +110,14 @@ impl SwappedShards {
             file: Arc::new(file),
             dtype,
             records,
-            free: (0..staging)
-                .map(|_| Buffer::zeros(dtype, longest))
-                .collect(),
+            free: Vec::with_capacity(staging),
             staging,
+            longest,
             bounce: AlignedBuf::zeroed(record_words(dtype, longest)),
             spare: Some(AlignedBuf::zeroed(record_words(dtype, longest))),
             ahead: None,
         };
+        store.free = (0..staging).map(|_| store.new_staging()).collect();
         for (u, s) in shards.iter().enumerate() {
             store.store(u, s)?;
         }
@@ -145,25 +147,35 @@ impl SwappedShards {
                 let r = load_via(&file, record, dtype, &mut dst, &mut bounce);
                 (dst, bounce, r)
             });
-        // Without a thread the gather reads the shard itself; the buffers went with the closure,
-        // so allocate their like again (a failed spawn is rare: out of threads).
+        // Without a thread the gather reads the shard itself (a failed spawn is rare: out of
+        // threads).
         match spawned {
             Ok(thread) => self.ahead = Some(ReadAhead { unit, thread }),
-            Err(_) => {
-                let longest = self.records.iter().map(|r| r.1).max().unwrap_or(0);
-                self.free.push(Buffer::zeros(self.dtype, longest));
-                self.spare = Some(AlignedBuf::zeroed(record_words(self.dtype, longest)));
-            }
+            Err(_) => self.replace_lost_buffers(),
         }
+    }
+
+    /// A zeroed staging buffer with room for the longest shard.
+    fn new_staging(&self) -> Buffer {
+        Buffer::zeros(self.dtype, self.longest)
+    }
+
+    /// The read ahead's staging and bounce buffers went with a thread that never gave them back
+    /// (it could not start, or it panicked): allocate their like again.
+    fn replace_lost_buffers(&mut self) {
+        self.free.push(self.new_staging());
+        self.spare = Some(AlignedBuf::zeroed(record_words(self.dtype, self.longest)));
     }
 
     /// Waits for the read ahead in flight (if any): the shard it read, or its error (the staging
     /// buffer then free again); the bounce buffer back either way.
     fn join_read_ahead(&mut self) -> Option<Result<Buffer, OffloadError>> {
         let ReadAhead { thread, .. } = self.ahead.take()?;
-        let (buf, bounce, r) = thread
-            .join()
-            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        let Ok((buf, bounce, r)) = thread.join() else {
+            self.replace_lost_buffers();
+            let e = OffloadError::io_thread_panicked(self.file.path(), "read ahead");
+            return Some(Err(e));
+        };
         self.spare = Some(bounce);
         Some(match r {
             Ok(()) => Ok(buf),
@@ -233,16 +245,23 @@ impl SwappedShards {
         self.file.write(at, &self.bounce[..words])
     }
 
+    /// A free staging buffer. The coordinator keeps its gathers within the staging buffers, so
+    /// one is always free; should that ever fail, the pool grows by one (and `host_bytes` says
+    /// so) rather than the step stopping.
     fn take_staging(&mut self) -> Buffer {
-        self.free
-            .pop()
-            .expect("the coordinator keeps its gathers within the staging buffers")
+        match self.free.pop() {
+            Some(b) => b,
+            None => {
+                debug_assert!(false, "no free staging buffer");
+                self.staging += 1;
+                self.new_staging()
+            }
+        }
     }
 
-    /// Host bytes of the staging buffers and the bounce buffer.
+    /// Host bytes of the staging buffers and the bounce buffers.
     pub fn host_bytes(&self) -> u64 {
-        let longest = self.records.iter().map(|r| r.1).max().unwrap_or(0);
-        staging_bytes(self.dtype, longest, self.staging)
+        staging_bytes(self.dtype, self.longest, self.staging)
     }
 
     /// Bytes of the swap file.

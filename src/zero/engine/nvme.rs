@@ -125,7 +125,7 @@ impl NvmeMoments {
         };
         let n = chunks.len();
         let ring = self.sets.len();
-        let file = &mut self.file;
+        let file = &self.file;
         // Chunk j lives in set j % ring. Before the first update, read the first ring-1 chunks.
         for (j, &c) in chunks.iter().enumerate().take(ring - 1) {
             read_chunk(file, place(c), &mut self.sets[j])?;
@@ -137,22 +137,21 @@ impl NvmeMoments {
             let (cur, other) = two_mut(&mut self.sets, k % ring, io_set);
             let behind = k.checked_sub(1).map(|j| place(chunks[j]));
             let ahead = chunks.get(k + ring - 1).map(|&c| place(c));
-            let io = &mut *file;
             std::thread::scope(|s| {
                 let worker = s.spawn(move || -> Result<(), OffloadError> {
                     if let Some(p) = behind {
-                        write_chunk(io, p, other)?;
+                        write_chunk(file, p, other)?;
                     }
                     if let Some(p) = ahead {
-                        read_chunk(io, p, other)?;
+                        read_chunk(file, p, other)?;
                     }
                     Ok(())
                 });
                 let [m, v] = cur;
                 let updated = f(u, off..off + n_elems, &mut m[..n_elems], &mut v[..n_elems]);
-                worker
-                    .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e))?;
+                worker.join().unwrap_or_else(|_| {
+                    Err(OffloadError::io_thread_panicked(file.path(), "stream"))
+                })?;
                 updated
             })?;
         }
@@ -212,7 +211,7 @@ fn read_chunk(
 
 /// Writes a chunk's m and v back from `set`.
 fn write_chunk(
-    file: &mut SwapFile,
+    file: &SwapFile,
     (m_at, v_at, io): (usize, usize, usize),
     set: &[AlignedBuf; 2],
 ) -> Result<(), OffloadError> {

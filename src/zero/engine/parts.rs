@@ -93,19 +93,21 @@ impl<'s> UpdateParts<'s> {
                         store.put_back(u, shard)?;
                     }
                 }
-                if out.is_none() {
-                    let shard = match overwritten {
-                        true => store.take_to_overwrite(unit),
-                        false => store.take(unit)?,
-                    };
-                    *out = Some((unit, shard));
-                    if !*overwritten {
-                        // The next unit's shard is read while this one is updated (units are
-                        // updated in order).
-                        store.read_ahead(unit + 1);
+                let (_, shard) = match out.take() {
+                    Some(kept) => out.insert(kept),
+                    None => {
+                        let shard = match overwritten {
+                            true => store.take_to_overwrite(unit),
+                            false => store.take(unit)?,
+                        };
+                        if !*overwritten {
+                            // The next unit's shard is read while this one is updated (units are
+                            // updated in order).
+                            store.read_ahead(unit + 1);
+                        }
+                        out.insert((unit, shard))
                     }
-                }
-                let shard = &mut out.as_mut().expect("taken above").1;
+                };
                 Ok((shard.all_mut(), grad_shards.slice(layout.shard_slot(unit))))
             }
         }

@@ -63,7 +63,11 @@ impl<M: UnitModel> Engine<'_, M> {
             Some(m) => Cow::Borrowed(&m[local.clone()]),
             None => match self.fp32_updated_params(unit)? {
                 Cow::Borrowed(p) => Cow::Borrowed(&p[local.clone()]),
-                Cow::Owned(p) => Cow::Owned(p[local.clone()].to_vec()),
+                Cow::Owned(mut p) => {
+                    p.truncate(local.end);
+                    p.drain(..local.start);
+                    Cow::Owned(p)
+                }
             },
         };
         let (exp_avg, exp_avg_sq) = match &self.nvme {
@@ -155,7 +159,15 @@ impl<M: UnitModel> Engine<'_, M> {
         Ok(match &self.state.stage {
             StageState::ShardedParams { coordinator, .. } => match coordinator.shards() {
                 ShardStore::Memory(shards) => Cow::Borrowed(f32_of(&shards[unit])),
-                store => Cow::Owned(store.read(unit)?.into_f32().expect("f32 parameters")),
+                store => match store.read(unit)? {
+                    Buffer::F32(p) => Cow::Owned(p),
+                    b => {
+                        return Err(EngineError::Config(format!(
+                            "fp32 training found {} parameter shards in its swap file",
+                            b.dtype()
+                        )))
+                    }
+                },
             },
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
                 Cow::Borrowed(&f32_of(&params[unit])[updated])
