@@ -118,9 +118,10 @@ fn device_tier_refusal(engine: &EngineConfig, spec: &ModelSpec, capacity: u64) -
 
 /// `o` (the configured stage without offload) with the bytes the engine's offload takes out of
 /// what is compared with the capacity. NVMe offload moves Adam's m and v (and at stage 3 the
-/// parameter shards) into swap files and adds the buffers they stream through. Host offload (the master, m and v; at stage 3 the parameter
-/// shards) leaves the device tier, which matters against a `--device-memory` budget; without one,
-/// the capacity is this machine's memory, which the host tier shares, so those bytes still count.
+/// parameter shards) into swap files and adds the buffers they stream through. Host offload (the
+/// master, m and v; at stage 3 the parameter shards) leaves the device tier, which matters against
+/// a `--device-memory` budget; without one, the capacity is this machine's memory, which the host
+/// tier shares, so those bytes still count.
 fn offload_tiers(
     mut o: PlanOption,
     engine: &EngineConfig,
