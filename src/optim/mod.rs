@@ -3,3 +3,4 @@
 pub mod adam;
 pub mod kernels;
 pub mod scheduler;
+mod stream;
