@@ -11,6 +11,7 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use zerodp::comm::zeroed_vec;
 use zerodp::optim::adam::{adam_isa, adam_step, adam_step_with_copy, AdamParams};
 use zerodp::optim::kernels::{has_non_finite, sum_of_squares};
 
@@ -91,14 +92,25 @@ fn main() {
         adam_isa().name()
     );
 
-    let mut params: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
-    let grads: Vec<f32> = (0..n).map(|i| ((i % 777) as f32 - 388.0) * 1e-4).collect();
-    let grads_bf16: Vec<bf16> = grads.iter().map(|&g| bf16::from_f32(g)).collect();
-    let mut m = vec![0f32; n];
-    let mut v = vec![0f32; n];
-    let mut m16 = vec![bf16::ZERO; n];
-    let mut v16 = vec![bf16::ZERO; n];
-    let mut copy = vec![bf16::ZERO; n];
+    // Allocated as the engine allocates its flat buffers (huge pages for large ones).
+    let mut params: Vec<f32> = zeroed_vec(n);
+    let mut grads: Vec<f32> = zeroed_vec(n);
+    let mut grads_bf16: Vec<bf16> = zeroed_vec(n);
+    for (i, ((p, g), g16)) in params
+        .iter_mut()
+        .zip(&mut grads)
+        .zip(&mut grads_bf16)
+        .enumerate()
+    {
+        *p = ((i % 1000) as f32 - 500.0) * 1e-3;
+        *g = ((i % 777) as f32 - 388.0) * 1e-4;
+        *g16 = bf16::from_f32(*g);
+    }
+    let mut m = zeroed_vec::<f32>(n);
+    let mut v = zeroed_vec::<f32>(n);
+    let mut m16 = zeroed_vec::<bf16>(n);
+    let mut v16 = zeroed_vec::<bf16>(n);
+    let mut copy = zeroed_vec::<bf16>(n);
     let hp = AdamParams {
         weight_decay: 0.01,
         ..AdamParams::default()

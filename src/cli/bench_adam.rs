@@ -19,6 +19,7 @@
 use anyhow::{bail, Context};
 use half::bf16;
 use std::time::Instant;
+use zerodp::comm::zeroed_vec;
 use zerodp::optim::adam::{
     adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
 };
@@ -188,9 +189,9 @@ fn time_median(runs: usize, mut f: impl FnMut()) -> f64 {
 /// element either way, on `threads` threads each over its own contiguous part.
 fn stream_gbps(threads: usize, runs: usize, triad: bool) -> f64 {
     let len = STREAM_BYTES / 4;
-    let mut a = vec![0f32; len];
-    let b = vec![1f32; len];
-    let c = if triad { vec![2f32; len] } else { Vec::new() };
+    let mut a = filled(len, 0.0);
+    let b = filled(len, 1.0);
+    let c = if triad { filled(len, 2.0) } else { Vec::new() };
     let chunk = len.div_ceil(threads);
     let secs = time_median(runs, || {
         std::thread::scope(|s| {
@@ -226,10 +227,10 @@ pub fn host_adam_rate() -> anyhow::Result<f64> {
     const N: usize = 16 << 20;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let hp = AdamParams::default();
-    let mut p = vec![0.01f32; N];
-    let g = vec![bf16::from_f32(1e-3); N];
-    let (mut m, mut v) = (vec![0f32; N], vec![0f32; N]);
-    let mut copy = vec![bf16::ZERO; N];
+    let mut p = filled(N, 0.01f32);
+    let g = filled(N, bf16::from_f32(1e-3));
+    let (mut m, mut v) = (zeroed_vec::<f32>(N), zeroed_vec::<f32>(N));
+    let mut copy = zeroed_vec::<bf16>(N);
     let mut step = 0u64;
     let secs = pool(threads)?.install(|| {
         time_median(5, || {
@@ -239,6 +240,14 @@ pub fn host_adam_rate() -> anyhow::Result<f64> {
     });
     std::hint::black_box((&p, &copy));
     Ok(N as f64 / secs)
+}
+
+/// `len` copies of `x` in memory allocated as the engine allocates its flat buffers (huge pages
+/// for large ones, [`zeroed_vec`]), so that the bandwidth and the Adam rate are the engine's.
+fn filled<T: bytemuck::Zeroable + Copy>(len: usize, x: T) -> Vec<T> {
+    let mut v = zeroed_vec(len);
+    v.fill(x);
+    v
 }
 
 fn pool(threads: usize) -> anyhow::Result<rayon::ThreadPool> {
@@ -258,8 +267,11 @@ fn measure<G: Element, S: StateElement>(
         weight_decay: 0.01,
         ..AdamParams::default()
     };
-    let mut p: Vec<f32> = (0..n).map(|i| ((i % 1000) as f32 - 500.0) * 1e-3).collect();
-    let mut g = vec![G::zeroed(); n];
+    let mut p: Vec<f32> = zeroed_vec(n);
+    for (i, x) in p.iter_mut().enumerate() {
+        *x = ((i % 1000) as f32 - 500.0) * 1e-3;
+    }
+    let mut g = zeroed_vec::<G>(n);
     let mut gbuf = [0f32; TILE];
     for (k, tile) in g.chunks_mut(TILE).enumerate() {
         let buf = &mut gbuf[..tile.len()];
@@ -268,9 +280,9 @@ fn measure<G: Element, S: StateElement>(
         }
         G::narrow(buf, tile);
     }
-    let mut m = vec![S::zeroed(); n];
-    let mut v = vec![S::zeroed(); n];
-    let mut copy = vec![bf16::ZERO; if args.no_copy { 0 } else { n }];
+    let mut m = zeroed_vec::<S>(n);
+    let mut v = zeroed_vec::<S>(n);
+    let mut copy = zeroed_vec::<bf16>(if args.no_copy { 0 } else { n });
     let bytes_per_param = 8 + G::BYTES + 4 * S::BYTES;
     let mut step = 0u64;
     let mut rows = Vec::new();

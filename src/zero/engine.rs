@@ -956,7 +956,11 @@ fn init_params<M: UnitModel>(
         let mut full = vec![0.0f32; ul.padded];
         model.init_params(u, cfg.seed, &mut full[..ul.numel]);
         let updated = updated_part(layout, stage, u);
-        masters.push(cfg.is_mixed().then(|| full[updated].to_vec()));
+        masters.push(cfg.is_mixed().then(|| {
+            let mut master = crate::comm::zeroed_vec(updated.len());
+            master.copy_from_slice(&full[updated]);
+            master
+        }));
         params.push(match stage.shards_params() {
             true => buffer_from_f32(pdt, &full[layout.own_shard(u)]),
             false => buffer_from_f32(pdt, &full),
@@ -1026,8 +1030,14 @@ fn flat_state(
         }
         Stage::Zero0 | Stage::Zero1 => {
             let kept_grads = None;
-            let grads = layout.units.iter().map(|u| vec![0.0; u.padded]).collect();
-            (StageState::Replicated { params, kept_grads }, grads)
+            let grads = layout
+                .units
+                .iter()
+                .map(|u| crate::comm::zeroed_vec(u.padded));
+            (
+                StageState::Replicated { params, kept_grads },
+                grads.collect(),
+            )
         }
         Stage::Zero2 => {
             let grad_shards = grad_shards();
