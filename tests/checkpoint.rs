@@ -145,6 +145,9 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         (3, format!("{cpu}{params_nvme}"), PRECISIONS[1]),
         (2, String::new(), fp32_bf16_states),
         (0, String::new(), bf16_states),
+        // bf16 moments in the NVMe swap file, two to a word.
+        (2, nvme.clone(), bf16_states),
+        (3, format!("{nvme}{params_nvme}"), fp32_bf16_states),
     ];
     for (stage, zero_extra, extra) in cases {
         let s = settings_with(stage, 2, 2, &zero_extra, extra);

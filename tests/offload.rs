@@ -53,7 +53,8 @@ fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
             for dtype in [DType::F32, DType::BF16] {
                 let base = config(stage, world, dtype);
                 let want = fingerprint(&train(&model, &base, STEPS, GLOBAL, SEQ));
-                // A chunk smaller than a unit's part, so that a part streams in several pieces.
+                // The smallest chunk (one 4 KiB alignment; `moments_on_nvme_...` below streams a
+                // part in several).
                 let nvme = OptimizerTier::Nvme {
                     dir: dir.path().to_path_buf(),
                     chunk: 100,
@@ -91,6 +92,44 @@ fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
                     assert_eq!(
                         got, want,
                         "world {world} {stage:?} {dtype} {tier:?} params {params:?}"
+                    );
+                }
+                let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+                assert!(left.is_empty(), "swap files left behind: {left:?}");
+            }
+        }
+    }
+}
+
+/// Moments on NVMe in f32 and in bf16 (`bf16_optimizer_states`, two to a word of the swap file):
+/// the same bits as the same moments in memory. Units of 48x48 parameters, so that a rank's part
+/// streams in several chunks at world 1 and 2 (a chunk is at least one 4 KiB alignment: 1024 f32
+/// or 2048 bf16 moments) and the chunk boundaries fall inside a part.
+#[test]
+fn moments_on_nvme_in_f32_and_bf16_equal_the_moments_in_memory() {
+    let model = Toy::new(64, 48, 2, true);
+    let dir = tempfile::tempdir().unwrap();
+    for world in [1usize, 2, 4] {
+        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for (dtype, states) in [
+                (DType::F32, DType::BF16),
+                (DType::BF16, DType::BF16),
+                (DType::F32, DType::F32),
+            ] {
+                let mut base = config(stage, world, dtype);
+                base.optimizer_states_dtype = states;
+                let want = fingerprint(&train(&model, &base, STEPS, GLOBAL, SEQ));
+                for buffer_count in [4, 6] {
+                    let mut cfg = base.clone();
+                    cfg.offload_optimizer = OptimizerTier::Nvme {
+                        dir: dir.path().to_path_buf(),
+                        chunk: 100,
+                        buffer_count,
+                    };
+                    let got = fingerprint(&train(&model, &cfg, STEPS, GLOBAL, SEQ));
+                    assert_eq!(
+                        got, want,
+                        "world {world} {stage:?} {dtype} states {states} buffers {buffer_count}"
                     );
                 }
                 let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
@@ -153,6 +192,21 @@ fn offloaded_bytes_leave_the_device_tier() {
     let four = stream_with(4);
     assert_eq!(stream_with(8), 2 * four);
     assert_eq!(stream_with(1), four);
+
+    // bf16 moments: half the bytes in memory, and on NVMe as they are (each record padded).
+    let mut base16 = base.clone();
+    base16.optimizer_states_dtype = DType::BF16;
+    let plain16 = train(&model, &base16, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert_eq!(2 * plain16.optimizer_states, plain.optimizer_states);
+    let mut nvme16 = nvme.clone();
+    nvme16.optimizer_states_dtype = DType::BF16;
+    let m = train(&model, &nvme16, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert_eq!(m.optimizer_states, 0, "{m:?}");
+    assert!(m.offloaded_nvme >= plain16.optimizer_states, "{m:?}");
+    assert!(
+        m.offloaded_nvme <= plain16.optimizer_states + units * 2 * 4096,
+        "{m:?}"
+    );
 }
 
 /// `offload_param` to NVMe: the parameter shards leave memory for the swap file (each unit's

@@ -146,8 +146,10 @@ fn offload_tiers(
             ..
         } => {
             label.push("+opt nvme");
-            let longest = usize::try_from(b.adam_m / 4).unwrap_or(usize::MAX);
-            b.scratch_buffers += zerodp::zero::stream_buffer_bytes(*chunk, *buffer_count, longest);
+            let dtype = engine.optimizer_states_dtype;
+            let longest = usize::try_from(b.adam_m / dtype.size() as u64).unwrap_or(usize::MAX);
+            b.scratch_buffers +=
+                zerodp::zero::stream_buffer_bytes(dtype, *chunk, *buffer_count, longest);
             (b.adam_m, b.adam_v) = (0, 0);
             if device_budget {
                 b.master = 0;

@@ -47,8 +47,7 @@ use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{
-    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Moments, Slice, SliceMut, StepPolicy,
-    StepVerdict,
+    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Moments, Slice, StepPolicy, StepVerdict,
 };
 use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
@@ -307,7 +306,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             } => {
                 let lens: Vec<usize> = units.iter().map(|u| u.updated.len()).collect();
                 let (rank, chunk, count) = (comm.rank(), *chunk, *buffer_count);
-                Some(nvme::NvmeMoments::new(dir, rank, &lens, chunk, count)?)
+                let dtype = cfg.optimizer_states_dtype;
+                Some(nvme::NvmeMoments::new(
+                    dir, rank, dtype, &lens, chunk, count,
+                )?)
             }
             _ => None,
         };
@@ -820,7 +822,6 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
                     let (mut p, g) = parts.get(u)?;
                     let (p, g) = (p.sub_mut(r.clone()), g.range(r));
-                    let (m, v) = (SliceMut::F32(m), SliceMut::F32(v));
                     adam_apply(m, v, step, w, p, g, &hp, grad_scale);
                     Ok(())
                 })?;
@@ -1217,18 +1218,8 @@ fn validate(
             cfg.precision_name(),
         ));
     }
-    match (cfg.optimizer_states_dtype, &cfg.offload_optimizer) {
-        (DType::F16, _) => {
-            return bad("optimizer states may be fp32 or bf16, not fp16".into());
-        }
-        (DType::BF16, OptimizerTier::Nvme { .. }) => {
-            return bad(
-                "bf16 optimizer states with offload_optimizer.device \"nvme\" are not built yet \
-                 (the swap file holds fp32 moments): use fp32 states or offload to \"cpu\""
-                    .into(),
-            );
-        }
-        _ => {}
+    if cfg.optimizer_states_dtype == DType::F16 {
+        return bad("optimizer states may be fp32 or bf16, not fp16".into());
     }
     if spec.units.is_empty() {
         return bad("the model has no units".into());

@@ -88,6 +88,14 @@ impl<'a> Slice<'a> {
 }
 
 impl<'a> SliceMut<'a> {
+    /// The slice, borrowed read-only.
+    pub fn as_slice(&self) -> Slice<'_> {
+        match self {
+            SliceMut::F32(v) => Slice::F32(v),
+            SliceMut::BF16(v) => Slice::BF16(v),
+            SliceMut::F16(v) => Slice::F16(v),
+        }
+    }
     /// Elements `r` of the slice, borrowed (the slice stays usable after).
     pub fn sub_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
         match self {

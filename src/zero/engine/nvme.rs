@@ -6,26 +6,52 @@
 //! behind, read ahead S-1 chunks for S sets), across unit boundaries.
 //!
 //! File layout: per unit, its `m` record then its `v` record, each padded to the direct-I/O
-//! alignment. Each chunk runs the same Adam kernel as an in-memory run, so the bits are equal.
-//! The fp32 master stays in host memory: it is also what the parameters are rebuilt from, and it
-//! is 4 of the 12 optimizer bytes per parameter.
+//! alignment. The moments are stored as they are kept, f32 or bf16
+//! (`bf16.bf16_optimizer_states`: half the file, half the traffic); the file and its buffers are
+//! addressed in 4-byte words, two bf16 moments to a word. Each chunk runs the same Adam kernel
+//! as an in-memory run, so the bits are equal. The fp32 master stays in host memory: it is also
+//! what the parameters are rebuilt from, and it is 4 of the 12 optimizer bytes per parameter.
 
+use super::super::precision::{Slice, SliceMut};
+use crate::comm::DType;
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
+use half::bf16;
 use std::ops::Range;
 use std::path::Path;
 
 pub(super) struct NvmeMoments {
     file: SwapFile,
+    /// The moments' element type: f32 or bf16.
+    dtype: DType,
     /// The ring of stream buffer sets (at least two), each `m` then `v`.
     sets: Vec<[AlignedBuf; 2]>,
-    /// Elements per streamed chunk (a multiple of the alignment).
+    /// Elements per streamed chunk (whole words, a multiple of the alignment).
     chunk: usize,
-    /// Per unit: the element offset of its `m` record and its length (unpadded).
+    /// Per unit: the word offset of its `m` record and its length in elements (unpadded).
     records: Vec<(usize, usize)>,
 }
 
-fn padded(len: usize) -> usize {
-    len.div_ceil(SWAP_ALIGN_ELEMS) * SWAP_ALIGN_ELEMS
+/// `words` rounded up to the direct-I/O alignment.
+fn padded(words: usize) -> usize {
+    words.div_ceil(SWAP_ALIGN_ELEMS) * SWAP_ALIGN_ELEMS
+}
+
+/// Moments of `dtype` per 4-byte word of the file: 1 (f32) or 2 (bf16).
+fn per_word(dtype: DType) -> usize {
+    4 / dtype.size()
+}
+
+/// Words of a record of `elems` moments, padded to the alignment.
+fn record_words(dtype: DType, elems: usize) -> usize {
+    padded(elems.div_ceil(per_word(dtype)))
+}
+
+/// `buf` (words) as moments of `dtype`, the first `elems` of them.
+fn typed(dtype: DType, buf: &mut [f32], elems: usize) -> SliceMut<'_> {
+    match dtype {
+        DType::BF16 => SliceMut::BF16(&mut bytemuck::cast_slice_mut::<f32, bf16>(buf)[..elems]),
+        _ => SliceMut::F32(&mut buf[..elems]),
+    }
 }
 
 /// Buffer sets (`m` and `v`) the stream keeps for `buffer_count` buffers: half of them, at least
@@ -34,43 +60,50 @@ fn set_count(buffer_count: usize) -> usize {
     (buffer_count / 2).max(2)
 }
 
-/// Elements of each stream buffer for `chunk` requested and `longest` updated part: no longer
-/// than the longest part, padded to the direct-I/O alignment.
-fn buffer_elems(chunk: usize, longest: usize) -> usize {
-    padded(chunk.clamp(1, longest.max(1)))
+/// Words of each stream buffer for `chunk` moments of `dtype` requested and `longest` updated
+/// part: no longer than the longest part, padded to the direct-I/O alignment.
+fn buffer_words(dtype: DType, chunk: usize, longest: usize) -> usize {
+    record_words(dtype, chunk.clamp(1, longest.max(1)))
 }
 
 /// Host bytes of the NVMe stream buffers: `buffer_count` buffers (rounded down to whole sets of `m`
-/// and `v`, at least four) of `chunk` f32 elements, capped at the `longest` updated part and
-/// padded. The engine allocates exactly this; the pre-flight check counts it before a run.
-pub fn stream_buffer_bytes(chunk: usize, buffer_count: usize, longest: usize) -> u64 {
-    (2 * set_count(buffer_count) * buffer_elems(chunk, longest) * 4) as u64
+/// and `v`, at least four) of `chunk` moments of `dtype` (f32 or bf16), capped at the `longest`
+/// updated part and padded. The engine allocates exactly this; the pre-flight check counts it
+/// before a run.
+pub fn stream_buffer_bytes(dtype: DType, chunk: usize, buffer_count: usize, longest: usize) -> u64 {
+    (2 * set_count(buffer_count) * buffer_words(dtype, chunk, longest) * 4) as u64
 }
 
 impl NvmeMoments {
-    /// A zeroed swap file under `dir` for moments of `lens[u]` elements per unit, streamed
-    /// `chunk` elements at a time through `buffer_count` buffers.
+    /// A zeroed swap file under `dir` for moments of `dtype` (f32 or bf16), `lens[u]` elements
+    /// per unit, streamed `chunk` elements at a time through `buffer_count` buffers.
     pub(super) fn new(
         dir: &Path,
         rank: usize,
+        dtype: DType,
         lens: &[usize],
         chunk: usize,
         buffer_count: usize,
     ) -> Result<NvmeMoments, OffloadError> {
+        assert!(
+            matches!(dtype, DType::F32 | DType::BF16),
+            "Adam's moments are f32 or bf16"
+        );
         let longest = lens.iter().copied().max().unwrap_or(0);
-        let chunk = buffer_elems(chunk, longest);
+        let words = buffer_words(dtype, chunk, longest);
         let mut records = Vec::with_capacity(lens.len());
         let mut at = 0;
         for &len in lens {
             records.push((at, len));
-            at += 2 * padded(len);
+            at += 2 * record_words(dtype, len);
         }
         Ok(NvmeMoments {
             file: SwapFile::create(dir, rank, at)?,
+            dtype,
             sets: (0..set_count(buffer_count))
-                .map(|_| std::array::from_fn(|_| AlignedBuf::zeroed(chunk)))
+                .map(|_| std::array::from_fn(|_| AlignedBuf::zeroed(words)))
                 .collect(),
-            chunk,
+            chunk: words * per_word(dtype),
             records,
         })
     }
@@ -85,7 +118,7 @@ impl NvmeMoments {
         let last = self
             .records
             .last()
-            .map_or(0, |&(at, len)| at + 2 * padded(len));
+            .map_or(0, |&(at, len)| at + 2 * record_words(self.dtype, len));
         (last * 4) as u64
     }
 
@@ -109,19 +142,25 @@ impl NvmeMoments {
     }
 
     /// Runs `f(unit, range, m, v)` over every unit's moments a chunk at a time, in unit order:
-    /// `range` is the chunk's place in the unit's updated part, `m` and `v` its moments, read
-    /// before `f` and written after it, the I/O of the neighbouring chunks overlapping `f`. An
-    /// error from `f` stops the stream after the chunk's I/O.
+    /// `range` is the chunk's place in the unit's updated part, `m` and `v` its moments (of the
+    /// stream's dtype), read before `f` and written after it, the I/O of the neighbouring chunks
+    /// overlapping `f`. An error from `f` stops the stream after the chunk's I/O.
     pub(super) fn step(
         &mut self,
-        mut f: impl FnMut(usize, Range<usize>, &mut [f32], &mut [f32]) -> Result<(), OffloadError>,
+        mut f: impl FnMut(usize, Range<usize>, SliceMut<'_>, SliceMut<'_>) -> Result<(), OffloadError>,
     ) -> Result<(), OffloadError> {
         let chunks = self.chunks();
-        let records = &self.records;
-        // Element offsets of chunk `c`'s m and v in the file, and its I/O length (padded).
+        let (records, dtype) = (&self.records, self.dtype);
+        // Word offsets of chunk `c`'s m and v in the file, and its I/O length (padded). Chunks
+        // start at multiples of `self.chunk`, whole words.
         let place = |(u, off, n): (usize, usize, usize)| {
             let (at, len) = records[u];
-            (at + off, at + padded(len) + off, padded(n))
+            let off = off / per_word(dtype);
+            (
+                at + off,
+                at + record_words(dtype, len) + off,
+                record_words(dtype, n),
+            )
         };
         let n = chunks.len();
         let ring = self.sets.len();
@@ -148,7 +187,8 @@ impl NvmeMoments {
                     Ok(())
                 });
                 let [m, v] = cur;
-                let updated = f(u, off..off + n_elems, &mut m[..n_elems], &mut v[..n_elems]);
+                let (m, v) = (typed(dtype, m, n_elems), typed(dtype, v, n_elems));
+                let updated = f(u, off..off + n_elems, m, v);
                 worker.join().unwrap_or_else(|_| {
                     Err(OffloadError::io_thread_panicked(file.path(), "stream"))
                 })?;
@@ -168,11 +208,18 @@ impl NvmeMoments {
         range: Range<usize>,
     ) -> Result<(Vec<f32>, Vec<f32>), OffloadError> {
         let (at, len) = self.records[unit];
-        let mut whole = AlignedBuf::zeroed(len);
+        let words = record_words(self.dtype, len);
+        let mut whole = AlignedBuf::zeroed(words);
         let mut out = Vec::with_capacity(2);
-        for rec in [at, at + padded(len)] {
-            self.file.read(rec, &mut whole[..padded(len)])?;
-            out.push(whole[range.clone()].to_vec());
+        for rec in [at, at + words] {
+            self.file.read(rec, &mut whole)?;
+            let mut values = vec![0.0; range.len()];
+            let moments = typed(self.dtype, &mut whole, len);
+            moments
+                .as_slice()
+                .range(range.clone())
+                .widen_into(&mut values);
+            out.push(values);
         }
         let v = out.pop().unwrap_or_default();
         let m = out.pop().unwrap_or_default();
@@ -188,11 +235,13 @@ impl NvmeMoments {
         v: &[f32],
     ) -> Result<(), OffloadError> {
         let (at, len) = self.records[unit];
-        let mut whole = AlignedBuf::zeroed(len);
-        for (rec, values) in [(at, m), (at + padded(len), v)] {
-            self.file.read(rec, &mut whole[..padded(len)])?;
-            whole[range.clone()].copy_from_slice(values);
-            self.file.write(rec, &whole[..padded(len)])?;
+        let words = record_words(self.dtype, len);
+        let mut whole = AlignedBuf::zeroed(words);
+        for (rec, values) in [(at, m), (at + words, v)] {
+            self.file.read(rec, &mut whole)?;
+            let mut moments = typed(self.dtype, &mut whole, len);
+            moments.sub_mut(range.clone()).copy_from(Slice::F32(values));
+            self.file.write(rec, &whole)?;
         }
         Ok(())
     }
