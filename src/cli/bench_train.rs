@@ -72,6 +72,10 @@ pub struct BenchTrainArgs {
     /// (`offload_optimizer.buffer_count`; DeepSpeed's default 4 is double buffering).
     #[arg(long, default_value_t = 4)]
     pub buffer_count: usize,
+    /// Adam's moments in `f32` or `bf16` for every row (`zerodp.optimizer_states_dtype`; with
+    /// `nvme` the swap file holds them so, half the disk traffic).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
+    pub optimizer_states: String,
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
@@ -412,6 +416,9 @@ fn measure(
     cfg.overlap_comm = !args.no_overlap;
     cfg.activation_checkpointing = args.checkpoint_activations;
     cfg.max_reuse_distance = args.max_reuse_distance;
+    if args.optimizer_states == "bf16" {
+        cfg.optimizer_states_dtype = zerodp::comm::DType::BF16;
+    }
     cfg.offload_optimizer = match offload {
         Offload::None => OptimizerTier::Device,
         Offload::Cpu => OptimizerTier::Host,
