@@ -59,6 +59,7 @@ fn param_tier(s: &Settings) -> ParamTier {
             dir: dir.clone(),
             buffer_count: usize_of(p.buffer_count),
             buffer_size: usize_of(p.buffer_size),
+            max_in_cpu: usize_of(p.max_in_cpu),
         },
     }
 }

@@ -131,7 +131,7 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
     let cpu = r#", "offload_optimizer": { "device": "cpu" }"#;
     let params = r#", "offload_param": { "device": "cpu" }"#;
     let params_nvme = format!(
-        r#", "offload_param": {{ "device": "nvme", "nvme_path": "{}" }}"#,
+        r#", "offload_param": {{ "device": "nvme", "nvme_path": "{}", "max_in_cpu": 0 }}"#,
         swap.path().display()
     );
     let bf16_states = r#", "bf16": { "enabled": true, "bf16_optimizer_states": true }"#;

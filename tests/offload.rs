@@ -10,7 +10,7 @@ use zerodp::comm::DType;
 use zerodp::model::TokenBatch as Batch;
 use zerodp::trainer::{ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, Stage, StepReport};
 
 const GLOBAL: usize = 8;
 const SEQ: usize = 4;
@@ -72,6 +72,7 @@ fn offloaded_runs_equal_the_same_stage_bit_for_bit() {
                     dir: dir.path().to_path_buf(),
                     buffer_count,
                     buffer_size: 100_000_000,
+                    max_in_cpu: 0,
                 };
                 for (tier, params) in [
                     (OptimizerTier::Host, ParamTier::Device),
@@ -223,6 +224,7 @@ fn swapped_parameter_shards_are_charged_to_the_nvme_tier_and_read_per_gather() {
         dir: dir.path().to_path_buf(),
         buffer_count: 5,
         buffer_size: 100_000_000,
+        max_in_cpu: 0,
     };
     let run = train(&model, &cfg, 2, GLOBAL, SEQ);
     let (one, two) = (&run.reports[0][0], &run.reports[0][1]);
@@ -250,6 +252,72 @@ fn swapped_parameter_shards_are_charged_to_the_nvme_tier_and_read_per_gather() {
     assert!(left.is_empty(), "swap files left behind: {left:?}");
 }
 
+/// `offload_param.max_in_cpu` (DeepSpeed's rule): the rank's first units whose shards fit in that
+/// many elements together stay in host memory and only the rest go to the swap file; a limit that
+/// holds every shard (DeepSpeed's default 1e9 does for a small model) makes no swap file at all.
+/// The results are the same bits wherever the shards are.
+#[test]
+fn max_in_cpu_keeps_the_first_shards_in_host_memory() {
+    let model = Toy::new(64, 48, 3, true);
+    let dir = tempfile::tempdir().unwrap();
+    let base = config(Stage::Zero3, 2, DType::BF16);
+    let nvme = |max_in_cpu| {
+        let mut cfg = base.clone();
+        cfg.offload_param = ParamTier::Nvme {
+            dir: dir.path().to_path_buf(),
+            buffer_count: 5,
+            buffer_size: 100_000_000,
+            max_in_cpu,
+        };
+        cfg
+    };
+    let lens: Vec<usize> = zerodp::zero::flat::FlatLayout::new(model.spec(), 2, 0)
+        .units
+        .iter()
+        .map(|u| u.shard_len)
+        .collect();
+    assert!(lens.len() >= 4, "{lens:?}");
+    // The first two units fit exactly; the third would not.
+    let two = lens[0] + lens[1];
+    let want = fingerprint(&train(&model, &base, STEPS, GLOBAL, SEQ));
+    let runs = [0, two, two + lens[2] - 1, usize::MAX].map(|max_in_cpu| {
+        let cfg = nvme(max_in_cpu);
+        let run = train(&model, &cfg, 2, GLOBAL, SEQ);
+        assert_eq!(
+            fingerprint(&train(&model, &cfg, STEPS, GLOBAL, SEQ)),
+            want,
+            "max_in_cpu {max_in_cpu}"
+        );
+        (cfg, run.reports[0][0].clone(), run.reports[0][1].clone())
+    });
+    let reads =
+        |(_, one, two): &(EngineConfig, StepReport, StepReport)| two.swap_io.0 - one.swap_io.0;
+    let [(_, none, _), (cfg, part, _), (_, still_two, _), (_, all, _)] = &runs;
+    // Two units' shards in host memory (bf16), the staging buffers beside them.
+    let resident = (two * 2) as u64;
+    assert_eq!(
+        zerodp::zero::resident_param_bytes(model.spec(), cfg),
+        resident
+    );
+    let staging = zerodp::zero::param_staging_bytes(model.spec(), cfg);
+    assert_eq!(
+        part.memory.offloaded_host,
+        resident + staging,
+        "{:?}",
+        part.memory
+    );
+    assert!(part.memory.offloaded_nvme < none.memory.offloaded_nvme);
+    assert_eq!(still_two.memory.offloaded_host, part.memory.offloaded_host);
+    assert!(reads(&runs[1]) < reads(&runs[0]));
+    // Every shard in memory: no swap file, no swap traffic.
+    assert_eq!(all.memory.offloaded_nvme, 0, "{:?}", all.memory);
+    assert_eq!(all.swap_io, (0, 0));
+    let plain = train(&model, &base, 1, GLOBAL, SEQ).reports[0][0].memory;
+    assert_eq!(all.memory.offloaded_host, plain.params);
+    let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(left.is_empty(), "swap files left behind: {left:?}");
+}
+
 /// A shard longer than `offload_param.buffer_size` is refused before any step, naming the key
 /// and the size that would do, as DeepSpeed refuses a parameter larger than its buffers; a
 /// missing `offload_param.nvme_path` names that key.
@@ -265,6 +333,7 @@ fn param_swap_config_errors_name_the_key_and_the_fix() {
         dir: dir.path().to_path_buf(),
         buffer_count: 5,
         buffer_size: 10,
+        max_in_cpu: 0,
     };
     let err = Trainer::new(&model, cfg.clone())
         .run(&source, 1, &[])
@@ -279,6 +348,7 @@ fn param_swap_config_errors_name_the_key_and_the_fix() {
         dir: dir.path().join("gone"),
         buffer_count: 5,
         buffer_size: 100_000_000,
+        max_in_cpu: 0,
     };
     let err = Trainer::new(&model, cfg)
         .run(&source, 1, &[])

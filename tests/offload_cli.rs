@@ -232,7 +232,8 @@ fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
     // count (the process peaks near 1.49 GB); with the parameter shards on NVMe too (ZeRO-Infinity)
     // their 303 MB leave memory for five staging buffers of the longest shard and two bounce
     // buffers (176 MB), and the pre-flight counts 1.45 GB (the process peaks near 1.36 GB). The
-    // limit sits between.
+    // limit sits between. With DeepSpeed's default `max_in_cpu` (1e9 elements) the shards stay in
+    // memory, as DeepSpeed keeps them, and the run is refused like the first.
     let limit = 1_500_000_000u64;
     let Some((cg, dir, swap)) = limited_setup(limit, "param") else {
         return;
@@ -250,9 +251,18 @@ fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
         "opt.json",
         &format!(r#"{{ {head}, "zero_optimization": {{ {zero} }} }}"#),
     );
+    let param = format!(
+        r#"{{"device": "nvme", "nvme_path": "{}", "max_in_cpu": 0}}"#,
+        swap.display()
+    );
     let all = write_config(
         dir.path(),
         "all.json",
+        &format!(r#"{{ {head}, "zero_optimization": {{ {zero}, "offload_param": {param} }} }}"#),
+    );
+    let in_cpu = write_config(
+        dir.path(),
+        "in_cpu.json",
         &format!(r#"{{ {head}, "zero_optimization": {{ {zero}, "offload_param": {nvme} }} }}"#),
     );
     let data = text(dir.path());
@@ -262,6 +272,10 @@ fn param_nvme_offload_trains_under_a_limit_optimizer_nvme_alone_exceeds() {
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("pre-flight check"), "{err}");
     assert!(!err.contains("done:"), "{err}");
+    let out = run(&in_cpu);
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("pre-flight check"), "{err}");
 
     let out = run(&all);
     let err = stderr(&out);

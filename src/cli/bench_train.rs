@@ -437,6 +437,8 @@ fn measure(
             dir: nvme_dir(args),
             buffer_count: usize::try_from(d.buffer_count).unwrap_or(usize::MAX),
             buffer_size: usize::try_from(d.buffer_size).unwrap_or(usize::MAX),
+            // Every shard to the swap file (DeepSpeed's default would keep them all in memory).
+            max_in_cpu: 0,
         };
     }
     let mut trainer = Trainer::new(model, cfg)

@@ -113,7 +113,14 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
         ),
         (
             "offload_param".into(),
-            offload(z.offload_param.device.as_str(), &z.offload_param.nvme_path),
+            match z.offload_param.device.as_str() {
+                "nvme" => format!(
+                    "{}, max_in_cpu {} (the first units whose shards fit stay in memory)",
+                    offload("nvme", &z.offload_param.nvme_path),
+                    z.offload_param.max_in_cpu
+                ),
+                device => offload(device, &z.offload_param.nvme_path),
+            },
         ),
         (
             "reduce_bucket_size".into(),

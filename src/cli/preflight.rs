@@ -165,7 +165,12 @@ fn offload_tiers(
         }
         (ParamTier::Nvme { .. }, true) => {
             label.push("+param nvme");
-            b.params = 0;
+            // The shards max_in_cpu keeps in memory are in the host tier, which shares this
+            // machine's memory unless a device budget is what is compared.
+            b.params = match device_budget {
+                true => 0,
+                false => zerodp::zero::resident_param_bytes(spec, engine),
+            };
             b.scratch_buffers += zerodp::zero::param_staging_bytes(spec, engine);
         }
         _ => {}

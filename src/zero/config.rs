@@ -142,11 +142,15 @@ pub enum ParamTier {
     /// one of `buffer_count` host staging buffers as long as the longest shard (raised to the
     /// most units one visit gathers), and the optimizer step writes the updated shards back.
     /// `buffer_size` (elements) is DeepSpeed's bound on one staging buffer: a shard longer than it
-    /// is refused with the fix, as DeepSpeed refuses such a parameter.
+    /// is refused with the fix, as DeepSpeed refuses such a parameter. `max_in_cpu` (elements,
+    /// DeepSpeed's key and rule): the rank's first units whose shards fit in it together stay in
+    /// host memory, and only the rest go to the swap file (DeepSpeed's default 1e9 keeps every
+    /// shard of a model below a billion parameters per rank in memory; 0 swaps them all).
     Nvme {
         dir: std::path::PathBuf,
         buffer_count: usize,
         buffer_size: usize,
+        max_in_cpu: usize,
     },
 }
 

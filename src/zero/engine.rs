@@ -1086,8 +1086,21 @@ fn coordinator(
             dir,
             buffer_count,
             buffer_size,
+            max_in_cpu,
         } => {
-            let longest = layout.longest_shard();
+            let resident = param_residency(layout, *max_in_cpu);
+            let longest = longest_swapped_shard(layout, resident);
+            if resident == layout.num_units() {
+                // max_in_cpu holds every shard: no swap file, as in DeepSpeed.
+                return Ok(Coordinator::new(
+                    ShardStore::Memory(shards),
+                    layout,
+                    plan.persistent.clone(),
+                    plan.gather_pool_elems,
+                    prefetch,
+                    schedule::gather_needs(&visits, &kept_graph),
+                ));
+            }
             if longest > *buffer_size {
                 return Err(EngineError::Config(format!(
                     "offload_param.buffer_size is {buffer_size} elements but the longest \
@@ -1096,7 +1109,8 @@ fn coordinator(
                 )));
             }
             let staging = param_staging_count(spec, *buffer_count);
-            ShardStore::Nvme(Box::new(SwappedShards::new(dir, rank, shards, staging)?))
+            let store = SwappedShards::new(dir, rank, shards, staging, resident)?;
+            ShardStore::Nvme(Box::new(store))
         }
         ParamTier::Device | ParamTier::Host => ShardStore::Memory(shards),
     };
@@ -1127,14 +1141,52 @@ fn param_staging_count(spec: &ModelSpec, buffer_count: usize) -> usize {
 /// otherwise): the engine allocates exactly this; the pre-flight check counts it before a run.
 pub fn param_staging_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
     match (&cfg.offload_param, cfg.stage.shards_params()) {
-        (ParamTier::Nvme { buffer_count, .. }, true) => {
+        (
+            ParamTier::Nvme {
+                buffer_count,
+                max_in_cpu,
+                ..
+            },
+            true,
+        ) => {
             let layout = FlatLayout::new(spec, cfg.world_size, 0);
-            let longest = layout.longest_shard();
+            let resident = param_residency(&layout, *max_in_cpu);
+            if resident == layout.num_units() {
+                return 0;
+            }
+            let longest = longest_swapped_shard(&layout, resident);
             let staging = param_staging_count(spec, *buffer_count);
             super::shards::staging_bytes(cfg.param_dtype, longest, staging)
         }
         _ => 0,
     }
+}
+
+/// Host bytes of the parameter shards `offload_param.max_in_cpu` keeps in memory under
+/// `offload_param` to NVMe at stage 3 (0 otherwise), on rank 0: for the pre-flight check.
+pub fn resident_param_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
+    match (&cfg.offload_param, cfg.stage.shards_params()) {
+        (ParamTier::Nvme { max_in_cpu, .. }, true) => {
+            let layout = FlatLayout::new(spec, cfg.world_size, 0);
+            let resident = param_residency(&layout, *max_in_cpu);
+            let elems: usize = layout.units[..resident].iter().map(|u| u.shard_len).sum();
+            (elems * cfg.param_dtype.size()) as u64
+        }
+        _ => 0,
+    }
+}
+
+/// Units of `layout`'s rank whose shards `max_in_cpu` keeps in host memory
+/// ([`super::shards::resident_units`]).
+pub(crate) fn param_residency(layout: &FlatLayout, max_in_cpu: usize) -> usize {
+    super::shards::resident_units(layout.units.iter().map(|u| u.shard_len), max_in_cpu)
+}
+
+/// The longest shard of the units past the first `resident` (0 if none): what a staging buffer
+/// must hold.
+fn longest_swapped_shard(layout: &FlatLayout, resident: usize) -> usize {
+    let swapped = layout.units.get(resident..).unwrap_or_default();
+    swapped.iter().map(|u| u.shard_len).max().unwrap_or(0)
 }
 
 /// The ledger of what [`Engine::new`] allocates: each unit's model states by kind and tier and

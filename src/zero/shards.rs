@@ -8,6 +8,10 @@
 //! completes. A shard changes only in the optimizer step, so forward and backward only read it;
 //! the step reads each unit's shard, updates it and writes it back, one unit at a time.
 //!
+//! Under `offload_param.max_in_cpu` (DeepSpeed's key and rule) the rank's first units whose
+//! shards fit in that many elements together stay in host memory inside the swap store, as in
+//! [`ShardStore::Memory`]; only the rest are in the file ([`resident_units`]).
+//!
 //! Reads overlap compute: the coordinator names the next unit it will gather
 //! ([`ShardStore::read_ahead`]) and a thread reads that shard into a free staging buffer while the
 //! current visit computes; the gather then takes it ready. A read ahead is discarded when the
@@ -32,18 +36,38 @@ pub enum ShardStore {
     Nvme(Box<SwappedShards>),
 }
 
+/// How many of the rank's first units keep their shards in host memory under
+/// `offload_param.max_in_cpu`: the longest prefix whose shards hold at most `max_in_cpu` elements
+/// together. DeepSpeed's rule over its sub-groups: its host buffer holds `max_in_cpu` elements and
+/// each sub-group in order lives there if it still fits whole, else (and every later one) on
+/// NVMe. zerodp's sub-groups are its units.
+pub fn resident_units(shard_lens: impl IntoIterator<Item = usize>, max_in_cpu: usize) -> usize {
+    let mut total = 0usize;
+    shard_lens
+        .into_iter()
+        .take_while(|&len| {
+            total = total.saturating_add(len);
+            total <= max_in_cpu
+        })
+        .count()
+}
+
 /// The shards in a swap file, read into staging buffers for gathers and updates.
 pub struct SwappedShards {
+    /// The shards of the first units, kept in host memory (`max_in_cpu`); an empty buffer stands
+    /// in for one that is out.
+    host: Vec<Buffer>,
     /// Shared with the read-ahead thread (reads and writes are positioned, `pread`/`pwrite`).
     file: Arc<SwapFile>,
     dtype: DType,
-    /// Per unit: the 4-byte word its record starts at in the file, and its length in elements.
+    /// Per unit: the 4-byte word its record starts at in the file, and its length in elements
+    /// (the units in `host` have no record in the file).
     records: Vec<(usize, usize)>,
     /// Free staging buffers, each with room for the longest shard; the others are inside gathers.
     free: Vec<Buffer>,
     /// Staging buffers in existence, free or not.
     staging: usize,
-    /// Elements of the longest shard: the length of every staging buffer.
+    /// Elements of the longest shard in the file: the length of every staging buffer.
     longest: usize,
     /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one.
     bounce: AlignedBuf,
@@ -89,24 +113,35 @@ fn bytes_of_mut(b: &mut Buffer) -> &mut [u8] {
 }
 
 impl SwappedShards {
-    /// A swap file under `dir` holding `shards` (which are written to it and dropped), read through
-    /// `staging` buffers of the longest shard.
+    /// A swap file under `dir` holding `shards` past the first `resident` (which are written to it
+    /// and dropped; the first `resident` stay in memory), read through `staging` buffers of the
+    /// longest shard in the file.
     pub fn new(
         dir: &Path,
         rank: usize,
-        shards: Vec<Buffer>,
+        mut shards: Vec<Buffer>,
         staging: usize,
+        resident: usize,
     ) -> Result<SwappedShards, OffloadError> {
         let dtype = shards.first().map_or(DType::F32, Buffer::dtype);
+        let resident = resident.min(shards.len());
         let mut records = Vec::with_capacity(shards.len());
         let mut at = 0;
-        for s in &shards {
+        for (u, s) in shards.iter().enumerate() {
             records.push((at, s.len()));
-            at += record_words(dtype, s.len());
+            if u >= resident {
+                at += record_words(dtype, s.len());
+            }
         }
-        let longest = shards.iter().map(Buffer::len).max().unwrap_or(0);
+        let longest = shards[resident..]
+            .iter()
+            .map(Buffer::len)
+            .max()
+            .unwrap_or(0);
         let file = SwapFile::create_for(dir, KEY, &format!("rank{rank}-params"), at)?;
+        let swapped = shards.split_off(resident);
         let mut store = SwappedShards {
+            host: shards,
             file: Arc::new(file),
             dtype,
             records,
@@ -118,10 +153,26 @@ impl SwappedShards {
             ahead: None,
         };
         store.free = (0..staging).map(|_| store.new_staging()).collect();
-        for (u, s) in shards.iter().enumerate() {
-            store.store(u, s)?;
+        for (i, s) in swapped.iter().enumerate() {
+            store.store(resident + i, s)?;
         }
         Ok(store)
+    }
+
+    /// Whether unit `unit`'s shard is kept in host memory (`max_in_cpu`) rather than the file.
+    fn is_resident(&self, unit: usize) -> bool {
+        unit < self.host.len()
+    }
+
+    /// Moves resident unit `unit`'s shard out (an empty buffer in its place).
+    fn take_resident(&mut self, unit: usize) -> Buffer {
+        std::mem::replace(&mut self.host[unit], Buffer::F32(Vec::new()))
+    }
+
+    /// Bytes of the shards kept in host memory.
+    pub fn resident_bytes(&self) -> u64 {
+        let elems: usize = self.records[..self.host.len()].iter().map(|r| r.1).sum();
+        (elems * self.dtype.size()) as u64
     }
 
     /// Reads unit `unit`'s shard into `dst` (resized to the shard's length).
@@ -133,7 +184,8 @@ impl SwappedShards {
     /// Starts reading unit `unit`'s shard on a thread, when no read ahead is in flight and a
     /// staging buffer is free.
     fn start_read_ahead(&mut self, unit: usize) {
-        if self.ahead.is_some() || self.free.is_empty() || unit >= self.records.len() {
+        let swapped = unit < self.records.len() && !self.is_resident(unit);
+        if self.ahead.is_some() || self.free.is_empty() || !swapped {
             return;
         }
         let Some(mut bounce) = self.spare.take() else {
@@ -266,8 +318,7 @@ impl SwappedShards {
 
     /// Bytes of the swap file.
     pub fn file_bytes(&self) -> u64 {
-        let words: usize = self
-            .records
+        let words: usize = self.records[self.host.len()..]
             .iter()
             .map(|&(_, len)| record_words(self.dtype, len))
             .sum();
@@ -286,6 +337,7 @@ impl ShardStore {
     pub fn take(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
         match self {
             ShardStore::Memory(v) => Ok(std::mem::replace(&mut v[unit], Buffer::F32(Vec::new()))),
+            ShardStore::Nvme(s) if s.is_resident(unit) => Ok(s.take_resident(unit)),
             ShardStore::Nvme(s) => s.fetch(unit),
         }
     }
@@ -295,6 +347,7 @@ impl ShardStore {
     pub fn take_to_overwrite(&mut self, unit: usize) -> Buffer {
         match self {
             ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
+            ShardStore::Nvme(s) if s.is_resident(unit) => s.take_resident(unit),
             ShardStore::Nvme(s) => {
                 if s.free.is_empty() {
                     s.discard_read_ahead();
@@ -310,6 +363,7 @@ impl ShardStore {
     pub fn give_back(&mut self, unit: usize, shard: Buffer) {
         match self {
             ShardStore::Memory(v) => v[unit] = shard,
+            ShardStore::Nvme(s) if s.is_resident(unit) => s.host[unit] = shard,
             ShardStore::Nvme(s) => s.free.push(shard),
         }
     }
@@ -320,6 +374,10 @@ impl ShardStore {
         match self {
             ShardStore::Memory(v) => {
                 v[unit] = shard;
+                Ok(())
+            }
+            ShardStore::Nvme(s) if s.is_resident(unit) => {
+                s.host[unit] = shard;
                 Ok(())
             }
             ShardStore::Nvme(s) => {
@@ -336,7 +394,9 @@ impl ShardStore {
         match self {
             ShardStore::Memory(_) => true,
             ShardStore::Nvme(s) => {
-                !s.free.is_empty() || s.ahead.as_ref().is_some_and(|a| a.unit == unit)
+                s.is_resident(unit)
+                    || !s.free.is_empty()
+                    || s.ahead.as_ref().is_some_and(|a| a.unit == unit)
             }
         }
     }
@@ -362,6 +422,7 @@ impl ShardStore {
     pub fn read(&self, unit: usize) -> Result<Buffer, OffloadError> {
         match self {
             ShardStore::Memory(v) => Ok(v[unit].clone()),
+            ShardStore::Nvme(s) if s.is_resident(unit) => Ok(s.host[unit].clone()),
             ShardStore::Nvme(s) => {
                 let mut b = Buffer::zeros(s.dtype, 0);
                 let mut bounce = AlignedBuf::zeroed(record_words(s.dtype, s.records[unit].1));
@@ -425,7 +486,7 @@ mod tests {
                     buffer_from_f32(dtype, &v)
                 })
                 .collect();
-            let s = SwappedShards::new(dir.path(), 0, shards.clone(), 2).unwrap();
+            let s = SwappedShards::new(dir.path(), 0, shards.clone(), 2, 0).unwrap();
             let mut store = ShardStore::Nvme(Box::new(s));
             for (u, want) in shards.iter().enumerate() {
                 assert_eq!(&store.read(u).unwrap(), want);

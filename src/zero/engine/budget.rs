@@ -46,10 +46,14 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
         cfg.param_dtype.size() as u64,
         cfg.grad_accum_dtype.size() as u64,
     );
-    let param_tier = match (&cfg.offload_param, cfg.stage.shards_params()) {
-        (_, false) | (ParamTier::Device, true) => Tier::Device,
-        (ParamTier::Host, true) => Tier::Host,
-        (ParamTier::Nvme { .. }, true) => Tier::Nvme,
+    // The parameters' tier for the first `resident` units; the rest are in the swap file (NVMe
+    // offload keeps the first units' shards in host memory under max_in_cpu).
+    let (param_tier, resident) = match (&cfg.offload_param, cfg.stage.shards_params()) {
+        (_, false) | (ParamTier::Device, true) => (Tier::Device, usize::MAX),
+        (ParamTier::Host, true) => (Tier::Host, usize::MAX),
+        (ParamTier::Nvme { max_in_cpu, .. }, true) => {
+            (Tier::Host, super::param_residency(layout, *max_in_cpu))
+        }
     };
     let (master_tier, moment_tier) = match cfg.offload_optimizer {
         OptimizerTier::Device => (Tier::Device, Tier::Device),
@@ -65,7 +69,10 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
             } as u64;
             let updated = updated_part(layout, cfg.stage, u).len() as u64;
             UnitBytes {
-                params: (param_tier, elems(cfg.stage.shards_params()) * pdt),
+                params: (
+                    if u < resident { param_tier } else { Tier::Nvme },
+                    elems(cfg.stage.shards_params()) * pdt,
+                ),
                 master: (master_tier, cfg.is_mixed() as u64 * updated * 4),
                 grads: elems(cfg.stage.shards_grads()) * gdt,
                 moments: (
