@@ -396,16 +396,8 @@ unsafe fn adam_chunk_avx2<G: Element, S: StateElement, T: Element>(
     c: &StepConsts,
     stores: CopyStores,
 ) {
-    if stores == CopyStores::Streaming && is_bf16::<T>() {
-        // SAFETY: the caller checked AVX2; the fence below ends this thread's streaming stores.
-        let narrow = |src: &[f32], dst: &mut [T]| unsafe {
-            super::stream::narrow_bf16_avx2(src, bytemuck::cast_slice_mut(dst))
-        };
-        adam_chunk_body(p, g, m, v, out, c, narrow);
-        std::arch::x86_64::_mm_sfence();
-    } else {
-        adam_chunk_body(p, g, m, v, out, c, T::narrow)
-    }
+    // SAFETY: the caller checked AVX2.
+    unsafe { chunk_streaming(p, g, m, v, out, c, stores, super::stream::narrow_bf16_avx2) }
 }
 
 /// [`adam_chunk_body`] compiled with AVX-512F.
@@ -424,13 +416,47 @@ unsafe fn adam_chunk_avx512<G: Element, S: StateElement, T: Element>(
     c: &StepConsts,
     stores: CopyStores,
 ) {
+    // SAFETY: the caller checked AVX-512F.
+    unsafe {
+        chunk_streaming(
+            p,
+            g,
+            m,
+            v,
+            out,
+            c,
+            stores,
+            super::stream::narrow_bf16_avx512,
+        )
+    }
+}
+
+/// [`adam_chunk_body`] for a SIMD path: a long shard's bf16 copy goes through `stream`, that
+/// path's non-temporal rounding, and the fence after it ends this thread's streaming stores;
+/// otherwise the copy is written with ordinary stores.
+///
+/// # Safety
+/// The CPU runs `stream`. Inlined into the caller, so that the body is compiled for its features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn chunk_streaming<G: Element, S: StateElement, T: Element>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [S],
+    v: &mut [S],
+    out: Option<&mut [T]>,
+    c: &StepConsts,
+    stores: CopyStores,
+    stream: unsafe fn(&[f32], &mut [u16]),
+) {
     if stores == CopyStores::Streaming && is_bf16::<T>() {
-        // SAFETY: the caller checked AVX-512F; the fence below ends this thread's streaming stores.
-        let narrow = |src: &[f32], dst: &mut [T]| unsafe {
-            super::stream::narrow_bf16_avx512(src, bytemuck::cast_slice_mut(dst))
-        };
+        // SAFETY: the caller's CPU runs `stream`.
+        let narrow =
+            |src: &[f32], dst: &mut [T]| unsafe { stream(src, bytemuck::cast_slice_mut(dst)) };
         adam_chunk_body(p, g, m, v, out, c, narrow);
-        std::arch::x86_64::_mm_sfence();
+        // SAFETY: SSE, part of x86-64.
+        unsafe { std::arch::x86_64::_mm_sfence() };
     } else {
         adam_chunk_body(p, g, m, v, out, c, T::narrow)
     }
