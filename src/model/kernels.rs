@@ -166,6 +166,19 @@ macro_rules! by_dtype {
     };
 }
 
+/// A vector of `len` elements, each written by `fill` into the vector's uninitialised capacity:
+/// no zeroing pass for an output that is overwritten whole anyway (on the benchmark GPT the
+/// per-op zeroing was about 4% of a rank's time). `fill` must write every element: the vector's
+/// length is set after it returns.
+fn written<T: Real>(len: usize, fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>])) -> Vec<T> {
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len]);
+    // SAFETY: `fill` wrote all `len` elements (its contract; every caller writes each element of
+    // the slice it is given exactly once, in loops over the whole slice).
+    unsafe { v.set_len(len) };
+    v
+}
+
 fn storage_dtype(s: &CpuStorage) -> DType {
     s.dtype()
 }
@@ -286,20 +299,20 @@ fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
 impl LayerNorm {
     pub(super) fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let cols = w.len();
-        let mut y = vec![lit::<T>(0.0); x.len()];
-        y.par_chunks_mut(cols * ROWS_PER_TASK)
-            .zip(x.par_chunks(cols * ROWS_PER_TASK))
-            .for_each(|(ys, xs)| {
-                wide(|| {
-                    for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
-                        let (mean, rstd) = ln_stats(xr, self.eps);
-                        for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
-                            *y = (x - mean) * rstd * w + b;
+        written(x.len(), |y| {
+            y.par_chunks_mut(cols * ROWS_PER_TASK)
+                .zip(x.par_chunks(cols * ROWS_PER_TASK))
+                .for_each(|(ys, xs)| {
+                    wide(|| {
+                        for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
+                            let (mean, rstd) = ln_stats(xr, self.eps);
+                            for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                                y.write((x - mean) * rstd * w + b);
+                            }
                         }
-                    }
+                    })
                 })
-            });
-        y
+        })
     }
 
     pub(super) fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
@@ -435,26 +448,37 @@ fn gelu_grad<T: Real>(x: T) -> T {
 
 impl Gelu {
     pub(super) fn fwd<T: Real>(x: &[T]) -> Vec<T> {
-        let mut y = vec![lit::<T>(0.0); x.len()];
-        y.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(x.par_chunks(ELEMS_PER_TASK))
-            .for_each(|(ys, xs)| wide(|| ys.iter_mut().zip(xs).for_each(|(y, &x)| *y = gelu(x))));
-        y
+        written(x.len(), |y| {
+            y.par_chunks_mut(ELEMS_PER_TASK)
+                .zip(x.par_chunks(ELEMS_PER_TASK))
+                .for_each(|(ys, xs)| {
+                    wide(|| {
+                        for (y, &x) in ys.iter_mut().zip(xs) {
+                            y.write(gelu(x));
+                        }
+                    })
+                })
+        })
     }
 
     pub(super) fn bwd<T: Real>(x: &[T], dy: &[T]) -> Vec<T> {
-        let mut dx = vec![lit::<T>(0.0); x.len()];
-        dx.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(x.par_chunks(ELEMS_PER_TASK))
-            .zip(dy.par_chunks(ELEMS_PER_TASK))
-            .for_each(|((d, xs), gs)| {
-                wide(|| {
-                    for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
-                        *d = g * gelu_grad(x);
-                    }
+        assert_eq!(
+            x.len(),
+            dy.len(),
+            "gelu backward: input and gradient lengths differ"
+        );
+        written(x.len(), |dx| {
+            dx.par_chunks_mut(ELEMS_PER_TASK)
+                .zip(x.par_chunks(ELEMS_PER_TASK))
+                .zip(dy.par_chunks(ELEMS_PER_TASK))
+                .for_each(|((d, xs), gs)| {
+                    wide(|| {
+                        for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                            d.write(g * gelu_grad(x));
+                        }
+                    })
                 })
-            });
-        dx
+        })
     }
 }
 
@@ -497,14 +521,7 @@ fn gemm_into<T: Real>(
     rhs: &[T],
     rhs_strides: (usize, usize),
 ) {
-    // The current pool's size (a rank's own pool when the engine runs ranks as threads), capped
-    // by candle's thread count (physical cores, or RAYON_NUM_THREADS).
-    let threads = rayon::current_num_threads().min(candle_core::utils::get_num_threads());
-    let parallelism = if threads > 1 {
-        gemm::Parallelism::Rayon(threads)
-    } else {
-        gemm::Parallelism::None
-    };
+    let parallelism = gemm_parallelism();
     let dst = (dst, n);
     gemm_strided(
         (m, n, k),
@@ -519,11 +536,79 @@ fn gemm_into<T: Real>(
 /// A matrix operand: the slice its first element starts and its (row, column) strides.
 type Strided<'a, T> = (&'a [T], (usize, usize));
 
+/// `lhs[m, k] @ rhs[k, n]` as a new row-major `[m, n]` vector, the GEMM writing straight into
+/// its uninitialised capacity (it overwrites every element without reading it: `read_dst`
+/// false), on the current rayon pool.
+fn gemm_written<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    (lhs, lhs_strides): Strided<'_, T>,
+    (rhs, rhs_strides): Strided<'_, T>,
+) -> Vec<T> {
+    if k == 0 {
+        return vec![lit::<T>(0.0); m * n];
+    }
+    written(m * n, |dst| {
+        let len = dst.len();
+        // SAFETY: `dst` is valid for writes of `m * n` elements in rows of `n` (column stride 1);
+        // with `accumulate` false the GEMM writes every element of it and reads none, so the
+        // uninitialised contents are never read.
+        unsafe {
+            gemm_raw(
+                (m, n, k),
+                (dst.as_mut_ptr().cast::<T>(), len, n),
+                false,
+                (lhs, lhs_strides),
+                (rhs, rhs_strides),
+                gemm_parallelism(),
+            )
+        }
+    })
+}
+
+/// The parallelism of a GEMM called on the current rayon pool: the pool's size (a rank's own pool
+/// when the engine runs ranks as threads), capped by candle's thread count (physical cores, or
+/// RAYON_NUM_THREADS).
+fn gemm_parallelism() -> gemm::Parallelism {
+    let threads = rayon::current_num_threads().min(candle_core::utils::get_num_threads());
+    if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
 /// `dst[m, n] (+)= lhs[m, k] @ rhs[k, n]`, `dst` given with its row stride (column stride 1),
 /// with the given parallelism (`None` inside tasks that are already parallel).
 fn gemm_strided<T: Real>(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (&mut [T], usize),
+    accumulate: bool,
+    lhs: Strided<'_, T>,
+    rhs: Strided<'_, T>,
+    parallelism: gemm::Parallelism,
+) {
+    let len = dst.len();
+    // SAFETY: `dst` is a live, exclusively borrowed slice of `len` initialised elements.
+    unsafe {
+        gemm_raw(
+            (m, n, k),
+            (dst.as_mut_ptr(), len, dst_rs),
+            accumulate,
+            lhs,
+            rhs,
+            parallelism,
+        )
+    }
+}
+
+/// [`gemm_strided`] on a destination given as a pointer, its length and row stride.
+///
+/// # Safety
+/// `dst` is valid for writes of `dst_len` elements, not aliased by `lhs` or `rhs`, and (when
+/// `accumulate`) initialised; the bounds are checked here.
+unsafe fn gemm_raw<T: Real>(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_len, dst_rs): (*mut T, usize, usize),
     accumulate: bool,
     (lhs, (lhs_rs, lhs_cs)): Strided<'_, T>,
     (rhs, (rhs_rs, rhs_cs)): Strided<'_, T>,
@@ -533,21 +618,21 @@ fn gemm_strided<T: Real>(
         return;
     }
     assert!(
-        dst.len() > (m - 1) * dst_rs + (n - 1),
+        dst_len > (m - 1) * dst_rs + (n - 1),
         "gemm destination too small"
     );
     assert!(n <= dst_rs, "gemm destination rows overlap");
     assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
-    // SAFETY: the asserts above keep every index the strides can reach inside the slices, and
-    // the destination's rows (n <= dst_rs) do not overlap; dst does not alias lhs or rhs (it is
-    // borrowed mutably).
+    // SAFETY: the asserts above keep every index the strides can reach inside the operands and
+    // the destination, whose rows (n <= dst_rs) do not overlap; the caller guarantees that dst
+    // is writable and aliases neither operand.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             accumulate,
@@ -624,11 +709,9 @@ impl Linear {
         let inp = w.len() / out;
         let n = x.len() / inp;
         // dx [n, in] = dy [n, out] @ w [out, in]
-        let mut dx = vec![lit::<T>(0.0); n * inp];
-        gemm_into((n, inp, out), &mut dx, false, dy, (out, 1), w, (inp, 1));
+        let dx = gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1)));
         // dw [out, in] = dy^T [out, n] @ x [n, in]
-        let mut dw = vec![lit::<T>(0.0); out * inp];
-        gemm_into((out, inp, n), &mut dw, false, dy, (1, out), x, (inp, 1));
+        let dw = gemm_written((out, inp, n), (dy, (1, out)), (x, (inp, 1)));
         // db [out] = column sums of dy, over a fixed row split summed in order.
         let partials: Vec<Vec<T>> = dy
             .par_chunks(out * ROWS_PER_TASK)
