@@ -168,13 +168,18 @@ macro_rules! by_dtype {
 
 /// A vector of `len` elements, each written by `fill` into the vector's uninitialised capacity:
 /// no zeroing pass for an output that is overwritten whole anyway (on the benchmark GPT the
-/// per-op zeroing was about 4% of a rank's time). `fill` must write every element: the vector's
-/// length is set after it returns.
-fn written<T: Real>(len: usize, fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>])) -> Vec<T> {
+/// per-op zeroing was about 4% of a rank's time). The vector's length is set after `fill`
+/// returns (if it panics, the vector is dropped empty).
+///
+/// # Safety
+/// `fill` writes every element of the slice it is given.
+unsafe fn written<T: Real>(
+    len: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>]),
+) -> Vec<T> {
     let mut v: Vec<T> = Vec::with_capacity(len);
     fill(&mut v.spare_capacity_mut()[..len]);
-    // SAFETY: `fill` wrote all `len` elements (its contract; every caller writes each element of
-    // the slice it is given exactly once, in loops over the whole slice).
+    // SAFETY: `fill` wrote all `len` elements (the caller's contract).
     unsafe { v.set_len(len) };
     v
 }
@@ -299,7 +304,8 @@ fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
 impl LayerNorm {
     pub(super) fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
         let cols = w.len();
-        written(x.len(), |y| {
+        assert_eq!(b.len(), cols, "layer norm: weight and bias lengths differ");
+        let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
             y.par_chunks_mut(cols * ROWS_PER_TASK)
                 .zip(x.par_chunks(cols * ROWS_PER_TASK))
                 .for_each(|(ys, xs)| {
@@ -312,7 +318,10 @@ impl LayerNorm {
                         }
                     })
                 })
-        })
+        };
+        // SAFETY: `y`'s chunks and rows pair with `x`'s, of the same lengths, and `w` and `b`
+        // are as long as a row: every element is written.
+        unsafe { written(x.len(), fill) }
     }
 
     pub(super) fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
@@ -448,7 +457,7 @@ fn gelu_grad<T: Real>(x: T) -> T {
 
 impl Gelu {
     pub(super) fn fwd<T: Real>(x: &[T]) -> Vec<T> {
-        written(x.len(), |y| {
+        let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
             y.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(x.par_chunks(ELEMS_PER_TASK))
                 .for_each(|(ys, xs)| {
@@ -458,16 +467,14 @@ impl Gelu {
                         }
                     })
                 })
-        })
+        };
+        // SAFETY: `y`'s chunks pair with `x`'s, of the same lengths: every element is written.
+        unsafe { written(x.len(), fill) }
     }
 
     pub(super) fn bwd<T: Real>(x: &[T], dy: &[T]) -> Vec<T> {
-        assert_eq!(
-            x.len(),
-            dy.len(),
-            "gelu backward: input and gradient lengths differ"
-        );
-        written(x.len(), |dx| {
+        assert_eq!(x.len(), dy.len(), "gelu backward: lengths differ");
+        let fill = |dx: &mut [std::mem::MaybeUninit<T>]| {
             dx.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(x.par_chunks(ELEMS_PER_TASK))
                 .zip(dy.par_chunks(ELEMS_PER_TASK))
@@ -478,7 +485,9 @@ impl Gelu {
                         }
                     })
                 })
-        })
+        };
+        // SAFETY: as in `fwd`, `dy` as long as `x` (asserted): every element is written.
+        unsafe { written(x.len(), fill) }
     }
 }
 
@@ -547,11 +556,10 @@ fn gemm_written<T: Real>(
     if k == 0 {
         return vec![lit::<T>(0.0); m * n];
     }
-    written(m * n, |dst| {
+    let fill = |dst: &mut [std::mem::MaybeUninit<T>]| {
         let len = dst.len();
-        // SAFETY: `dst` is valid for writes of `m * n` elements in rows of `n` (column stride 1);
-        // with `accumulate` false the GEMM writes every element of it and reads none, so the
-        // uninitialised contents are never read.
+        // SAFETY: `dst` is valid for writes of its `m * n` elements, in rows of `n` (column
+        // stride 1), and aliases no operand.
         unsafe {
             gemm_raw(
                 (m, n, k),
@@ -562,7 +570,10 @@ fn gemm_written<T: Real>(
                 gemm_parallelism(),
             )
         }
-    })
+    };
+    // SAFETY: with `accumulate` false and k > 0 the GEMM writes every element of the `m x n`
+    // destination and reads none (gemm's `read_dst = false`).
+    unsafe { written(m * n, fill) }
 }
 
 /// The parallelism of a GEMM called on the current rayon pool: the pool's size (a rank's own pool
