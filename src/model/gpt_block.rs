@@ -108,7 +108,7 @@ pub(super) fn forward(
     // little beside its output, as activation checkpointing and stage-3 recomputation expect).
     let kept = |v: Vec<f32>| if keep { v } else { Vec::new() };
     let x = input.flatten_all()?.to_vec1::<f32>()?;
-    let ln1 = ln.fwd(&x, &p[r[0].clone()], &p[r[1].clone()]);
+    let ln1 = ln.fwd(&x, &p[r[0].clone()], &p[r[1].clone()])?;
     let qkv = Linear::fwd(&ln1, &p[r[2].clone()], &p[r[3].clone()])?;
     let ln1 = kept(ln1);
     let att = shape.attention().forward(&qkv, 3 * c)?;
@@ -117,7 +117,7 @@ pub(super) fn forward(
     let att = kept(att);
     let x1 = sum(&x, &proj);
     drop((x, proj));
-    let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()]);
+    let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()])?;
     let fc = Linear::fwd(&ln2, &p[r[8].clone()], &p[r[9].clone()])?;
     let ln2 = kept(ln2);
     let h = Gelu::fwd(&fc);
@@ -172,7 +172,7 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
     let (dh, dw, db) = Linear::bwd(&s.h, &p[r[10].clone()], &dout, c);
     add(10, dw);
     add(11, db);
-    let dfc = Gelu::bwd(&s.fc, &dh);
+    let dfc = Gelu::bwd(&s.fc, &dh)?;
     drop(dh);
     let (dln2, dw, db) = Linear::bwd(&s.ln2, &p[r[8].clone()], &dfc, 4 * c);
     add(8, dw);

@@ -302,9 +302,14 @@ fn ln_stats<T: Real>(row: &[T], eps: f64) -> (T, T) {
 }
 
 impl LayerNorm {
-    pub(super) fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Vec<T> {
+    pub(super) fn fwd<T: Real>(&self, x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
         let cols = w.len();
-        assert_eq!(b.len(), cols, "layer norm: weight and bias lengths differ");
+        if b.len() != cols {
+            bail!(
+                "layer norm: weight of {cols} elements but bias of {}",
+                b.len()
+            );
+        }
         let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
             y.par_chunks_mut(cols * ROWS_PER_TASK)
                 .zip(x.par_chunks(cols * ROWS_PER_TASK))
@@ -321,7 +326,7 @@ impl LayerNorm {
         };
         // SAFETY: `y`'s chunks and rows pair with `x`'s, of the same lengths, and `w` and `b`
         // are as long as a row: every element is written.
-        unsafe { written(x.len(), fill) }
+        Ok(unsafe { written(x.len(), fill) })
     }
 
     pub(super) fn bwd<T: Real>(&self, x: &[T], w: &[T], dy: &[T]) -> (Vec<T>, Vec<T>, Vec<T>) {
@@ -398,7 +403,7 @@ impl CustomOp3 for LayerNorm {
                 );
             }
             Ok((
-                T::to_cpu_storage_owned(self.fwd(x, w, b)),
+                T::to_cpu_storage_owned(self.fwd(x, w, b)?),
                 l1.shape().clone(),
             ))
         })
@@ -472,8 +477,14 @@ impl Gelu {
         unsafe { written(x.len(), fill) }
     }
 
-    pub(super) fn bwd<T: Real>(x: &[T], dy: &[T]) -> Vec<T> {
-        assert_eq!(x.len(), dy.len(), "gelu backward: lengths differ");
+    pub(super) fn bwd<T: Real>(x: &[T], dy: &[T]) -> Result<Vec<T>> {
+        if x.len() != dy.len() {
+            bail!(
+                "gelu backward: input of {} elements, gradient of {}",
+                x.len(),
+                dy.len()
+            );
+        }
         let fill = |dx: &mut [std::mem::MaybeUninit<T>]| {
             dx.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(x.par_chunks(ELEMS_PER_TASK))
@@ -486,8 +497,8 @@ impl Gelu {
                     })
                 })
         };
-        // SAFETY: as in `fwd`, `dy` as long as `x` (asserted): every element is written.
-        unsafe { written(x.len(), fill) }
+        // SAFETY: as in `fwd`, `dy` as long as `x` (checked): every element is written.
+        Ok(unsafe { written(x.len(), fill) })
     }
 }
 
@@ -505,7 +516,7 @@ impl CustomOp1 for Gelu {
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         by_dtype!(x.dtype(), self.name(), |T| {
-            let dx = with_slice::<T, _>(x, |x| with_slice::<T, _>(dy, |dy| Ok(Self::bwd(x, dy))))?;
+            let dx = with_slice::<T, _>(x, |x| with_slice::<T, _>(dy, |dy| Self::bwd(x, dy)))?;
             Ok(Some(tensor(dx, x.shape())?))
         })
     }

@@ -47,7 +47,7 @@ fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [u16]) {
-    assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
+    debug_assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
     let head = unaligned_head(dst);
     narrow_scalar(&src[..head], &mut dst[..head]);
     let (src, dst) = (&src[head..], &mut dst[head..]);
@@ -96,7 +96,7 @@ fn round_bf16_x8(x: __m256) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 pub(crate) unsafe fn narrow_bf16_avx2(src: &[f32], dst: &mut [u16]) {
-    assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
+    debug_assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
     let head = unaligned_head(dst);
     narrow_scalar(&src[..head], &mut dst[..head]);
     let (src, dst) = (&src[head..], &mut dst[head..]);

@@ -1092,25 +1092,18 @@ fn coordinator(
             let longest = longest_swapped_shard(layout, resident);
             if resident == layout.num_units() {
                 // max_in_cpu holds every shard: no swap file, as in DeepSpeed.
-                return Ok(Coordinator::new(
-                    ShardStore::Memory(shards),
-                    layout,
-                    plan.persistent.clone(),
-                    plan.gather_pool_elems,
-                    prefetch,
-                    schedule::gather_needs(&visits, &kept_graph),
-                ));
-            }
-            if longest > *buffer_size {
+                ShardStore::Memory(shards)
+            } else if longest > *buffer_size {
                 return Err(EngineError::Config(format!(
                     "offload_param.buffer_size is {buffer_size} elements but the longest \
                      parameter shard has {longest}; raise zero_optimization.offload_param.\
                      buffer_size to at least {longest}, or use more ranks"
                 )));
+            } else {
+                let staging = param_staging_count(spec, *buffer_count);
+                let store = SwappedShards::new(dir, rank, shards, staging, resident)?;
+                ShardStore::Nvme(Box::new(store))
             }
-            let staging = param_staging_count(spec, *buffer_count);
-            let store = SwappedShards::new(dir, rank, shards, staging, resident)?;
-            ShardStore::Nvme(Box::new(store))
         }
         ParamTier::Device | ParamTier::Host => ShardStore::Memory(shards),
     };

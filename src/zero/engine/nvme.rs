@@ -15,7 +15,7 @@
 use super::super::precision::{Slice, SliceMut};
 use crate::comm::DType;
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
-use half::bf16;
+use half::{bf16, f16};
 use std::ops::Range;
 use std::path::Path;
 
@@ -49,8 +49,9 @@ fn record_words(dtype: DType, elems: usize) -> usize {
 /// `buf` (words) as moments of `dtype`, the first `elems` of them.
 fn typed(dtype: DType, buf: &mut [f32], elems: usize) -> SliceMut<'_> {
     match dtype {
+        DType::F32 => SliceMut::F32(&mut buf[..elems]),
         DType::BF16 => SliceMut::BF16(&mut bytemuck::cast_slice_mut::<f32, bf16>(buf)[..elems]),
-        _ => SliceMut::F32(&mut buf[..elems]),
+        DType::F16 => SliceMut::F16(&mut bytemuck::cast_slice_mut::<f32, f16>(buf)[..elems]),
     }
 }
 
@@ -85,10 +86,6 @@ impl NvmeMoments {
         chunk: usize,
         buffer_count: usize,
     ) -> Result<NvmeMoments, OffloadError> {
-        assert!(
-            matches!(dtype, DType::F32 | DType::BF16),
-            "Adam's moments are f32 or bf16"
-        );
         let longest = lens.iter().copied().max().unwrap_or(0);
         let words = buffer_words(dtype, chunk, longest);
         let mut records = Vec::with_capacity(lens.len());
