@@ -42,6 +42,9 @@ fn bench_adam_json_has_bandwidth_isa_and_one_result_per_thread_count_and_state_d
         assert_eq!(bytes, if state == "f32" { 28 } else { 20 }, "{state}");
         let pps = r["params_per_s"].as_f64().unwrap();
         assert!(pps > 0.0 && pps.is_finite());
+        // The bound of the row's own access pattern, measured at its thread count.
+        let bound = r["bound_gbps"].as_f64().unwrap();
+        assert!(bound > 0.0 && bound.is_finite(), "{bound}");
         let ms = r["ms_per_step"].as_f64().unwrap();
         assert!((1e6 / (ms * 1e-3) - pps).abs() <= 1e-6 * pps);
         assert!(r["fused_copy_params_per_s"].as_f64().unwrap() > 0.0);

@@ -3,13 +3,13 @@
 //!
 //! The step is memory-bound on large shards: it reads p, g, m, v and writes p, m, v once each
 //! (28 bytes per parameter with f32 states and gradients, 20 with bf16 states), so the useful
-//! comparison is its traffic (`gbps`) against what the memory delivers. The reference,
-//! `mem_bw_gbps`, is a STREAM-style in-place update `a[i] += s * b[i]` over two 256 MiB buffers
-//! (far above the 32 MiB LLC) on every hardware thread at once, counted as bytes read plus written
-//! (12 per element): Adam's own access pattern, where every written line was just read. STREAM's
-//! triad `a = b + s * c` is measured beside it (`triad_gbps`, also 12 bytes per element); it
-//! comes out lower because each store to `a` first reads the line (write-allocate), traffic
-//! STREAM does not count.
+//! comparison is its traffic (`gbps`) against what the memory delivers to that access pattern.
+//! The reference is a pass with the step's own streams and integer adds for arithmetic (see
+//! `traffic_gbps`), on the same threads, over 64M elements per buffer: `bound_gbps` per row (its
+//! state and gradient widths and thread count) and `mem_bw_gbps`, the f32-state shape on every
+//! hardware thread. STREAM's two- and three-stream kernels are not used: on this kind of host a
+//! core's bandwidth grows with the streams it keeps in flight, and they measured half of what the
+//! step itself draws.
 //!
 //! Each thread count runs in its own rayon pool of that size; each number is the median of
 //! `--runs` timed steps after one warm-up step (which also maps the pages of m and v). With a
@@ -18,12 +18,13 @@
 
 use anyhow::{bail, Context};
 use half::bf16;
+use rayon::prelude::*;
 use std::time::Instant;
 use zerodp::comm::zeroed_vec;
 use zerodp::optim::adam::{
     adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
 };
-use zerodp::optim::kernels::{Element, TILE};
+use zerodp::optim::kernels::{Element, PAR_CHUNK, TILE};
 
 use super::bench_comm::{available_memory, median, Format};
 
@@ -68,8 +69,9 @@ impl DtypeChoice {
     }
 }
 
-/// Bytes of each bandwidth buffer.
-const STREAM_BYTES: usize = 256 << 20;
+/// Elements of each buffer of the bandwidth pass ([`traffic_gbps`]): 64M, so that even its bf16
+/// buffers (128 MiB) are four times the last-level cache.
+const TRAFFIC_ELEMS: usize = 64 << 20;
 
 /// One measured point. `params`, `threads`, `state_dtype`, `params_per_s` and `bytes_per_param`
 /// are the contract of `--format json`; the rest are extras.
@@ -85,6 +87,9 @@ struct Row {
     ms_per_step: f64,
     /// `bytes_per_param * params_per_s / 1e9`: the memory traffic the step draws.
     gbps: f64,
+    /// The traffic the same access pattern draws with no arithmetic, on the same threads
+    /// (`traffic_gbps`): the bound `gbps` is held to.
+    bound_gbps: f64,
     /// The same step with the fused bf16 copy of the parameters (`None` with `--no-copy`).
     fused_copy_params_per_s: Option<f64>,
     fused_copy_ms_per_step: Option<f64>,
@@ -94,10 +99,9 @@ struct Row {
 
 #[derive(serde::Serialize, Debug)]
 struct Report {
-    /// `a += s * b`: bytes read plus written per second / 1e9, all `mem_bw_threads` threads.
+    /// Bytes read plus written per second / 1e9 of the f32-state step's memory traffic with no
+    /// arithmetic (`traffic_gbps`), the run's gradient dtype, all `mem_bw_threads` threads.
     mem_bw_gbps: f64,
-    /// STREAM triad `a = b + s * c`, counted the same way (write-allocate reads not counted).
-    triad_gbps: f64,
     mem_bw_threads: usize,
     /// The Adam kernel path every step ran on.
     isa: &'static str,
@@ -154,7 +158,8 @@ fn check_fits(args: &BenchAdamArgs, sizes: &[usize], available: u64) -> anyhow::
     let copy = !args.no_copy;
     for &n in sizes {
         for &s in &args.state_dtypes {
-            let need = bytes_needed(n, args.grad_dtype, s, copy).max(3 * STREAM_BYTES as u128);
+            let bound = bytes_needed(TRAFFIC_ELEMS, args.grad_dtype, s, false);
+            let need = bytes_needed(n, args.grad_dtype, s, copy).max(bound);
             if need > available as u128 {
                 bail!(
                     "--params {n}: with {s:?} states, {:?} gradients{} it needs {:.1} GiB, more \
@@ -184,39 +189,120 @@ fn time_median(runs: usize, mut f: impl FnMut()) -> f64 {
     median(samples)
 }
 
-/// Bytes read plus written per second / 1e9 at the median of `runs` passes (after one that maps
-/// the pages) of `a += s * b` (`triad` false) or `a = b + s * c` (`triad` true), 12 bytes per
-/// element either way, on `threads` threads each over its own contiguous part.
-fn stream_gbps(threads: usize, runs: usize, triad: bool) -> f64 {
-    let len = STREAM_BYTES / 4;
-    let mut a = filled(len, 0.0);
-    let b = filled(len, 1.0);
-    let c = if triad { filled(len, 2.0) } else { Vec::new() };
-    let chunk = len.div_ceil(threads);
-    let secs = time_median(runs, || {
-        std::thread::scope(|s| {
-            for (k, (a, b)) in a.chunks_mut(chunk).zip(b.chunks(chunk)).enumerate() {
-                let c = if triad {
-                    &c[k * chunk..k * chunk + a.len()]
-                } else {
-                    &[][..]
-                };
-                s.spawn(move || {
-                    if triad {
-                        for ((a, b), c) in a.iter_mut().zip(b).zip(c) {
-                            *a = b + 3.0 * c;
-                        }
-                    } else {
-                        for (a, b) in a.iter_mut().zip(b) {
-                            *a += 3.0 * b;
-                        }
-                    }
-                });
-            }
-        });
+/// A machine word a bandwidth pass reads and writes with next to no arithmetic.
+trait Word: bytemuck::Pod + Send + Sync {
+    fn bump(self) -> Self;
+    fn as_u32(self) -> u32;
+}
+
+impl Word for u32 {
+    #[inline(always)]
+    fn bump(self) -> Self {
+        self.wrapping_add(1)
+    }
+    #[inline(always)]
+    fn as_u32(self) -> u32 {
+        self
+    }
+}
+
+impl Word for u16 {
+    #[inline(always)]
+    fn bump(self) -> Self {
+        self.wrapping_add(1)
+    }
+    #[inline(always)]
+    fn as_u32(self) -> u32 {
+        u32::from(self)
+    }
+}
+
+/// One chunk of [`traffic_gbps`]'s pass: `p += g`, `m += 1`, `v += 1` (integer adds: nothing a
+/// core waits for), so the pass draws exactly the Adam step's loads and stores and nothing else.
+#[inline(always)]
+fn traffic_chunk<G: Word, S: Word>(p: &mut [u32], g: &[G], m: &mut [S], v: &mut [S]) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        *p = p.wrapping_add(g.as_u32());
+        *m = m.bump();
+        *v = v.bump();
+    }
+}
+
+/// [`traffic_chunk`] at the widest vectors the CPU has, as the Adam kernel runs (its AVX-512
+/// path draws about 10% more bandwidth than a baseline SSE2 loop on this kind of host).
+fn traffic_chunk_wide<G: Word, S: Word>(p: &mut [u32], g: &[G], m: &mut [S], v: &mut [S]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw")]
+        unsafe fn avx512<G: Word, S: Word>(p: &mut [u32], g: &[G], m: &mut [S], v: &mut [S]) {
+            traffic_chunk(p, g, m, v)
+        }
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2<G: Word, S: Word>(p: &mut [u32], g: &[G], m: &mut [S], v: &mut [S]) {
+            traffic_chunk(p, g, m, v)
+        }
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the CPU has AVX-512F and BW (checked just above).
+            return unsafe { avx512(p, g, m, v) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked just above).
+            return unsafe { avx2(p, g, m, v) };
+        }
+    }
+    traffic_chunk(p, g, m, v)
+}
+
+/// The memory bandwidth an Adam step of this shape can draw at most: bytes read plus written per
+/// second / 1e9 of a pass with the step's own streams (p 4 bytes read and written, g read, m and
+/// v read and written, of `G`'s and `S`'s widths) and integer adds for arithmetic, over
+/// [`TRAFFIC_ELEMS`] elements (far above the last-level cache) in the step's chunks on `pool`;
+/// median of `runs` passes after one.
+///
+/// WHY this and not STREAM: a core's bandwidth here is bounded by the misses it keeps in flight,
+/// and that grows with the number of streams, so a two-stream kernel (`a += s * b`) measured
+/// half of what the seven-stream Adam step itself draws. The step's own shape is the bound it
+/// can be held to; the ratio of the two is how much of the step the arithmetic costs.
+fn traffic_gbps<G: Word, S: Word>(pool: &rayon::ThreadPool, runs: usize) -> f64 {
+    let n = TRAFFIC_ELEMS;
+    // Written once so that every page is mapped (a never-written page reads as the shared zero
+    // page, from cache).
+    let mut p = filled(n, 1u32);
+    let g = filled(n, G::zeroed());
+    let (mut m, mut v) = (filled(n, S::zeroed()), filled(n, S::zeroed()));
+    let secs = pool.install(|| {
+        time_median(runs, || {
+            p.par_chunks_mut(PAR_CHUNK)
+                .zip(g.par_chunks(PAR_CHUNK))
+                .zip(m.par_chunks_mut(PAR_CHUNK))
+                .zip(v.par_chunks_mut(PAR_CHUNK))
+                .for_each(|(((p, g), m), v)| traffic_chunk_wide(p, g, m, v));
+        })
     });
-    std::hint::black_box(&a);
-    (3 * STREAM_BYTES) as f64 / secs / 1e9
+    std::hint::black_box((&p, &m, &v));
+    traffic_bytes::<G, S>(n) as f64 / secs / 1e9
+}
+
+/// Bytes one pass of Adam's shape moves over `n` elements (what [`bytes_needed`] holds, minus
+/// the copy, and counted once per read and once per write).
+fn traffic_bytes<G: Word, S: Word>(n: usize) -> usize {
+    let (gb, sb) = (std::mem::size_of::<G>(), std::mem::size_of::<S>());
+    n * (8 + gb + 4 * sb)
+}
+
+/// [`traffic_gbps`] for a gradient and state dtype choice.
+fn traffic_gbps_for(
+    grad: DtypeChoice,
+    state: DtypeChoice,
+    pool: &rayon::ThreadPool,
+    runs: usize,
+) -> f64 {
+    match (grad, state) {
+        (DtypeChoice::F32, DtypeChoice::F32) => traffic_gbps::<u32, u32>(pool, runs),
+        (DtypeChoice::F32, DtypeChoice::Bf16) => traffic_gbps::<u32, u16>(pool, runs),
+        (DtypeChoice::Bf16, DtypeChoice::F32) => traffic_gbps::<u16, u32>(pool, runs),
+        (DtypeChoice::Bf16, DtypeChoice::Bf16) => traffic_gbps::<u16, u16>(pool, runs),
+    }
 }
 
 /// Parameters per second of zerodp's CPU Adam on this machine as an offloaded mixed-precision step
@@ -262,6 +348,7 @@ fn measure<G: Element, S: StateElement>(
     n: usize,
     args: &BenchAdamArgs,
     pools: &[(usize, rayon::ThreadPool)],
+    bounds: &[f64],
 ) -> Vec<Row> {
     let hp = AdamParams {
         weight_decay: 0.01,
@@ -286,7 +373,7 @@ fn measure<G: Element, S: StateElement>(
     let bytes_per_param = 8 + G::BYTES + 4 * S::BYTES;
     let mut step = 0u64;
     let mut rows = Vec::new();
-    for (threads, pool) in pools {
+    for ((threads, pool), &bound_gbps) in pools.iter().zip(bounds) {
         let secs = pool.install(|| {
             time_median(args.runs, || {
                 step += 1;
@@ -310,6 +397,7 @@ fn measure<G: Element, S: StateElement>(
             bytes_per_param,
             ms_per_step: secs * 1e3,
             gbps: (n * bytes_per_param) as f64 / secs / 1e9,
+            bound_gbps,
             fused_copy_params_per_s: copy_secs.map(|s| n as f64 / s),
             fused_copy_ms_per_step: copy_secs.map(|s| s * 1e3),
             fused_copy_bytes_per_param: copy_secs.map(|_| bytes_per_param + 2),
@@ -341,27 +429,46 @@ pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
     }
     let isa = adam_isa();
     let all = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mem_bw_gbps = stream_gbps(all, args.runs.max(5), false);
-    let triad_gbps = stream_gbps(all, args.runs.max(5), true);
     let pools = args
         .threads
         .iter()
         .map(|&t| pool(t).map(|p| (t, p)))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let bound_runs = args.runs.max(5);
+    let mem_bw_gbps = traffic_gbps_for(args.grad_dtype, DtypeChoice::F32, &pool(all)?, bound_runs);
+    // The bound of each state dtype's shape at each thread count, measured before any step.
+    let bounds: Vec<Vec<f64>> = args
+        .state_dtypes
+        .iter()
+        .map(|&s| {
+            let at = |(_, p): &(usize, rayon::ThreadPool)| {
+                traffic_gbps_for(args.grad_dtype, s, p, bound_runs)
+            };
+            pools.iter().map(at).collect()
+        })
+        .collect();
     let mut results = Vec::new();
     for &n in &sizes {
-        for &state in &args.state_dtypes {
-            results.extend(match (args.grad_dtype, state) {
-                (DtypeChoice::F32, DtypeChoice::F32) => measure::<f32, f32>(n, &args, &pools),
-                (DtypeChoice::F32, DtypeChoice::Bf16) => measure::<f32, bf16>(n, &args, &pools),
-                (DtypeChoice::Bf16, DtypeChoice::F32) => measure::<bf16, f32>(n, &args, &pools),
-                (DtypeChoice::Bf16, DtypeChoice::Bf16) => measure::<bf16, bf16>(n, &args, &pools),
-            });
+        for (&state, bounds) in args.state_dtypes.iter().zip(&bounds) {
+            let rows = match (args.grad_dtype, state) {
+                (DtypeChoice::F32, DtypeChoice::F32) => {
+                    measure::<f32, f32>(n, &args, &pools, bounds)
+                }
+                (DtypeChoice::F32, DtypeChoice::Bf16) => {
+                    measure::<f32, bf16>(n, &args, &pools, bounds)
+                }
+                (DtypeChoice::Bf16, DtypeChoice::F32) => {
+                    measure::<bf16, f32>(n, &args, &pools, bounds)
+                }
+                (DtypeChoice::Bf16, DtypeChoice::Bf16) => {
+                    measure::<bf16, bf16>(n, &args, &pools, bounds)
+                }
+            };
+            results.extend(rows);
         }
     }
     let report = Report {
         mem_bw_gbps,
-        triad_gbps,
         mem_bw_threads: all,
         isa: isa.name(),
         isa_available: AdamIsa::available().iter().map(|i| i.name()).collect(),
@@ -377,13 +484,13 @@ pub fn run(args: BenchAdamArgs) -> anyhow::Result<i32> {
 
 fn print_table(r: &Report) -> anyhow::Result<()> {
     outln!(
-        "# adam step, {} path (available: {}); memory bandwidth {:.2} GB/s (a += s*b, read+write, \
-         {} threads; STREAM triad {:.2}); median of {} steps",
+        "# adam step, {} path (available: {}); memory bandwidth {:.2} GB/s (the f32-state step's \
+         traffic with no arithmetic, read+write, {} threads; %bw: each row against its own \
+         shape's at its threads); median of {} steps",
         r.isa,
         r.isa_available.join(", "),
         r.mem_bw_gbps,
         r.mem_bw_threads,
-        r.triad_gbps,
         r.runs
     );
     outln!(
@@ -411,7 +518,7 @@ fn print_table(r: &Report) -> anyhow::Result<()> {
             row.ms_per_step,
             row.params_per_s / 1e6,
             row.gbps,
-            100.0 * row.gbps / r.mem_bw_gbps,
+            100.0 * row.gbps / row.bound_gbps,
             opt(row.fused_copy_ms_per_step, 1.0),
             opt(row.fused_copy_params_per_s, 1e-6)
         );
