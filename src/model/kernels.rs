@@ -24,6 +24,8 @@ use candle_core::{
 };
 use rayon::prelude::*;
 
+pub(crate) use super::attention::CausalAttention;
+
 /// Rows per parallel task: enough work per task to amortise scheduling, and a fixed split so
 /// that cross-row sums are reproducible.
 const ROWS_PER_TASK: usize = 32;
@@ -31,7 +33,10 @@ const ROWS_PER_TASK: usize = 32;
 const ELEMS_PER_TASK: usize = 16 * 1024;
 
 /// The float types the kernels run in (F32 for training, F64 for gradient checks).
-pub(crate) trait Real: WithDType {
+pub(crate) trait Real: WithDType + bytemuck::Pod {
+    /// `self * a + b` rounded once (a fused multiply-add: one instruction where the loop is
+    /// compiled for AVX2+FMA or AVX-512, a correctly rounded library call otherwise).
+    fn mul_add(self, a: Self, b: Self) -> Self;
     /// `e^x`: for f32 a branch-free polynomial that loops vectorise ([`exp_f32`]); for f64 libm's,
     /// so that the gradient checks keep their reference accuracy.
     fn exp(self) -> Self;
@@ -40,6 +45,10 @@ pub(crate) trait Real: WithDType {
 }
 
 impl Real for f32 {
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f32::mul_add(self, a, b)
+    }
     #[inline(always)]
     fn exp(self) -> Self {
         exp_f32(self)
@@ -53,6 +62,10 @@ impl Real for f32 {
 }
 
 impl Real for f64 {
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f64::mul_add(self, a, b)
+    }
     fn exp(self) -> Self {
         f64::exp(self)
     }
@@ -95,32 +108,34 @@ fn exp_f32(x: f32) -> f32 {
     er * f32::from_bits(((n_int + 127) as u32) << 23)
 }
 
-fn lit<T: Real>(x: f64) -> T {
+pub(super) fn lit<T: Real>(x: f64) -> T {
     T::from_f64(x)
 }
 
-/// Runs an element-wise loop compiled for AVX-512 (16 lanes) or AVX2 (8 lanes) when the CPU has
-/// it, else as built (SSE2 on x86-64). `f` is inlined into the wide function, so that its loop is
-/// vectorised at that width; every build gives the same bits (Rust never contracts `a * b + c`
-/// into a fused multiply-add on its own, and the lane sums fix their order in the source).
+/// Runs an element-wise loop compiled for AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) when the
+/// CPU has it, else as built (SSE2 on x86-64). `f` is inlined into the wide function, so that its
+/// loop is vectorised at that width; every build gives the same bits (Rust never contracts
+/// `a * b + c` into a fused multiply-add on its own, an explicit [`Real::mul_add`] is one rounding
+/// on every path, and the lane sums fix their order in the source).
 #[inline(always)]
-fn wide<R>(f: impl FnOnce() -> R) -> R {
+pub(super) fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f")]
+        #[target_feature(enable = "avx512f,fma")]
         unsafe fn avx512<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F (checked just above).
+        let fma = std::arch::is_x86_feature_detected!("fma");
+        if std::arch::is_x86_feature_detected!("avx512f") && fma {
+            // SAFETY: the CPU has AVX-512F and FMA (checked just above).
             return unsafe { avx512(f) };
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked just above).
+        if std::arch::is_x86_feature_detected!("avx2") && fma {
+            // SAFETY: the CPU has AVX2 and FMA (checked just above).
             return unsafe { avx2(f) };
         }
     }
@@ -217,7 +232,7 @@ fn fold_lanes<T: Real>(s: &[T; LANES]) -> T {
 /// loop vectorises (a single running sum cannot, its order is fixed) and the result still
 /// depends only on the row, never on threads or the CPU.
 #[inline(always)]
-fn lane_sum<T: Real>(row: &[T], f: impl Fn(T) -> T) -> T {
+pub(super) fn lane_sum<T: Real>(row: &[T], f: impl Fn(T) -> T) -> T {
     let mut acc = [lit::<T>(0.0); LANES];
     let mut chunks = row.chunks_exact(LANES);
     for c in &mut chunks {
@@ -235,7 +250,7 @@ fn lane_sum<T: Real>(row: &[T], f: impl Fn(T) -> T) -> T {
 /// The largest element of a non-empty `row`, over [`LANES`] interleaved maxima (exact: the
 /// order of a maximum does not matter).
 #[inline(always)]
-fn lane_max<T: Real>(row: &[T]) -> T {
+pub(super) fn lane_max<T: Real>(row: &[T]) -> T {
     let max = |a: T, b: T| if b > a { b } else { a };
     let mut acc = [row[0]; LANES];
     let mut chunks = row.chunks_exact(LANES);
@@ -250,7 +265,7 @@ fn lane_max<T: Real>(row: &[T]) -> T {
 
 /// `sum a_j b_j` in [`LANES`] interleaved partial sums, combined by [`fold_lanes`].
 #[inline(always)]
-fn lane_dot<T: Real>(a: &[T], b: &[T]) -> T {
+pub(super) fn lane_dot<T: Real>(a: &[T], b: &[T]) -> T {
     let mut acc = [lit::<T>(0.0); LANES];
     let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     for (x, y) in (&mut ca).zip(&mut cb) {
@@ -801,162 +816,7 @@ impl CustomOp3 for Linear {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Causal multi-head self-attention core: qkv [b*t, 3c] (q, k, v blocks of c columns, head h at
-// columns h*hd..(h+1)*hd of each) -> y [b*t, c]. The probabilities are recomputed in backward
-// rather than kept, so the op holds no [b, heads, t, t] tensor between forward and backward.
-
-/// Blocks of query rows the attention GEMMs are split into: rows `r0..r1` see keys `0..r1` only,
-/// so each block multiplies the keys it sees and skips the rest of the masked upper triangle
-/// (B blocks do (B + 1) / 2B of the full square's work). Entries skipped are exact zeros in
-/// the full product, so the results are those of the full GEMMs. Two blocks, measured with
-/// `zerodp bench ops --model small --threads 1` (t = 128, head width 64): the attention core
-/// 23.9 -> 21.4 ms per step; four and eight blocks were slower than two (the GEMMs are small
-/// enough that each call's overhead counts).
-const CAUSAL_BLOCKS: usize = 2;
-
-/// The `(r0, r1)` row ranges of [`CAUSAL_BLOCKS`] nearly equal blocks of `t` rows.
-fn causal_blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
-    let n = CAUSAL_BLOCKS.min(t.max(1));
-    (0..n)
-        .map(move |b| (b * t / n, (b + 1) * t / n))
-        .filter(|(r0, r1)| r1 > r0)
-}
-
-pub(crate) struct CausalAttention {
-    pub batch: usize,
-    pub seq: usize,
-    pub heads: usize,
-}
-
-impl CausalAttention {
-    fn width(&self, cols3: usize) -> Result<usize> {
-        if cols3 % (3 * self.heads) != 0 {
-            bail!("attention: qkv width {cols3} is not 3 x heads x head_dim");
-        }
-        Ok(cols3 / 3)
-    }
-
-    /// The causal softmax of `scale * q k^T` for one (sequence, head) into `p [t, t]` (zero above
-    /// the diagonal): `q` and `k` start at the head's first element in `qkv` and step `stride`
-    /// per row. The scores come from one GEMM per block of query rows over the keys those rows
-    /// see ([`causal_blocks`]); the mask skips the rest of the upper triangle's exponentials.
-    fn probs_into<T: Real>(
-        &self,
-        p: &mut [T],
-        q: &[T],
-        k: &[T],
-        stride: usize,
-        hd: usize,
-        scale: f64,
-    ) {
-        let t = self.seq;
-        let none = gemm::Parallelism::None;
-        for (r0, r1) in causal_blocks(t) {
-            gemm_strided(
-                (r1 - r0, r1, hd),
-                (&mut p[r0 * t..], t),
-                false,
-                (&q[r0 * stride..], (stride, 1)),
-                (k, (1, stride)),
-                none,
-            );
-        }
-        wide(|| {
-            for (i, row) in p.chunks_mut(t).enumerate() {
-                let (live, masked) = row.split_at_mut(i + 1);
-                let max = lane_max(live);
-                for x in live.iter_mut() {
-                    *x = ((*x - max) * lit::<T>(scale)).exp();
-                }
-                let inv = lit::<T>(1.0) / lane_sum(live, |x| x);
-                live.iter_mut().for_each(|x| *x *= inv);
-                masked.fill(lit::<T>(0.0));
-            }
-        })
-    }
-
-    /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v` straight from and
-    /// into the row-major activations (no per-head copies).
-    pub(super) fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
-        let c = self.width(cols3)?;
-        let (t, hd) = (self.seq, c / self.heads);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let none = gemm::Parallelism::None;
-        let mut out = vec![lit::<T>(0.0); self.batch * t * c];
-        out.par_chunks_mut(t * c).enumerate().for_each(|(bi, y)| {
-            let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
-            let mut p = vec![lit::<T>(0.0); t * t];
-            for h in 0..self.heads {
-                let (q, k, v) = (&x[h * hd..], &x[c + h * hd..], &x[2 * c + h * hd..]);
-                self.probs_into(&mut p, q, k, cols3, hd, scale);
-                // Rows r0..r1 weigh the values of keys 0..r1 (the rest of their row is zero).
-                for (r0, r1) in causal_blocks(t) {
-                    let dst = (&mut y[r0 * c + h * hd..], c);
-                    let probs = (&p[r0 * t..], (t, 1));
-                    gemm_strided((r1 - r0, hd, r1), dst, false, probs, (v, (cols3, 1)), none);
-                }
-            }
-        });
-        Ok(out)
-    }
-
-    /// `dqkv [b*t, 3c]` from `dy [b*t, c]`, the probabilities recomputed per (sequence, head):
-    /// `dv = p^T dy`, `dp = dy v^T`, `ds = scale p (dp - rowsum(p dp))`, `dq = ds k`,
-    /// `dk = ds^T q`.
-    pub(super) fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
-        let c = self.width(cols3)?;
-        let (t, hd) = (self.seq, c / self.heads);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let none = gemm::Parallelism::None;
-        let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
-        dqkv.par_chunks_mut(t * cols3)
-            .enumerate()
-            .for_each(|(bi, dx)| {
-                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
-                let g = &dy[bi * t * c..(bi + 1) * t * c];
-                let (mut p, mut ds) = (vec![lit::<T>(0.0); t * t], vec![lit::<T>(0.0); t * t]);
-                for h in 0..self.heads {
-                    let (o, g) = (h * hd, &g[h * hd..]);
-                    let (q, k, v) = (&x[o..], &x[c + o..], &x[2 * c + o..]);
-                    self.probs_into(&mut p, q, k, cols3, hd, scale);
-                    // Keys j0..j1 are seen by rows j0..t only; rows r0..r1 see keys 0..r1 only.
-                    for (j0, j1) in causal_blocks(t) {
-                        let dv = (&mut dx[j0 * cols3 + 2 * c + o..], cols3);
-                        let probs_t = (&p[j0 * t + j0..], (1, t));
-                        let dy = (&g[j0 * c..], (c, 1));
-                        gemm_strided((j1 - j0, hd, t - j0), dv, false, probs_t, dy, none);
-                    }
-                    for (r0, r1) in causal_blocks(t) {
-                        let dp = (&mut ds[r0 * t..], t);
-                        let dy = (&g[r0 * c..], (c, 1));
-                        gemm_strided((r1 - r0, r1, hd), dp, false, dy, (v, (1, cols3)), none);
-                    }
-                    wide(|| {
-                        for (i, (dsr, pr)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
-                            let live = i + 1;
-                            let dot = lane_dot(&pr[..live], &dsr[..live]);
-                            for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
-                                *d = lit::<T>(scale) * p * (*d - dot);
-                            }
-                            dsr[live..].fill(lit::<T>(0.0));
-                        }
-                    });
-                    for (r0, r1) in causal_blocks(t) {
-                        let dq = (&mut dx[r0 * cols3 + o..], cols3);
-                        let dscores = (&ds[r0 * t..], (t, 1));
-                        gemm_strided((r1 - r0, hd, r1), dq, false, dscores, (k, (cols3, 1)), none);
-                    }
-                    for (j0, j1) in causal_blocks(t) {
-                        let dk = (&mut dx[j0 * cols3 + c + o..], cols3);
-                        let dscores_t = (&ds[j0 * t + j0..], (1, t));
-                        let q = (&q[j0 * cols3..], (cols3, 1));
-                        gemm_strided((j1 - j0, hd, t - j0), dk, false, dscores_t, q, none);
-                    }
-                }
-            });
-        Ok(dqkv)
-    }
-}
+// The causal attention core's candle op (its kernels are in `super::attention`).
 
 impl CustomOp1 for CausalAttention {
     fn name(&self) -> &'static str {
@@ -1070,92 +930,7 @@ fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
 
 #[cfg(test)]
 mod tests {
-    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, CausalAttention};
-
-    /// Causal attention in f64 from the definition, for one sequence: `y [t, c]` and, for the
-    /// output gradient `dy`, `dqkv [t, 3c]`.
-    fn attention_f64(qkv: &[f64], dy: &[f64], t: usize, heads: usize) -> (Vec<f64>, Vec<f64>) {
-        let c3 = qkv.len() / t;
-        let (c, hd) = (c3 / 3, c3 / 3 / heads);
-        let scale = 1.0 / (hd as f64).sqrt();
-        let (mut y, mut d) = (vec![0.0; t * c], vec![0.0; t * c3]);
-        let at = |i: usize, part: usize, h: usize, e: usize| i * c3 + part * c + h * hd + e;
-        for h in 0..heads {
-            for i in 0..t {
-                let s: Vec<f64> = (0..=i)
-                    .map(|j| {
-                        scale
-                            * (0..hd)
-                                .map(|e| qkv[at(i, 0, h, e)] * qkv[at(j, 1, h, e)])
-                                .sum::<f64>()
-                    })
-                    .collect();
-                let max = s.iter().cloned().fold(f64::MIN, f64::max);
-                let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
-                let p: Vec<f64> = s.iter().map(|x| (x - max).exp() / z).collect();
-                for e in 0..hd {
-                    y[i * c + h * hd + e] = (0..=i).map(|j| p[j] * qkv[at(j, 2, h, e)]).sum();
-                }
-                // dp_j = dy_i . v_j; ds_j = p_j (dp_j - sum_k p_k dp_k)
-                let g = |e: usize| dy[i * c + h * hd + e];
-                let dp: Vec<f64> = (0..=i)
-                    .map(|j| (0..hd).map(|e| g(e) * qkv[at(j, 2, h, e)]).sum())
-                    .collect();
-                let dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for j in 0..=i {
-                    let ds = scale * p[j] * (dp[j] - dot);
-                    for e in 0..hd {
-                        d[at(i, 0, h, e)] += ds * qkv[at(j, 1, h, e)];
-                        d[at(j, 1, h, e)] += ds * qkv[at(i, 0, h, e)];
-                        d[at(j, 2, h, e)] += p[j] * g(e);
-                    }
-                }
-            }
-        }
-        (y, d)
-    }
-
-    #[test]
-    fn blocked_causal_attention_matches_the_definition() {
-        // Odd and even lengths (uneven query blocks), one row, two sequences.
-        for (batch, t, heads, hd) in [(2, 7, 2, 4), (1, 8, 1, 3), (1, 1, 2, 2), (2, 33, 3, 5)] {
-            let c3 = 3 * heads * hd;
-            let qkv: Vec<f32> = (0..batch * t * c3)
-                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
-                .collect();
-            let dy: Vec<f32> = (0..batch * t * c3 / 3)
-                .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
-                .collect();
-            let attn = CausalAttention {
-                batch,
-                seq: t,
-                heads,
-            };
-            let y = attn.forward(&qkv, c3).unwrap();
-            let d = attn.backward(&qkv, &dy, c3).unwrap();
-            for b in 0..batch {
-                let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
-                let (rq, ry) = (b * t * c3, b * t * c3 / 3);
-                let (y64, d64) = attention_f64(
-                    &wide(&qkv[rq..rq + t * c3]),
-                    &wide(&dy[ry..ry + t * c3 / 3]),
-                    t,
-                    heads,
-                );
-                let close = |got: &[f32], want: &[f64], what: &str| {
-                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                        let err = (f64::from(*g) - w).abs();
-                        assert!(
-                            err <= 1e-5 * (1.0 + w.abs()),
-                            "{what}[{i}] {g} vs {w} (t {t})"
-                        );
-                    }
-                };
-                close(&y[ry..ry + t * c3 / 3], &y64, "y");
-                close(&d[rq..rq + t * c3], &d64, "dqkv");
-            }
-        }
-    }
+    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide};
 
     /// The distance between `y` and the next f32 away from zero.
     fn ulp(y: f32) -> f64 {

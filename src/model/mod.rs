@@ -2,6 +2,7 @@
 //! engine's unit contract ([`candle_unit`]: [`CandleUnits`], [`Candle`]; the contract itself is
 //! [`crate::zero::unit`]), a GPT reference model on it, and data loading.
 
+mod attention;
 pub mod candle_unit;
 pub mod data;
 pub mod gpt;

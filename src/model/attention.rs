@@ -1,0 +1,650 @@
+//! Causal multi-head self-attention core: qkv `[b*t, 3c]` (q, k, v blocks of `c` columns, head
+//! `h` at columns `h*hd..(h+1)*hd` of each) -> y `[b*t, c]`. The probabilities are recomputed in
+//! backward rather than kept, so the op holds no `[b, heads, t, t]` tensor between forward and
+//! backward.
+//!
+//! WHY its own products: per (sequence, head) the products are small (`t x hd` by `hd x t` and
+//! back: 128 x 64 x 128 on the benchmark GPT), and through the `gemm` crate each of the five per
+//! head paid packing and set-up on every call: the core ran at about 36 GFLOP/s where the linears
+//! run at 170. Here each head's q, k, v (and dy) are copied once into contiguous, padded panels
+//! (also transposed where a product reads them by column), and every product runs in register
+//! tiles of [`MR`] rows by [`NR`] columns with fused multiply-adds, over exactly the keys the
+//! causal mask leaves live for that tile's rows (about half the square instead of three quarters).
+//!
+//! The tiles sum each output over its inner index in order, one fused multiply-add per term, so
+//! results depend only on the inputs (never on threads or on the vector width: `mul_add` is one
+//! correctly rounded operation on every path).
+
+use rayon::prelude::*;
+use std::ops::Range;
+
+use super::kernels::{lane_dot, lane_max, lane_sum, lit, Real};
+use candle_core::{bail, Result};
+
+/// Rows of a register tile.
+const MR: usize = 6;
+/// Columns of a register tile: two AVX-512 vectors of f32. With [`MR`], 12 accumulators and 2
+/// loads plus 6 broadcasts per 12 fused multiply-adds.
+const NR: usize = 32;
+
+fn round_up(x: usize, to: usize) -> usize {
+    x.div_ceil(to) * to
+}
+
+/// A matrix read element by element: `data[i * row + p * col]` is its entry `(i, p)`.
+#[derive(Clone, Copy)]
+struct Strided<'a, T> {
+    data: &'a [T],
+    row: usize,
+    col: usize,
+}
+
+impl<'a, T: Real> Strided<'a, T> {
+    /// Row-major `data` with rows `ld` apart.
+    fn by_row(data: &'a [T], ld: usize) -> Self {
+        Strided {
+            data,
+            row: ld,
+            col: 1,
+        }
+    }
+
+    /// The transpose of row-major `data` with rows `ld` apart.
+    fn by_col(data: &'a [T], ld: usize) -> Self {
+        Strided {
+            data,
+            row: 1,
+            col: ld,
+        }
+    }
+
+    /// The same matrix from row `i` on.
+    #[inline(always)]
+    fn from_row(self, i: usize) -> Strided<'a, T> {
+        Strided {
+            data: &self.data[i * self.row..],
+            ..self
+        }
+    }
+}
+
+/// `R` rows by [`NR`] columns of `A B`, summed over `ks`: `b` holds row `p` of `B` at
+/// `b[p * ldb..]`, at least [`NR`] columns of it.
+///
+/// With `AVX512` (the caller runs compiled for AVX-512F and FMA) f32 tiles take
+/// [`tile_f32_avx512`], the same fused multiply-adds in the same order written with intrinsics:
+/// LLVM's own vectorisation of this loop kept the accumulators in memory and assembled each row
+/// of `b` from shuffles.
+#[inline(always)]
+fn tile<T: Real, const R: usize, const AVX512: bool>(
+    a: Strided<'_, T>,
+    b: &[T],
+    ldb: usize,
+    ks: Range<usize>,
+) -> [[T; NR]; R] {
+    let mut acc = [[lit::<T>(0.0); NR]; R];
+    if ks.is_empty() {
+        return acc;
+    }
+    // Every entry the loop reads, checked once here rather than at each of its reads per step
+    // (those checks cost as much as the multiply-adds).
+    let last = (R - 1) * a.row + (ks.end - 1) * a.col;
+    assert!(last < a.data.len(), "attention tile reads past its operand");
+    assert!(
+        (ks.end - 1) * ldb + NR <= b.len(),
+        "attention tile reads past its panel"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if AVX512 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        let a32 = Strided {
+            data: bytemuck::cast_slice::<T, f32>(a.data),
+            row: a.row,
+            col: a.col,
+        };
+        // SAFETY: AVX512 is set only in code compiled for AVX-512F and FMA, run on a CPU that
+        // has them; the reads are in bounds (checked above); T is f32, so the cast is the same
+        // bits.
+        let tile = unsafe { tile_f32_avx512::<R>(a32, bytemuck::cast_slice(b), ldb, ks) };
+        for (acc, row) in acc.iter_mut().zip(&tile) {
+            bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
+        }
+        return acc;
+    }
+    for p in ks {
+        let b_row = &b[p * ldb..][..NR];
+        for (i, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: i < R and p < ks.end, so the index is at most `last`, checked above.
+            let x = unsafe { *a.data.get_unchecked(i * a.row + p * a.col) };
+            for (s, &y) in acc.iter_mut().zip(b_row) {
+                *s = x.mul_add(y, *s);
+            }
+        }
+    }
+    acc
+}
+
+/// [`tile`] for f32 with AVX-512 intrinsics: two vectors of accumulators per row.
+///
+/// # Safety
+/// The CPU has AVX-512F and FMA; `a` and `b` hold every entry the loop reads (see [`tile`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+#[inline]
+unsafe fn tile_f32_avx512<const R: usize>(
+    a: Strided<'_, f32>,
+    b: &[f32],
+    ldb: usize,
+    ks: Range<usize>,
+) -> [[f32; NR]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    for p in ks {
+        // SAFETY: the caller checked that every read is in bounds.
+        unsafe {
+            let bp = b.as_ptr().add(p * ldb);
+            let (b0, b1) = (_mm512_loadu_ps(bp), _mm512_loadu_ps(bp.add(16)));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_ps(*a.data.get_unchecked(i * a.row + p * a.col));
+                acc[0] = _mm512_fmadd_ps(x, b0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(x, b1, acc[1]);
+            }
+        }
+    }
+    let mut out = [[0f32; NR]; R];
+    for (o, acc) in out.iter_mut().zip(&acc) {
+        // SAFETY: `o` holds NR = 32 f32, two vectors.
+        unsafe {
+            _mm512_storeu_ps(o.as_mut_ptr(), acc[0]);
+            _mm512_storeu_ps(o.as_mut_ptr().add(16), acc[1]);
+        }
+    }
+    out
+}
+
+/// Where a product's rows go: row `i` of the result at `data[i * ld..]`.
+struct Dest<'a, T> {
+    data: &'a mut [T],
+    ld: usize,
+}
+
+impl<T: Real> Dest<'_, T> {
+    #[inline(always)]
+    fn store<const R: usize>(&mut self, r0: usize, j0: usize, cols: usize, tile: &[[T; NR]; R]) {
+        for (i, row) in tile.iter().enumerate() {
+            let at = (r0 + i) * self.ld + j0;
+            match cols == NR {
+                // A constant length: inline moves instead of a memcpy call per row.
+                true => self.data[at..at + NR].copy_from_slice(row),
+                false => self.data[at..at + cols].copy_from_slice(&row[..cols]),
+            }
+        }
+    }
+}
+
+/// `C = A B` for `m` rows, in tiles: the rows `r0..r1` of a tile sum over `shape(r0, r1).0` and
+/// fill columns `0..shape(r0, r1).1` of `C` (computed [`NR`] at a time, so `b` must hold that
+/// many columns rounded up to [`NR`]; the extra ones are not stored).
+#[inline(always)]
+fn product<T: Real, const AVX512: bool>(
+    m: usize,
+    a: Strided<'_, T>,
+    (b, ldb): (&[T], usize),
+    mut c: Dest<'_, T>,
+    shape: impl Fn(usize, usize) -> (Range<usize>, usize),
+) {
+    let mut r0 = 0;
+    while r0 < m {
+        let rows = MR.min(m - r0);
+        let (ks, cols) = shape(r0, r0 + rows);
+        for j0 in (0..cols).step_by(NR) {
+            let (b, width) = (&b[j0..], NR.min(cols - j0));
+            if rows == MR {
+                let t = tile::<T, MR, AVX512>(a.from_row(r0), b, ldb, ks.clone());
+                c.store(r0, j0, width, &t);
+            } else {
+                for r in r0..r0 + rows {
+                    let t = tile::<T, 1, AVX512>(a.from_row(r), b, ldb, ks.clone());
+                    c.store(r, j0, width, &t);
+                }
+            }
+        }
+        r0 += rows;
+    }
+}
+
+/// One head's operands, copied out of the row-major activations into zero-padded panels:
+/// `rows` panels are `[t, dp]` (row `i` at `i * dp`), `cols` panels `[hd, tp]` (the transpose).
+struct Panels {
+    t: usize,
+    hd: usize,
+    /// `hd` rounded up to [`NR`].
+    dp: usize,
+    /// `t` rounded up to [`NR`].
+    tp: usize,
+}
+
+impl Panels {
+    fn new(t: usize, hd: usize) -> Self {
+        Panels {
+            t,
+            hd,
+            dp: round_up(hd, NR),
+            tp: round_up(t, NR),
+        }
+    }
+
+    /// `[t, dp]` panel of the `hd` columns at `src[i * ld..]` for row `i`, into `out` (from
+    /// [`Scratch::new`]: its padding columns are zero and stay so).
+    #[inline(always)]
+    fn rows_of<T: Real>(&self, src: &[T], ld: usize, out: &mut [T]) {
+        for (i, row) in out.chunks_mut(self.dp).enumerate() {
+            row[..self.hd].copy_from_slice(&src[i * ld..i * ld + self.hd]);
+        }
+    }
+
+    /// `[hd, tp]` panel: the transpose of the `[t, dp]` panel `rows` (from [`Panels::rows_of`]),
+    /// into `out` (from [`Scratch::new`]: its padding columns are zero and stay so). Transposed
+    /// from the packed panel, which is in L1, rather than from the activations: read by column
+    /// there, each element was a cache miss of its own (13% of the forward).
+    #[inline(always)]
+    fn transpose<T: Real>(&self, rows: &[T], out: &mut [T]) {
+        const B: usize = 16;
+        for i0 in (0..self.t).step_by(B) {
+            for e0 in (0..self.hd).step_by(B) {
+                for e in e0..(e0 + B).min(self.hd) {
+                    let dst = &mut out[e * self.tp..];
+                    for i in i0..(i0 + B).min(self.t) {
+                        dst[i] = rows[i * self.dp + e];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Asks for the `width` elements at `src[i * ld..]` of each of `rows` rows to be brought into L2,
+/// for the next head while this one computes: a head's columns are 256-byte pieces of rows 6 KiB
+/// apart, which the hardware prefetchers do not follow, and copied one row at a time each piece
+/// waited out the last-level cache's latency (a fifth of the attention's time).
+#[inline(always)]
+fn prefetch_rows<T>(src: &[T], ld: usize, width: usize, rows: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let bytes = width * std::mem::size_of::<T>();
+        for i in 0..rows {
+            let Some(row) = src.get(i * ld..i * ld + width) else {
+                return;
+            };
+            let base = row.as_ptr().cast::<i8>();
+            for off in (0..bytes).step_by(64) {
+                // SAFETY: a prefetch is a hint, never a read; the address is inside `row`.
+                unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off)) };
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (src, ld, width, rows);
+}
+
+/// Per-sequence scratch, reused across heads: allocated zeroed once, after which every product
+/// and softmax writes whole rows and the panel copies leave the padding as it is.
+struct Scratch<T> {
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    kt: Vec<T>,
+    vt: Vec<T>,
+    dy: Vec<T>,
+    p: Vec<T>,
+    ds: Vec<T>,
+}
+
+impl<T: Real> Scratch<T> {
+    fn new(pn: &Panels) -> Self {
+        let zeros = |n: usize| vec![lit::<T>(0.0); n];
+        let (rows, cols, square) = (pn.t * pn.dp, pn.hd * pn.tp, pn.t * pn.tp);
+        Scratch {
+            q: zeros(rows),
+            k: zeros(rows),
+            v: zeros(rows),
+            kt: zeros(cols),
+            vt: zeros(cols),
+            dy: zeros(rows),
+            p: zeros(square),
+            ds: zeros(square),
+        }
+    }
+}
+
+pub(crate) struct CausalAttention {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+}
+
+impl CausalAttention {
+    fn width(&self, cols3: usize) -> Result<usize> {
+        if self.heads == 0 || cols3 % (3 * self.heads) != 0 {
+            bail!("attention: qkv width {cols3} is not 3 x heads x head_dim");
+        }
+        Ok(cols3 / 3)
+    }
+
+    /// The causal softmax of `scale * q k^T` for one head into `s.p` (`[t, tp]`, zero above the
+    /// diagonal), from the panels `s.q` and `s.kt`.
+    #[inline(always)]
+    fn probs<T: Real, const AVX512: bool>(&self, pn: &Panels, s: &mut Scratch<T>, scale: f64) {
+        let (t, tp) = (self.seq, pn.tp);
+        let q = Strided {
+            data: &s.q,
+            row: pn.dp,
+            col: 1,
+        };
+        let dest = Dest {
+            data: &mut s.p,
+            ld: tp,
+        };
+        // Rows r0..r1 see keys 0..r1.
+        product::<T, AVX512>(t, q, (&s.kt, tp), dest, |_, r1| (0..pn.hd, r1));
+        for (i, row) in s.p.chunks_mut(tp).enumerate() {
+            let (live, masked) = row.split_at_mut(i + 1);
+            let max = lane_max(live);
+            for x in live.iter_mut() {
+                *x = ((*x - max) * lit::<T>(scale)).exp();
+            }
+            let inv = lit::<T>(1.0) / lane_sum(live, |x| x);
+            live.iter_mut().for_each(|x| *x *= inv);
+            masked.fill(lit::<T>(0.0));
+        }
+    }
+
+    /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v`.
+    pub(super) fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
+        let c = self.width(cols3)?;
+        let t = self.seq;
+        let mut out = vec![lit::<T>(0.0); self.batch * t * c];
+        out.par_chunks_mut(t * c).enumerate().for_each(|(bi, y)| {
+            let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+            forward_seq_wide(self, x, y, cols3);
+        });
+        Ok(out)
+    }
+
+    /// `dqkv [b*t, 3c]` from `dy [b*t, c]`, the probabilities recomputed per (sequence, head):
+    /// `dv = p^T dy`, `dp = dy v^T`, `ds = scale p (dp - rowsum(p dp))`, `dq = ds k`,
+    /// `dk = ds^T q`.
+    pub(super) fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
+        let c = self.width(cols3)?;
+        let t = self.seq;
+        let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
+        dqkv.par_chunks_mut(t * cols3)
+            .enumerate()
+            .for_each(|(bi, dx)| {
+                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                let g = &dy[bi * t * c..(bi + 1) * t * c];
+                backward_seq_wide(self, x, g, dx, cols3);
+            });
+        Ok(dqkv)
+    }
+
+    /// One sequence's forward: `x` its qkv rows, `y` its output rows.
+    #[inline(always)]
+    fn forward_seq<T: Real, const AVX512: bool>(&self, x: &[T], y: &mut [T], cols3: usize) {
+        let (t, c) = (self.seq, cols3 / 3);
+        let hd = c / self.heads;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let pn = Panels::new(t, hd);
+        let mut s = Scratch::new(&pn);
+        for h in 0..self.heads {
+            if h + 1 < self.heads {
+                for part in 0..3 {
+                    prefetch_rows(&x[part * c + (h + 1) * hd..], cols3, hd, t);
+                }
+            }
+            pn.rows_of(&x[h * hd..], cols3, &mut s.q);
+            pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
+            pn.transpose(&s.k, &mut s.kt);
+            pn.rows_of(&x[2 * c + h * hd..], cols3, &mut s.v);
+            self.probs::<T, AVX512>(&pn, &mut s, scale);
+            let probs = Strided::by_row(&s.p, pn.tp);
+            let dest = Dest {
+                data: &mut y[h * hd..],
+                ld: c,
+            };
+            // Rows r0..r1 weigh the values of keys 0..r1 (the rest of their row is zero).
+            product::<T, AVX512>(t, probs, (&s.v, pn.dp), dest, |_, r1| (0..r1, hd));
+        }
+    }
+
+    /// One sequence's backward: `x` its qkv rows, `g` its output gradient rows, `dx` its qkv
+    /// gradient rows.
+    #[inline(always)]
+    fn backward_seq<T: Real, const AVX512: bool>(
+        &self,
+        x: &[T],
+        g: &[T],
+        dx: &mut [T],
+        cols3: usize,
+    ) {
+        let (t, c) = (self.seq, cols3 / 3);
+        let hd = c / self.heads;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let pn = Panels::new(t, hd);
+        let mut s = Scratch::new(&pn);
+        for h in 0..self.heads {
+            if h + 1 < self.heads {
+                let o = (h + 1) * hd;
+                for part in 0..3 {
+                    prefetch_rows(&x[part * c + o..], cols3, hd, t);
+                    prefetch_rows(&dx[part * c + o..], cols3, hd, t);
+                }
+                prefetch_rows(&g[o..], c, hd, t);
+            }
+            self.head_backward::<T, AVX512>(&pn, &mut s, (x, g, dx), (h * hd, c, cols3), scale);
+        }
+    }
+
+    /// One head's share of [`CausalAttention::backward`] for one sequence: `x` its qkv rows, `g`
+    /// its output gradient rows, `dx` its qkv gradient rows; the head's columns start at `o`.
+    #[inline(always)]
+    fn head_backward<T: Real, const AVX512: bool>(
+        &self,
+        pn: &Panels,
+        s: &mut Scratch<T>,
+        (x, g, dx): (&[T], &[T], &mut [T]),
+        (o, c, cols3): (usize, usize, usize),
+        scale: f64,
+    ) {
+        let (t, hd, dp, tp) = (self.seq, pn.hd, pn.dp, pn.tp);
+        pn.rows_of(&x[o..], cols3, &mut s.q);
+        pn.rows_of(&x[c + o..], cols3, &mut s.k);
+        pn.transpose(&s.k, &mut s.kt);
+        pn.rows_of(&x[2 * c + o..], cols3, &mut s.v);
+        pn.transpose(&s.v, &mut s.vt);
+        pn.rows_of(&g[o..], c, &mut s.dy);
+        self.probs::<T, AVX512>(pn, s, scale);
+        // Key j is seen by queries j..t: dv = p^T dy over those.
+        let keys_seen = |j0: usize, _| (j0..t, hd);
+        product::<T, AVX512>(
+            t,
+            Strided::by_col(&s.p, tp),
+            (&s.dy, dp),
+            Dest {
+                data: &mut dx[2 * c + o..],
+                ld: cols3,
+            },
+            keys_seen,
+        );
+        // dp = dy v^T, rows r0..r1 over keys 0..r1, into ds.
+        let dy = Strided {
+            data: &s.dy,
+            row: dp,
+            col: 1,
+        };
+        product::<T, AVX512>(
+            t,
+            dy,
+            (&s.vt, tp),
+            Dest {
+                data: &mut s.ds,
+                ld: tp,
+            },
+            |_, r1| (0..hd, r1),
+        );
+        for (i, (dsr, pr)) in s.ds.chunks_mut(tp).zip(s.p.chunks(tp)).enumerate() {
+            let live = i + 1;
+            let dot = lane_dot(&pr[..live], &dsr[..live]);
+            for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
+                *d = lit::<T>(scale) * p * (*d - dot);
+            }
+            dsr[live..].fill(lit::<T>(0.0));
+        }
+        // dq = ds k over keys 0..r1; dk = ds^T q over queries j0..t.
+        product::<T, AVX512>(
+            t,
+            Strided::by_row(&s.ds, tp),
+            (&s.k, dp),
+            Dest {
+                data: &mut dx[o..],
+                ld: cols3,
+            },
+            |_, r1| (0..r1, hd),
+        );
+        product::<T, AVX512>(
+            t,
+            Strided::by_col(&s.ds, tp),
+            (&s.q, dp),
+            Dest {
+                data: &mut dx[c + o..],
+                ld: cols3,
+            },
+            keys_seen,
+        );
+    }
+}
+
+/// `$body` (an `#[inline(always)]` method of [`CausalAttention`]) compiled for AVX-512 with FMA,
+/// AVX2 with FMA, or as built, chosen at run time. A named function per width rather than
+/// `kernels::wide`'s closure: LLVM does not inline a body this large into the wide function, and
+/// outside it `mul_add` is a library call.
+macro_rules! wide_fn {
+    ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
+        fn $name<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,fma")]
+                unsafe fn avx512<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
+                    att.$body::<T, true>($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
+                    att.$body::<T, false>($($arg),*)
+                }
+                let fma = is_x86_feature_detected!("fma");
+                if is_x86_feature_detected!("avx512f") && fma {
+                    // SAFETY: the CPU has AVX-512F and FMA (checked just above).
+                    return unsafe { avx512(att, $($arg),*) };
+                }
+                if is_x86_feature_detected!("avx2") && fma {
+                    // SAFETY: the CPU has AVX2 and FMA (checked just above).
+                    return unsafe { avx2(att, $($arg),*) };
+                }
+            }
+            att.$body::<T, false>($($arg),*)
+        }
+    };
+}
+
+wide_fn!(forward_seq_wide, forward_seq, (x: &[T], y: &mut [T], cols3: usize));
+wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: &mut [T], cols3: usize));
+
+#[cfg(test)]
+mod tests {
+    use super::CausalAttention;
+
+    /// Causal attention in f64 from the definition, for one sequence: `y [t, c]` and, for the
+    /// output gradient `dy`, `dqkv [t, 3c]`.
+    fn attention_f64(qkv: &[f64], dy: &[f64], t: usize, heads: usize) -> (Vec<f64>, Vec<f64>) {
+        let c3 = qkv.len() / t;
+        let (c, hd) = (c3 / 3, c3 / 3 / heads);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (mut y, mut d) = (vec![0.0; t * c], vec![0.0; t * c3]);
+        let at = |i: usize, part: usize, h: usize, e: usize| i * c3 + part * c + h * hd + e;
+        for h in 0..heads {
+            for i in 0..t {
+                let s: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        scale
+                            * (0..hd)
+                                .map(|e| qkv[at(i, 0, h, e)] * qkv[at(j, 1, h, e)])
+                                .sum::<f64>()
+                    })
+                    .collect();
+                let max = s.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
+                let p: Vec<f64> = s.iter().map(|x| (x - max).exp() / z).collect();
+                for e in 0..hd {
+                    y[i * c + h * hd + e] = (0..=i).map(|j| p[j] * qkv[at(j, 2, h, e)]).sum();
+                }
+                // dp_j = dy_i . v_j; ds_j = p_j (dp_j - sum_k p_k dp_k)
+                let g = |e: usize| dy[i * c + h * hd + e];
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| (0..hd).map(|e| g(e) * qkv[at(j, 2, h, e)]).sum())
+                    .collect();
+                let dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..=i {
+                    let ds = scale * p[j] * (dp[j] - dot);
+                    for e in 0..hd {
+                        d[at(i, 0, h, e)] += ds * qkv[at(j, 1, h, e)];
+                        d[at(j, 1, h, e)] += ds * qkv[at(i, 0, h, e)];
+                        d[at(j, 2, h, e)] += p[j] * g(e);
+                    }
+                }
+            }
+        }
+        (y, d)
+    }
+
+    #[test]
+    fn blocked_causal_attention_matches_the_definition() {
+        // Odd and even lengths (uneven query blocks), one row, two sequences.
+        for (batch, t, heads, hd) in [(2, 7, 2, 4), (1, 8, 1, 3), (1, 1, 2, 2), (2, 33, 3, 5)] {
+            let c3 = 3 * heads * hd;
+            let qkv: Vec<f32> = (0..batch * t * c3)
+                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
+                .collect();
+            let dy: Vec<f32> = (0..batch * t * c3 / 3)
+                .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            let attn = CausalAttention {
+                batch,
+                seq: t,
+                heads,
+            };
+            let y = attn.forward(&qkv, c3).unwrap();
+            let d = attn.backward(&qkv, &dy, c3).unwrap();
+            for b in 0..batch {
+                let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+                let (rq, ry) = (b * t * c3, b * t * c3 / 3);
+                let (y64, d64) = attention_f64(
+                    &wide(&qkv[rq..rq + t * c3]),
+                    &wide(&dy[ry..ry + t * c3 / 3]),
+                    t,
+                    heads,
+                );
+                let close = |got: &[f32], want: &[f64], what: &str| {
+                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                        let err = (f64::from(*g) - w).abs();
+                        assert!(
+                            err <= 1e-5 * (1.0 + w.abs()),
+                            "{what}[{i}] {g} vs {w} (t {t})"
+                        );
+                    }
+                };
+                close(&y[ry..ry + t * c3 / 3], &y64, "y");
+                close(&d[rq..rq + t * c3], &d64, "dqkv");
+            }
+        }
+    }
+}
