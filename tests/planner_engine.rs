@@ -56,6 +56,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             param_persistence_threshold: Some(cfg.param_persistence_threshold as u64),
             max_reuse_distance: Some(cfg.max_reuse_distance as u64),
             prefetch_bucket_size: Some(cfg.prefetch_bucket_size as u64),
+            max_in_cpu: None,
         },
         dtypes: DtypeOverrides {
             communication: Some(precision_of(cfg.comm_dtype)),
@@ -384,5 +385,50 @@ fn the_planner_resolves_unset_dtypes_as_the_config_reader_does() {
                 "{block} stage {stage}"
             );
         }
+    }
+}
+
+#[test]
+fn max_in_cpu_splits_parameter_shards_as_the_engine_does() {
+    // Stage 3 with parameters on NVMe: for max_in_cpu limits that keep none, some and all of the
+    // rank's units (a sweep of small limits), the planner puts in host memory exactly the shard bytes the engine keeps
+    // there (its own rule over units), and the rest on NVMe.
+    let model = Toy::new(16, 8, 3, true);
+    for world in [1, 2, 4] {
+        let mut cfg = config(Stage::Zero3, world, 1);
+        let mut kept_bytes = Vec::new();
+        for max_in_cpu in (0..1000).step_by(5).chain([1_000_000]) {
+            cfg.offload_param = zerodp::zero::ParamTier::Nvme {
+                dir: std::env::temp_dir(),
+                buffer_count: 2,
+                buffer_size: 1 << 10,
+                max_in_cpu,
+            };
+            let mut inp = input_for(&model, &cfg);
+            inp.buffers.max_in_cpu = Some(max_in_cpu as u64);
+            let nvme = ZeroChoice::new(3, Offload::None, Offload::Nvme);
+            let o = plan_option(&inp, nvme);
+            let kept = zerodp::zero::resident_param_bytes(model.spec(), &cfg);
+            kept_bytes.push(kept);
+            let per_node = world as u64;
+            assert_eq!(
+                o.bytes_per_node.host_params,
+                kept * per_node,
+                "world {world}, max_in_cpu {max_in_cpu}"
+            );
+            let shard_bytes = o.bytes_per_node.host_params + o.bytes_per_node.nvme_params;
+            let none = plan_option(&inp, ZeroChoice::new(3, Offload::None, Offload::Cpu));
+            assert_eq!(
+                shard_bytes, none.bytes_per_node.host_params,
+                "world {world}"
+            );
+        }
+        // The limits cover none, part and all of the rank's shards.
+        let (first, last) = (kept_bytes[0], kept_bytes[kept_bytes.len() - 1]);
+        assert_eq!(first, 0, "world {world}: {kept_bytes:?}");
+        assert!(
+            kept_bytes.iter().any(|&k| k > 0 && k < last),
+            "world {world}: {kept_bytes:?}"
+        );
     }
 }

@@ -435,6 +435,7 @@ fn the_engine_path_uses_its_own_unit_layout() {
         param_persistence_threshold: Some(20_000),
         max_reuse_distance: None,
         prefetch_bucket_size: None,
+        max_in_cpu: None,
     };
     let o = plan_option(&inp, none(3));
     // Every unit is already a multiple of 4 x 8 elements: no padding.
@@ -473,4 +474,42 @@ fn the_engine_path_uses_its_own_unit_layout() {
     assert_eq!(calls("params (forward)"), Some(1));
     assert_eq!(calls("params (backward)"), Some(1));
     assert_eq!(calls("persistent params"), Some(3));
+}
+
+#[test]
+fn max_in_cpu_keeps_parameter_shards_in_host_memory_and_off_the_disk() {
+    // Stage 3, parameters to NVMe, 1e9 parameters on 8 devices: 125M-element shards of 2 bytes.
+    let psi = 1_000_000_000u64;
+    let mut inp = input(psi, 50_000_000, cluster(1, 8, 80 * GIB, "ib-ndr"));
+    let choice = ZeroChoice::new(3, Offload::Cpu, Offload::Nvme);
+    let shard = psi / 8;
+    let at = |inp: &PlanInput| {
+        let o = plan_option(inp, choice);
+        (o.bytes_per_node, o.offload)
+    };
+    // DeepSpeed's default (1e9 elements) holds the whole shard: nothing of it on NVMe, no reads.
+    let (off, traffic) = at(&inp);
+    assert_eq!((off.host_params, off.nvme_params), (8 * 2 * shard, 0));
+    assert_eq!(traffic.nvme_bytes_per_node, 0);
+    // max_in_cpu 0: every shard on NVMe, read for each gather (forward and backward), written
+    // after the step.
+    inp.buffers.max_in_cpu = Some(0);
+    let (off, traffic) = at(&inp);
+    assert_eq!((off.host_params, off.nvme_params), (0, 8 * 2 * shard));
+    assert_eq!(traffic.nvme_bytes_per_node, 8 * (2 + 1) * 2 * shard);
+    // A quarter of the shard kept: the other three quarters on NVMe and in its traffic.
+    inp.buffers.max_in_cpu = Some(shard / 4);
+    let (off, traffic) = at(&inp);
+    let kept = 8 * 2 * (shard / 4);
+    assert_eq!(
+        (off.host_params, off.nvme_params),
+        (kept, 8 * 2 * shard - kept)
+    );
+    assert_eq!(traffic.nvme_bytes_per_node, 3 * (8 * 2 * shard - kept));
+    // The host-link copies to the device are the whole shard's either way.
+    let full = plan_option(
+        &input(psi, 50_000_000, cluster(1, 8, 80 * GIB, "ib-ndr")),
+        choice,
+    );
+    assert_eq!(traffic.host_link_bytes, full.offload.host_link_bytes);
 }

@@ -60,7 +60,7 @@ impl<'a, T: Real> Strided<'a, T> {
 
     /// The same matrix from row `i` on.
     #[inline(always)]
-    fn from_row(self, i: usize) -> Strided<'a, T> {
+    fn rows_from(self, i: usize) -> Strided<'a, T> {
         Strided {
             data: &self.data[i * self.row..],
             ..self
@@ -199,11 +199,11 @@ fn product<T: Real, const AVX512: bool>(
         for j0 in (0..cols).step_by(NR) {
             let (b, width) = (&b[j0..], NR.min(cols - j0));
             if rows == MR {
-                let t = tile::<T, MR, AVX512>(a.from_row(r0), b, ldb, ks.clone());
+                let t = tile::<T, MR, AVX512>(a.rows_from(r0), b, ldb, ks.clone());
                 c.store(r0, j0, width, &t);
             } else {
                 for r in r0..r0 + rows {
-                    let t = tile::<T, 1, AVX512>(a.from_row(r), b, ldb, ks.clone());
+                    let t = tile::<T, 1, AVX512>(a.rows_from(r), b, ldb, ks.clone());
                     c.store(r, j0, width, &t);
                 }
             }

@@ -36,6 +36,7 @@ impl ConfigKeys {
                 max_live_parameters: Some(z.max_live_parameters),
                 param_persistence_threshold: Some(z.param_persistence_threshold),
                 max_reuse_distance: Some(z.max_reuse_distance),
+                max_in_cpu: Some(z.offload_param.max_in_cpu),
             },
             dtypes: DtypeOverrides {
                 communication: Some(precision(s.communication_data_type)),

@@ -295,6 +295,12 @@ pub struct OffBytes {
 }
 
 impl OffBytes {
+    /// `host` and `nvme` recomputed from the kinds.
+    pub fn retotal(&mut self) {
+        self.host = self.host_optimizer_states + self.host_fp32_grads + self.host_params;
+        self.nvme = self.nvme_optimizer_states + self.nvme_params;
+    }
+
     /// Every kind times `k` (per device to per node), totals recomputed.
     pub fn times(&self, k: u64) -> OffBytes {
         OffBytes {
@@ -359,9 +365,7 @@ pub fn model_state_bytes(
             _ => off_per_device.nvme_params = shard * p,
         }
     }
-    let o = &mut off_per_device;
-    o.host = o.host_optimizer_states + o.host_fp32_grads + o.host_params;
-    o.nvme = o.nvme_optimizer_states + o.nvme_params;
+    off_per_device.retotal();
     d.model_states = d.params + d.grads + d.master + d.adam_m + d.adam_v;
     (d, off_per_device)
 }

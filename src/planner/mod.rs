@@ -67,6 +67,9 @@ pub struct BufferOverrides {
     pub max_live_parameters: Option<u64>,
     pub param_persistence_threshold: Option<u64>,
     pub max_reuse_distance: Option<u64>,
+    /// `offload_param.max_in_cpu`: elements of a rank's parameter shards kept in host memory when
+    /// stage 3 offloads parameters to NVMe (DeepSpeed's default 1e9 when unset).
+    pub max_in_cpu: Option<u64>,
 }
 
 impl BufferOverrides {
@@ -105,8 +108,44 @@ fn bf16_moments(d: &mut DeviceBytes, off: &mut OffBytes) {
     d.model_states = d.params + d.grads + d.master + d.adam_m + d.adam_v;
     off.host_optimizer_states = off.host_optimizer_states / 12 * 8;
     off.nvme_optimizer_states = off.nvme_optimizer_states / 12 * 8;
-    off.host = off.host_optimizer_states + off.host_fp32_grads + off.host_params;
-    off.nvme = off.nvme_optimizer_states + off.nvme_params;
+    off.retotal();
+}
+
+/// Elements of each device's parameter shard that `offload_param.max_in_cpu` keeps in host memory
+/// when stage 3 offloads parameters to NVMe (0 otherwise); the rest is on NVMe. On zerodp's engine
+/// its own rule over the units' shards ([`crate::zero::shards::resident_units`], DeepSpeed's over
+/// sub-groups); for an estimate, up to `max_in_cpu` of the shard.
+fn resident_param_elems(
+    input: &PlanInput,
+    choice: ZeroChoice,
+    engine: Option<&EngineRun>,
+    shard: u64,
+) -> u64 {
+    if choice.stage != 3 || choice.offload_param != Offload::Nvme {
+        return 0;
+    }
+    let default = crate::config::OffloadParamSettings::default().max_in_cpu;
+    let max_in_cpu = input.buffers.max_in_cpu.unwrap_or(default);
+    match engine {
+        Some(e) => {
+            let lens = e.layout.units.iter().map(|u| u.shard_len);
+            let max = usize::try_from(max_in_cpu).unwrap_or(usize::MAX);
+            let kept = crate::zero::shards::resident_units(lens, max);
+            e.layout.units[..kept]
+                .iter()
+                .map(|u| u.shard_len as u64)
+                .sum()
+        }
+        None => shard.min(max_in_cpu),
+    }
+}
+
+/// Moves the `resident` elements of the parameter shard from NVMe to host memory.
+fn keep_params_in_host(off: &mut OffBytes, resident: u64, param_bytes: u64) {
+    let bytes = (resident * param_bytes).min(off.nvme_params);
+    off.nvme_params -= bytes;
+    off.host_params += bytes;
+    off.retotal();
 }
 
 /// Everything the planner needs.
@@ -204,6 +243,9 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     if input.dtypes.optimizer_states == Some(Precision::Bf16) {
         bf16_moments(&mut bytes, &mut off_per_device);
     }
+    let shard = psi.div_ceil(n.max(1));
+    let resident = resident_param_elems(input, choice, engine.as_ref(), shard);
+    keep_params_in_host(&mut off_per_device, resident, input.precision.param_bytes());
     if let Some(e) = &engine {
         // The engine keeps its gradients in `grad_accum_dtype`, which need not be the
         // precision's (bf16 stage 0 accumulates in fp32 by default).
@@ -270,7 +312,8 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .iter()
         .fold(0u64, |sum, t| sum.saturating_add(t.bytes_per_device));
     let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
-    let offload = offload_traffic(choice, input.precision, psi, input.grad_accum, c);
+    let swapped = shard.saturating_sub(resident);
+    let offload = offload_traffic(choice, input.precision, psi, swapped, input.grad_accum, c);
     let compute_s = compute_seconds(input);
     PlanOption {
         label: choice.label(),

@@ -139,11 +139,14 @@ pub struct OffloadTraffic {
 /// ZeRO-Offload moves each device's gradient partition down (every micro-step from stage 2 on) and
 /// its updated 16-bit parameter partition up; the host runs Adam on the node's partitions. NVMe adds
 /// a read and a write of the fp32 copy, m and v (12 bytes per element). Parameter offload (stage 3)
-/// copies the shard up before each gather, forward and backward, every micro-step.
+/// copies the shard up before each gather, forward and backward, every micro-step; to NVMe, only
+/// the `param_nvme_elems` of each device's shard that `max_in_cpu` leaves there are read for those
+/// gathers and written after the step.
 pub fn offload_traffic(
     choice: ZeroChoice,
     precision: Precision,
     params: u64,
+    param_nvme_elems: u64,
     grad_accum: u64,
     cluster: &Cluster,
 ) -> OffloadTraffic {
@@ -166,8 +169,9 @@ pub fn offload_traffic(
         out.host_link_bytes = out.host_link_bytes.saturating_add(copies);
         if choice.offload_param == Offload::Nvme {
             // Read for each gather (forward and backward), written once after the step.
-            let written = mul(&[shard, dtype, g]);
-            let read = mul(&[copies, g]);
+            let swapped = param_nvme_elems.min(shard);
+            let written = mul(&[swapped, dtype, g]);
+            let read = mul(&[2, gas, swapped, dtype, g]);
             out.nvme_bytes_per_node = out
                 .nvme_bytes_per_node
                 .saturating_add(read.saturating_add(written));
