@@ -287,6 +287,17 @@ fn prefetch_rows<T>(src: &[T], ld: usize, width: usize, rows: usize) {
     let _ = (src, ld, width, rows);
 }
 
+/// [`prefetch_rows`] for the head whose columns start at `o` in each of the q, k and v parts of
+/// qkv-shaped rows (`c` columns each, rows `cols3` apart).
+#[inline(always)]
+fn prefetch_qkv<T>(rows: &[T], o: usize, (c, cols3): (usize, usize), pn: &Panels) {
+    for part in 0..3 {
+        if let Some(from) = rows.get(part * c + o..) {
+            prefetch_rows(from, cols3, pn.hd, pn.t);
+        }
+    }
+}
+
 /// Per-sequence scratch, reused across heads: allocated zeroed once, after which every product
 /// and softmax writes whole rows and the panel copies leave the padding as it is.
 struct Scratch<T> {
@@ -388,19 +399,22 @@ impl CausalAttention {
         Ok(dqkv)
     }
 
+    /// What every head of a sequence shares: the model width, the head width, the softmax scale
+    /// and the panels' shapes.
+    fn per_sequence(&self, cols3: usize) -> (usize, usize, f64, Panels) {
+        let c = cols3 / 3;
+        let hd = c / self.heads;
+        (c, hd, 1.0 / (hd as f64).sqrt(), Panels::new(self.seq, hd))
+    }
+
     /// One sequence's forward: `x` its qkv rows, `y` its output rows.
     #[inline(always)]
     fn forward_seq<T: Real, const AVX512: bool>(&self, x: &[T], y: &mut [T], cols3: usize) {
-        let (t, c) = (self.seq, cols3 / 3);
-        let hd = c / self.heads;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let pn = Panels::new(t, hd);
+        let (c, hd, scale, pn) = self.per_sequence(cols3);
         let mut s = Scratch::new(&pn);
         for h in 0..self.heads {
             if h + 1 < self.heads {
-                for part in 0..3 {
-                    prefetch_rows(&x[part * c + (h + 1) * hd..], cols3, hd, t);
-                }
+                prefetch_qkv(x, (h + 1) * hd, (c, cols3), &pn);
             }
             pn.rows_of(&x[h * hd..], cols3, &mut s.q);
             pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
@@ -413,7 +427,7 @@ impl CausalAttention {
                 ld: c,
             };
             // Rows r0..r1 weigh the values of keys 0..r1 (the rest of their row is zero).
-            product::<T, AVX512>(t, probs, (&s.v, pn.dp), dest, |_, r1| (0..r1, hd));
+            product::<T, AVX512>(self.seq, probs, (&s.v, pn.dp), dest, |_, r1| (0..r1, hd));
         }
     }
 
@@ -427,19 +441,14 @@ impl CausalAttention {
         dx: &mut [T],
         cols3: usize,
     ) {
-        let (t, c) = (self.seq, cols3 / 3);
-        let hd = c / self.heads;
-        let scale = 1.0 / (hd as f64).sqrt();
-        let pn = Panels::new(t, hd);
+        let (c, hd, scale, pn) = self.per_sequence(cols3);
         let mut s = Scratch::new(&pn);
         for h in 0..self.heads {
             if h + 1 < self.heads {
                 let o = (h + 1) * hd;
-                for part in 0..3 {
-                    prefetch_rows(&x[part * c + o..], cols3, hd, t);
-                    prefetch_rows(&dx[part * c + o..], cols3, hd, t);
-                }
-                prefetch_rows(&g[o..], c, hd, t);
+                prefetch_qkv(x, o, (c, cols3), &pn);
+                prefetch_qkv(dx, o, (c, cols3), &pn);
+                prefetch_rows(&g[o..], c, hd, self.seq);
             }
             self.head_backward::<T, AVX512>(&pn, &mut s, (x, g, dx), (h * hd, c, cols3), scale);
         }
