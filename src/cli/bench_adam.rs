@@ -280,14 +280,13 @@ fn traffic_gbps<G: Word, S: Word>(pool: &rayon::ThreadPool, runs: usize) -> f64 
         })
     });
     std::hint::black_box((&p, &m, &v));
-    traffic_bytes::<G, S>(n) as f64 / secs / 1e9
+    let per = step_bytes_per_param(std::mem::size_of::<G>(), std::mem::size_of::<S>());
+    (n * per) as f64 / secs / 1e9
 }
 
-/// Bytes one pass of Adam's shape moves over `n` elements (what [`bytes_needed`] holds, minus
-/// the copy, and counted once per read and once per write).
-fn traffic_bytes<G: Word, S: Word>(n: usize) -> usize {
-    let (gb, sb) = (std::mem::size_of::<G>(), std::mem::size_of::<S>());
-    n * (8 + gb + 4 * sb)
+/// Bytes the step moves per parameter: reads p, g, m, v and writes p, m, v (the copy apart).
+fn step_bytes_per_param(grad_bytes: usize, state_bytes: usize) -> usize {
+    8 + grad_bytes + 4 * state_bytes
 }
 
 /// [`traffic_gbps`] for a gradient and state dtype choice.
@@ -370,7 +369,7 @@ fn measure<G: Element, S: StateElement>(
     let mut m = zeroed_vec::<S>(n);
     let mut v = zeroed_vec::<S>(n);
     let mut copy = zeroed_vec::<bf16>(if args.no_copy { 0 } else { n });
-    let bytes_per_param = 8 + G::BYTES + 4 * S::BYTES;
+    let bytes_per_param = step_bytes_per_param(G::BYTES, S::BYTES);
     let mut step = 0u64;
     let mut rows = Vec::new();
     for ((threads, pool), &bound_gbps) in pools.iter().zip(bounds) {

@@ -18,7 +18,7 @@
 use rayon::prelude::*;
 use std::ops::Range;
 
-use super::kernels::{lane_dot, lane_max, lane_sum, lit, Real};
+use super::kernels::{lane_dot, lane_max, lane_sum, lit, Real, Width};
 use candle_core::{bail, Result};
 
 /// Rows of a register tile.
@@ -87,23 +87,20 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
         return acc;
     }
     // Every entry the loop reads, checked once here rather than at each of its reads per step
-    // (those checks cost as much as the multiply-adds).
+    // (those checks cost as much as the multiply-adds). The panels and strides come from
+    // `CausalAttention::width`'s checked shapes, so this holds; were it not to, the bounds-checked
+    // loop below would run instead of the unchecked one.
     let last = (R - 1) * a.row + (ks.end - 1) * a.col;
-    assert!(last < a.data.len(), "attention tile reads past its operand");
-    assert!(
-        (ks.end - 1) * ldb + NR <= b.len(),
-        "attention tile reads past its panel"
-    );
+    let in_bounds = last < a.data.len() && (ks.end - 1) * ldb + NR <= b.len();
     #[cfg(target_arch = "x86_64")]
-    if AVX512 && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+    if AVX512 && in_bounds && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
         let a32 = Strided {
             data: bytemuck::cast_slice::<T, f32>(a.data),
             row: a.row,
             col: a.col,
         };
         // SAFETY: AVX512 is set only in code compiled for AVX-512F and FMA, run on a CPU that
-        // has them; the reads are in bounds (checked above); T is f32, so the cast is the same
-        // bits.
+        // has them; the reads are in bounds (`in_bounds`); T is f32, so the cast is the same bits.
         let tile = unsafe { tile_f32_avx512::<R>(a32, bytemuck::cast_slice(b), ldb, ks) };
         for (acc, row) in acc.iter_mut().zip(&tile) {
             bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
@@ -113,8 +110,7 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
     for p in ks {
         let b_row = &b[p * ldb..][..NR];
         for (i, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: i < R and p < ks.end, so the index is at most `last`, checked above.
-            let x = unsafe { *a.data.get_unchecked(i * a.row + p * a.col) };
+            let x = a.data[i * a.row + p * a.col];
             for (s, &y) in acc.iter_mut().zip(b_row) {
                 *s = x.mul_add(y, *s);
             }
@@ -298,8 +294,9 @@ fn prefetch_qkv<T>(rows: &[T], o: usize, (c, cols3): (usize, usize), pn: &Panels
     }
 }
 
-/// Per-sequence scratch, reused across heads: allocated zeroed once, after which every product
-/// and softmax writes whole rows and the panel copies leave the padding as it is.
+/// Scratch for one sequence's heads, reused across heads and across the sequences of a rayon job:
+/// allocated zeroed once, after which every product and softmax writes whole rows and the panel
+/// copies leave the padding as it is.
 struct Scratch<T> {
     q: Vec<T>,
     k: Vec<T>,
@@ -328,6 +325,7 @@ impl<T: Real> Scratch<T> {
     }
 }
 
+#[derive(Clone, Copy, Debug)]
 pub(crate) struct CausalAttention {
     pub batch: usize,
     pub seq: usize,
@@ -335,9 +333,22 @@ pub(crate) struct CausalAttention {
 }
 
 impl CausalAttention {
-    fn width(&self, cols3: usize) -> Result<usize> {
-        if self.heads == 0 || cols3 % (3 * self.heads) != 0 {
-            bail!("attention: qkv width {cols3} is not 3 x heads x head_dim");
+    /// The model width `c` for qkv rows of `cols3` columns, after checking that `qkv` holds
+    /// `batch x seq` such rows: every slice and tile below is in bounds by construction from here.
+    fn width(&self, qkv_len: usize, cols3: usize) -> Result<usize> {
+        if self.heads == 0 || cols3 == 0 || cols3 % (3 * self.heads) != 0 {
+            bail!(
+                "attention: qkv width {cols3} is not 3 x heads ({}) x a positive head width",
+                self.heads
+            );
+        }
+        let rows = self.batch * self.seq;
+        if self.seq == 0 || qkv_len != rows * cols3 {
+            bail!(
+                "attention: qkv of {qkv_len} elements for {} sequences of {} rows of {cols3}",
+                self.batch,
+                self.seq
+            );
         }
         Ok(cols3 / 3)
     }
@@ -372,13 +383,18 @@ impl CausalAttention {
 
     /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v`.
     pub(super) fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
-        let c = self.width(cols3)?;
+        let c = self.width(qkv.len(), cols3)?;
         let t = self.seq;
         let mut out = vec![lit::<T>(0.0); self.batch * t * c];
-        out.par_chunks_mut(t * c).enumerate().for_each(|(bi, y)| {
-            let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
-            forward_seq_wide(self, x, y, cols3);
-        });
+        let pn = self.per_sequence(cols3).3;
+        // One scratch per rayon job, reused by the sequences it runs.
+        out.par_chunks_mut(t * c).enumerate().for_each_init(
+            || Scratch::new(&pn),
+            |s, (bi, y)| {
+                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                forward_seq_wide(self, x, y, cols3, s);
+            },
+        );
         Ok(out)
     }
 
@@ -386,16 +402,25 @@ impl CausalAttention {
     /// `dv = p^T dy`, `dp = dy v^T`, `ds = scale p (dp - rowsum(p dp))`, `dq = ds k`,
     /// `dk = ds^T q`.
     pub(super) fn backward<T: Real>(&self, qkv: &[T], dy: &[T], cols3: usize) -> Result<Vec<T>> {
-        let c = self.width(cols3)?;
+        let c = self.width(qkv.len(), cols3)?;
         let t = self.seq;
+        if dy.len() != self.batch * t * c {
+            bail!(
+                "attention backward: output gradient of {} elements, the output has {}",
+                dy.len(),
+                self.batch * t * c
+            );
+        }
         let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
-        dqkv.par_chunks_mut(t * cols3)
-            .enumerate()
-            .for_each(|(bi, dx)| {
+        let pn = self.per_sequence(cols3).3;
+        dqkv.par_chunks_mut(t * cols3).enumerate().for_each_init(
+            || Scratch::new(&pn),
+            |s, (bi, dx)| {
                 let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
                 let g = &dy[bi * t * c..(bi + 1) * t * c];
-                backward_seq_wide(self, x, g, dx, cols3);
-            });
+                backward_seq_wide(self, x, g, dx, cols3, s);
+            },
+        );
         Ok(dqkv)
     }
 
@@ -407,11 +432,17 @@ impl CausalAttention {
         (c, hd, 1.0 / (hd as f64).sqrt(), Panels::new(self.seq, hd))
     }
 
-    /// One sequence's forward: `x` its qkv rows, `y` its output rows.
+    /// One sequence's forward: `x` its qkv rows, `y` its output rows, `s` scratch from
+    /// [`Scratch::new`] for these shapes (every head overwrites what it reads of it).
     #[inline(always)]
-    fn forward_seq<T: Real, const AVX512: bool>(&self, x: &[T], y: &mut [T], cols3: usize) {
+    fn forward_seq<T: Real, const AVX512: bool>(
+        &self,
+        x: &[T],
+        y: &mut [T],
+        cols3: usize,
+        s: &mut Scratch<T>,
+    ) {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
-        let mut s = Scratch::new(&pn);
         for h in 0..self.heads {
             if h + 1 < self.heads {
                 prefetch_qkv(x, (h + 1) * hd, (c, cols3), &pn);
@@ -420,7 +451,7 @@ impl CausalAttention {
             pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
             pn.transpose(&s.k, &mut s.kt);
             pn.rows_of(&x[2 * c + h * hd..], cols3, &mut s.v);
-            self.probs::<T, AVX512>(&pn, &mut s, scale);
+            self.probs::<T, AVX512>(&pn, s, scale);
             let probs = Strided::by_row(&s.p, pn.tp);
             let dest = Dest {
                 data: &mut y[h * hd..],
@@ -432,7 +463,7 @@ impl CausalAttention {
     }
 
     /// One sequence's backward: `x` its qkv rows, `g` its output gradient rows, `dx` its qkv
-    /// gradient rows.
+    /// gradient rows, `s` as in [`CausalAttention::forward_seq`].
     #[inline(always)]
     fn backward_seq<T: Real, const AVX512: bool>(
         &self,
@@ -440,9 +471,9 @@ impl CausalAttention {
         g: &[T],
         dx: &mut [T],
         cols3: usize,
+        s: &mut Scratch<T>,
     ) {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
-        let mut s = Scratch::new(&pn);
         for h in 0..self.heads {
             if h + 1 < self.heads {
                 let o = (h + 1) * hd;
@@ -450,7 +481,7 @@ impl CausalAttention {
                 prefetch_qkv(dx, o, (c, cols3), &pn);
                 prefetch_rows(&g[o..], c, hd, self.seq);
             }
-            self.head_backward::<T, AVX512>(&pn, &mut s, (x, g, dx), (h * hd, c, cols3), scale);
+            self.head_backward::<T, AVX512>(&pn, s, (x, g, dx), (h * hd, c, cols3), scale);
         }
     }
 
@@ -550,14 +581,12 @@ macro_rules! wide_fn {
                 unsafe fn avx2<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
                     att.$body::<T, false>($($arg),*)
                 }
-                let fma = is_x86_feature_detected!("fma");
-                if is_x86_feature_detected!("avx512f") && fma {
-                    // SAFETY: the CPU has AVX-512F and FMA (checked just above).
-                    return unsafe { avx512(att, $($arg),*) };
-                }
-                if is_x86_feature_detected!("avx2") && fma {
-                    // SAFETY: the CPU has AVX2 and FMA (checked just above).
-                    return unsafe { avx2(att, $($arg),*) };
+                match Width::of_cpu() {
+                    // SAFETY: the CPU has AVX-512F and FMA (`Width::of_cpu`).
+                    Width::Avx512 => return unsafe { avx512(att, $($arg),*) },
+                    // SAFETY: the CPU has AVX2 and FMA (`Width::of_cpu`).
+                    Width::Avx2 => return unsafe { avx2(att, $($arg),*) },
+                    Width::Baseline => {}
                 }
             }
             att.$body::<T, false>($($arg),*)
@@ -565,8 +594,8 @@ macro_rules! wide_fn {
     };
 }
 
-wide_fn!(forward_seq_wide, forward_seq, (x: &[T], y: &mut [T], cols3: usize));
-wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: &mut [T], cols3: usize));
+wide_fn!(forward_seq_wide, forward_seq, (x: &[T], y: &mut [T], cols3: usize, s: &mut Scratch<T>));
+wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: &mut [T], cols3: usize, s: &mut Scratch<T>));
 
 #[cfg(test)]
 mod tests {
@@ -655,5 +684,25 @@ mod tests {
                 close(&d[rq..rq + t * c3], &d64, "dqkv");
             }
         }
+    }
+
+    #[test]
+    fn mismatched_shapes_are_errors_not_panics() {
+        let attn = CausalAttention {
+            batch: 2,
+            seq: 4,
+            heads: 2,
+        };
+        let c3 = 3 * 2 * 3;
+        let qkv = vec![0.1f32; 2 * 4 * c3];
+        let dy = vec![0.1f32; 2 * 4 * c3 / 3];
+        assert!(attn.forward(&qkv, c3).is_ok());
+        assert!(attn.forward(&qkv[1..], c3).is_err());
+        assert!(attn.forward(&qkv, c3 - 1).is_err());
+        assert!(attn.forward::<f32>(&[], 0).is_err());
+        assert!(attn.backward(&qkv, &dy[1..], c3).is_err());
+        assert!(attn.backward(&qkv[3..], &dy, c3).is_err());
+        let empty = CausalAttention { seq: 0, ..attn };
+        assert!(empty.forward::<f32>(&[], c3).is_err());
     }
 }

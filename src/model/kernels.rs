@@ -129,17 +129,43 @@ pub(super) fn wide<R>(f: impl FnOnce() -> R) -> R {
         unsafe fn avx2<R>(f: impl FnOnce() -> R) -> R {
             f()
         }
-        let fma = std::arch::is_x86_feature_detected!("fma");
-        if std::arch::is_x86_feature_detected!("avx512f") && fma {
-            // SAFETY: the CPU has AVX-512F and FMA (checked just above).
-            return unsafe { avx512(f) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && fma {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { avx2(f) };
+        match Width::of_cpu() {
+            // SAFETY: the CPU has AVX-512F and FMA (`Width::of_cpu`).
+            Width::Avx512 => return unsafe { avx512(f) },
+            // SAFETY: the CPU has AVX2 and FMA (`Width::of_cpu`).
+            Width::Avx2 => return unsafe { avx2(f) },
+            Width::Baseline => {}
         }
     }
     f()
+}
+
+/// The widest build of the kernels this CPU runs: the one choice behind [`wide`] and the
+/// attention's per-width functions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Width {
+    /// AVX-512F with FMA.
+    Avx512,
+    /// AVX2 with FMA.
+    Avx2,
+    /// As built (SSE2 on x86-64).
+    Baseline,
+}
+
+impl Width {
+    pub(super) fn of_cpu() -> Width {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let fma = std::arch::is_x86_feature_detected!("fma");
+            if std::arch::is_x86_feature_detected!("avx512f") && fma {
+                return Width::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2") && fma {
+                return Width::Avx2;
+            }
+        }
+        Width::Baseline
+    }
 }
 
 /// The contiguous elements of a CPU storage under `layout`.
