@@ -84,6 +84,9 @@ pub fn engine_config(
     cfg.offload_optimizer = optimizer_tier(s, stage);
     if stage.shards_params() {
         cfg.offload_param = param_tier(s);
+        // Partial offload is a stage-3 feature (the config reader refuses a ratio below 1 at
+        // other stages); the planner, sizing a stage-3 config at other stages, offloads all.
+        cfg.offload_ratio = z.offload_optimizer.ratio;
     }
     cfg.micro_batch = s.batch.micro_batch_per_gpu;
     cfg.grad_accum = s.batch.gradient_accumulation_steps;

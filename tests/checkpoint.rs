@@ -134,6 +134,12 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         r#", "offload_param": {{ "device": "nvme", "nvme_path": "{}", "max_in_cpu": 0 }}"#,
         swap.path().display()
     );
+    // DeepSpeed's partial offload: half the units' moments on NVMe, the rest in memory.
+    let partial = format!(
+        r#", "sub_group_size": 7, "offload_optimizer": {{ "device": "nvme", "nvme_path": "{}",
+             "ratio": 0.5 }}"#,
+        swap.path().display()
+    );
     let bf16_states = r#", "bf16": { "enabled": true, "bf16_optimizer_states": true }"#;
     let fp32_bf16_states = r#", "zerodp": { "optimizer_states_dtype": "bf16" }"#;
     let cases = [
@@ -148,6 +154,8 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         // bf16 moments in the NVMe swap file, two to a word.
         (2, nvme.clone(), bf16_states),
         (3, format!("{nvme}{params_nvme}"), fp32_bf16_states),
+        (3, partial.clone(), ""),
+        (3, format!("{partial}{params}"), bf16_states),
     ];
     for (stage, zero_extra, extra) in cases {
         let s = settings_with(stage, 2, 2, &zero_extra, extra);

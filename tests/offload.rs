@@ -140,6 +140,103 @@ fn moments_on_nvme_in_f32_and_bf16_equal_the_moments_in_memory() {
     }
 }
 
+/// `offload_optimizer.ratio` (DeepSpeed's partial offload, stage 3): DeepSpeed's rule picks the
+/// last units, the first ones keep their master and moments in the device tier, and no bit of the
+/// run changes, in memory or on NVMe, at world sizes 1, 2 and 4.
+#[test]
+fn a_partial_offload_moves_the_last_units_and_changes_no_bit() {
+    use zerodp::zero::config::first_offloaded_unit;
+    // DeepSpeed's `i >= int((1 - ratio) * n)` in f64, its rounding included: 1 - 0.9 is just
+    // below 0.1, so a ratio of 0.9 over 10 sub-groups offloads all ten.
+    for (n, ratio, first) in [
+        (10, 0.9, 0),
+        (10, 0.5, 5),
+        (4, 0.25, 3),
+        (4, 0.0, 4),
+        (4, 1.0, 0),
+    ] {
+        assert_eq!(
+            first_offloaded_unit(n, ratio),
+            first,
+            "{n} units, ratio {ratio}"
+        );
+    }
+    let model = Toy::new(16, 8, 3, true);
+    let units = model.spec().units.len();
+    let dir = tempfile::tempdir().unwrap();
+    for world in [1usize, 2, 4] {
+        for dtype in [DType::F32, DType::BF16] {
+            let base = config(Stage::Zero3, world, dtype);
+            let plain = train(&model, &base, STEPS, GLOBAL, SEQ);
+            let want = fingerprint(&plain);
+            let plain_mem = plain.reports[0][0].memory;
+            let nvme = OptimizerTier::Nvme {
+                dir: dir.path().to_path_buf(),
+                chunk: 100,
+                buffer_count: 4,
+            };
+            let mut host_bytes = Vec::new();
+            for ratio in [0.0, 0.25, 0.5, 1.0] {
+                for tier in [OptimizerTier::Host, nvme.clone()] {
+                    let mut cfg = base.clone();
+                    cfg.offload_optimizer = tier.clone();
+                    cfg.offload_ratio = ratio;
+                    let run = train(&model, &cfg, STEPS, GLOBAL, SEQ);
+                    assert_eq!(
+                        fingerprint(&run),
+                        want,
+                        "world {world} {dtype} {ratio} {tier:?}"
+                    );
+                    let m = run.reports[0][0].memory;
+                    let kept = first_offloaded_unit(units, ratio);
+                    if tier == OptimizerTier::Host {
+                        // What leaves the device tier is what the host tier gains.
+                        assert_eq!(
+                            m.master + m.optimizer_states + m.offloaded_host,
+                            plain_mem.master + plain_mem.optimizer_states,
+                            "world {world} {dtype} ratio {ratio}"
+                        );
+                        assert_eq!(m.offloaded_host == 0, kept == units, "ratio {ratio}");
+                        assert_eq!(m.optimizer_states == 0, kept == 0, "ratio {ratio}");
+                        host_bytes.push(m.offloaded_host);
+                    } else {
+                        assert_eq!(m.offloaded_nvme == 0, kept == units, "ratio {ratio}");
+                        assert_eq!(m.optimizer_states == 0, kept == 0, "ratio {ratio}");
+                    }
+                }
+            }
+            // A larger ratio never offloads less.
+            assert!(
+                host_bytes.windows(2).all(|w| w[0] <= w[1]),
+                "{host_bytes:?}"
+            );
+            let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+            assert!(left.is_empty(), "swap files left behind: {left:?}");
+        }
+    }
+}
+
+/// A partial offload below stage 3 is refused, as DeepSpeed refuses it.
+#[test]
+fn a_partial_offload_below_stage_3_is_an_engine_error() {
+    let model = Toy::new(16, 8, 2, true);
+    let mut cfg = config(Stage::Zero2, 1, DType::F32);
+    cfg.offload_optimizer = OptimizerTier::Host;
+    cfg.offload_ratio = 0.5;
+    let source = |_: zerodp::trainer::BatchIndex| -> Result<Batch, String> {
+        panic!("no batch may be asked for when the configuration is refused")
+    };
+    let text = Trainer::new(&model, cfg)
+        .run(&source, 1, &[])
+        .map(|_| ())
+        .expect_err("a partial offload at stage 2 must be refused")
+        .to_string();
+    assert!(
+        text.contains("ratio 0.5") && text.contains("stage 3"),
+        "{text}"
+    );
+}
+
 #[test]
 fn offloaded_bytes_leave_the_device_tier() {
     let model = Toy::new(16, 8, 2, true);

@@ -4,7 +4,8 @@
 //!   optimizer and parameter offload trains under it, every rank's device-tier peak within it;
 //! * under a real memory limit on the process (a memory cgroup), a model whose optimizer states
 //!   alone (the ZeRO paper's 12Ψ: fp32 master, m and v) exceed the limit trains with NVMe offload,
-//!   and the same run without offload is refused by the pre-flight check.
+//!   and the same run without offload is refused by the pre-flight check;
+//! * `config check` shows a partial offload (`offload_optimizer.ratio`) and refuses it below stage 3.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -442,4 +443,32 @@ fn bf16_optimizer_states_track_fp32_states_over_100_steps() {
         let (a, b) = (tail(&want), tail(&got));
         assert!((a - b).abs() <= 1e-3 * a, "last 10 steps: {a} vs {b}");
     }
+}
+
+#[test]
+fn config_check_shows_a_partial_offload_and_refuses_it_below_stage_3() {
+    let dir = tempfile::tempdir().unwrap();
+    let check = |stage: u8| {
+        let json = format!(
+            r#"{{"train_batch_size": 2, "zero_optimization": {{"stage": {stage},
+                 "offload_optimizer": {{"device": "cpu", "ratio": 0.3}}}}}}"#
+        );
+        let config = write_config(dir.path(), &format!("s{stage}.json"), &json);
+        Command::new(env!("CARGO_BIN_EXE_zerodp"))
+            .args(["config", "check"])
+            .arg(&config)
+            .output()
+            .unwrap()
+    };
+    let out = check(3);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("cpu, ratio 0.3 (partial"), "{shown}");
+    let out = check(2);
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains("offload_optimizer.ratio") && err.contains("stage 3"),
+        "{err}"
+    );
 }

@@ -57,6 +57,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             max_reuse_distance: Some(cfg.max_reuse_distance as u64),
             prefetch_bucket_size: Some(cfg.prefetch_bucket_size as u64),
             max_in_cpu: None,
+            offload_ratio: None,
         },
         dtypes: DtypeOverrides {
             communication: Some(precision_of(cfg.comm_dtype)),
@@ -429,6 +430,47 @@ fn max_in_cpu_splits_parameter_shards_as_the_engine_does() {
         assert!(
             kept_bytes.iter().any(|&k| k > 0 && k < last),
             "world {world}: {kept_bytes:?}"
+        );
+    }
+}
+
+#[test]
+fn a_partial_optimizer_offload_keeps_on_the_device_what_the_engine_keeps() {
+    // Stage 3 with offload_optimizer.ratio: the planner's device-tier Adam moments are exactly
+    // those of the units the engine keeps there (DeepSpeed's rule over units), for ratios that
+    // keep all, some and none of them, and the host tier gets the offloaded share.
+    let model = Toy::new(16, 8, 3, true);
+    let host = ZeroChoice::new(3, Offload::Cpu, Offload::None);
+    for world in [1, 2, 4] {
+        let mut kept = Vec::new();
+        for ratio in [0.0, 0.25, 0.5, 0.75, 1.0] {
+            let mut cfg = config(Stage::Zero3, world, 1);
+            cfg.offload_optimizer = zerodp::zero::OptimizerTier::Host;
+            cfg.offload_ratio = ratio;
+            let mut inp = input_for(&model, &cfg);
+            inp.buffers.offload_ratio = Some(ratio);
+            let o = plan_option(&inp, host);
+            let held = train(&model, &cfg, 1, GLOBAL, SEQ).reports[0][0].memory;
+            let planned = o.bytes_per_device.adam_m + o.bytes_per_device.adam_v;
+            assert_eq!(
+                planned, held.optimizer_states,
+                "world {world}, ratio {ratio}"
+            );
+            let full = plan_option(&inp, ZeroChoice::new(3, Offload::None, Offload::None));
+            let all = full.bytes_per_device.adam_m + full.bytes_per_device.adam_v;
+            let moved = o.bytes_per_node.host_optimizer_states;
+            assert_eq!(moved == 0, planned == all, "world {world}, ratio {ratio}");
+            kept.push(planned);
+        }
+        // The ratios cover all, part and none of the units.
+        assert_eq!(kept[kept.len() - 1], 0, "world {world}: {kept:?}");
+        assert!(
+            kept.windows(2).all(|w| w[0] >= w[1]),
+            "world {world}: {kept:?}"
+        );
+        assert!(
+            kept.iter().any(|&k| k > 0 && k < kept[0]),
+            "world {world}: {kept:?}"
         );
     }
 }

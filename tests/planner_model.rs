@@ -436,6 +436,7 @@ fn the_engine_path_uses_its_own_unit_layout() {
         max_reuse_distance: None,
         prefetch_bucket_size: None,
         max_in_cpu: None,
+        offload_ratio: None,
     };
     let o = plan_option(&inp, none(3));
     // Every unit is already a multiple of 4 x 8 elements: no padding.
@@ -512,4 +513,41 @@ fn max_in_cpu_keeps_parameter_shards_in_host_memory_and_off_the_disk() {
         choice,
     );
     assert_eq!(traffic.host_link_bytes, full.offload.host_link_bytes);
+}
+
+#[test]
+fn a_partial_optimizer_offload_splits_states_and_traffic_by_its_ratio() {
+    // Stage 3, optimizer to NVMe, 1e9 bf16 parameters on 8 devices: offload_optimizer.ratio 0.25
+    // keeps three quarters of the master and moments on the device and moves a quarter, with a
+    // quarter of the full offload's NVMe traffic; 1.0 is the full offload.
+    let psi = 1_000_000_000u64;
+    let mut inp = input(psi, 50_000_000, cluster(1, 8, 80 * GIB, "ib-ndr"));
+    let nvme = ZeroChoice::new(3, Offload::Nvme, Offload::None);
+    let full = plan_option(&inp, nvme);
+    let kept = plan_option(&inp, none(3));
+    inp.buffers.offload_ratio = Some(0.25);
+    let part = plan_option(&inp, nvme);
+    let states = |o: &zerodp::planner::PlanOption| {
+        let b = &o.bytes_per_device;
+        b.master + b.adam_m + b.adam_v
+    };
+    assert_eq!(states(&full), 0);
+    assert_eq!(states(&part), states(&kept) * 3 / 4);
+    assert_eq!(
+        part.bytes_per_node.nvme_optimizer_states,
+        full.bytes_per_node.nvme_optimizer_states / 4
+    );
+    assert_eq!(
+        part.offload.nvme_bytes_per_node,
+        full.offload.nvme_bytes_per_node / 4
+    );
+    assert!(part.offload.predicted_s < full.offload.predicted_s);
+    assert!(part.label.contains("ratio 0.25"), "{}", part.label);
+    // Below stage 3 a ratio does not apply (the config reader refuses it there).
+    let stage2 = plan_option(&inp, ZeroChoice::new(2, Offload::Nvme, Offload::None));
+    inp.buffers.offload_ratio = None;
+    assert_eq!(
+        stage2,
+        plan_option(&inp, ZeroChoice::new(2, Offload::Nvme, Offload::None))
+    );
 }

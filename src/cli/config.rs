@@ -106,10 +106,20 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
         ),
         (
             "offload_optimizer".into(),
-            offload(
-                z.offload_optimizer.device.as_str(),
-                &z.offload_optimizer.nvme_path,
-            ),
+            match z.offload_optimizer.ratio < 1.0 && z.offload_optimizer.device.as_str() != "none" {
+                true => format!(
+                    "{}, ratio {} (partial: the last units' optimizer states, DeepSpeed's rule)",
+                    offload(
+                        z.offload_optimizer.device.as_str(),
+                        &z.offload_optimizer.nvme_path
+                    ),
+                    z.offload_optimizer.ratio
+                ),
+                false => offload(
+                    z.offload_optimizer.device.as_str(),
+                    &z.offload_optimizer.nvme_path,
+                ),
+            },
         ),
         (
             "offload_param".into(),

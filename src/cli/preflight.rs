@@ -132,12 +132,20 @@ fn offload_tiers(
     let b = &mut o.bytes_per_device;
     let before = b.master + b.adam_m + b.adam_v + b.params + b.scratch_buffers;
     let mut label = Vec::new();
+    // A partial offload (offload_optimizer.ratio) moves only its units' share.
+    let share = zerodp::zero::offloaded_share(spec, engine, 0);
+    let moved = |bytes: &mut u64| {
+        let off = (*bytes as f64 * share).round() as u64;
+        *bytes -= off.min(*bytes);
+    };
     match &engine.offload_optimizer {
         OptimizerTier::Device => {}
         OptimizerTier::Host => {
             label.push("+opt cpu");
             if device_budget {
-                (b.master, b.adam_m, b.adam_v) = (0, 0, 0);
+                [&mut b.master, &mut b.adam_m, &mut b.adam_v]
+                    .into_iter()
+                    .for_each(moved);
             }
         }
         OptimizerTier::Nvme {
@@ -150,11 +158,14 @@ fn offload_tiers(
             let longest = usize::try_from(b.adam_m / dtype.size() as u64).unwrap_or(usize::MAX);
             b.scratch_buffers +=
                 zerodp::zero::stream_buffer_bytes(dtype, *chunk, *buffer_count, longest);
-            (b.adam_m, b.adam_v) = (0, 0);
+            [&mut b.adam_m, &mut b.adam_v].into_iter().for_each(moved);
             if device_budget {
-                b.master = 0;
+                moved(&mut b.master);
             }
         }
+    }
+    if share > 0.0 && share < 1.0 {
+        label.push("(partial)");
     }
     match (&engine.offload_param, engine.stage.shards_params()) {
         (ParamTier::Host, true) => {

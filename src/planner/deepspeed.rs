@@ -37,6 +37,7 @@ impl ConfigKeys {
                 param_persistence_threshold: Some(z.param_persistence_threshold),
                 max_reuse_distance: Some(z.max_reuse_distance),
                 max_in_cpu: Some(z.offload_param.max_in_cpu),
+                offload_ratio: Some(z.offload_optimizer.ratio),
             },
             dtypes: DtypeOverrides {
                 communication: Some(precision(s.communication_data_type)),

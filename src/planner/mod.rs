@@ -70,6 +70,9 @@ pub struct BufferOverrides {
     /// `offload_param.max_in_cpu`: elements of a rank's parameter shards kept in host memory when
     /// stage 3 offloads parameters to NVMe (DeepSpeed's default 1e9 when unset).
     pub max_in_cpu: Option<u64>,
+    /// `offload_optimizer.ratio`: DeepSpeed's partial offload at stage 3 (the share of units whose
+    /// optimizer state is offloaded; the rest stays on the device); 1.0 when unset.
+    pub offload_ratio: Option<f64>,
 }
 
 impl BufferOverrides {
@@ -138,6 +141,55 @@ fn resident_param_elems(
         }
         None => shard.min(max_in_cpu),
     }
+}
+
+/// The share of each device's optimizer state that `choice`'s optimizer offload moves under
+/// `offload_optimizer.ratio` (1 for a full offload or none). On zerodp's engine the engine's rule
+/// over the units' shards ([`crate::zero::config::first_offloaded_unit`], DeepSpeed's over
+/// sub-groups); for an estimate, the ratio itself.
+fn optimizer_offload_share(
+    input: &PlanInput,
+    choice: ZeroChoice,
+    engine: Option<&EngineRun>,
+) -> f64 {
+    let ratio = input.buffers.offload_ratio.unwrap_or(1.0);
+    if choice.stage != 3 || choice.offload_optimizer == Offload::None || ratio >= 1.0 {
+        return 1.0;
+    }
+    match engine {
+        Some(e) => {
+            let units = &e.layout.units;
+            let first = crate::zero::config::first_offloaded_unit(units.len(), ratio);
+            let all: usize = units.iter().map(|u| u.shard_len).sum();
+            let off: usize = units[first..].iter().map(|u| u.shard_len).sum();
+            off as f64 / all.max(1) as f64
+        }
+        None => ratio.max(0.0),
+    }
+}
+
+/// `share` of `off` and the rest of `kept` (the same choice without the optimizer offload), for
+/// every byte count a partial optimizer offload splits between the device and the offload tier.
+fn mix_partial_offload(
+    (bytes, off): (&mut DeviceBytes, &mut OffBytes),
+    (kept, kept_off): (&DeviceBytes, &OffBytes),
+    share: f64,
+) {
+    let mix = |a, b| mix_bytes(a, b, share);
+    bytes.grads = mix(bytes.grads, kept.grads);
+    bytes.master = mix(bytes.master, kept.master);
+    bytes.adam_m = mix(bytes.adam_m, kept.adam_m);
+    bytes.adam_v = mix(bytes.adam_v, kept.adam_v);
+    bytes.model_states = bytes.params + bytes.grads + bytes.master + bytes.adam_m + bytes.adam_v;
+    off.host_optimizer_states = mix(off.host_optimizer_states, kept_off.host_optimizer_states);
+    off.host_fp32_grads = mix(off.host_fp32_grads, kept_off.host_fp32_grads);
+    off.nvme_optimizer_states = mix(off.nvme_optimizer_states, kept_off.nvme_optimizer_states);
+    off.retotal();
+}
+
+/// `share` of `offloaded` bytes plus the rest of `kept`, rounded.
+fn mix_bytes(offloaded: u64, kept: u64, share: f64) -> u64 {
+    (offloaded as f64 * share + kept as f64 * (1.0 - share)).round() as u64
 }
 
 /// Moves the `resident` elements of the parameter shard from NVMe to host memory.
@@ -240,6 +292,12 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .as_ref()
         .map_or(input.model.params, EngineRun::padded_params);
     let (mut bytes, mut off_per_device) = model_state_bytes(choice, input.precision, psi, n);
+    let share = optimizer_offload_share(input, choice, engine.as_ref());
+    let kept = ZeroChoice::new(choice.stage, Offload::None, choice.offload_param);
+    if share < 1.0 {
+        let (kb, ko) = model_state_bytes(kept, input.precision, psi, n);
+        mix_partial_offload((&mut bytes, &mut off_per_device), (&kb, &ko), share);
+    }
     if input.dtypes.optimizer_states == Some(Precision::Bf16) {
         bf16_moments(&mut bytes, &mut off_per_device);
     }
@@ -313,10 +371,24 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .fold(0u64, |sum, t| sum.saturating_add(t.bytes_per_device));
     let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
     let swapped = shard.saturating_sub(resident);
-    let offload = offload_traffic(choice, input.precision, psi, swapped, input.grad_accum, c);
+    let mut offload = offload_traffic(choice, input.precision, psi, swapped, input.grad_accum, c);
+    if share < 1.0 {
+        let rest = offload_traffic(kept, input.precision, psi, swapped, input.grad_accum, c);
+        let mix = |a, b| mix_bytes(a, b, share);
+        offload.host_link_bytes = mix(offload.host_link_bytes, rest.host_link_bytes);
+        offload.nvme_bytes_per_node = mix(offload.nvme_bytes_per_node, rest.nvme_bytes_per_node);
+        offload.predicted_s = offload.predicted_s * share + rest.predicted_s * (1.0 - share);
+    }
     let compute_s = compute_seconds(input);
     PlanOption {
-        label: choice.label(),
+        label: match share < 1.0 {
+            true => format!(
+                "{} ratio {}",
+                choice.label(),
+                input.buffers.offload_ratio.unwrap_or(1.0)
+            ),
+            false => choice.label(),
+        },
         stage: choice.stage,
         offload_optimizer: choice.offload_optimizer,
         offload_param: choice.offload_param,

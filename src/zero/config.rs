@@ -99,6 +99,11 @@ pub struct EngineConfig {
     /// Where the fp32 master and Adam's moments of the rank's part live
     /// (`zero_optimization.offload_optimizer`).
     pub offload_optimizer: OptimizerTier,
+    /// Fraction of the rank's units whose fp32 master and moments go to [`Self::offload_optimizer`]
+    /// (`offload_optimizer.ratio`, DeepSpeed's partial offload, stage 3 only): the rest stay in
+    /// the device tier. Units are zerodp's sub-groups, and DeepSpeed's rule picks which
+    /// ([`first_offloaded_unit`]). 1.0 (the default) offloads every unit.
+    pub offload_ratio: f64,
     /// Stage 3: where the rank's parameter shards live between gathers
     /// (`zero_optimization.offload_param`); ignored at stages 0-2, as DeepSpeed ignores it.
     pub offload_param: ParamTier,
@@ -182,9 +187,37 @@ impl EngineConfig {
             overflow: OverflowPolicy::Guard,
             max_skipped_steps: 10,
             offload_optimizer: OptimizerTier::Device,
+            offload_ratio: 1.0,
             offload_param: ParamTier::Device,
             device_budget: None,
             optimizer_states_dtype: DType::F32,
+        }
+    }
+}
+
+/// The first of `num_units` units whose optimizer state a partial offload of `ratio` moves to the
+/// offload tier: DeepSpeed's rule for its sub-groups (`i >= int((1 - ratio) * n)` goes to the
+/// CPU), in the same f64 arithmetic, so that a config offloads the same share of a model here as
+/// there. The device tier keeps the units before it (the first ones: embeddings and early blocks).
+pub fn first_offloaded_unit(num_units: usize, ratio: f64) -> usize {
+    // `as` saturates: a ratio outside [0, 1] (refused by validation) cannot index past the end.
+    (((1.0 - ratio) * num_units as f64) as usize).min(num_units)
+}
+
+impl EngineConfig {
+    /// Whether unit `unit` of `num_units` keeps its fp32 master and Adam moments in the offload
+    /// tier ([`Self::offload_optimizer`] is not the device, and [`Self::offload_ratio`] covers
+    /// it).
+    pub fn optimizer_offloaded(&self, unit: usize, num_units: usize) -> bool {
+        self.offload_optimizer != OptimizerTier::Device
+            && unit >= first_offloaded_unit(num_units, self.offload_ratio)
+    }
+
+    /// Where unit `unit` of `num_units` keeps its optimizer state.
+    pub fn unit_optimizer_tier(&self, unit: usize, num_units: usize) -> &OptimizerTier {
+        match self.optimizer_offloaded(unit, num_units) {
+            true => &self.offload_optimizer,
+            false => &OptimizerTier::Device,
         }
     }
 }

@@ -32,7 +32,7 @@
 //! it out in the fused unscale-and-clip factor.
 
 mod budget;
-pub use budget::{check as check_device_budget, device_peak, OverDeviceBudget};
+pub use budget::{check as check_device_budget, device_peak, offloaded_share, OverDeviceBudget};
 mod nvme;
 pub use nvme::stream_buffer_bytes;
 mod parts;
@@ -216,8 +216,11 @@ struct UnitState {
     /// The part of its flat buffer this rank updates: all of it at stage 0, its own shard
     /// otherwise.
     updated: Range<usize>,
-    /// Adam state over `updated`.
+    /// Adam state over `updated` (empty when the moments are in the NVMe swap file).
     adam: Moments,
+    /// Whether Adam's moments are in the NVMe swap file rather than in `adam`: NVMe offload,
+    /// for the units a partial offload covers ([`EngineConfig::optimizer_offloaded`]).
+    swapped: bool,
     /// Mixed precision: the fp32 master weights over `updated` (`None` in fp32, where the
     /// parameters are their own master).
     master: Option<Vec<f32>>,
@@ -304,7 +307,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 chunk,
                 buffer_count,
             } => {
-                let lens: Vec<usize> = units.iter().map(|u| u.updated.len()).collect();
+                // Units a partial offload leaves in the device tier have no record.
+                let lens: Vec<usize> = units
+                    .iter()
+                    .map(|u| if u.swapped { u.updated.len() } else { 0 })
+                    .collect();
                 let (rank, chunk, count) = (comm.rank(), *chunk, *buffer_count);
                 let dtype = cfg.optimizer_states_dtype;
                 Some(nvme::NvmeMoments::new(
@@ -802,30 +809,32 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let overwritten = self.cfg.is_mixed();
         let mut parts =
             parts::UpdateParts::new(&mut self.state, &self.layout, &self.units, overwritten);
-        match &mut self.nvme {
-            None => {
-                for (u, unit) in self.units.iter_mut().enumerate() {
-                    let master = unit.master.as_deref_mut();
-                    let (p, g) = parts.get(u)?;
-                    adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
-                }
+        // Units whose moments are in memory (all of them without NVMe offload).
+        for (u, unit) in self.units.iter_mut().enumerate() {
+            if !unit.swapped {
+                let master = unit.master.as_deref_mut();
+                let (p, g) = parts.get(u)?;
+                adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
             }
-            Some(nvme) => {
-                let mut masters = Vec::with_capacity(self.units.len());
-                let mut step = 0;
-                for unit in &mut self.units {
+        }
+        // The rest stream through the swap file, a chunk at a time.
+        if let Some(nvme) = &mut self.nvme {
+            let mut masters = Vec::with_capacity(self.units.len());
+            let mut step = 0;
+            for unit in &mut self.units {
+                if unit.swapped {
                     unit.adam.step += 1;
                     step = unit.adam.step;
-                    masters.push(unit.master.as_deref_mut());
                 }
-                nvme.step(|u, r, m, v| {
-                    let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
-                    let (mut p, g) = parts.get(u)?;
-                    let (p, g) = (p.sub_mut(r.clone()), g.range(r));
-                    adam_apply(m, v, step, w, p, g, &hp, grad_scale);
-                    Ok(())
-                })?;
+                masters.push(unit.master.as_deref_mut());
             }
+            nvme.step(|u, r, m, v| {
+                let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
+                let (mut p, g) = parts.get(u)?;
+                let (p, g) = (p.sub_mut(r.clone()), g.range(r));
+                adam_apply(m, v, step, w, p, g, &hp, grad_scale);
+                Ok(())
+            })?;
         }
         parts.finish()?;
         self.phases.optimizer += t.elapsed().as_secs_f64();
@@ -987,6 +996,7 @@ fn unit_states(
         .enumerate()
         .map(|(u, ((complete_after, kept_graph), master))| {
             let updated = updated_part(layout, stage, u);
+            let swapped = matches!(cfg.unit_optimizer_tier(u, n), OptimizerTier::Nvme { .. });
             UnitState {
                 reads: schedule::needs_of(spec, u),
                 complete_after,
@@ -997,11 +1007,9 @@ fn unit_states(
                 // With NVMe offload the moments live in the swap file.
                 adam: Moments::new(
                     cfg.optimizer_states_dtype,
-                    match cfg.offload_optimizer {
-                        OptimizerTier::Nvme { .. } => 0,
-                        _ => updated.len(),
-                    },
+                    if swapped { 0 } else { updated.len() },
                 ),
+                swapped,
                 updated,
                 master,
             }
@@ -1265,6 +1273,19 @@ fn validate(
     }
     if cfg.optimizer_states_dtype == DType::F16 {
         return bad("optimizer states may be fp32 or bf16, not fp16".into());
+    }
+    if !(0.0..=1.0).contains(&cfg.offload_ratio) {
+        return bad(format!(
+            "offload_optimizer.ratio {} must be between 0 and 1",
+            cfg.offload_ratio
+        ));
+    }
+    if cfg.offload_ratio < 1.0 && cfg.stage != Stage::Zero3 {
+        return bad(format!(
+            "partial optimizer offload (offload_optimizer.ratio {}) needs stage 3, as in \
+             DeepSpeed; set the ratio to 1.0 or use stage 3",
+            cfg.offload_ratio
+        ));
     }
     if spec.units.is_empty() {
         return bad("the model has no units".into());

@@ -29,7 +29,7 @@ pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use engine::{
-    check_device_budget, device_peak, param_staging_bytes, resident_param_bytes,
+    check_device_budget, device_peak, offloaded_share, param_staging_bytes, resident_param_bytes,
     stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes, StepReport,
     UnitOptimizerState,
 };

@@ -55,13 +55,14 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
             (Tier::Host, super::param_residency(layout, *max_in_cpu))
         }
     };
-    let (master_tier, moment_tier) = match cfg.offload_optimizer {
-        OptimizerTier::Device => (Tier::Device, Tier::Device),
-        OptimizerTier::Host => (Tier::Host, Tier::Host),
-        OptimizerTier::Nvme { .. } => (Tier::Host, Tier::Nvme),
-    };
-    (0..layout.num_units())
+    let n = layout.num_units();
+    (0..n)
         .map(|u| {
+            let (master_tier, moment_tier) = match cfg.unit_optimizer_tier(u, n) {
+                OptimizerTier::Device => (Tier::Device, Tier::Device),
+                OptimizerTier::Host => (Tier::Host, Tier::Host),
+                OptimizerTier::Nvme { .. } => (Tier::Host, Tier::Nvme),
+            };
             let ul = &layout.units[u];
             let elems = |sharded: bool| match sharded {
                 true => ul.shard_len,
@@ -137,6 +138,26 @@ pub(super) fn allocations(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> 
     out
 }
 
+/// The share of rank `rank`'s updated elements whose fp32 master and moments `cfg` offloads: 1
+/// under a full offload, 0 without one, the units [`EngineConfig::offload_ratio`] covers under a
+/// partial one (what a size estimate scales its optimizer bytes by).
+pub fn offloaded_share(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> f64 {
+    let layout = FlatLayout::new(spec, cfg.world_size, rank);
+    let n = layout.num_units();
+    let (mut off, mut all) = (0usize, 0usize);
+    for u in 0..n {
+        let len = updated_part(&layout, cfg.stage, u).len();
+        all += len;
+        if cfg.optimizer_offloaded(u, n) {
+            off += len;
+        }
+    }
+    match all {
+        0 => 0.0,
+        _ => off as f64 / all as f64,
+    }
+}
+
 /// Device-tier bytes at the fullest under `cfg` (what a budget must hold).
 pub fn device_peak(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> u64 {
     allocations(spec, cfg, rank)
@@ -172,12 +193,13 @@ pub fn check(spec: &ModelSpec, cfg: &EngineConfig, rank: usize) -> Result<(), En
 
 /// The smallest change to `cfg` whose device-tier peak fits `budget`: offloading the optimizer
 /// first (it keeps the stage's traffic; not at stage 0, where configs ignore it), then a higher
-/// stage, then stage 3 with offloads.
+/// stage, then stage 3 with offloads (a partial offload is offered in full first).
 fn advice(spec: &ModelSpec, cfg: &EngineConfig, rank: usize, budget: u64) -> String {
     let offload_opt = |mut c: EngineConfig| {
         if c.offload_optimizer == OptimizerTier::Device {
             c.offload_optimizer = OptimizerTier::Host;
         }
+        c.offload_ratio = 1.0;
         c
     };
     let at_stage = |s: Stage| EngineConfig {
@@ -187,7 +209,11 @@ fn advice(spec: &ModelSpec, cfg: &EngineConfig, rank: usize, budget: u64) -> Str
     // DeepSpeed (and the config mapping) ignore offload_optimizer at stage 0.
     let mut candidates = Vec::new();
     if cfg.stage != Stage::Zero0 {
-        candidates.push((offload_opt(cfg.clone()), "offload_optimizer.device \"cpu\""));
+        let text = match cfg.offload_optimizer {
+            OptimizerTier::Device => "offload_optimizer.device \"cpu\"",
+            _ => "offload_optimizer.ratio 1.0 (offload every unit's optimizer state)",
+        };
+        candidates.push((offload_opt(cfg.clone()), text));
     }
     for (s, text) in [
         (Stage::Zero1, "stage 1"),

@@ -70,7 +70,7 @@ impl<M: UnitModel> Engine<'_, M> {
                 }
             },
         };
-        let (exp_avg, exp_avg_sq) = match &self.nvme {
+        let (exp_avg, exp_avg_sq) = match self.nvme.as_ref().filter(|_| us.swapped) {
             Some(nvme) => {
                 let (m, v) = nvme.read(unit, local)?;
                 (Cow::Owned(m), Cow::Owned(v))
@@ -117,7 +117,7 @@ impl<M: UnitModel> Engine<'_, M> {
         }
         let us = &mut self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
-        match &mut self.nvme {
+        match self.nvme.as_mut().filter(|_| us.swapped) {
             Some(nvme) => nvme.write(unit, local.clone(), exp_avg, exp_avg_sq)?,
             None => us.adam.set_f32(local.clone(), exp_avg, exp_avg_sq),
         }
