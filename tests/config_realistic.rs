@@ -606,6 +606,37 @@ fn unknown_zero_keys_are_errors_with_a_suggestion() {
 }
 
 #[test]
+fn keys_without_effect_in_zerodp_warn_with_why_when_set() {
+    // A tuned HF-style ZeRO-2 block: the keys zerodp reads but does not act on are named, each
+    // with why; DeepSpeed's defaults are not.
+    let l = ok(
+        r#"{"train_batch_size": 8, "wall_clock_breakdown": true,
+            "zero_optimization": {"stage": 2, "allgather_partitions": true,
+            "allgather_bucket_size": 2e8, "ignore_unused_parameters": false,
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "pipeline_read": true}},
+            "checkpoint": {"load_universal": true}}"#,
+        &ctx(1),
+    );
+    for want in [
+        "allgather_bucket_size (each unit's parameters are all-gathered in one call",
+        "ignore_unused_parameters (a parameter without a gradient gets a zero gradient",
+        "offload_optimizer.pipeline_read/pipeline_write (the NVMe stream always",
+        "checkpoint.load_universal (zerodp's checkpoints load at any world size",
+    ] {
+        assert!(has_warning(&l, want), "{want}");
+    }
+    // Set to DeepSpeed's defaults, or implemented (wall_clock_breakdown): no warning.
+    assert!(!has_warning(&l, "allgather_partitions"));
+    assert!(!has_warning(&l, "wall_clock_breakdown"));
+    let l = ok(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 3,
+            "allgather_bucket_size": 5e8, "elastic_checkpoint": false}}"#,
+        &ctx(1),
+    );
+    assert!(!has_warning(&l, "without effect"));
+}
+
+#[test]
 fn keys_without_effect_at_the_stage_warn() {
     let l = ok(
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2,
@@ -617,7 +648,12 @@ fn keys_without_effect_at_the_stage_warn() {
         &l,
         "stage3_max_live_parameters, offload_param only act at stage 3 and have no effect at stage 2"
     ));
-    assert!(!has_warning(&l, "round_robin_gradients"));
+    // It acts at stage 2 in DeepSpeed (an ordering of gradient copies), never here.
+    assert!(!has_warning(&l, "round_robin_gradients only acts"));
+    assert!(has_warning(
+        &l,
+        "without effect in zerodp: round_robin_gradients (it orders"
+    ));
     let l = ok(
         r#"{"train_batch_size": 8, "zero_optimization": {"stage": 0,
             "offload_optimizer": {"device": "cpu"}}}"#,

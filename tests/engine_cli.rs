@@ -104,3 +104,45 @@ fn train_without_the_demo_corpus_says_how_to_get_it() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("scripts/fetch_corpus.sh"), "{stderr}");
 }
+
+/// `wall_clock_breakdown`: rank 0's phase times, DeepSpeed's `time (ms) | ...` line, at every
+/// `steps_per_print` steps (and only there), with the phases adding up to no more than the step.
+#[test]
+fn wall_clock_breakdown_prints_the_phases_at_steps_per_print() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "a rose is a rose is a rose. ".repeat(200)).unwrap();
+    let config = dir.path().join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{ "train_batch_size": 4, "steps_per_print": 2, "wall_clock_breakdown": true,
+             "zero_optimization": { "stage": 3 } }"#,
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["train", "--config"])
+        .arg(&config)
+        .args(["--world-size", "2", "--model", "tiny", "--steps", "5"])
+        .args(["--no-progress", "--data"])
+        .arg(&text)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "train failed: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.contains("time (ms)")).collect();
+    assert_eq!(lines.len(), 2, "steps 2 and 4: {stderr}");
+    for (line, step) in lines.iter().zip([2, 4]) {
+        assert!(
+            line.starts_with(&format!("step {step} time (ms) | fwd: ")),
+            "{line}"
+        );
+        let ms: Vec<f64> = line
+            .split('|')
+            .skip(1)
+            .map(|f| f.trim().rsplit(' ').next().unwrap().parse().unwrap())
+            .collect();
+        let (phases, total) = (&ms[..5], ms[5]);
+        assert!(phases.iter().all(|&t| t >= 0.0) && total > 0.0, "{line}");
+        assert!(phases.iter().sum::<f64>() <= total * 1.01 + 0.05, "{line}");
+    }
+}

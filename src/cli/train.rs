@@ -301,7 +301,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         args.steps,
         args.no_progress || rank != 0,
         settings.steps_per_print,
-    );
+    )
+    .with_breakdown(settings.wall_clock_breakdown);
     let started = Instant::now();
     let mut observers: Vec<&dyn StepObserver> = vec![&progress];
     if let Some(m) = &metrics {
@@ -375,10 +376,13 @@ fn eprintln_rank0(rank: usize, line: String) {
 }
 
 /// Rank 0's progress bar and log lines: the step's loss, rate and memory on the bar, fp16 scale
-/// changes and skipped steps always, and a step line every `steps_per_print` steps.
+/// changes and skipped steps always, and a step line every `steps_per_print` steps; with
+/// `wall_clock_breakdown`, a line of where the step's time went, as DeepSpeed's timers print it,
+/// at the same steps (every step when `steps_per_print` is unset).
 struct ProgressLog {
     bar: ProgressBar,
     steps_per_print: Option<u64>,
+    breakdown: bool,
 }
 
 impl ProgressLog {
@@ -386,7 +390,14 @@ impl ProgressLog {
         ProgressLog {
             bar: progress_bar(steps, hidden),
             steps_per_print,
+            breakdown: false,
         }
+    }
+
+    /// `wall_clock_breakdown`: print the phases of rank 0's step.
+    fn with_breakdown(mut self, on: bool) -> Self {
+        self.breakdown = on;
+        self
     }
 
     fn println(&self, line: String) {
@@ -416,14 +427,34 @@ impl StepObserver for ProgressLog {
         );
         self.bar.set_message(msg.clone());
         self.bar.inc(1);
-        if self
-            .steps_per_print
-            .is_some_and(|p| p > 0 && report.step % p == 0)
-        {
+        let due = |every: Option<u64>| every.is_some_and(|p| p > 0 && report.step % p == 0);
+        if due(self.steps_per_print) {
             self.println(format!("step {} {msg}", report.step));
+        }
+        if self.breakdown && (self.steps_per_print.is_none() || due(self.steps_per_print)) {
+            self.println(breakdown_line(report));
         }
         Ok(())
     }
+}
+
+/// `wall_clock_breakdown`'s line: rank 0's step in milliseconds by phase (forward, its recompute
+/// in backward, backward, time in collectives that did not overlap compute, the optimizer step)
+/// and in all, as DeepSpeed's `time (ms) | ...` timer line.
+fn breakdown_line(report: &zerodp::zero::StepReport) -> String {
+    let p = &report.phases;
+    let ms = |s: f64| s * 1e3;
+    format!(
+        "step {} time (ms) | fwd: {:.2} | recompute: {:.2} | bwd: {:.2} | comm: {:.2} | \
+         optimizer: {:.2} | step total: {:.2}",
+        report.step,
+        ms(p.forward),
+        ms(p.recompute),
+        ms(p.backward),
+        ms(p.comm),
+        ms(p.optimizer),
+        ms(report.elapsed.as_secs_f64()),
+    )
 }
 
 /// Every output must be a new or replaceable file in a writable directory, and none may be an

@@ -154,6 +154,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
              2^16 and hysteresis 2 (write the keys to make the choice explicit)",
         );
     }
+    inert_keys(r, &fp16, &bf16, &checkpoint, &activation_checkpointing);
     if !r.ignored.is_empty() {
         let list = r.ignored.join(", ");
         r.warn(format!(
@@ -853,6 +854,72 @@ fn comms_logger(r: &mut Reader<'_>, root: Obj<'_>) -> Result<CommsLoggerSettings
         );
     }
     Ok(c)
+}
+
+/// `key (why)` for each `(set, key, why)` that is set, joined with "; " (empty when none is).
+pub(super) fn set_reasons(keys: &[(bool, &str, &str)]) -> String {
+    let set: Vec<String> = keys
+        .iter()
+        .filter(|(set, _, _)| *set)
+        .map(|(_, key, why)| format!("{key} ({why})"))
+        .collect();
+    set.join("; ")
+}
+
+/// Keys outside `zero_optimization` that DeepSpeed acts on but that change nothing here, when set
+/// away from DeepSpeed's default: one warning naming each with why.
+fn inert_keys(
+    r: &mut Reader<'_>,
+    fp16: &Fp16Settings,
+    bf16: &Bf16Settings,
+    c: &CheckpointSettings,
+    ac: &ActivationCheckpointingSettings,
+) {
+    let inert = set_reasons(&[
+        (
+            fp16.auto_cast,
+            "fp16.auto_cast",
+            "the model's inputs are token ids; the engine casts what it computes",
+        ),
+        (
+            bf16.immediate_grad_update,
+            "bf16.immediate_grad_update",
+            "gradients are accumulated as each unit's backward ends anyway",
+        ),
+        (
+            c.tag_validation != TagValidation::Warn,
+            "checkpoint.tag_validation",
+            "loading checks every file against the manifest's sizes and CRC-32 checksums",
+        ),
+        (
+            c.load_universal,
+            "checkpoint.load_universal",
+            "zerodp's checkpoints load at any world size and stage without conversion",
+        ),
+        (
+            c.use_node_local_storage,
+            "checkpoint.use_node_local_storage",
+            "ranks save into the one --save-dir",
+        ),
+        (
+            c.parallel_write_pipeline_stage,
+            "checkpoint.parallel_write.pipeline_stage",
+            "zerodp has no pipeline stages",
+        ),
+        (
+            ac.synchronize_checkpoint_boundary,
+            "activation_checkpointing.synchronize_checkpoint_boundary",
+            "a CUDA synchronisation",
+        ),
+        (
+            ac.profile,
+            "activation_checkpointing.profile",
+            "the recomputed forward's time is `recompute` in wall_clock_breakdown and bench train",
+        ),
+    ]);
+    if !inert.is_empty() {
+        r.warn(format!("set, but without effect in zerodp: {inert}"));
+    }
 }
 
 fn checkpoint(r: &mut Reader<'_>, root: Obj<'_>) -> Result<CheckpointSettings, ConfigError> {

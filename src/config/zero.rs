@@ -483,6 +483,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     newer_keys(r, obj)?;
     offloads(r, obj, &mut z)?;
     stage_warnings(r, obj, &z);
+    inert_keys(r, &z);
     Ok(z)
 }
 
@@ -609,6 +610,96 @@ fn offloads(r: &mut Reader<'_>, obj: Obj<'_>, z: &mut ZeroSettings) -> Result<()
 
 /// Warnings for keys that are accepted but change nothing at the configured stage, and for the
 /// ZeRO++ / MiCS features that are not implemented.
+/// Keys DeepSpeed acts on that zerodp reads (their types are checked) but that change nothing
+/// here, when a config sets them away from DeepSpeed's default: one warning naming each with why,
+/// so that a tuned config does not pass silently.
+fn inert_keys(r: &mut Reader<'_>, z: &ZeroSettings) {
+    let d = ZeroSettings::default();
+    let o = &z.offload_optimizer;
+    let inert = super::parse::set_reasons(&[
+        (
+            z.allgather_bucket_size != d.allgather_bucket_size,
+            "allgather_bucket_size",
+            "each unit's parameters are all-gathered in one call, without buckets",
+        ),
+        (
+            !z.allgather_partitions,
+            "allgather_partitions",
+            "DeepSpeed does not read it either",
+        ),
+        (
+            !z.use_multi_rank_bucket_allreduce,
+            "use_multi_rank_bucket_allreduce",
+            "zerodp's all-reduce has no multi-rank buckets",
+        ),
+        (
+            z.model_persistence_threshold != d.model_persistence_threshold,
+            "model_persistence_threshold",
+            "only the per-unit param_persistence_threshold applies",
+        ),
+        (
+            z.module_granularity_threshold != d.module_granularity_threshold,
+            "module_granularity_threshold",
+            "the model's units are what is gathered",
+        ),
+        (
+            z.use_all_reduce_for_fetch_params,
+            "use_all_reduce_for_fetch_params",
+            "parameters are always fetched by all-gather",
+        ),
+        (
+            !z.ignore_unused_parameters,
+            "ignore_unused_parameters",
+            "a parameter without a gradient gets a zero gradient, never an error",
+        ),
+        (
+            z.elastic_checkpoint,
+            "elastic_checkpoint",
+            "zerodp's checkpoints load at any world size and stage anyway",
+        ),
+        (
+            (1..=2).contains(&z.stage) && z.round_robin_gradients,
+            "round_robin_gradients",
+            "it orders gradient copies to an accelerator's host; no result changes",
+        ),
+        (
+            o.pipeline_read || o.pipeline_write,
+            "offload_optimizer.pipeline_read/pipeline_write",
+            "the NVMe stream always reads ahead and writes behind",
+        ),
+        (
+            o.fast_init,
+            "offload_optimizer.fast_init",
+            "the swap file is reserved zeroed at start-up, without writing it",
+        ),
+        (
+            !z.memory_efficient_linear,
+            "memory_efficient_linear",
+            "a PyTorch autograd function zerodp has no counterpart of",
+        ),
+        (
+            z.pipeline_loading_checkpoint,
+            "pipeline_loading_checkpoint",
+            "a pipeline-parallel loader",
+        ),
+        (
+            !z.override_module_apply,
+            "override_module_apply",
+            "a PyTorch module hook",
+        ),
+        (
+            z.log_trace_cache_warnings,
+            "log_trace_cache_warnings",
+            "zerodp's prefetch order is fixed by the units, with no trace to invalidate",
+        ),
+    ]);
+    if !inert.is_empty() {
+        r.warn(format!(
+            "zero_optimization: set, but without effect in zerodp: {inert}"
+        ));
+    }
+}
+
 fn stage_warnings(r: &mut Reader<'_>, obj: Obj<'_>, z: &ZeroSettings) {
     let stage = z.stage;
     if stage < 3 {
