@@ -124,6 +124,10 @@ pub fn engine_config(
         None if s.precision == Precision::Bf16 && s.bf16.bf16_optimizer_states => DType::BF16,
         None => DType::F32,
     };
+    // Only in bf16 runs (DeepSpeed reads the key inside the bf16 block; the config reader warns
+    // when the block is off).
+    cfg.bf16_master_weights =
+        s.precision == Precision::Bf16 && s.bf16.bf16_master_weights_and_grads;
     Ok(cfg)
 }
 

@@ -141,6 +141,8 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         swap.path().display()
     );
     let bf16_states = r#", "bf16": { "enabled": true, "bf16_optimizer_states": true }"#;
+    // No fp32 master: the stochastic rounding is keyed by the restored step.
+    let bf16_master = r#", "bf16": { "enabled": true, "bf16_master_weights_and_grads": true }"#;
     let fp32_bf16_states = r#", "zerodp": { "optimizer_states_dtype": "bf16" }"#;
     let cases = [
         (2, cpu.to_string(), ""),
@@ -155,6 +157,8 @@ fn offloaded_and_bf16_states_resume_bit_for_bit() {
         (2, nvme.clone(), bf16_states),
         (3, format!("{nvme}{params_nvme}"), fp32_bf16_states),
         (3, partial.clone(), ""),
+        (1, String::new(), bf16_master),
+        (3, format!("{nvme}{params_nvme}"), bf16_master),
         (3, format!("{partial}{params}"), bf16_states),
     ];
     for (stage, zero_extra, extra) in cases {

@@ -1025,3 +1025,32 @@ fn a_misspelt_top_level_block_is_ignored_loudly() {
     assert!(has_warning(&l, "fp16.enabeld (did you mean \"enabled\"?)"));
     assert_eq!(l.settings.precision, Precision::Fp32);
 }
+
+#[test]
+fn bf16_master_weights_and_grads_is_read_with_its_gradients() {
+    // The key keeps bf16 gradients even at stage 0 (where bf16 accumulates in fp32 by default),
+    // unless data_types says otherwise; outside a bf16 run it warns and does nothing.
+    let l = ok(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 0},
+            "bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}"#,
+        &ctx(1),
+    );
+    assert!(l.settings.bf16.bf16_master_weights_and_grads);
+    assert_eq!(l.settings.grad_accum_dtype, Precision::Bf16);
+    assert!(!has_warning(&l, "bf16_master_weights_and_grads"));
+    let l = ok(
+        r#"{"train_batch_size": 8, "zero_optimization": {"stage": 0},
+            "data_types": {"grad_accum_dtype": "fp32"},
+            "bf16": {"enabled": true, "bf16_master_weights_and_grads": true}}"#,
+        &ctx(1),
+    );
+    assert_eq!(l.settings.grad_accum_dtype, Precision::Fp32);
+    let l = ok(
+        r#"{"train_batch_size": 8, "bf16": {"enabled": false, "bf16_master_weights_and_grads": true}}"#,
+        &ctx(1),
+    );
+    assert!(has_warning(
+        &l,
+        "bf16_master_weights_and_grads has no effect unless"
+    ));
+}

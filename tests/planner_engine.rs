@@ -63,6 +63,7 @@ fn input_for(model: &Toy, cfg: &EngineConfig) -> PlanInput {
             communication: Some(precision_of(cfg.comm_dtype)),
             grad_accum: Some(precision_of(cfg.grad_accum_dtype)),
             optimizer_states: Some(precision_of(cfg.optimizer_states_dtype)),
+            bf16_master: cfg.bf16_master_weights,
         },
         configured: None,
         process: None,
@@ -472,5 +473,24 @@ fn a_partial_optimizer_offload_keeps_on_the_device_what_the_engine_keeps() {
             kept.iter().any(|&k| k > 0 && k < kept[0]),
             "world {world}: {kept:?}"
         );
+    }
+}
+
+#[test]
+fn a_bf16_master_is_sized_as_the_engine_holds_it() {
+    // bf16_master_weights_and_grads: no fp32 master on the device, with f32 and bf16 moments, at
+    // every stage, planned as the ledger counts it.
+    let model = Toy::new(16, 8, 2, true);
+    for states in [DType::F32, DType::BF16] {
+        for stage in STAGES {
+            for world in [1, 2] {
+                let mut cfg = config(stage, world, 2).with_precision(DType::BF16);
+                cfg.optimizer_states_dtype = states;
+                cfg.bf16_master_weights = true;
+                let o = check(&model, &cfg, Gather::Exact);
+                assert_eq!(o.bytes_per_device.master, 0, "{stage:?} world {world}");
+                assert!(o.bytes_per_device.adam_m > 0);
+            }
+        }
     }
 }

@@ -551,3 +551,33 @@ fn a_partial_optimizer_offload_splits_states_and_traffic_by_its_ratio() {
         plan_option(&inp, ZeroChoice::new(2, Offload::Nvme, Offload::None))
     );
 }
+
+#[test]
+fn a_bf16_master_drops_the_fp32_copy_on_the_device_and_where_it_is_offloaded() {
+    // 1e9 bf16 parameters at stage 3 on 8 devices: the device keeps 2 + 2 + 8 bytes per shard
+    // element instead of 2 + 2 + 12; offloaded, the host holds m and v (8 bytes), 4 with bf16
+    // moments, instead of the fp32 copy, m and v (12).
+    let psi = 1_000_000_000u64;
+    let shard = psi / 8;
+    let mut inp = input(psi, 50_000_000, cluster(1, 8, 80 * GIB, "ib-ndr"));
+    inp.dtypes.bf16_master = true;
+    let o = plan_option(&inp, none(3));
+    let b = &o.bytes_per_device;
+    assert_eq!(
+        (b.params, b.grads, b.master, b.adam_m + b.adam_v),
+        (2 * shard, 2 * shard, 0, 8 * shard)
+    );
+    let cpu = ZeroChoice::new(3, Offload::Cpu, Offload::None);
+    assert_eq!(
+        plan_option(&inp, cpu).bytes_per_node.host_optimizer_states,
+        8 * 8 * shard
+    );
+    inp.dtypes.optimizer_states = Some(Precision::Bf16);
+    assert_eq!(
+        plan_option(&inp, cpu).bytes_per_node.host_optimizer_states,
+        8 * 4 * shard
+    );
+    // Only bf16 runs have it.
+    inp.precision = Precision::Fp16;
+    assert!(plan_option(&inp, none(3)).bytes_per_device.master > 0);
+}

@@ -81,7 +81,17 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
     };
     let mut rows: Vec<(String, String)> = vec![
         ("zero stage".into(), z.stage.to_string()),
-        ("precision".into(), s.precision.as_str().into()),
+        (
+            "precision".into(),
+            match s.precision.as_str() {
+                "bf16" if s.bf16.bf16_master_weights_and_grads => {
+                    "bf16, no fp32 master (bf16_master_weights_and_grads: Adam rounds the bf16 \
+                     parameters stochastically)"
+                        .into()
+                }
+                p => p.into(),
+            },
+        ),
         (
             "train_batch_size".into(),
             un("train_batch_size", s.batch.train_batch_size.to_string()),

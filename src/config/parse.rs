@@ -114,6 +114,11 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
         )?
         .unwrap_or(super::defaults::communication_data_type(precision));
     let mut grad_accum_dtype = super::defaults::grad_accum_dtype(precision, zero.stage);
+    if precision == Precision::Bf16 && bf16.bf16_master_weights_and_grads {
+        // "and grads": bf16 gradients at every stage (stage 0 would accumulate in fp32 otherwise);
+        // data_types.grad_accum_dtype still decides when given.
+        grad_accum_dtype = Precision::Bf16;
+    }
     if let Some(m) = root.get("data_types") {
         let dt = r.object("data_types", &m.node)?;
         r.collect_unknown(dt, &["grad_accum_dtype"]);
@@ -155,6 +160,12 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
         );
     }
     inert_keys(r, &fp16, &bf16, &checkpoint, &activation_checkpointing);
+    if bf16.bf16_master_weights_and_grads && precision != Precision::Bf16 {
+        r.warn(
+            "bf16.bf16_master_weights_and_grads has no effect unless the bf16 block is enabled \
+             (the run keeps its parameters as the precision says)",
+        );
+    }
     if !r.ignored.is_empty() {
         let list = r.ignored.join(", ");
         r.warn(format!(
@@ -302,11 +313,18 @@ fn precision(
         let o = r.object(name, &m.node)?;
         r.collect_unknown(
             o,
-            &["enabled", "immediate_grad_update", "bf16_optimizer_states"],
+            &[
+                "enabled",
+                "immediate_grad_update",
+                "bf16_optimizer_states",
+                "bf16_master_weights_and_grads",
+            ],
         );
         bf16_en = enabled(r, o)?;
         bf16.immediate_grad_update = r.bool_or(o, "immediate_grad_update", false)?;
         bf16.bf16_optimizer_states = r.bool_or(o, "bf16_optimizer_states", false)?;
+        bf16.bf16_master_weights_and_grads =
+            r.bool_or(o, "bf16_master_weights_and_grads", false)?;
     }
     let over = r.ctx.precision_override;
     let conflict =

@@ -287,6 +287,10 @@ pub struct Bf16Settings {
     pub immediate_grad_update: bool,
     /// Adam's m and v in bf16 (DeepSpeed's `bf16.bf16_optimizer_states`).
     pub bf16_optimizer_states: bool,
+    /// No fp32 master: the bf16 parameters are updated in place, rounded stochastically
+    /// (DeepSpeed's `bf16.bf16_master_weights_and_grads`; the gradients are bf16 as in any bf16
+    /// run past stage 0).
+    pub bf16_master_weights_and_grads: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

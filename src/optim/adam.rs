@@ -626,6 +626,122 @@ pub fn adam_step_with_copy<G: Element, S: StateElement, T: Element>(
     adam_impl(adam_isa(), params, grads, m, v, Some(params_16), &c, stores);
 }
 
+/// Where a shard updated without an fp32 master sits, so that the random bits of its stochastic
+/// rounding depend on each element's place in the model and the step, not on how the model is
+/// sharded or threaded: `key` names the (run, step, unit) ([`rounding_key`]) and `offset` is the
+/// place of the shard's first element in the unit. Every world size and stage then rounds every
+/// element the same way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoundingKey {
+    pub key: u32,
+    pub offset: u64,
+}
+
+/// The key of unit `unit`'s stochastic rounding at update `step` of a run seeded `seed`.
+pub fn rounding_key(seed: u64, step: u64, unit: usize) -> u32 {
+    let mut h = seed
+        ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (unit as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    // MurmurHash3's 64-bit finaliser.
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    h ^= h >> 33;
+    h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    h ^= h >> 33;
+    h as u32
+}
+
+/// MurmurHash3's 32-bit finaliser: 16 well-mixed bits per element from its index and the key.
+#[inline(always)]
+fn mix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// `x` rounded to bf16 stochastically: up with probability equal to the dropped fraction of an
+/// ulp (so the expected result is `x`, and updates smaller than half an ulp are not all lost, as
+/// they are under rounding to nearest), by adding 16 random bits below the kept ones and
+/// truncating. NaNs stay NaN (quiet), infinities stay infinite.
+#[inline(always)]
+fn bf16_stochastic_bits(x: f32, random: u32) -> u16 {
+    let b = x.to_bits();
+    let rounded = b.wrapping_add(random & 0xffff) >> 16;
+    (if x.is_nan() {
+        (b >> 16) | 0x0040
+    } else {
+        rounded
+    }) as u16
+}
+
+/// `src` rounded stochastically into `dst` (same length); element `i` draws its bits from
+/// `at.offset + i` and `at.key`.
+fn round_stochastic(src: &[f32], dst: &mut [bf16], at: RoundingKey) {
+    for (i, (x, d)) in src.iter().zip(dst.iter_mut()).enumerate() {
+        let place = at.offset + i as u64;
+        let random = mix32((place ^ (place >> 32)) as u32 ^ at.key);
+        *d = bf16::from_bits(bf16_stochastic_bits(*x, random));
+    }
+}
+
+/// One Adam/AdamW step on bf16 parameters that are their own master
+/// (`bf16_master_weights_and_grads`): each tile is widened to f32, updated as [`adam_step`]
+/// updates f32 parameters, and rounded back stochastically ([`RoundingKey`]). Deterministic, and
+/// independent of the thread count, the [`AdamIsa`] path and the sharding.
+///
+/// # Panics
+/// If the slices differ in length or `step == 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn adam_step_bf16_master<G: Element, S: StateElement>(
+    params: &mut [bf16],
+    grads: &[G],
+    m: &mut [S],
+    v: &mut [S],
+    step: u64,
+    hp: &AdamParams,
+    grad_scale: f32,
+    at: RoundingKey,
+) {
+    let n = params.len();
+    assert!(
+        grads.len() == n && m.len() == n && v.len() == n,
+        "adam_step_bf16_master: params has {n} elements but grads {}, m {}, v {}",
+        grads.len(),
+        m.len(),
+        v.len()
+    );
+    let c = StepConsts::new(hp, step, grad_scale);
+    let isa = adam_isa();
+    let chunk = |k: usize, p: &mut [bf16], g: &[G], m: &mut [S], v: &mut [S]| {
+        let mut buf = [0f32; TILE];
+        for (t, (((p, g), m), v)) in p
+            .chunks_mut(TILE)
+            .zip(g.chunks(TILE))
+            .zip(m.chunks_mut(TILE))
+            .zip(v.chunks_mut(TILE))
+            .enumerate()
+        {
+            let w = &mut buf[..p.len()];
+            <bf16 as Element>::widen(p, w);
+            adam_chunk::<G, S, f32>(isa, w, g, m, v, None, &c, CopyStores::Cached);
+            let offset = at.offset + (k * PAR_CHUNK + t * TILE) as u64;
+            round_stochastic(w, p, RoundingKey { offset, ..at });
+        }
+    };
+    if n < PAR_MIN_LEN {
+        return chunk(0, params, grads, m, v);
+    }
+    params
+        .par_chunks_mut(PAR_CHUNK)
+        .zip(grads.par_chunks(PAR_CHUNK))
+        .zip(m.par_chunks_mut(PAR_CHUNK))
+        .zip(v.par_chunks_mut(PAR_CHUNK))
+        .enumerate()
+        .for_each(|(k, (((p, g), m), v))| chunk(k, p, g, m, v));
+}
+
 /// Adam's state for one shard: the moments and the number of updates applied so far. `S` is the
 /// moments' element type: `f32` (the default, 8 bytes per element) or bf16 (4 bytes per element;
 /// the update still runs in `f32`, see [`adam_step`]).
@@ -1227,6 +1343,73 @@ mod tests {
         assert!(AdamIsa::best().is_available());
         assert!(adam_isa().is_available());
         assert_eq!(AdamIsa::available().last(), Some(&AdamIsa::best()));
+    }
+
+    /// bf16 parameters as their own master: an update far below half a bf16 ulp, lost entirely
+    /// by rounding to nearest, moves the parameters on average as the f32 update does; the bits
+    /// depend on each element's place, not on how the shard is split or threaded.
+    #[test]
+    fn bf16_master_rounds_stochastically_and_by_place() {
+        // Each element's rounding error is at most half an ulp (2^-9 below 1.0) per step, so over
+        // 100 steps the mean of 65536 elements has a standard deviation under 1e-4.
+        let n = 65536;
+        let hp = AdamParams {
+            lr: 1e-4,
+            weight_decay: 0.0,
+            ..AdamParams::default()
+        };
+        let g = vec![1.0f32; n];
+        let run = |p: &mut [bf16], parts: usize, key: u32| {
+            let (mut m, mut v) = (vec![0f32; n], vec![0f32; n]);
+            for step in 1..=100u64 {
+                let len = n / parts;
+                for k in 0..parts {
+                    let r = k * len..(k + 1) * len;
+                    let at = RoundingKey {
+                        key: key ^ rounding_key(7, step, 0),
+                        offset: r.start as u64,
+                    };
+                    let (m, v) = (&mut m[r.clone()], &mut v[r.clone()]);
+                    adam_step_bf16_master(&mut p[r.clone()], &g[r], m, v, step, &hp, 1.0, at);
+                }
+            }
+        };
+        let mut p = vec![bf16::ONE; n];
+        run(&mut p, 1, 0);
+        // Adam's normalised step is lr per update: 100 updates of 1e-4 each take 1.0 to 0.99,
+        // though one update is 1/78 of a bf16 ulp at 1.0 (2^-7).
+        let mean = p.iter().map(|x| f64::from(x.to_f32())).sum::<f64>() / n as f64;
+        assert!((mean - 0.99).abs() < 5e-4, "mean {mean}");
+        assert!(
+            p.iter().any(|&x| x != p[0]),
+            "stochastic: not every element lands alike"
+        );
+        // The same places give the same bits split in four, on any thread count.
+        let mut split = vec![bf16::ONE; n];
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap()
+            .install(|| run(&mut split, 4, 0));
+        assert_eq!(bytes_of(&p), bytes_of(&split));
+        // Another key draws other bits.
+        let mut other = vec![bf16::ONE; n];
+        run(&mut other, 1, 1);
+        assert_ne!(bytes_of(&p), bytes_of(&other));
+        // NaN stays NaN, infinities stay infinite.
+        for (x, want) in [
+            (f32::NAN, None),
+            (f32::INFINITY, Some(f32::INFINITY)),
+            (f32::NEG_INFINITY, Some(f32::NEG_INFINITY)),
+        ] {
+            for random in [0, 0x7fff, 0xffff] {
+                let got = bf16::from_bits(bf16_stochastic_bits(x, random)).to_f32();
+                match want {
+                    None => assert!(got.is_nan()),
+                    Some(w) => assert_eq!(got, w),
+                }
+            }
+        }
     }
 
     #[test]

@@ -42,6 +42,7 @@ impl ConfigKeys {
             dtypes: DtypeOverrides {
                 communication: Some(precision(s.communication_data_type)),
                 grad_accum: Some(precision(s.grad_accum_dtype)),
+                bf16_master: s.bf16.enabled && s.bf16.bf16_master_weights_and_grads,
                 optimizer_states: match s.zerodp.optimizer_states_dtype {
                     Some(p) => Some(precision(p)),
                     None if s.bf16.enabled && s.bf16.bf16_optimizer_states => Some(Precision::Bf16),

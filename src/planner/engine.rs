@@ -53,6 +53,7 @@ pub fn run_settings(input: &PlanInput, stage: u8) -> Settings {
         config_precision,
     );
     s.zerodp.optimizer_states_dtype = input.dtypes.optimizer_states.map(config_precision);
+    s.bf16.bf16_master_weights_and_grads = input.dtypes.bf16_master;
     let world = usize::try_from(input.cluster.world_size()).unwrap_or(usize::MAX);
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
     s.batch.micro_batch_per_gpu = size(input.micro_batch);

@@ -101,16 +101,30 @@ pub struct DtypeOverrides {
     pub grad_accum: Option<Precision>,
     /// Adam's moments (`bf16.bf16_optimizer_states`, `zerodp.optimizer_states_dtype`); None: fp32.
     pub optimizer_states: Option<Precision>,
+    /// `bf16.bf16_master_weights_and_grads`: no fp32 master beside bf16 parameters.
+    pub bf16_master: bool,
 }
 
-/// Adam's m and v in bf16: half their bytes on the device, and 8 instead of 12 optimizer-state
-/// bytes per element where they are offloaded (the fp32 copy stays fp32).
-fn bf16_moments(d: &mut DeviceBytes, off: &mut OffBytes) {
-    d.adam_m /= 2;
-    d.adam_v /= 2;
+/// What the optimizer keeps per element beyond DeepSpeed's default (an fp32 master, f32 m and v):
+/// bf16 moments halve m and v on the device; no master (bf16 parameters as their own master)
+/// drops it. Offloaded, the 12 bytes per element of fp32 copy, m and v become what is left.
+fn optimizer_state_dtypes(
+    d: &mut DeviceBytes,
+    off: &mut OffBytes,
+    bf16_moments: bool,
+    no_master: bool,
+) {
+    if bf16_moments {
+        d.adam_m /= 2;
+        d.adam_v /= 2;
+    }
+    if no_master {
+        d.master = 0;
+    }
     d.model_states = d.params + d.grads + d.master + d.adam_m + d.adam_v;
-    off.host_optimizer_states = off.host_optimizer_states / 12 * 8;
-    off.nvme_optimizer_states = off.nvme_optimizer_states / 12 * 8;
+    let per = if no_master { 0 } else { 4 } + if bf16_moments { 4 } else { 8 };
+    off.host_optimizer_states = off.host_optimizer_states / 12 * per;
+    off.nvme_optimizer_states = off.nvme_optimizer_states / 12 * per;
     off.retotal();
 }
 
@@ -298,9 +312,12 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         let (kb, ko) = model_state_bytes(kept, input.precision, psi, n);
         mix_partial_offload((&mut bytes, &mut off_per_device), (&kb, &ko), share);
     }
-    if input.dtypes.optimizer_states == Some(Precision::Bf16) {
-        bf16_moments(&mut bytes, &mut off_per_device);
-    }
+    optimizer_state_dtypes(
+        &mut bytes,
+        &mut off_per_device,
+        input.dtypes.optimizer_states == Some(Precision::Bf16),
+        input.dtypes.bf16_master && input.precision == Precision::Bf16,
+    );
     let shard = psi.div_ceil(n.max(1));
     let resident = resident_param_elems(input, choice, engine.as_ref(), shard);
     keep_params_in_host(&mut off_per_device, resident, input.precision.param_bytes());

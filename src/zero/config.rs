@@ -114,6 +114,11 @@ pub struct EngineConfig {
     /// Element type of Adam's moments: `F32`, or `BF16` (`bf16.bf16_optimizer_states`,
     /// `zerodp.optimizer_states_dtype`), updated in f32 and rounded once per step.
     pub optimizer_states_dtype: DType,
+    /// bf16 parameters that are their own master (`bf16.bf16_master_weights_and_grads`): no fp32
+    /// copy (2 bytes per parameter instead of 6); Adam updates each parameter in f32 and rounds it
+    /// back stochastically, with random bits fixed by the seed, the step and the parameter's place
+    /// in the model (so every world size and stage gives the same bits). Needs bf16 parameters.
+    pub bf16_master_weights: bool,
 }
 
 /// Where a rank's optimizer states live.
@@ -191,6 +196,7 @@ impl EngineConfig {
             offload_param: ParamTier::Device,
             device_budget: None,
             optimizer_states_dtype: DType::F32,
+            bf16_master_weights: false,
         }
     }
 }
@@ -249,9 +255,15 @@ impl EngineConfig {
         }
     }
 
-    /// Whether the parameters are 16-bit beside an fp32 master copy.
+    /// Whether the parameters are 16-bit (widened to f32 for the model).
     pub fn is_mixed(&self) -> bool {
         self.param_dtype != DType::F32
+    }
+
+    /// Whether Adam updates an fp32 master copy of the rank's part beside 16-bit parameters (mixed
+    /// precision, unless the bf16 parameters are their own master).
+    pub fn keeps_fp32_master(&self) -> bool {
+        self.is_mixed() && !self.bf16_master_weights
     }
 
     /// Whether gradients reach the model through transient f32 buffers: always where a rank keeps

@@ -47,7 +47,8 @@ use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{
-    adam_apply, adam_update, buffer_from_f32, FlatBuffer, Moments, Slice, StepPolicy, StepVerdict,
+    adam_apply, adam_update, as_f32, buffer_from_f32, FlatBuffer, Moments, ShardPlace, Slice,
+    StepPolicy, StepVerdict,
 };
 use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
@@ -432,15 +433,16 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let mut full = match (&self.units[u].master, &self.state.stage) {
                 (Some(m), _) if sharded_master => gather(Buffer::F32(m.clone()), ul.padded)?,
                 (Some(m), _) => m.clone(),
+                // Without an fp32 master the parameters are the master (bf16 ones widened).
                 (None, StageState::ShardedParams { coordinator, .. }) => {
-                    gather(coordinator.shards().read(u)?, ul.padded)?
+                    let shard = coordinator.shards().read(u)?;
+                    let shard = as_f32(&shard, 0..shard.len()).into_owned();
+                    gather(Buffer::F32(shard), ul.padded)?
                 }
-                (None, _) => self
-                    .state
-                    .params(u)
-                    .as_f32()
-                    .expect("f32 parameters")
-                    .to_vec(),
+                (None, _) => {
+                    let params = self.state.params(u);
+                    as_f32(params, 0..params.len()).into_owned()
+                }
             };
             full.truncate(ul.numel);
             out.push(full);
@@ -806,20 +808,25 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
-        let overwritten = self.cfg.is_mixed();
+        // Adam overwrites 16-bit parameters whole from the fp32 master (it reads them otherwise).
+        let overwritten = self.cfg.keeps_fp32_master();
         let mut parts =
             parts::UpdateParts::new(&mut self.state, &self.layout, &self.units, overwritten);
+        let seed = self.cfg.seed;
+        let place = |unit: usize, offset: usize| ShardPlace { seed, unit, offset };
         // Units whose moments are in memory (all of them without NVMe offload).
         for (u, unit) in self.units.iter_mut().enumerate() {
             if !unit.swapped {
                 let master = unit.master.as_deref_mut();
                 let (p, g) = parts.get(u)?;
-                adam_update(&mut unit.adam, master, p, g, &hp, grad_scale);
+                let at = place(u, unit.updated.start);
+                adam_update(&mut unit.adam, master, (p, at), g, &hp, grad_scale);
             }
         }
         // The rest stream through the swap file, a chunk at a time.
         if let Some(nvme) = &mut self.nvme {
             let mut masters = Vec::with_capacity(self.units.len());
+            let starts: Vec<usize> = self.units.iter().map(|u| u.updated.start).collect();
             let mut step = 0;
             for unit in &mut self.units {
                 if unit.swapped {
@@ -831,8 +838,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             nvme.step(|u, r, m, v| {
                 let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
                 let (mut p, g) = parts.get(u)?;
+                let at = place(u, starts[u] + r.start);
                 let (p, g) = (p.sub_mut(r.clone()), g.range(r));
-                adam_apply(m, v, step, w, p, g, &hp, grad_scale);
+                adam_apply(m, v, step, w, (p, at), g, &hp, grad_scale);
                 Ok(())
             })?;
         }
@@ -966,7 +974,7 @@ fn init_params<M: UnitModel>(
         let mut full = vec![0.0f32; ul.padded];
         model.init_params(u, cfg.seed, &mut full[..ul.numel]);
         let updated = updated_part(layout, stage, u);
-        masters.push(cfg.is_mixed().then(|| {
+        masters.push(cfg.keeps_fp32_master().then(|| {
             let mut master = crate::comm::zeroed_vec(updated.len());
             master.copy_from_slice(&full[updated]);
             master
@@ -1273,6 +1281,13 @@ fn validate(
     }
     if cfg.optimizer_states_dtype == DType::F16 {
         return bad("optimizer states may be fp32 or bf16, not fp16".into());
+    }
+    if cfg.bf16_master_weights && cfg.param_dtype != DType::BF16 {
+        return bad(format!(
+            "bf16_master_weights_and_grads needs bf16 parameters, the run's are {}; enable the \
+             bf16 block or drop the key",
+            cfg.precision_name()
+        ));
     }
     if !(0.0..=1.0).contains(&cfg.offload_ratio) {
         return bad(format!(

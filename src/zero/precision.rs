@@ -15,7 +15,7 @@
 
 use super::loss_scaler::{DynamicScaleParams, LossScaleError, LossScaler, NonFiniteGuard};
 use crate::comm::{Buffer, DType};
-use crate::optim::adam::{AdamParams, StateElement};
+use crate::optim::adam::{AdamParams, RoundingKey, StateElement};
 use crate::optim::kernels;
 use half::{bf16, f16};
 use std::borrow::Cow;
@@ -205,7 +205,7 @@ impl Moments {
     }
     /// `m` and `v` over `r` as `f32` (borrowed when they are `f32`, widened exactly otherwise).
     pub fn f32_range(&self, r: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
-        (widen(&self.m, r.clone()), widen(&self.v, r))
+        (as_f32(&self.m, r.clone()), as_f32(&self.v, r))
     }
     /// Sets `m` and `v` over `r` from `f32` values (rounded once to the moments' type).
     pub fn set_f32(&mut self, r: Range<usize>, m: &[f32], v: &[f32]) {
@@ -215,7 +215,7 @@ impl Moments {
 }
 
 /// `b` over `r` as `f32`: borrowed when it is `f32`, widened (exactly) otherwise.
-fn widen(b: &Buffer, r: Range<usize>) -> Cow<'_, [f32]> {
+pub(crate) fn as_f32(b: &Buffer, r: Range<usize>) -> Cow<'_, [f32]> {
     match b {
         Buffer::F32(v) => Cow::Borrowed(&v[r]),
         other => {
@@ -226,13 +226,33 @@ fn widen(b: &Buffer, r: Range<usize>) -> Cow<'_, [f32]> {
     }
 }
 
-/// One Adam/AdamW update of a shard. Without a master copy `params` is the f32 shard itself;
-/// with one, the fp32 `master` is updated and `params` (16-bit) receives its rounded copy in the
-/// same pass. `grads` may be of any element type.
+/// Where a shard sits for stochastic rounding (bf16 parameters without an fp32 master): the run's
+/// seed, the unit, and the place of the shard's first element in the unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ShardPlace {
+    pub seed: u64,
+    pub unit: usize,
+    pub offset: usize,
+}
+
+impl ShardPlace {
+    /// The rounding key of update `step` ([`crate::optim::adam::rounding_key`]).
+    fn key(self, step: u64) -> RoundingKey {
+        RoundingKey {
+            key: crate::optim::adam::rounding_key(self.seed, step, self.unit),
+            offset: self.offset as u64,
+        }
+    }
+}
+
+/// One Adam/AdamW update of a shard. Without a master copy `params` is the shard itself (f32, or
+/// bf16 rounded stochastically at `place` under `bf16_master_weights_and_grads`); with one, the
+/// fp32 `master` is updated and `params` (16-bit) receives its rounded copy in the same pass.
+/// `grads` may be of any element type.
 pub fn adam_update(
     state: &mut Moments,
     master: Option<&mut [f32]>,
-    params: SliceMut<'_>,
+    (params, place): (SliceMut<'_>, ShardPlace),
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
@@ -245,7 +265,7 @@ pub fn adam_update(
         v.all_mut(),
         step,
         master,
-        params,
+        (params, place),
         grads,
         hp,
         grad_scale,
@@ -260,7 +280,7 @@ pub fn adam_apply(
     v: SliceMut<'_>,
     step: u64,
     master: Option<&mut [f32]>,
-    params: SliceMut<'_>,
+    params: (SliceMut<'_>, ShardPlace),
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
@@ -282,19 +302,22 @@ fn adam_typed<S: StateElement>(
     v: &mut [S],
     step: u64,
     master: Option<&mut [f32]>,
-    params: SliceMut<'_>,
+    (params, place): (SliceMut<'_>, ShardPlace),
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
 ) {
-    use crate::optim::adam::{adam_step, adam_step_with_copy};
+    use crate::optim::adam::{adam_step, adam_step_bf16_master, adam_step_with_copy};
     match master {
-        None => {
-            let SliceMut::F32(p) = params else {
-                panic!("16-bit parameters need an fp32 master copy")
-            };
-            with_slice!(Slice, grads, g => adam_step(p, g, m, v, step, hp, grad_scale))
-        }
+        None => match params {
+            SliceMut::F32(p) => {
+                with_slice!(Slice, grads, g => adam_step(p, g, m, v, step, hp, grad_scale))
+            }
+            SliceMut::BF16(p) => with_slice!(Slice, grads, g => {
+                adam_step_bf16_master(p, g, m, v, step, hp, grad_scale, place.key(step))
+            }),
+            SliceMut::F16(_) => panic!("f16 parameters need an fp32 master copy"),
+        },
         Some(w) => with_slice!(SliceMut, params, p => with_slice!(Slice, grads, g => {
             adam_step_with_copy(w, g, m, v, step, hp, grad_scale, p)
         })),
@@ -460,10 +483,15 @@ mod tests {
         let mut p16 = buffer_from_f32(DType::BF16, &master);
         let mut state = Moments::new(DType::F32, 2);
         let g = buffer_from_f32(DType::BF16, &[0.5, -0.5]);
+        let place = ShardPlace {
+            seed: 0,
+            unit: 0,
+            offset: 0,
+        };
         adam_update(
             &mut state,
             Some(&mut master),
-            p16.all_mut(),
+            (p16.all_mut(), place),
             g.all(),
             &hp,
             1.0,

@@ -74,7 +74,7 @@ fn unit_bytes(cfg: &EngineConfig, layout: &FlatLayout) -> Vec<UnitBytes> {
                     if u < resident { param_tier } else { Tier::Nvme },
                     elems(cfg.stage.shards_params()) * pdt,
                 ),
-                master: (master_tier, cfg.is_mixed() as u64 * updated * 4),
+                master: (master_tier, cfg.keeps_fp32_master() as u64 * updated * 4),
                 grads: elems(cfg.stage.shards_grads()) * gdt,
                 moments: (
                     moment_tier,

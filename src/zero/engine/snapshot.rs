@@ -5,8 +5,8 @@
 //! rebuilds them bit for bit.
 
 use super::{Engine, EngineError, UnitModel};
-use crate::comm::{Buffer, CommError, DType};
-use crate::zero::precision::{FlatBuffer, PolicySnapshot, Slice};
+use crate::comm::CommError;
+use crate::zero::precision::{as_f32, FlatBuffer, PolicySnapshot, Slice};
 use crate::zero::shards::ShardStore;
 use crate::zero::state::StageState;
 use std::borrow::Cow;
@@ -152,33 +152,24 @@ impl<M: UnitModel> Engine<'_, M> {
         self.gather_updated()
     }
 
-    /// fp32 training: the parameters over the updated part, which are their own master (read
-    /// from the parameter swap file under `offload_param` to NVMe).
+    /// Without an fp32 master (fp32 training, or bf16 parameters that are their own master): the
+    /// parameters over the updated part as f32 (read from the parameter swap file under
+    /// `offload_param` to NVMe; bf16 widened exactly).
     fn fp32_updated_params(&self, unit: usize) -> Result<Cow<'_, [f32]>, EngineError> {
         let updated = self.units[unit].updated.clone();
         Ok(match &self.state.stage {
             StageState::ShardedParams { coordinator, .. } => match coordinator.shards() {
-                ShardStore::Memory(shards) => Cow::Borrowed(f32_of(&shards[unit])),
-                store => match store.read(unit)? {
-                    Buffer::F32(p) => Cow::Owned(p),
-                    b => {
-                        return Err(EngineError::Config(format!(
-                            "fp32 training found {} parameter shards in its swap file",
-                            b.dtype()
-                        )))
-                    }
+                ShardStore::Memory(shards) => as_f32(&shards[unit], 0..shards[unit].len()),
+                store => match as_f32(&store.read(unit)?, 0..updated.len()) {
+                    Cow::Borrowed(p) => Cow::Owned(p.to_vec()),
+                    Cow::Owned(p) => Cow::Owned(p),
                 },
             },
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
-                Cow::Borrowed(&f32_of(&params[unit])[updated])
+                as_f32(&params[unit], updated)
             }
         })
     }
-}
-
-fn f32_of(b: &Buffer) -> &[f32] {
-    debug_assert_eq!(b.dtype(), DType::F32);
-    b.as_f32().expect("fp32 training keeps f32 parameters")
 }
 
 /// `r` without the padding past `numel` (an empty range at `r.start` when it is all padding, so
