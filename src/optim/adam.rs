@@ -518,6 +518,16 @@ fn is_bf16<T: 'static>() -> bool {
     std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>()
 }
 
+/// The shard's slices must be equally long (a caller's bug otherwise: the engine sizes them from
+/// one layout).
+fn same_shard(n: usize, grads: usize, m: usize, v: usize) {
+    assert!(
+        grads == n && m == n && v == n,
+        "adam_step: params has {n} elements but grads {grads}, m {m}, v {v}; all must be the \
+         same shard"
+    );
+}
+
 #[allow(clippy::too_many_arguments)]
 fn adam_impl<G: Element, S: StateElement, T: Element>(
     isa: AdamIsa,
@@ -530,13 +540,7 @@ fn adam_impl<G: Element, S: StateElement, T: Element>(
     stores: CopyStores,
 ) {
     let n = params.len();
-    assert!(
-        grads.len() == n && m.len() == n && v.len() == n,
-        "adam_step: params has {n} elements but grads {}, m {}, v {}; all must be the same shard",
-        grads.len(),
-        m.len(),
-        v.len()
-    );
+    same_shard(n, grads.len(), m.len(), v.len());
     if let Some(out) = out.as_deref() {
         assert_eq!(
             out.len(),
@@ -705,13 +709,7 @@ pub fn adam_step_bf16_master<G: Element, S: StateElement>(
     at: RoundingKey,
 ) {
     let n = params.len();
-    assert!(
-        grads.len() == n && m.len() == n && v.len() == n,
-        "adam_step_bf16_master: params has {n} elements but grads {}, m {}, v {}",
-        grads.len(),
-        m.len(),
-        v.len()
-    );
+    same_shard(n, grads.len(), m.len(), v.len());
     let c = StepConsts::new(hp, step, grad_scale);
     let isa = adam_isa();
     let chunk = |k: usize, p: &mut [bf16], g: &[G], m: &mut [S], v: &mut [S]| {
