@@ -16,6 +16,9 @@
 //! ([`ShardStore::read_ahead`]) and a thread reads that shard into a free staging buffer while the
 //! current visit computes; the gather then takes it ready. A read ahead is discarded when the
 //! shards are about to change ([`ShardStore::settle`]) and when a demand fetch needs its buffer.
+//! Writes overlap the optimizer step: an updated shard is written on a thread while the next
+//! unit updates ([`ShardStore::put_back`]); the step waits for the last one
+//! ([`ShardStore::flush`]), and anything that needs that shard or its buffers waits for it first.
 
 use super::precision::FlatBuffer;
 use crate::comm::{Buffer, DType};
@@ -69,12 +72,22 @@ pub struct SwappedShards {
     staging: usize,
     /// Elements of the longest shard in the file: the length of every staging buffer.
     longest: usize,
-    /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one.
-    bounce: AlignedBuf,
+    /// Direct I/O needs page-aligned memory: records pass through this buffer of the longest one
+    /// (lent to the write behind while one is in flight).
+    bounce: Option<AlignedBuf>,
     /// The read-ahead's own bounce buffer, here while no read ahead is in flight.
     spare: Option<AlignedBuf>,
     /// The read ahead in flight, if any.
     ahead: Option<ReadAhead>,
+    /// The write behind in flight, if any.
+    behind: Option<WriteBehind>,
+}
+
+/// An updated shard being written on a thread of its own: the unit, and the thread, which hands
+/// back the staging buffer, the bounce buffer and whether the write succeeded.
+struct WriteBehind {
+    unit: usize,
+    thread: JoinHandle<(Buffer, AlignedBuf, Result<(), OffloadError>)>,
 }
 
 /// A shard being read on a thread of its own: the unit, and the thread, which hands back the
@@ -148,9 +161,10 @@ impl SwappedShards {
             free: Vec::with_capacity(staging),
             staging,
             longest,
-            bounce: AlignedBuf::zeroed(record_words(dtype, longest)),
+            bounce: Some(AlignedBuf::zeroed(record_words(dtype, longest))),
             spare: Some(AlignedBuf::zeroed(record_words(dtype, longest))),
             ahead: None,
+            behind: None,
         };
         store.free = (0..staging).map(|_| store.new_staging()).collect();
         for (i, s) in swapped.iter().enumerate() {
@@ -177,15 +191,90 @@ impl SwappedShards {
 
     /// Reads unit `unit`'s shard into `dst` (resized to the shard's length).
     fn load(&mut self, unit: usize, dst: &mut Buffer) -> Result<(), OffloadError> {
-        let SwappedShards { file, bounce, .. } = self;
-        load_via(file, self.records[unit], self.dtype, dst, bounce)
+        let mut bounce = self.own_bounce()?;
+        let r = load_via(
+            &self.file,
+            self.records[unit],
+            self.dtype,
+            dst,
+            &mut bounce[..],
+        );
+        self.bounce = Some(bounce);
+        r
+    }
+
+    /// The compute thread's bounce buffer, taken out (waiting for the write behind that has it).
+    /// Put it back in `self.bounce`.
+    fn own_bounce(&mut self) -> Result<AlignedBuf, OffloadError> {
+        self.flush()?;
+        Ok(self
+            .bounce
+            .take()
+            .unwrap_or_else(|| AlignedBuf::zeroed(record_words(self.dtype, self.longest))))
+    }
+
+    /// Writes unit `unit`'s updated shard on a thread while the caller goes on (after the previous
+    /// write behind has finished: one at a time); the staging buffer is free again when it is
+    /// done. Without a thread it is written now.
+    fn write_behind(&mut self, unit: usize, shard: Buffer) -> Result<(), OffloadError> {
+        if let Err(e) = self.flush() {
+            self.free.push(shard);
+            return Err(e);
+        }
+        let mut bounce = self.own_bounce()?;
+        let (file, record, dtype) = (self.file.clone(), self.records[unit], self.dtype);
+        let spawned = std::thread::Builder::new()
+            .name("zerodp-param-write".into())
+            .spawn(move || {
+                let r = store_via(&file, record, dtype, &shard, &mut bounce);
+                (shard, bounce, r)
+            });
+        match spawned {
+            Ok(thread) => {
+                self.behind = Some(WriteBehind { unit, thread });
+                Ok(())
+            }
+            // The closure (and the shard in it) went with the failed spawn (out of threads): the
+            // step reports it; the buffers are made again.
+            Err(source) => {
+                self.free.push(self.new_staging());
+                self.bounce = Some(AlignedBuf::zeroed(record_words(self.dtype, self.longest)));
+                Err(OffloadError::Io {
+                    path: self.file.path().to_path_buf(),
+                    op: "write behind (starting its thread)",
+                    bytes: 0,
+                    offset: 0,
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Waits for the write behind in flight (if any): its staging buffer free again and the bounce
+    /// buffer back, its error returned.
+    fn flush(&mut self) -> Result<(), OffloadError> {
+        let Some(WriteBehind { thread, .. }) = self.behind.take() else {
+            return Ok(());
+        };
+        let Ok((buf, bounce, r)) = thread.join() else {
+            self.free.push(self.new_staging());
+            self.bounce = Some(AlignedBuf::zeroed(record_words(self.dtype, self.longest)));
+            return Err(OffloadError::io_thread_panicked(
+                self.file.path(),
+                "write behind",
+            ));
+        };
+        self.free.push(buf);
+        self.bounce = Some(bounce);
+        r
     }
 
     /// Starts reading unit `unit`'s shard on a thread, when no read ahead is in flight and a
     /// staging buffer is free.
     fn start_read_ahead(&mut self, unit: usize) {
         let swapped = unit < self.records.len() && !self.is_resident(unit);
-        if self.ahead.is_some() || self.free.is_empty() || !swapped {
+        let being_written = self.behind.as_ref().is_some_and(|w| w.unit == unit);
+        if self.ahead.is_some() || self.free.is_empty() || !swapped || being_written {
             return;
         }
         let Some(mut bounce) = self.spare.take() else {
@@ -257,6 +346,9 @@ impl SwappedShards {
         if self.free.is_empty() {
             self.discard_read_ahead();
         }
+        if self.free.is_empty() || self.behind.as_ref().is_some_and(|w| w.unit == unit) {
+            self.flush()?;
+        }
         let mut b = self.take_staging();
         match self.load(unit, &mut b) {
             Ok(()) => Ok(b),
@@ -266,6 +358,22 @@ impl SwappedShards {
             }
         }
     }
+}
+
+/// Writes `src` as the shard of `record` (`(word offset, elements)`) through the aligned buffer
+/// `bounce` (as long as the record).
+fn store_via(
+    file: &SwapFile,
+    (at, len): (usize, usize),
+    dtype: DType,
+    src: &Buffer,
+    bounce: &mut [f32],
+) -> Result<(), OffloadError> {
+    debug_assert_eq!(src.len(), len);
+    let words = record_words(dtype, len);
+    let n = len * dtype.size();
+    bytemuck::cast_slice_mut(&mut bounce[..words])[..n].copy_from_slice(bytes_of(src));
+    file.write(at, &bounce[..words])
 }
 
 /// Reads the shard of `record` (`(word offset, elements)`) into `dst` (resized to the shard's
@@ -287,14 +395,12 @@ fn load_via(
 }
 
 impl SwappedShards {
-    /// Writes `src` as unit `unit`'s shard.
+    /// Writes `src` as unit `unit`'s shard, now.
     fn store(&mut self, unit: usize, src: &Buffer) -> Result<(), OffloadError> {
-        let (at, len) = self.records[unit];
-        debug_assert_eq!(src.len(), len);
-        let words = record_words(self.dtype, len);
-        let n = len * self.dtype.size();
-        bytemuck::cast_slice_mut(&mut self.bounce[..words])[..n].copy_from_slice(bytes_of(src));
-        self.file.write(at, &self.bounce[..words])
+        let mut bounce = self.own_bounce()?;
+        let r = store_via(&self.file, self.records[unit], self.dtype, src, &mut bounce);
+        self.bounce = Some(bounce);
+        r
     }
 
     /// A free staging buffer. The coordinator keeps its gathers within the staging buffers, so
@@ -344,19 +450,22 @@ impl ShardStore {
 
     /// Unit `unit`'s shard to be overwritten whole: [`ShardStore::take`] without reading the swap
     /// file (its contents are unspecified there). Put it back with [`ShardStore::put_back`].
-    pub fn take_to_overwrite(&mut self, unit: usize) -> Buffer {
-        match self {
+    pub fn take_to_overwrite(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
+        Ok(match self {
             ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
             ShardStore::Nvme(s) if s.is_resident(unit) => s.take_resident(unit),
             ShardStore::Nvme(s) => {
                 if s.free.is_empty() {
                     s.discard_read_ahead();
                 }
+                if s.free.is_empty() {
+                    s.flush()?;
+                }
                 let mut b = s.take_staging();
                 b.resize_zeroed(s.records[unit].1);
                 b
             }
-        }
+        })
     }
 
     /// The shard [`ShardStore::take`] gave out, unchanged, back from its gather.
@@ -368,8 +477,10 @@ impl ShardStore {
         }
     }
 
-    /// A shard [`ShardStore::take`] gave out, changed: kept as unit `unit`'s shard (written to the
-    /// swap file under NVMe offload, its staging buffer free again either way).
+    /// A shard [`ShardStore::take`] gave out, changed: kept as unit `unit`'s shard (under NVMe
+    /// offload written to the swap file on a thread while the caller goes on, its staging buffer
+    /// free again when that is done: [`ShardStore::flush`] waits for it). The error of the
+    /// previous write, if it failed, is returned here.
     pub fn put_back(&mut self, unit: usize, shard: Buffer) -> Result<(), OffloadError> {
         match self {
             ShardStore::Memory(v) => {
@@ -380,11 +491,16 @@ impl ShardStore {
                 s.host[unit] = shard;
                 Ok(())
             }
-            ShardStore::Nvme(s) => {
-                let stored = s.store(unit, &shard);
-                s.free.push(shard);
-                stored
-            }
+            ShardStore::Nvme(s) => s.write_behind(unit, shard),
+        }
+    }
+
+    /// Waits for the shard [`ShardStore::put_back`] is writing, and returns the error if the write
+    /// failed (nothing to do in memory).
+    pub fn flush(&mut self) -> Result<(), OffloadError> {
+        match self {
+            ShardStore::Memory(_) => Ok(()),
+            ShardStore::Nvme(s) => s.flush(),
         }
     }
 
@@ -418,7 +534,8 @@ impl ShardStore {
     }
 
     /// A copy of unit `unit`'s shard (for checkpoints and full-parameter reads: under NVMe
-    /// offload it reads through a buffer of its own, so that it needs no `&mut`).
+    /// offload it reads through a buffer of its own, so that it needs no `&mut`). Call after
+    /// [`ShardStore::flush`], which the optimizer step ends with.
     pub fn read(&self, unit: usize) -> Result<Buffer, OffloadError> {
         match self {
             ShardStore::Memory(v) => Ok(v[unit].clone()),
@@ -442,6 +559,7 @@ impl ShardStore {
         let mut shard = self.take(unit)?;
         let out = f(&mut shard);
         self.put_back(unit, shard)?;
+        self.flush()?;
         Ok(out)
     }
 
@@ -467,6 +585,8 @@ impl Drop for SwappedShards {
     /// is.
     fn drop(&mut self) {
         self.discard_read_ahead();
+        // A failed write is reported by the step that made it; here only the thread is joined.
+        let _ = self.flush();
     }
 }
 
@@ -474,6 +594,41 @@ impl Drop for SwappedShards {
 mod tests {
     use super::*;
     use crate::zero::precision::buffer_from_f32;
+
+    /// An updated shard is written behind: taking that unit again, or another unit when its
+    /// staging buffer is the last one, waits for the write; the file then holds the update.
+    #[test]
+    fn written_behind_shards_are_read_back_updated() {
+        let dir = tempfile::tempdir().unwrap();
+        for staging in [1, 3] {
+            let shards: Vec<Buffer> = (0..3)
+                .map(|u| buffer_from_f32(DType::F32, &vec![u as f32; 1500]))
+                .collect();
+            let s = SwappedShards::new(dir.path(), 0, shards, staging, 0).unwrap();
+            let mut store = ShardStore::Nvme(Box::new(s));
+            for round in 1..=3 {
+                for u in 0..3 {
+                    let mut shard = store.take(u).unwrap();
+                    let want = (10 * round + u) as f32;
+                    shard
+                        .all_mut()
+                        .copy_from(buffer_from_f32(DType::F32, &[want; 1500]).all());
+                    store.put_back(u, shard).unwrap();
+                }
+                // The same unit again at once: its write lands first.
+                let again = store.take(2).unwrap();
+                assert_eq!(again.get_f32(1499), (10 * round + 2) as f32);
+                store.give_back(2, again);
+                store.flush().unwrap();
+                for u in 0..3 {
+                    assert_eq!(store.read(u).unwrap().get_f32(7), (10 * round + u) as f32);
+                }
+            }
+            assert!(store.can_take(0), "every staging buffer is free again");
+            let record = (record_words(DType::F32, 1500) * 4) as u64;
+            assert_eq!(store.traffic().1, (3 + 9) * record, "written once each");
+        }
+    }
 
     #[test]
     fn swapped_shards_round_trip_through_the_file_in_every_dtype() {

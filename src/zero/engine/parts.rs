@@ -3,7 +3,8 @@
 //! shard is taken out of the [`ShardStore`] for its unit's update (read from the parameter swap
 //! file under `offload_param` to NVMe) and put back, written, before the next unit's is taken, so
 //! that at most one shard is out at a time; where the shards must be read (fp32), the next unit's
-//! is read ahead on a thread while this one is updated.
+//! is read ahead on a thread while this one is updated, and each updated shard is written behind
+//! on a thread while the next one updates.
 
 use super::UnitState;
 use crate::comm::Buffer;
@@ -97,7 +98,7 @@ impl<'s> UpdateParts<'s> {
                     Some(kept) => out.insert(kept),
                     None => {
                         let shard = match overwritten {
-                            true => store.take_to_overwrite(unit),
+                            true => store.take_to_overwrite(unit)?,
                             false => store.take(unit)?,
                         };
                         if !*overwritten {
@@ -122,8 +123,10 @@ impl<'s> UpdateParts<'s> {
                     Some((u, shard)) => store.put_back(u, shard),
                     None => Ok(()),
                 };
+                // The last shard's write behind must land before anything reads the shards.
+                let flushed = store.flush();
                 store.settle();
-                put
+                put.and(flushed)
             }
         }
     }
