@@ -431,7 +431,8 @@ impl StepObserver for ProgressLog {
         if due(self.steps_per_print) {
             self.println(format!("step {} {msg}", report.step));
         }
-        if self.breakdown && (self.steps_per_print.is_none() || due(self.steps_per_print)) {
+        let unset = matches!(self.steps_per_print, None | Some(0));
+        if self.breakdown && (unset || due(self.steps_per_print)) {
             self.println(breakdown_line(report));
         }
         Ok(())

@@ -608,8 +608,6 @@ fn offloads(r: &mut Reader<'_>, obj: Obj<'_>, z: &mut ZeroSettings) -> Result<()
     Ok(())
 }
 
-/// Warnings for keys that are accepted but change nothing at the configured stage, and for the
-/// ZeRO++ / MiCS features that are not implemented.
 /// Keys DeepSpeed acts on that zerodp reads (their types are checked) but that change nothing
 /// here, when a config sets them away from DeepSpeed's default: one warning naming each with why,
 /// so that a tuned config does not pass silently.
@@ -700,6 +698,8 @@ fn inert_keys(r: &mut Reader<'_>, z: &ZeroSettings) {
     }
 }
 
+/// Warnings for keys that are accepted but change nothing at the configured stage, and for the
+/// ZeRO++ / MiCS features that are not implemented.
 fn stage_warnings(r: &mut Reader<'_>, obj: Obj<'_>, z: &ZeroSettings) {
     let stage = z.stage;
     if stage < 3 {

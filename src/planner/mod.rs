@@ -107,7 +107,8 @@ pub struct DtypeOverrides {
 
 /// What the optimizer keeps per element beyond DeepSpeed's default (an fp32 master, f32 m and v):
 /// bf16 moments halve m and v on the device; no master (bf16 parameters as their own master)
-/// drops it. Offloaded, the 12 bytes per element of fp32 copy, m and v become what is left.
+/// drops it. Offloaded, the 12 bytes per element of fp32 copy, m and v become what is left (and
+/// without a master the offloaded gradient partition is bf16).
 fn optimizer_state_dtypes(
     d: &mut DeviceBytes,
     off: &mut OffBytes,
@@ -125,6 +126,10 @@ fn optimizer_state_dtypes(
     let per = if no_master { 0 } else { 4 } + if bf16_moments { 4 } else { 8 };
     off.host_optimizer_states = off.host_optimizer_states / 12 * per;
     off.nvme_optimizer_states = off.nvme_optimizer_states / 12 * per;
+    if no_master {
+        // "and grads": the host-side Adam reads bf16 gradients, not an fp32 partition.
+        off.host_fp32_grads /= 2;
+    }
     off.retotal();
 }
 

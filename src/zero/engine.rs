@@ -812,39 +812,18 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let overwritten = self.cfg.keeps_fp32_master();
         let mut parts =
             parts::UpdateParts::new(&mut self.state, &self.layout, &self.units, overwritten);
-        let seed = self.cfg.seed;
-        let place = |unit: usize, offset: usize| ShardPlace { seed, unit, offset };
-        // Units whose moments are in memory (all of them without NVMe offload).
-        for (u, unit) in self.units.iter_mut().enumerate() {
-            if !unit.swapped {
-                let master = unit.master.as_deref_mut();
-                let (p, g) = parts.get(u)?;
-                let at = place(u, unit.updated.start);
-                adam_update(&mut unit.adam, master, (p, at), g, &hp, grad_scale);
-            }
-        }
-        // The rest stream through the swap file, a chunk at a time.
-        if let Some(nvme) = &mut self.nvme {
-            let mut masters = Vec::with_capacity(self.units.len());
-            let starts: Vec<usize> = self.units.iter().map(|u| u.updated.start).collect();
-            let mut step = 0;
-            for unit in &mut self.units {
-                if unit.swapped {
-                    unit.adam.step += 1;
-                    step = unit.adam.step;
-                }
-                masters.push(unit.master.as_deref_mut());
-            }
-            nvme.step(|u, r, m, v| {
-                let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
-                let (mut p, g) = parts.get(u)?;
-                let at = place(u, starts[u] + r.start);
-                let (p, g) = (p.sub_mut(r.clone()), g.range(r));
-                adam_apply(m, v, step, w, (p, at), g, &hp, grad_scale);
-                Ok(())
-            })?;
-        }
-        parts.finish()?;
+        let updated = update_parts(
+            &mut self.units,
+            self.nvme.as_mut(),
+            &mut parts,
+            self.cfg.seed,
+            (&hp, grad_scale),
+        );
+        // The last shard goes back, and its write lands, also after an error: nothing may read
+        // the shards while a write is in flight.
+        let finished = parts.finish();
+        updated?;
+        finished?;
         self.phases.optimizer += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -957,6 +936,49 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             })
             .collect()
     }
+}
+
+/// Adam on every unit's part through `parts`: the units whose moments are in memory, then those
+/// streamed chunk by chunk from the NVMe swap file. Each part's stochastic rounding (bf16
+/// parameters without a master) is keyed by its place in its unit ([`ShardPlace`]).
+fn update_parts(
+    units: &mut [UnitState],
+    nvme: Option<&mut nvme::NvmeMoments>,
+    parts: &mut parts::UpdateParts<'_>,
+    seed: u64,
+    (hp, grad_scale): (&crate::optim::adam::AdamParams, f32),
+) -> Result<(), EngineError> {
+    let place = |unit: usize, offset: usize| ShardPlace { seed, unit, offset };
+    for (u, unit) in units.iter_mut().enumerate() {
+        if !unit.swapped {
+            let master = unit.master.as_deref_mut();
+            let (p, g) = parts.get(u)?;
+            let at = place(u, unit.updated.start);
+            adam_update(&mut unit.adam, master, (p, at), g, hp, grad_scale);
+        }
+    }
+    let Some(nvme) = nvme else {
+        return Ok(());
+    };
+    let starts: Vec<usize> = units.iter().map(|u| u.updated.start).collect();
+    let mut masters = Vec::with_capacity(units.len());
+    let mut step = 0;
+    for unit in units.iter_mut() {
+        if unit.swapped {
+            unit.adam.step += 1;
+            step = unit.adam.step;
+        }
+        masters.push(unit.master.as_deref_mut());
+    }
+    nvme.step(|u, r, m, v| {
+        let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
+        let (mut p, g) = parts.get(u)?;
+        let at = place(u, starts[u] + r.start);
+        let (p, g) = (p.sub_mut(r.clone()), g.range(r));
+        adam_apply(m, v, step, w, (p, at), g, hp, grad_scale);
+        Ok(())
+    })?;
+    Ok(())
 }
 
 /// Every unit's initial parameters from `cfg.seed`, as this rank keeps them (in the parameter

@@ -18,7 +18,8 @@
 //! shards are about to change ([`ShardStore::settle`]) and when a demand fetch needs its buffer.
 //! Writes overlap the optimizer step: an updated shard is written on a thread while the next
 //! unit updates ([`ShardStore::put_back`]); the step waits for the last one
-//! ([`ShardStore::flush`]), and anything that needs that shard or its buffers waits for it first.
+//! ([`ShardStore::flush`]) before anything reads the shards again. Taking the shard being written,
+//! or needing its staging buffer, waits for the write; other reads go on beside it.
 
 use super::precision::FlatBuffer;
 use crate::comm::{Buffer, DType};
@@ -87,14 +88,17 @@ pub struct SwappedShards {
 /// back the staging buffer, the bounce buffer and whether the write succeeded.
 struct WriteBehind {
     unit: usize,
-    thread: JoinHandle<(Buffer, AlignedBuf, Result<(), OffloadError>)>,
+    thread: JoinHandle<Option<IoDone>>,
 }
+
+/// What an I/O thread hands back: the staging buffer, the bounce buffer, and how the I/O went.
+type IoDone = (Buffer, AlignedBuf, Result<(), OffloadError>);
 
 /// A shard being read on a thread of its own: the unit, and the thread, which hands back the
 /// staging buffer, the bounce buffer and whether the read succeeded.
 struct ReadAhead {
     unit: usize,
-    thread: JoinHandle<(Buffer, AlignedBuf, Result<(), OffloadError>)>,
+    thread: JoinHandle<IoDone>,
 }
 
 /// 4-byte words of a record of `len` elements of `dtype`, padded to the direct-I/O alignment.
@@ -189,9 +193,18 @@ impl SwappedShards {
         (elems * self.dtype.size()) as u64
     }
 
-    /// Reads unit `unit`'s shard into `dst` (resized to the shard's length).
+    /// Reads unit `unit`'s shard into `dst` (resized to the shard's length), through the compute
+    /// thread's bounce buffer, or the read ahead's while a write behind has the first (so that a
+    /// demand read need not wait for the write).
     fn load(&mut self, unit: usize, dst: &mut Buffer) -> Result<(), OffloadError> {
-        let mut bounce = self.own_bounce()?;
+        let (mut bounce, spare) = match (self.bounce.take(), self.spare.take()) {
+            (Some(b), spare) => {
+                self.spare = spare;
+                (b, false)
+            }
+            (None, Some(b)) => (b, true),
+            (None, None) => (self.own_bounce()?, false),
+        };
         let r = load_via(
             &self.file,
             self.records[unit],
@@ -199,7 +212,10 @@ impl SwappedShards {
             dst,
             &mut bounce[..],
         );
-        self.bounce = Some(bounce);
+        match spare {
+            true => self.spare = Some(bounce),
+            false => self.bounce = Some(bounce),
+        }
         r
     }
 
@@ -215,39 +231,44 @@ impl SwappedShards {
 
     /// Writes unit `unit`'s updated shard on a thread while the caller goes on (after the previous
     /// write behind has finished: one at a time); the staging buffer is free again when it is
-    /// done. Without a thread it is written now.
+    /// done. When the previous write failed, or no thread can start, this shard is written now
+    /// (so that an update is never dropped) and the error of the previous write is returned.
     fn write_behind(&mut self, unit: usize, shard: Buffer) -> Result<(), OffloadError> {
-        if let Err(e) = self.flush() {
-            self.free.push(shard);
-            return Err(e);
+        if self.ahead.as_ref().is_some_and(|a| a.unit == unit) {
+            // A read of the old contents must not be served after the write.
+            self.discard_read_ahead();
         }
-        let mut bounce = self.own_bounce()?;
+        if let Err(e) = self.flush() {
+            let stored = self.store(unit, &shard);
+            self.free.push(shard);
+            return stored.and(Err(e));
+        }
+        let bounce = self.own_bounce()?;
         let (file, record, dtype) = (self.file.clone(), self.records[unit], self.dtype);
+        // The shard goes to the thread once it runs, so that a failed spawn leaves it here.
+        let (tx, rx) = std::sync::mpsc::channel::<(Buffer, AlignedBuf)>();
         let spawned = std::thread::Builder::new()
             .name("zerodp-param-write".into())
             .spawn(move || {
+                let (shard, mut bounce) = rx.recv().ok()?;
                 let r = store_via(&file, record, dtype, &shard, &mut bounce);
-                (shard, bounce, r)
+                Some((shard, bounce, r))
             });
-        match spawned {
-            Ok(thread) => {
-                self.behind = Some(WriteBehind { unit, thread });
-                Ok(())
-            }
-            // The closure (and the shard in it) went with the failed spawn (out of threads): the
-            // step reports it; the buffers are made again.
-            Err(source) => {
-                self.free.push(self.new_staging());
-                self.bounce = Some(AlignedBuf::zeroed(record_words(self.dtype, self.longest)));
-                Err(OffloadError::Io {
-                    path: self.file.path().to_path_buf(),
-                    op: "write behind (starting its thread)",
-                    bytes: 0,
-                    offset: 0,
-                    source,
-                })
-            }
-        }
+        let unsent = match spawned {
+            Ok(thread) => match tx.send((shard, bounce)) {
+                Ok(()) => {
+                    self.behind = Some(WriteBehind { unit, thread });
+                    return Ok(());
+                }
+                Err(std::sync::mpsc::SendError(back)) => back,
+            },
+            Err(_) => (shard, bounce),
+        };
+        let (shard, bounce) = unsent;
+        self.bounce = Some(bounce);
+        let stored = self.store(unit, &shard);
+        self.free.push(shard);
+        stored
     }
 
     /// Waits for the write behind in flight (if any): its staging buffer free again and the bounce
@@ -256,7 +277,7 @@ impl SwappedShards {
         let Some(WriteBehind { thread, .. }) = self.behind.take() else {
             return Ok(());
         };
-        let Ok((buf, bounce, r)) = thread.join() else {
+        let Ok(Some((buf, bounce, r))) = thread.join() else {
             self.free.push(self.new_staging());
             self.bounce = Some(AlignedBuf::zeroed(record_words(self.dtype, self.longest)));
             return Err(OffloadError::io_thread_panicked(
@@ -455,7 +476,7 @@ impl ShardStore {
             ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
             ShardStore::Nvme(s) if s.is_resident(unit) => s.take_resident(unit),
             ShardStore::Nvme(s) => {
-                if s.free.is_empty() {
+                if s.free.is_empty() || s.ahead.as_ref().is_some_and(|a| a.unit == unit) {
                     s.discard_read_ahead();
                 }
                 if s.free.is_empty() {
@@ -537,6 +558,12 @@ impl ShardStore {
     /// offload it reads through a buffer of its own, so that it needs no `&mut`). Call after
     /// [`ShardStore::flush`], which the optimizer step ends with.
     pub fn read(&self, unit: usize) -> Result<Buffer, OffloadError> {
+        if let ShardStore::Nvme(s) = self {
+            debug_assert!(
+                s.behind.is_none(),
+                "a shard read while a write is in flight"
+            );
+        }
         match self {
             ShardStore::Memory(v) => Ok(v[unit].clone()),
             ShardStore::Nvme(s) if s.is_resident(unit) => Ok(s.host[unit].clone()),
