@@ -83,14 +83,9 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 let b = &s3.bytes_per_device;
                 let rest = b.total - b.model_states;
                 if rest < mem {
-                    let states_full = super::model_state_bytes(
-                        s3.choice(),
-                        input.precision,
-                        input.model.params,
-                        1,
-                    )
-                    .0
-                    .model_states;
+                    // Stage 3's model states on all devices together, as this run sizes them
+                    // (moment and master dtypes included).
+                    let states_full = b.model_states * input.cluster.world_size();
                     let devices = states_full.div_ceil(mem - rest);
                     reasons.push(format!(
                         "stage 3 without offload needs about {devices} devices of this size for its model states plus the buffers and activations"
