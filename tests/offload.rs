@@ -517,3 +517,30 @@ fn a_device_budget_is_held_to_by_the_engine_before_it_allocates() {
         }
     }
 }
+
+/// The moments' NVMe stream buffers as the pre-flight sizes them (`moment_stream_bytes`) are what
+/// the engine allocates, for a full and a partial offload (whose buffers hold the longest
+/// offloaded unit's part only).
+#[test]
+fn moment_stream_bytes_are_what_the_engine_allocates() {
+    let model = Toy::new(16, 8, 3, true);
+    let dir = tempfile::tempdir().unwrap();
+    for world in [1usize, 2] {
+        let mut sizes = Vec::new();
+        for ratio in [1.0, 0.5] {
+            // fp32: no master, so the host tier holds the stream buffers alone.
+            let mut cfg = config(Stage::Zero3, world, DType::F32);
+            cfg.offload_optimizer = OptimizerTier::Nvme {
+                dir: dir.path().to_path_buf(),
+                chunk: 1 << 20,
+                buffer_count: 4,
+            };
+            cfg.offload_ratio = ratio;
+            let m = train(&model, &cfg, 1, GLOBAL, SEQ).reports[0][0].memory;
+            let planned = zerodp::zero::moment_stream_bytes(model.spec(), &cfg);
+            assert_eq!(m.offloaded_host, planned, "world {world}, ratio {ratio}");
+            sizes.push(planned);
+        }
+        assert!(sizes[1] <= sizes[0], "world {world}: {sizes:?}");
+    }
+}

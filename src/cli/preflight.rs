@@ -148,16 +148,9 @@ fn offload_tiers(
                     .for_each(moved);
             }
         }
-        OptimizerTier::Nvme {
-            chunk,
-            buffer_count,
-            ..
-        } => {
+        OptimizerTier::Nvme { .. } => {
             label.push("+opt nvme");
-            let dtype = engine.optimizer_states_dtype;
-            let longest = usize::try_from(b.adam_m / dtype.size() as u64).unwrap_or(usize::MAX);
-            b.scratch_buffers +=
-                zerodp::zero::stream_buffer_bytes(dtype, *chunk, *buffer_count, longest);
+            b.scratch_buffers += zerodp::zero::moment_stream_bytes(spec, engine);
             [&mut b.adam_m, &mut b.adam_v].into_iter().for_each(moved);
             if device_budget {
                 moved(&mut b.master);

@@ -308,11 +308,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 chunk,
                 buffer_count,
             } => {
-                // Units a partial offload leaves in the device tier have no record.
-                let lens: Vec<usize> = units
-                    .iter()
-                    .map(|u| if u.swapped { u.updated.len() } else { 0 })
-                    .collect();
+                let lens = swapped_moment_lens(&layout, &cfg);
                 let (rank, chunk, count) = (comm.rank(), *chunk, *buffer_count);
                 let dtype = cfg.optimizer_states_dtype;
                 Some(nvme::NvmeMoments::new(
@@ -1188,6 +1184,39 @@ pub fn param_staging_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
             let longest = longest_swapped_shard(&layout, resident);
             let staging = param_staging_count(spec, *buffer_count);
             super::shards::staging_bytes(cfg.param_dtype, longest, staging)
+        }
+        _ => 0,
+    }
+}
+
+/// Per unit, the moments rank `layout.rank` keeps in the NVMe swap file: its updated part's
+/// length when the unit's optimizer state is on NVMe, else 0 (no record: a partial offload leaves
+/// it in the device tier, or the optimizer is not on NVMe).
+fn swapped_moment_lens(layout: &FlatLayout, cfg: &EngineConfig) -> Vec<usize> {
+    let n = layout.num_units();
+    (0..n)
+        .map(|u| match cfg.unit_optimizer_tier(u, n) {
+            OptimizerTier::Nvme { .. } => updated_part(layout, cfg.stage, u).len(),
+            _ => 0,
+        })
+        .collect()
+}
+
+/// Host bytes of the buffers Adam's moments stream through under `offload_optimizer` to NVMe
+/// (0 otherwise), on rank 0: what [`Engine::new`] allocates, for the pre-flight check.
+pub fn moment_stream_bytes(spec: &ModelSpec, cfg: &EngineConfig) -> u64 {
+    match &cfg.offload_optimizer {
+        OptimizerTier::Nvme {
+            chunk,
+            buffer_count,
+            ..
+        } => {
+            let layout = FlatLayout::new(spec, cfg.world_size, 0);
+            let longest = swapped_moment_lens(&layout, cfg)
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+            stream_buffer_bytes(cfg.optimizer_states_dtype, *chunk, *buffer_count, longest)
         }
         _ => 0,
     }

@@ -29,9 +29,9 @@ pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use engine::{
-    check_device_budget, device_peak, offloaded_share, param_staging_bytes, resident_param_bytes,
-    stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes, StepReport,
-    UnitOptimizerState,
+    check_device_budget, device_peak, moment_stream_bytes, offloaded_share, param_staging_bytes,
+    resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes,
+    StepReport, UnitOptimizerState,
 };
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
