@@ -116,20 +116,7 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
         ),
         (
             "offload_optimizer".into(),
-            match z.offload_optimizer.ratio < 1.0 && z.offload_optimizer.device.as_str() != "none" {
-                true => format!(
-                    "{}, ratio {} (partial: the last units' optimizer states, DeepSpeed's rule)",
-                    offload(
-                        z.offload_optimizer.device.as_str(),
-                        &z.offload_optimizer.nvme_path
-                    ),
-                    z.offload_optimizer.ratio
-                ),
-                false => offload(
-                    z.offload_optimizer.device.as_str(),
-                    &z.offload_optimizer.nvme_path,
-                ),
-            },
+            offload_optimizer_row(&z.offload_optimizer),
         ),
         (
             "offload_param".into(),
@@ -258,6 +245,18 @@ fn num(v: f64) -> String {
         format!("{v:e}")
     } else {
         v.to_string()
+    }
+}
+
+/// The `offload_optimizer` row: the device (and path), and a partial offload's ratio.
+fn offload_optimizer_row(o: &zerodp::config::OffloadOptimizerSettings) -> String {
+    let device = offload(o.device.as_str(), &o.nvme_path);
+    match o.ratio < 1.0 && o.device.as_str() != "none" {
+        true => format!(
+            "{device}, ratio {} (partial: the last units' optimizer states, DeepSpeed's rule)",
+            o.ratio
+        ),
+        false => device,
     }
 }
 

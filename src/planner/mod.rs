@@ -164,8 +164,8 @@ fn resident_param_elems(
 
 /// The share of each device's optimizer state that `choice`'s optimizer offload moves under
 /// `offload_optimizer.ratio` (1 for a full offload or none). On zerodp's engine the engine's rule
-/// over the units' shards ([`crate::zero::config::first_offloaded_unit`], DeepSpeed's over
-/// sub-groups); for an estimate, the ratio itself.
+/// over the units' shards ([`crate::zero::offloaded_share`], DeepSpeed's over sub-groups); for an
+/// estimate, the ratio itself.
 fn optimizer_offload_share(
     input: &PlanInput,
     choice: ZeroChoice,
@@ -176,12 +176,14 @@ fn optimizer_offload_share(
         return 1.0;
     }
     match engine {
+        // The engine's own share: its run with this optimizer offload at this ratio.
         Some(e) => {
-            let units = &e.layout.units;
-            let first = crate::zero::config::first_offloaded_unit(units.len(), ratio);
-            let all: usize = units.iter().map(|u| u.shard_len).sum();
-            let off: usize = units[first..].iter().map(|u| u.shard_len).sum();
-            off as f64 / all.max(1) as f64
+            let cfg = crate::zero::EngineConfig {
+                offload_optimizer: crate::zero::OptimizerTier::Host,
+                offload_ratio: ratio,
+                ..e.config.clone()
+            };
+            crate::zero::offloaded_share(e.spec, &cfg, 0)
         }
         None => ratio.max(0.0),
     }

@@ -74,6 +74,8 @@ pub enum EngineError {
     Config(String),
     #[error(transparent)]
     Offload(#[from] OffloadError),
+    #[error(transparent)]
+    Update(#[from] super::precision::UpdateError),
     /// A device-tier allocation beyond `EngineConfig::device_budget`, refused before it is made.
     #[error(transparent)]
     DeviceBudget(Box<budget::OverDeviceBudget>),
@@ -950,7 +952,7 @@ fn update_parts(
             let master = unit.master.as_deref_mut();
             let (p, g) = parts.get(u)?;
             let at = place(u, unit.updated.start);
-            adam_update(&mut unit.adam, master, (p, at), g, hp, grad_scale);
+            adam_update(&mut unit.adam, master, (p, at), g, hp, grad_scale)?;
         }
     }
     let Some(nvme) = nvme else {
@@ -966,15 +968,13 @@ fn update_parts(
         }
         masters.push(unit.master.as_deref_mut());
     }
-    nvme.step(|u, r, m, v| {
+    nvme.step(|u, r, m, v| -> Result<(), EngineError> {
         let w = masters[u].as_deref_mut().map(|w| &mut w[r.clone()]);
         let (mut p, g) = parts.get(u)?;
         let at = place(u, starts[u] + r.start);
         let (p, g) = (p.sub_mut(r.clone()), g.range(r));
-        adam_apply(m, v, step, w, (p, at), g, hp, grad_scale);
-        Ok(())
-    })?;
-    Ok(())
+        Ok(adam_apply(m, v, step, w, (p, at), g, hp, grad_scale)?)
+    })
 }
 
 /// Every unit's initial parameters from `cfg.seed`, as this rank keeps them (in the parameter

@@ -63,6 +63,13 @@ impl<'a> Slice<'a> {
     pub fn len(&self) -> usize {
         with_slice!(Slice, self, v => v.len())
     }
+    pub fn dtype(&self) -> DType {
+        match self {
+            Slice::F32(_) => DType::F32,
+            Slice::BF16(_) => DType::BF16,
+            Slice::F16(_) => DType::F16,
+        }
+    }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -226,6 +233,30 @@ pub(crate) fn as_f32(b: &Buffer, r: Range<usize>) -> Cow<'_, [f32]> {
     }
 }
 
+/// An Adam update asked of slices that cannot make one (a caller's mistake through the public
+/// [`adam_update`] and [`adam_apply`]; the engine sizes and types them from one layout).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum UpdateError {
+    #[error("Adam's moments must both be f32 or both bf16, got m {m} and v {v}")]
+    MixedMoments { m: DType, v: DType },
+    #[error(
+        "f16 parameters need an fp32 master copy (only bf16 parameters can be their own master: \
+         bf16_master_weights_and_grads)"
+    )]
+    F16WithoutMaster,
+    #[error(
+        "an Adam update needs equally long slices: params {params}, grads {grads}, m {m}, \
+         v {v}, master {master:?}"
+    )]
+    Lengths {
+        params: usize,
+        grads: usize,
+        m: usize,
+        v: usize,
+        master: Option<usize>,
+    },
+}
+
 /// Where a shard sits for stochastic rounding (bf16 parameters without an fp32 master): the run's
 /// seed, the unit, and the place of the shard's first element in the unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,9 +287,8 @@ pub fn adam_update(
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
-) {
-    state.step += 1;
-    let step = state.step;
+) -> Result<(), UpdateError> {
+    let step = state.step + 1;
     let Moments { m, v, .. } = state;
     adam_apply(
         m.all_mut(),
@@ -269,11 +299,14 @@ pub fn adam_update(
         grads,
         hp,
         grad_scale,
-    );
+    )?;
+    state.step = step;
+    Ok(())
 }
 
 /// [`adam_update`] on explicit moments `m` and `v` (as long as `params`, both `f32` or both
 /// bf16) at update number `step`: the form for moments streamed in chunks from a swap file.
+/// Nothing is updated when the slices do not fit together ([`UpdateError`]).
 #[allow(clippy::too_many_arguments)]
 pub fn adam_apply(
     m: SliceMut<'_>,
@@ -284,7 +317,27 @@ pub fn adam_apply(
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
-) {
+) -> Result<(), UpdateError> {
+    let lens = (
+        params.0.as_slice().len(),
+        grads.len(),
+        m.as_slice().len(),
+        v.as_slice().len(),
+    );
+    let master_len = master.as_deref().map(<[f32]>::len);
+    if lens.1 != lens.0
+        || lens.2 != lens.0
+        || lens.3 != lens.0
+        || master_len.is_some_and(|w| w != lens.0)
+    {
+        return Err(UpdateError::Lengths {
+            params: lens.0,
+            grads: lens.1,
+            m: lens.2,
+            v: lens.3,
+            master: master_len,
+        });
+    }
     match (m, v) {
         (SliceMut::F32(m), SliceMut::F32(v)) => {
             adam_typed(m, v, step, master, params, grads, hp, grad_scale)
@@ -292,7 +345,10 @@ pub fn adam_apply(
         (SliceMut::BF16(m), SliceMut::BF16(v)) => {
             adam_typed(m, v, step, master, params, grads, hp, grad_scale)
         }
-        _ => panic!("Adam's moments are both f32 or both bf16"),
+        (m, v) => Err(UpdateError::MixedMoments {
+            m: m.as_slice().dtype(),
+            v: v.as_slice().dtype(),
+        }),
     }
 }
 
@@ -306,7 +362,7 @@ fn adam_typed<S: StateElement>(
     grads: Slice<'_>,
     hp: &AdamParams,
     grad_scale: f32,
-) {
+) -> Result<(), UpdateError> {
     use crate::optim::adam::{adam_step, adam_step_bf16_master, adam_step_with_copy};
     match master {
         None => match params {
@@ -316,12 +372,13 @@ fn adam_typed<S: StateElement>(
             SliceMut::BF16(p) => with_slice!(Slice, grads, g => {
                 adam_step_bf16_master(p, g, m, v, step, hp, grad_scale, place.key(step))
             }),
-            SliceMut::F16(_) => panic!("f16 parameters need an fp32 master copy"),
+            SliceMut::F16(_) => return Err(UpdateError::F16WithoutMaster),
         },
         Some(w) => with_slice!(SliceMut, params, p => with_slice!(Slice, grads, g => {
             adam_step_with_copy(w, g, m, v, step, hp, grad_scale, p)
         })),
     }
+    Ok(())
 }
 
 /// How a run treats Inf/NaN gradients and, for fp16, the loss scale.
@@ -476,6 +533,56 @@ mod tests {
         assert_eq!(b.dtype(), DType::F16);
     }
 
+    /// Slices that cannot make an update are an error, and nothing is updated.
+    #[test]
+    fn mismatched_update_slices_are_errors() {
+        let hp = AdamParams::default();
+        let place = ShardPlace {
+            seed: 0,
+            unit: 0,
+            offset: 0,
+        };
+        let g = buffer_from_f32(DType::F32, &[0.5, -0.5]);
+        let mut p16 = buffer_from_f32(DType::F16, &[1.0, -1.0]);
+        let mut state = Moments::new(DType::F32, 2);
+        let r = adam_update(&mut state, None, (p16.all_mut(), place), g.all(), &hp, 1.0);
+        assert_eq!(r, Err(UpdateError::F16WithoutMaster));
+        assert_eq!(state.step, 0);
+        let mut p = buffer_from_f32(DType::F32, &[1.0, -1.0, 0.0]);
+        let r = adam_update(&mut state, None, (p.all_mut(), place), g.all(), &hp, 1.0);
+        assert!(
+            matches!(
+                r,
+                Err(UpdateError::Lengths {
+                    params: 3,
+                    grads: 2,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+        assert_eq!(p.get_f32(0), 1.0);
+        let (mut m, mut v) = (Buffer::zeros(DType::F32, 2), Buffer::zeros(DType::BF16, 2));
+        let mut p = buffer_from_f32(DType::F32, &[1.0, -1.0]);
+        let r = adam_apply(
+            m.all_mut(),
+            v.all_mut(),
+            1,
+            None,
+            (p.all_mut(), place),
+            g.all(),
+            &hp,
+            1.0,
+        );
+        assert_eq!(
+            r,
+            Err(UpdateError::MixedMoments {
+                m: DType::F32,
+                v: DType::BF16
+            })
+        );
+    }
+
     #[test]
     fn adam_with_a_master_writes_the_rounded_copy() {
         let hp = AdamParams::default();
@@ -495,7 +602,8 @@ mod tests {
             g.all(),
             &hp,
             1.0,
-        );
+        )
+        .unwrap();
         assert_eq!(state.step, 1);
         assert!(master[0] < 1.0 && master[1] > -1.0);
         assert_eq!(p16.get_f32(0), bf16::from_f32(master[0]).to_f32());

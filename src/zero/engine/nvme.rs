@@ -141,11 +141,12 @@ impl NvmeMoments {
     /// Runs `f(unit, range, m, v)` over every unit's moments a chunk at a time, in unit order:
     /// `range` is the chunk's place in the unit's updated part, `m` and `v` its moments (of the
     /// stream's dtype), read before `f` and written after it, the I/O of the neighbouring chunks
-    /// overlapping `f`. An error from `f` stops the stream after the chunk's I/O.
-    pub(super) fn step(
+    /// overlapping `f`. An error from `f` (of the caller's type, which the stream's own I/O errors
+    /// convert into) stops the stream after the chunk's I/O.
+    pub(super) fn step<E: From<OffloadError>>(
         &mut self,
-        mut f: impl FnMut(usize, Range<usize>, SliceMut<'_>, SliceMut<'_>) -> Result<(), OffloadError>,
-    ) -> Result<(), OffloadError> {
+        mut f: impl FnMut(usize, Range<usize>, SliceMut<'_>, SliceMut<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
         let chunks = self.chunks();
         let (records, dtype) = (&self.records, self.dtype);
         // Word offsets of chunk `c`'s m and v in the file, and its I/O length (padded). Chunks
@@ -193,7 +194,11 @@ impl NvmeMoments {
             })?;
         }
         match n.checked_sub(1) {
-            Some(last) => write_chunk(file, place(chunks[last]), &self.sets[last % ring]),
+            Some(last) => Ok(write_chunk(
+                file,
+                place(chunks[last]),
+                &self.sets[last % ring],
+            )?),
             None => Ok(()),
         }
     }
