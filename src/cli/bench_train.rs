@@ -144,10 +144,12 @@ pub struct BenchRow {
     pub model_flops_per_s: f64,
     /// The machine's f32 GEMM rate on the block's largest product (rows of one rank's batch,
     /// width, 4 x width), one thread per compute thread of the run, all at once, measured after
-    /// the timed steps of the same run.
+    /// the timed steps of the same run, on the path the model's products take (`gemm_path`).
     pub gemm_flops_per_s: f64,
     /// Model FLOPs utilisation against that rate: `model_flops_per_s / gemm_flops_per_s`.
     pub mfu: f64,
+    /// The GEMM the model's f32 products ran on: `amx` or `gemm` (see `zerodp::model::GEMM_ENV`).
+    pub gemm_path: &'static str,
     /// NVMe offload: rank 0's swap-file bytes read and written per step, and their rate over the
     /// median step and over its optimizer phase (when the disk works), in GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -364,6 +366,7 @@ impl Samples {
             phases,
             model_flops_per_s: 0.0,
             gemm_flops_per_s: 0.0,
+            gemm_path: zerodp::model::gemm_path(),
             mfu: 0.0,
             nvme,
         }
@@ -510,14 +513,16 @@ fn print_table(
     per_rank: usize,
 ) -> anyhow::Result<()> {
     outln!(
-        "GPT {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, fp32",
+        "GPT {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, fp32, GEMM on {} ({}=gemm forces the gemm crate)",
         gpt.layers,
         gpt.width,
         gpt.heads,
         gpt.context,
         gpt.vocab_size,
         rows.first().map_or(0, |r| r.num_params),
-        per_rank
+        per_rank,
+        zerodp::model::gemm_path(),
+        zerodp::model::GEMM_ENV,
     );
     outln!(
         "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>9} {:>12} {:>12} {:>14} {:>14} {:>6}",

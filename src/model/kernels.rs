@@ -595,7 +595,7 @@ fn gemm_into<T: Real>(
 }
 
 /// A matrix operand: the slice its first element starts and its (row, column) strides.
-type Strided<'a, T> = (&'a [T], (usize, usize));
+pub(super) type Strided<'a, T> = (&'a [T], (usize, usize));
 
 /// `lhs[m, k] @ rhs[k, n]` as a new row-major `[m, n]` vector, the GEMM writing straight into
 /// its uninitialised capacity (it overwrites every element without reading it: `read_dst`
@@ -687,6 +687,24 @@ unsafe fn gemm_raw<T: Real>(
     assert!(n <= dst_rs, "gemm destination rows overlap");
     assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    if T::DTYPE == DType::F32 && super::amx::enabled() && super::amx::worth_it((m, n, k)) {
+        let threads = match parallelism {
+            gemm::Parallelism::Rayon(t) => t,
+            _ => 1,
+        };
+        // SAFETY: as below; T is f32 (same size and layout), and `enabled` checked AMX.
+        unsafe {
+            super::amx::sgemm(
+                (m, n, k),
+                (dst.cast::<f32>(), dst_rs),
+                accumulate,
+                (bytemuck::cast_slice(lhs), (lhs_rs, lhs_cs)),
+                (bytemuck::cast_slice(rhs), (rhs_rs, rhs_cs)),
+                threads,
+            )
+        };
+        return;
+    }
     // SAFETY: the asserts above keep every index the strides can reach inside the operands and
     // the destination, whose rows (n <= dst_rs) do not overlap; the caller guarantees that dst
     // is writable and aliases neither operand.

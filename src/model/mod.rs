@@ -2,6 +2,7 @@
 //! engine's unit contract ([`candle_unit`]: [`CandleUnits`], [`Candle`]; the contract itself is
 //! [`crate::zero::unit`]), a GPT reference model on it, and data loading.
 
+mod amx;
 mod attention;
 pub mod candle_unit;
 pub mod data;
@@ -11,6 +12,7 @@ mod kernels;
 mod rng;
 pub mod weights;
 
+pub use amx::{path_name as gemm_path, GEMM_ENV};
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use data::{Corpus, DataError, DataLoader, TokenBatch, DEFAULT_CORPUS_PATH};
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};

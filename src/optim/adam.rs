@@ -92,6 +92,8 @@ struct StepConsts {
     beta2: f32,
     one_minus_beta2: f32,
     bc2_sqrt: f32,
+    /// `1 / bc2_sqrt`, for 16-bit moments (see [`adam_tile`]).
+    inv_bc2_sqrt: f32,
     eps: f32,
     /// `-lr / bc1`.
     neg_step_size: f32,
@@ -121,6 +123,7 @@ impl StepConsts {
             beta2: hp.beta2 as f32,
             one_minus_beta2: (1.0 - hp.beta2) as f32,
             bc2_sqrt: bc2.sqrt() as f32,
+            inv_bc2_sqrt: (1.0 / bc2.sqrt()) as f32,
             eps: hp.eps as f32,
             neg_step_size: (-hp.lr / bc1) as f32,
         }
@@ -305,7 +308,11 @@ fn adam_tile<S: StateElement, G: StateElement, const LERP_LOW: bool, const ADAMW
             g - (g - m_old) * one_minus_w1
         };
         let v_new = v_old * c.beta2 + c.one_minus_beta2 * g * g;
-        let denom = v_new.sqrt() / c.bc2_sqrt + c.eps;
+        let denom = if S::IS_F32 {
+            v_new.sqrt() / c.bc2_sqrt + c.eps
+        } else {
+            v_new.sqrt() * c.inv_bc2_sqrt + c.eps
+        };
         *p = decayed + c.neg_step_size * m_new / denom;
         *m = S::store(m_new);
         *v = S::store(v_new);

@@ -1,0 +1,562 @@
+//! f32 matrix products on AMX tiles at f32 accuracy (Intel Sapphire Rapids and later).
+//!
+//! WHY: the step is compute bound and about two thirds of it is GEMM; one core's AVX-512 FMA
+//! units peak at about 230 GFLOP/s of f32, while its AMX unit does about 3.5 TFLOP/s of bf16
+//! products with f32 accumulation (`tdpbf16ps`, measured here). Rounding the operands to bf16
+//! would lose the f32 match with PyTorch, so each operand is split into three bf16 planes,
+//! `x = x0 + x1 + x2` (each the round-to-nearest of what the previous ones leave: 27 bits
+//! together), and the six products that weigh more than 2^-24 (`x0y0`, `x0y1`, `x1y0`, `x0y2`,
+//! `x1y1`, `x2y0`; the dropped ones are below 2^-27) accumulate in f32 tiles. Each bf16 product is
+//! exact in f32 and each accumulation rounds once, so the result is as accurate as an f32 GEMM's
+//! (the tests hold it to the gemm crate's error against an f64 reference). Six products at 3.5T
+//! leave about 580 GFLOP/s of f32 work; the kernel reaches about 450-500, the whole product with
+//! its packing about 1.3x the `gemm` crate's AVX-512 kernel on the GPT's shapes.
+//!
+//! Layout (llm.c-style: one obvious place per step): B is packed once per call into panels of 32
+//! columns (`[k/32][plane][2 halves][16 pairs][16 cols][2]`, the VNNI pairs `tdpbf16ps` reads),
+//! A per group of 32-row blocks (`[k/32][plane][32 rows][32]`), so that every tile is 16 rows of
+//! 64 contiguous, line-aligned bytes; a 32 x 32 block of C lives in four accumulator tiles over
+//! the whole k. Buffers are per thread and grow to the largest product seen, then stay.
+//!
+//! Non-finite inputs give non-finite outputs (an infinity may come out as NaN: `inf - inf` in the
+//! split); inputs whose bf16 rounding overflows (|x| above 3.39e38) likewise.
+//!
+//! The path is chosen once per process ([`enabled`]): the CPU must report AMX-TILE and AMX-BF16
+//! and Linux must grant the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `ZERODP_GEMM=gemm`
+//! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
+
+use super::kernels::Strided;
+use rayon::prelude::*;
+use std::arch::asm;
+use std::cell::Cell;
+
+/// Rows of a C block: two 16-row tiles.
+const MR: usize = 32;
+/// Columns of a C block: two 16-column tiles.
+const NR: usize = 32;
+/// k per tile step: a tile row holds 32 bf16 (64 bytes).
+const KB: usize = 32;
+/// bf16 planes per operand.
+const PLANES: usize = 3;
+/// Bytes of packed A blocks kept in L2 (2 MiB here) while a B panel is reused across them.
+const A_GROUP_BYTES: usize = 1 << 20;
+/// Products smaller than this many multiply-adds stay on the `gemm` crate: packing costs more
+/// than AMX saves (attention's per-head 128 x 128 x 64 ran at 0.75x).
+const MIN_WORK: usize = 1 << 23;
+
+/// The environment variable that forces the `gemm` crate: `ZERODP_GEMM=gemm`.
+pub const GEMM_ENV: &str = "ZERODP_GEMM";
+
+/// Whether products go through AMX: the CPU has it, Linux grants the tile state, and
+/// [`GEMM_ENV`] does not say `gemm`. Decided once per process.
+pub fn enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var(GEMM_ENV).as_deref() {
+        Ok("gemm") => false,
+        _ => usable(),
+    })
+}
+
+/// The name of the GEMM path products of `f32` run on: `amx` or `gemm`.
+pub fn path_name() -> &'static str {
+    if enabled() {
+        "amx"
+    } else {
+        "gemm"
+    }
+}
+
+/// Whether the CPU has AMX-TILE and AMX-BF16 and the kernel lets this process use the tiles.
+fn usable() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let l7 = std::arch::x86_64::__cpuid_count(7, 0);
+        let cpu = (l7.edx >> 24) & 1 == 1 && (l7.edx >> 22) & 1 == 1;
+        // SAFETY: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) only changes which XSAVE
+        // components the process may use; it fails cleanly where they are not offered.
+        cpu && unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XTILEDATA) } == 0
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+const XTILEDATA: libc::c_long = 18;
+
+/// Whether a product of these dimensions is worth packing for AMX.
+pub(super) fn worth_it((m, n, k): (usize, usize, usize)) -> bool {
+    m >= MR && n >= NR && k >= KB && m.saturating_mul(n).saturating_mul(k) >= MIN_WORK
+}
+
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    crate::comm::kernels::f32_to_bf16_bits(x)
+}
+
+#[inline(always)]
+fn widen(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// `x` as three bf16 whose sum is `x` within 2^-27 of it (each rounds what the previous leave).
+#[inline(always)]
+fn split(x: f32) -> [u16; 3] {
+    let h0 = bf16_bits(x);
+    let r1 = x - widen(h0);
+    let h1 = bf16_bits(r1);
+    let r2 = r1 - widen(h1);
+    [h0, h1, bf16_bits(r2)]
+}
+
+/// The tile palette: all eight tiles 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+const TILE_CONFIG: TileConfig = {
+    let mut c = [0u8; 64];
+    c[0] = 1;
+    let mut t = 0;
+    while t < 8 {
+        c[16 + 2 * t] = 64;
+        c[48 + t] = 16;
+        t += 1;
+    }
+    TileConfig(c)
+};
+
+macro_rules! tload {
+    ($t:literal, $p:expr, $s:expr) => {
+        asm!(concat!("tileloadd tmm", $t, ", [{p} + {s}*1]"), p = in(reg) $p, s = in(reg) $s,
+            options(nostack, readonly))
+    };
+}
+
+macro_rules! dp {
+    ($c:literal, $a:literal, $b:literal) => {
+        asm!(
+            concat!("tdpbf16ps tmm", $c, ", tmm", $a, ", tmm", $b),
+            options(nostack, nomem)
+        )
+    };
+}
+
+/// C[32x32] (scratch, rows of NR) = packed A block . packed B panel over kp.
+///
+/// Tile registers are not renamed: a load into an operand tile waits for the products reading
+/// it, so each operand is reloaded right after its last reader, while the other half computes
+/// (measured: the same products with the loads grouped ran at the same rate only once the
+/// buffers were line-aligned; see [`Packed`]).
+///
+/// # Safety
+/// This thread's tiles are configured with [`TILE_CONFIG`]; `a` and `b` hold `kp / KB` steps of
+/// a packed block and panel, `c` 32 x 32 f32.
+#[inline(always)]
+unsafe fn kernel(a: *const u16, b: *const u16, kp: usize, c: *mut f32) {
+    let step = PLANES * MR * KB;
+    let a_tile = |kb: usize, p: usize| unsafe { a.add(kb * step + p * MR * KB) };
+    let b_tile = |kb: usize, p: usize| unsafe { b.add(kb * step + p * KB * NR) };
+    let nk = kp / KB;
+    unsafe {
+        asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+        if nk > 0 {
+            // The first product of the first step: A plane 0, B plane 2.
+            tload!("4", a_tile(0, 0), 64usize);
+            tload!("5", a_tile(0, 0).add(16 * KB), 64usize);
+            tload!("6", b_tile(0, 2), 64usize);
+            tload!("7", b_tile(0, 2).add(16 * 32), 64usize);
+        }
+        // One k step, unrolled: products (0,2) (0,1) (1,1) (1,0) (0,0) (2,0), each reloading
+        // one operand after its last reader; the last one loads the next step's (0,2).
+        macro_rules! next_b {
+            ($p:expr) => {{
+                let p = $p;
+                dp!("0", "4", "6");
+                dp!("2", "5", "6");
+                tload!("6", p, 64usize);
+                dp!("1", "4", "7");
+                dp!("3", "5", "7");
+                tload!("7", p.add(16 * 32), 64usize);
+            }};
+        }
+        macro_rules! next_a {
+            ($p:expr) => {{
+                let p = $p;
+                dp!("0", "4", "6");
+                dp!("1", "4", "7");
+                tload!("4", p, 64usize);
+                dp!("2", "5", "6");
+                dp!("3", "5", "7");
+                tload!("5", p.add(16 * KB), 64usize);
+            }};
+        }
+        for kb in 0..nk {
+            next_b!(b_tile(kb, 1));
+            next_a!(a_tile(kb, 1));
+            next_b!(b_tile(kb, 0));
+            next_a!(a_tile(kb, 0));
+            next_a!(a_tile(kb, 2));
+            if kb + 1 < nk {
+                let (na, nb) = (a_tile(kb + 1, 0), b_tile(kb + 1, 2));
+                dp!("0", "4", "6");
+                dp!("1", "4", "7");
+                tload!("4", na, 64usize);
+                dp!("2", "5", "6");
+                tload!("6", nb, 64usize);
+                dp!("3", "5", "7");
+                tload!("5", na.add(16 * KB), 64usize);
+                tload!("7", nb.add(16 * 32), 64usize);
+            } else {
+                dp!("0", "4", "6");
+                dp!("1", "4", "7");
+                dp!("2", "5", "6");
+                dp!("3", "5", "7");
+            }
+        }
+        let s = NR * 4;
+        asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) c, s = in(reg) s, options(nostack));
+        asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) c.add(16), s = in(reg) s, options(nostack));
+        asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) c.add(16 * NR), s = in(reg) s, options(nostack));
+        asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) c.add(16 * NR + 16), s = in(reg) s, options(nostack));
+    }
+}
+
+/// An f32 operand: its elements and (row, column) strides.
+type Mat<'a> = Strided<'a, f32>;
+
+#[inline(always)]
+fn at(x: Mat<'_>, r: usize, c: usize) -> f32 {
+    x.0[r * x.1 .0 + c * x.1 .1]
+}
+
+/// A 32 x 32 block of `x` at (r0, c0), `rows` x `cols` of it valid, the rest zero, as `t[r][c]`.
+#[inline(always)]
+fn gather(
+    x: Mat<'_>,
+    (r0, rows): (usize, usize),
+    (c0, cols): (usize, usize),
+    t: &mut [[f32; 32]; 32],
+) {
+    if rows < 32 || cols < 32 {
+        *t = [[0.0; 32]; 32];
+    }
+    let ((rs, cs), t) = (x.1, &mut t[..rows]);
+    if cs == 1 {
+        for (r, row) in t.iter_mut().enumerate() {
+            row[..cols].copy_from_slice(&x.0[(r0 + r) * rs + c0..][..cols]);
+        }
+    } else if rs == 1 {
+        for c in 0..cols {
+            let col = &x.0[(c0 + c) * cs + r0..][..rows];
+            for (row, &v) in t.iter_mut().zip(col) {
+                row[c] = v;
+            }
+        }
+    } else {
+        for (r, row) in t.iter_mut().enumerate() {
+            for (c, v) in row[..cols].iter_mut().enumerate() {
+                *v = at(x, r0 + r, c0 + c);
+            }
+        }
+    }
+}
+
+/// Packs rows r0..r0+rows (<= MR) of A (m x k) into `out` = [kp/KB][PLANES][MR][KB].
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/VL (every AMX CPU has).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, kp: usize, out: &mut [u16]) {
+    let mut t = [[0f32; 32]; 32];
+    for kb in 0..kp / KB {
+        let c0 = kb * KB;
+        gather(a, (r0, rows), (c0, (k - c0).min(KB)), &mut t);
+        let o = &mut out[kb * PLANES * MR * KB..][..PLANES * MR * KB];
+        for r in 0..MR {
+            for c in 0..KB {
+                let h = split(t[r][c]);
+                o[r * KB + c] = h[0];
+                o[MR * KB + r * KB + c] = h[1];
+                o[2 * MR * KB + r * KB + c] = h[2];
+            }
+        }
+    }
+}
+
+/// Packs columns c0..c0+cols (<= NR) of B (k x n) into `out` =
+/// [kp/KB][PLANES][2 halves][KB/2 pairs][16 cols][2].
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/VL (every AMX CPU has).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, kp: usize, out: &mut [u16]) {
+    let mut t = [[0f32; 32]; 32];
+    for kb in 0..kp / KB {
+        let k0 = kb * KB;
+        gather(b, (k0, (k - k0).min(KB)), (c0, cols), &mut t);
+        let o = &mut out[kb * PLANES * KB * NR..][..PLANES * KB * NR];
+        for half in 0..2 {
+            for pair in 0..KB / 2 {
+                for j in 0..16 {
+                    for e in 0..2 {
+                        let h = split(t[2 * pair + e][16 * half + j]);
+                        let i = ((half * 16 + pair) * 16 + j) * 2 + e;
+                        o[i] = h[0];
+                        o[KB * NR + i] = h[1];
+                        o[2 * KB * NR + i] = h[2];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A u16 buffer aligned to cache lines: an unaligned 64-byte tile row would straddle two lines
+/// and halve the kernel's rate (measured: 270 -> 480 GFLOP/s).
+#[derive(Default)]
+struct Packed(Vec<Line>);
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u16; 32]);
+
+impl Packed {
+    /// The first `len` elements, after growing to hold them.
+    fn slice(&mut self, len: usize) -> &mut [u16] {
+        if self.0.len() * 32 < len {
+            self.0.resize(len.div_ceil(32), Line([0; 32]));
+        }
+        &mut bytemuck::cast_slice_mut::<Line, u16>(&mut self.0)[..len]
+    }
+}
+
+// SAFETY: `Line` is 32 u16 with no padding (size 64, align 64).
+unsafe impl bytemuck::Zeroable for Line {}
+// SAFETY: as above; every bit pattern is valid.
+unsafe impl bytemuck::Pod for Line {}
+
+thread_local! {
+    /// Per-thread packing buffers, taken out for a call (so that a product started by a task
+    /// this thread steals mid-call gets its own) and put back after.
+    static B_PACK: Cell<Packed> = Cell::new(Packed::default());
+    static A_PACK: Cell<Packed> = Cell::new(Packed::default());
+}
+
+/// The destination's base pointer, shared by tasks that write disjoint rows.
+#[derive(Clone, Copy)]
+struct Dst(*mut f32);
+// SAFETY: tasks write disjoint row ranges of the destination (see `sgemm`).
+unsafe impl Send for Dst {}
+// SAFETY: as above.
+unsafe impl Sync for Dst {}
+
+/// `dst[m, n] (+)= a[m, k] @ b[k, n]`, `dst` given by pointer and row stride (column stride
+/// 1), on `threads` threads of the current rayon pool (1: this thread only).
+///
+/// # Safety
+/// [`enabled`] is true; `dst` is valid for reads (when `accumulate`) and writes of the `m x n`
+/// elements its row stride reaches and aliases neither operand; the operands hold every element
+/// their strides reach (the caller checks the bounds).
+pub(super) unsafe fn sgemm(
+    (m, n, k): (usize, usize, usize),
+    (dst, dst_rs): (*mut f32, usize),
+    accumulate: bool,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    threads: usize,
+) {
+    let kp = k.div_ceil(KB) * KB;
+    let panel = PLANES * kp * NR;
+    let mut bp = B_PACK.take();
+    let b_packed = bp.slice(n.div_ceil(NR) * panel);
+    let pack = |(nb, out): (usize, &mut [u16])| {
+        let cols = (n - nb * NR).min(NR);
+        // SAFETY: AMX CPUs have AVX-512 (the caller checked `enabled`).
+        unsafe { pack_b(b, nb * NR, cols, k, kp, out) }
+    };
+    let ablock = PLANES * MR * kp;
+    let group = (A_GROUP_BYTES / (2 * ablock)).clamp(1, 16);
+    let mblocks = m.div_ceil(MR);
+    let groups = mblocks.div_ceil(group);
+    let dst = Dst(dst);
+    if threads > 1 {
+        b_packed.par_chunks_mut(panel).enumerate().for_each(pack);
+    } else {
+        b_packed.chunks_mut(panel).enumerate().for_each(pack);
+    }
+    let b_packed = &*b_packed;
+    let run = |g: usize| {
+        let first = g * group;
+        let blocks = (mblocks - first).min(group);
+        // SAFETY: the caller's contract; this group writes rows first*MR.. only.
+        unsafe {
+            group_product(
+                dst,
+                dst_rs,
+                accumulate,
+                a,
+                (first, blocks),
+                (m, n, k),
+                b_packed,
+            )
+        }
+    };
+    if threads > 1 {
+        (0..groups).into_par_iter().for_each(run);
+    } else {
+        (0..groups).for_each(run);
+    }
+    B_PACK.set(bp);
+}
+
+/// One group of 32-row blocks of A against every B panel: packs the blocks, runs the kernel on
+/// each (block, panel) pair with the panel reused across the group, writes C.
+///
+/// # Safety
+/// As [`sgemm`]; no other task writes rows `first * MR .. (first + blocks) * MR`.
+unsafe fn group_product(
+    dst: Dst,
+    dst_rs: usize,
+    accumulate: bool,
+    a: Mat<'_>,
+    (first, blocks): (usize, usize),
+    (m, n, k): (usize, usize, usize),
+    b_packed: &[u16],
+) {
+    let kp = k.div_ceil(KB) * KB;
+    let (ablock, panel) = (PLANES * MR * kp, PLANES * kp * NR);
+    let mut ap = A_PACK.take();
+    let a_packed = ap.slice(blocks * ablock);
+    for (i, out) in a_packed.chunks_mut(ablock).enumerate() {
+        let r0 = (first + i) * MR;
+        // SAFETY: AMX CPUs have AVX-512.
+        unsafe { pack_a(a, r0, (m - r0).min(MR), k, kp, out) };
+    }
+    let mut c = [0f32; MR * NR];
+    // SAFETY: the tile state was granted (`enabled`); the config is a valid palette 1.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &TILE_CONFIG, options(nostack, readonly)) };
+    for (nb, panel) in b_packed.chunks(panel).enumerate() {
+        let (c0, cols) = (nb * NR, (n - nb * NR).min(NR));
+        for (i, block) in a_packed.chunks(ablock).enumerate() {
+            let r0 = (first + i) * MR;
+            // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32.
+            unsafe { kernel(block.as_ptr(), panel.as_ptr(), kp, c.as_mut_ptr()) };
+            for (r, row) in c.chunks(NR).take((m - r0).min(MR)).enumerate() {
+                // SAFETY: row r0 + r < m and columns c0..c0+cols < n of the caller's dst.
+                let d = unsafe {
+                    std::slice::from_raw_parts_mut(dst.0.add((r0 + r) * dst_rs + c0), cols)
+                };
+                if accumulate {
+                    d.iter_mut().zip(row).for_each(|(d, x)| *d += x);
+                } else {
+                    d.copy_from_slice(&row[..cols]);
+                }
+            }
+        }
+    }
+    // SAFETY: releases this thread's tile state (it was configured above).
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    A_PACK.set(ap);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
+            })
+            .collect()
+    }
+
+    #[test]
+    fn three_planes_hold_an_f32_to_within_2_pow_minus_24() {
+        for x in values(10_000, 7)
+            .into_iter()
+            .chain([1.0, -3.5e-20, 6.1e30, 0.0])
+        {
+            let [a, b, c] = split(x).map(widen);
+            let sum = f64::from(a) + f64::from(b) + f64::from(c);
+            let err = (sum - f64::from(x)).abs();
+            assert!(err <= f64::from(x).abs() * 2f64.powi(-24), "{x}: {sum}");
+        }
+    }
+
+    /// AMX against an f64 reference on ragged shapes, every stride pattern the model uses, with
+    /// and without accumulation, on one and two threads: the error, relative to the sum of the
+    /// products' magnitudes, within what the gemm crate's f32 kernel shows (about 2e-7).
+    #[test]
+    fn products_match_an_f64_reference_like_an_f32_gemm() {
+        if !enabled() {
+            eprintln!("skipped: no AMX on this CPU (or {GEMM_ENV}=gemm)");
+            return;
+        }
+        let shapes = [(70, 45, 100), (32, 32, 32), (96, 200, 531), (129, 33, 64)];
+        for (m, n, k) in shapes {
+            for (a_t, b_t, accumulate, threads) in [
+                (false, false, false, 1),
+                (false, true, true, 1),
+                (true, false, false, 2),
+                (true, true, true, 2),
+            ] {
+                let (a, b) = (values(m * k, 1), values(k * n, 2));
+                let a_s = if a_t { (1, m) } else { (k, 1) };
+                let b_s = if b_t { (1, k) } else { (n, 1) };
+                let dst_rs = n + 3;
+                let init = values(m * dst_rs, 3);
+                let mut dst = init.clone();
+                // SAFETY: dst holds m rows of dst_rs >= n; the operands every strided element.
+                unsafe {
+                    sgemm(
+                        (m, n, k),
+                        (dst.as_mut_ptr(), dst_rs),
+                        accumulate,
+                        (&a, a_s),
+                        (&b, b_s),
+                        threads,
+                    )
+                };
+                for i in 0..m {
+                    for j in 0..dst_rs {
+                        let got = f64::from(dst[i * dst_rs + j]);
+                        if j >= n {
+                            assert_eq!(got, f64::from(init[i * dst_rs + j]), "wrote past n");
+                            continue;
+                        }
+                        let (mut sum, mut mag) = (0f64, 0f64);
+                        for kk in 0..k {
+                            let x = f64::from(a[i * a_s.0 + kk * a_s.1]);
+                            let p = x * f64::from(b[kk * b_s.0 + j * b_s.1]);
+                            sum += p;
+                            mag += p.abs();
+                        }
+                        if accumulate {
+                            sum += f64::from(init[i * dst_rs + j]);
+                            mag += f64::from(init[i * dst_rs + j]).abs();
+                        }
+                        let rel = (got - sum).abs() / mag.max(1e-30);
+                        assert!(rel < 5e-7, "{m}x{n}x{k} ({i},{j}): {got} vs {sum}: {rel:e}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn small_products_stay_on_the_gemm_crate() {
+        assert!(!worth_it((128, 128, 64)), "attention's per-head products");
+        assert!(worth_it((1024, 512, 512)));
+        assert!(!worth_it((16, 4096, 4096)), "fewer rows than a block");
+    }
+}
