@@ -14,6 +14,8 @@ fn main() {
     // Before any thread starts: candle's element-wise ops otherwise share one process-wide spinning
     // pool, on which rank threads serialise (measured 2-4x slower steps for the demo model).
     zerodp::model::run_candle_elementwise_on_caller_thread();
+    // Before any thread starts too: freed activation buffers stay for the next step.
+    zerodp::model::keep_freed_buffers();
     let parsed = cli::Cli::parse();
     match cli::run(parsed) {
         Ok(code) => std::process::exit(code),

@@ -161,41 +161,51 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
     }
     let p = &s.params;
     let ln = LayerNorm { eps: s.shape.eps };
-    let mut add = |k: usize, g: Vec<f32>| {
+    // Adds a parameter's gradient into its range of the flat gradient.
+    let add = |grads: &mut [f32], k: usize, g: Vec<f32>| {
         grads[r[k].clone()]
             .iter_mut()
             .zip(g)
             .for_each(|(a, g)| *a += g);
     };
     let dout = grad_output.flatten_all()?.to_vec1::<f32>()?;
-    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout.
-    let (dh, dw, db) = Linear::bwd(&s.h, &p[r[10].clone()], &dout, c);
-    add(10, dw);
-    add(11, db);
+    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout. Weight gradients are
+    // accumulated into `grads` by the GEMMs themselves.
+    let (dh, db) = Linear::bwd_into(&s.h, &p[r[10].clone()], &dout, c, &mut grads[r[10].clone()]);
+    add(grads, 11, db);
     let dfc = Gelu::bwd(&s.fc, &dh)?;
     drop(dh);
-    let (dln2, dw, db) = Linear::bwd(&s.ln2, &p[r[8].clone()], &dfc, 4 * c);
-    add(8, dw);
-    add(9, db);
+    let (dln2, db) = Linear::bwd_into(
+        &s.ln2,
+        &p[r[8].clone()],
+        &dfc,
+        4 * c,
+        &mut grads[r[8].clone()],
+    );
+    add(grads, 9, db);
     drop(dfc);
     let (dx1_norm, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
-    add(6, dw);
-    add(7, db);
+    add(grads, 6, dw);
+    add(grads, 7, db);
     let dx1 = sum(&dout, &dx1_norm);
     drop((dout, dx1_norm, dln2));
     // x1 = x + c_proj(attention(c_attn(ln_1(x)))).
-    let (datt, dw, db) = Linear::bwd(&s.att, &p[r[4].clone()], &dx1, c);
-    add(4, dw);
-    add(5, db);
+    let (datt, db) = Linear::bwd_into(&s.att, &p[r[4].clone()], &dx1, c, &mut grads[r[4].clone()]);
+    add(grads, 5, db);
     let dqkv = s.shape.attention().backward(&s.qkv, &datt, 3 * c)?;
     drop(datt);
-    let (dln1, dw, db) = Linear::bwd(&s.ln1, &p[r[2].clone()], &dqkv, 3 * c);
-    add(2, dw);
-    add(3, db);
+    let (dln1, db) = Linear::bwd_into(
+        &s.ln1,
+        &p[r[2].clone()],
+        &dqkv,
+        3 * c,
+        &mut grads[r[2].clone()],
+    );
+    add(grads, 3, db);
     drop(dqkv);
     let x = s.input.flatten_all()?.to_vec1::<f32>()?;
     let (dx_norm, dw, db) = ln.bwd(&x, &p[r[0].clone()], &dln1);
-    add(0, dw);
-    add(1, db);
+    add(grads, 0, dw);
+    add(grads, 1, db);
     Tensor::from_vec(sum(&dx1, &dx_norm), (rows, c), &Device::Cpu)
 }

@@ -793,7 +793,28 @@ impl Linear {
         let dx = gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1)));
         // dw [out, in] = dy^T [out, n] @ x [n, in]
         let dw = gemm_written((out, inp, n), (dy, (1, out)), (x, (inp, 1)));
-        // db [out] = column sums of dy, over a fixed row split summed in order.
+        (dx, dw, Self::bias_grad(dy, out))
+    }
+
+    /// [`Linear::bwd`] with the weight gradient added into `dw` (`[out, in]`) by the GEMM
+    /// itself: no temporary the size of the weight and no separate pass to add it in (the
+    /// block's backward accumulates into its flat gradient). Returns `dx` and `db`.
+    pub(super) fn bwd_into(
+        x: &[f32],
+        w: &[f32],
+        dy: &[f32],
+        out: usize,
+        dw: &mut [f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let inp = w.len() / out;
+        let n = x.len() / inp;
+        let dx = gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1)));
+        gemm_into((out, inp, n), dw, true, dy, (1, out), x, (inp, 1));
+        (dx, Self::bias_grad(dy, out))
+    }
+
+    /// db [out] = column sums of dy, over a fixed row split summed in order.
+    fn bias_grad<T: Real>(dy: &[T], out: usize) -> Vec<T> {
         let partials: Vec<Vec<T>> = dy
             .par_chunks(out * ROWS_PER_TASK)
             .map(|rows| {
@@ -804,7 +825,7 @@ impl Linear {
                 acc
             })
             .collect();
-        (dx, dw, sum_partials(partials, out))
+        sum_partials(partials, out)
     }
 }
 
