@@ -249,22 +249,18 @@ fn gather(
     if cs == 1 {
         for (r, row) in t[..rows].iter_mut().enumerate() {
             let src = &x.0[(r0 + r) * rs + c0..];
-            if cols == 32 {
+            if let Ok(src) = <&[f32; 32]>::try_from(&src[..cols]) {
                 // SAFETY: the callers are the AVX-512 pack functions.
-                unsafe { copy32(row, &src[..32]) };
+                unsafe { copy32(row, src) };
             } else {
                 row[..cols].copy_from_slice(&src[..cols]);
             }
         }
-    } else if rs == 1 && rows == 32 && cols == 32 {
-        assert!(
-            x.0.len() >= (c0 + 31) * cs + r0 + 32,
-            "gather out of bounds"
-        );
+    } else if rs == 1 && rows == 32 && cols == 32 && x.0.len() >= (c0 + 31) * cs + r0 + 32 {
         for (rb, cb) in [(0, 0), (0, 16), (16, 0), (16, 16)] {
             let src = x.0[(c0 + cb) * cs + r0 + rb..].as_ptr();
-            // SAFETY: the assert keeps the 16 source rows of 16 inside `x`; `t` is 32 x 32; the
-            // callers are the AVX-512 pack functions.
+            // SAFETY: the length test keeps the 16 source rows of 16 inside `x`; `t` is 32 x 32;
+            // the callers are the AVX-512 pack functions.
             unsafe { transpose16(src, cs, t[rb][cb..].as_mut_ptr(), 32) };
         }
     } else if rs == 1 {
@@ -291,10 +287,9 @@ fn gather(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn copy32(dst: &mut [f32], src: &[f32]) {
+unsafe fn copy32(dst: &mut [f32; 32], src: &[f32; 32]) {
     use std::arch::x86_64::*;
-    assert!(dst.len() >= 32 && src.len() >= 32);
-    // SAFETY: both hold 32 elements (asserted).
+    // SAFETY: both hold 32 elements (their types).
     unsafe {
         _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_loadu_ps(src.as_ptr()));
         _mm512_storeu_ps(
@@ -533,7 +528,10 @@ unsafe fn group_product(
                 };
                 if accumulate {
                     d.iter_mut().zip(row).for_each(|(d, x)| *d += x);
-                } else if cols == NR {
+                } else if let (Ok(d), Ok(row)) = (
+                    <&mut [f32; NR]>::try_from(&mut *d),
+                    <&[f32; NR]>::try_from(row),
+                ) {
                     // SAFETY: AMX CPUs have AVX-512.
                     unsafe { copy32(d, row) };
                 } else {
