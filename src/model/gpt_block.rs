@@ -168,21 +168,19 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
             .zip(g)
             .for_each(|(a, g)| *a += g);
     };
+    // A linear layer's backward: the weight gradient (parameter `w`) accumulated in place by the
+    // GEMM, the bias gradient (`w + 1`) added; returns the input gradient.
+    let linear = |grads: &mut [f32], x: &[f32], w: usize, dy: &[f32], out: usize| {
+        let (dx, db) = Linear::bwd_into(x, &p[r[w].clone()], dy, out, &mut grads[r[w].clone()]);
+        add(grads, w + 1, db);
+        dx
+    };
     let dout = grad_output.flatten_all()?.to_vec1::<f32>()?;
-    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout. Weight gradients are
-    // accumulated into `grads` by the GEMMs themselves.
-    let (dh, db) = Linear::bwd_into(&s.h, &p[r[10].clone()], &dout, c, &mut grads[r[10].clone()]);
-    add(grads, 11, db);
+    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout.
+    let dh = linear(grads, &s.h, 10, &dout, c);
     let dfc = Gelu::bwd(&s.fc, &dh)?;
     drop(dh);
-    let (dln2, db) = Linear::bwd_into(
-        &s.ln2,
-        &p[r[8].clone()],
-        &dfc,
-        4 * c,
-        &mut grads[r[8].clone()],
-    );
-    add(grads, 9, db);
+    let dln2 = linear(grads, &s.ln2, 8, &dfc, 4 * c);
     drop(dfc);
     let (dx1_norm, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
     add(grads, 6, dw);
@@ -190,18 +188,10 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
     let dx1 = sum(&dout, &dx1_norm);
     drop((dout, dx1_norm, dln2));
     // x1 = x + c_proj(attention(c_attn(ln_1(x)))).
-    let (datt, db) = Linear::bwd_into(&s.att, &p[r[4].clone()], &dx1, c, &mut grads[r[4].clone()]);
-    add(grads, 5, db);
+    let datt = linear(grads, &s.att, 4, &dx1, c);
     let dqkv = s.shape.attention().backward(&s.qkv, &datt, 3 * c)?;
     drop(datt);
-    let (dln1, db) = Linear::bwd_into(
-        &s.ln1,
-        &p[r[2].clone()],
-        &dqkv,
-        3 * c,
-        &mut grads[r[2].clone()],
-    );
-    add(grads, 3, db);
+    let dln1 = linear(grads, &s.ln1, 2, &dqkv, 3 * c);
     drop(dqkv);
     let x = s.input.flatten_all()?.to_vec1::<f32>()?;
     let (dx_norm, dw, db) = ln.bwd(&x, &p[r[0].clone()], &dln1);
