@@ -434,9 +434,10 @@ unsafe impl Sync for Dst {}
 /// 1), on `threads` threads of the current rayon pool (1: this thread only).
 ///
 /// # Safety
-/// [`enabled`] is true; `dst` is valid for reads (when `accumulate`) and writes of the `m x n`
-/// elements its row stride reaches and aliases neither operand; the operands hold every element
-/// their strides reach (the caller checks the bounds).
+/// [`enabled`] is true; `k >= 1` (the callers go through [`worth_it`]); `dst` is valid for reads
+/// (when `accumulate`) and writes of the `m x n` elements its row stride reaches and aliases
+/// neither operand; the operands hold every element their strides reach (the caller checks the
+/// bounds).
 pub(super) unsafe fn sgemm(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (*mut f32, usize),
