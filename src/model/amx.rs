@@ -26,6 +26,7 @@
 //! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
 
 use super::kernels::Strided;
+use crate::comm::kernels::f32_to_bf16_bits as bf16_bits;
 use rayon::prelude::*;
 use std::arch::asm;
 use std::cell::Cell;
@@ -83,14 +84,24 @@ fn usable() -> bool {
 const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
 const XTILEDATA: libc::c_long = 18;
 
+/// `k` padded to whole tile steps (the packers fill the padding with zeros).
+fn padded(k: usize) -> usize {
+    k.div_ceil(KB) * KB
+}
+
+/// Elements of one packed 32-row block of A over a padded `kp`.
+fn a_block_len(kp: usize) -> usize {
+    PLANES * MR * kp
+}
+
+/// Elements of one packed 32-column panel of B over a padded `kp`.
+fn b_panel_len(kp: usize) -> usize {
+    PLANES * kp * NR
+}
+
 /// Whether a product of these dimensions is worth packing for AMX.
 pub(super) fn worth_it((m, n, k): (usize, usize, usize)) -> bool {
     m >= MR && n >= NR && k >= KB && m.saturating_mul(n).saturating_mul(k) >= MIN_WORK
-}
-
-#[inline(always)]
-fn bf16_bits(x: f32) -> u16 {
-    crate::comm::kernels::f32_to_bf16_bits(x)
 }
 
 #[inline(always)]
@@ -346,9 +357,9 @@ unsafe fn transpose16(src: *const f32, src_stride: usize, dst: *mut f32, dst_str
 /// # Safety
 /// The CPU has AVX-512F/BW/VL (every AMX CPU has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, kp: usize, out: &mut [u16]) {
+unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) {
     let mut t = [[0f32; 32]; 32];
-    for kb in 0..kp / KB {
+    for kb in 0..k.div_ceil(KB) {
         let c0 = kb * KB;
         gather(a, (r0, rows), (c0, (k - c0).min(KB)), &mut t);
         let o = &mut out[kb * PLANES * MR * KB..][..PLANES * MR * KB];
@@ -369,9 +380,9 @@ unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, kp: usize, out: &
 /// # Safety
 /// The CPU has AVX-512F/BW/VL (every AMX CPU has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, kp: usize, out: &mut [u16]) {
+unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, out: &mut [u16]) {
     let mut t = [[0f32; 32]; 32];
-    for kb in 0..kp / KB {
+    for kb in 0..k.div_ceil(KB) {
         let k0 = kb * KB;
         gather(b, (k0, (k - k0).min(KB)), (c0, cols), &mut t);
         let o = &mut out[kb * PLANES * KB * NR..][..PLANES * KB * NR];
@@ -446,17 +457,16 @@ pub(super) unsafe fn sgemm(
     b: Mat<'_>,
     threads: usize,
 ) {
-    let kp = k.div_ceil(KB) * KB;
-    let panel = PLANES * kp * NR;
+    let kp = padded(k);
+    let panel = b_panel_len(kp);
     let mut bp = B_PACK.take();
     let b_packed = bp.slice(n.div_ceil(NR) * panel);
     let pack = |(nb, out): (usize, &mut [u16])| {
         let cols = (n - nb * NR).min(NR);
         // SAFETY: AMX CPUs have AVX-512 (the caller checked `enabled`).
-        unsafe { pack_b(b, nb * NR, cols, k, kp, out) }
+        unsafe { pack_b(b, nb * NR, cols, k, out) }
     };
-    let ablock = PLANES * MR * kp;
-    let group = (A_GROUP_BYTES / (2 * ablock)).clamp(1, 16);
+    let group = (A_GROUP_BYTES / (2 * a_block_len(kp))).clamp(1, 16);
     let mblocks = m.div_ceil(MR);
     let groups = mblocks.div_ceil(group);
     let dst = Dst(dst);
@@ -504,14 +514,14 @@ unsafe fn group_product(
     (m, n, k): (usize, usize, usize),
     b_packed: &[u16],
 ) {
-    let kp = k.div_ceil(KB) * KB;
-    let (ablock, panel) = (PLANES * MR * kp, PLANES * kp * NR);
+    let kp = padded(k);
+    let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
     let mut ap = A_PACK.take();
     let a_packed = ap.slice(blocks * ablock);
     for (i, out) in a_packed.chunks_mut(ablock).enumerate() {
         let r0 = (first + i) * MR;
         // SAFETY: AMX CPUs have AVX-512.
-        unsafe { pack_a(a, r0, (m - r0).min(MR), k, kp, out) };
+        unsafe { pack_a(a, r0, (m - r0).min(MR), k, out) };
     }
     let mut c = [0f32; MR * NR];
     // SAFETY: the tile state was granted (`enabled`); the config is a valid palette 1.
@@ -551,14 +561,9 @@ mod tests {
     use super::*;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
+        let mut rng = crate::model::SplitMix64::new(seed);
         (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.2
-            })
+            .map(|_| (rng.next_f64() as f32 - 0.5) * 0.2)
             .collect()
     }
 
