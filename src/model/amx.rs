@@ -25,8 +25,7 @@
 //! and Linux must grant the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `ZERODP_GEMM=gemm`
 //! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
 
-use super::kernels::Strided;
-use crate::comm::kernels::f32_to_bf16_bits as bf16_bits;
+use super::kernels::{Finish, Strided};
 use rayon::prelude::*;
 use std::arch::asm;
 use std::cell::Cell;
@@ -102,21 +101,6 @@ fn b_panel_len(kp: usize) -> usize {
 /// Whether a product of these dimensions is worth packing for AMX.
 pub(super) fn worth_it((m, n, k): (usize, usize, usize)) -> bool {
     m >= MR && n >= NR && k >= KB && m.saturating_mul(n).saturating_mul(k) >= MIN_WORK
-}
-
-#[inline(always)]
-fn widen(h: u16) -> f32 {
-    f32::from_bits(u32::from(h) << 16)
-}
-
-/// `x` as three bf16 whose sum is `x` within 2^-27 of it (each rounds what the previous leave).
-#[inline(always)]
-fn split(x: f32) -> [u16; 3] {
-    let h0 = bf16_bits(x);
-    let r1 = x - widen(h0);
-    let h1 = bf16_bits(r1);
-    let r2 = r1 - widen(h1);
-    [h0, h1, bf16_bits(r2)]
 }
 
 /// The tile palette: all eight tiles 16 rows of 64 bytes.
@@ -358,19 +342,70 @@ unsafe fn transpose16(src: *const f32, src_stride: usize, dst: *mut f32, dst_str
 /// The CPU has AVX-512F/BW/VL (every AMX CPU has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) {
-    let mut t = [[0f32; 32]; 32];
-    for kb in 0..k.div_ceil(KB) {
-        let c0 = kb * KB;
-        gather(a, (r0, rows), (c0, (k - c0).min(KB)), &mut t);
-        let o = &mut out[kb * PLANES * MR * KB..][..PLANES * MR * KB];
-        for r in 0..MR {
-            for c in 0..KB {
-                let h = split(t[r][c]);
-                o[r * KB + c] = h[0];
-                o[MR * KB + r * KB + c] = h[1];
-                o[2 * MR * KB + r * KB + c] = h[2];
+    use std::arch::x86_64::*;
+    let step_len = PLANES * MR * KB;
+    let full_steps = if a.1 .1 == 1 { k / KB } else { 0 };
+    // Rows with contiguous elements are read whole, one after the other, straight from A (no
+    // 32 x 32 gather through a scratch block).
+    for r in 0..MR {
+        let row = (r < rows).then(|| &a.0[(r0 + r) * a.1 .0..]);
+        for kb in 0..full_steps {
+            let o = &mut out[kb * step_len..][..step_len];
+            // SAFETY: a full step reads elements kb*KB..kb*KB+32 of the row, inside `a` (the
+            // caller's bounds); `store_a_row` writes row r of the step.
+            unsafe {
+                let (lo, hi) = match row {
+                    Some(row) => {
+                        let x = row[kb * KB..][..KB].as_ptr();
+                        (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)))
+                    }
+                    None => (_mm512_setzero_ps(), _mm512_setzero_ps()),
+                };
+                store_a_row(o, r, lo, hi);
             }
         }
+    }
+    let mut t = [[0f32; 32]; 32];
+    for kb in full_steps..k.div_ceil(KB) {
+        let c0 = kb * KB;
+        gather(a, (r0, rows), (c0, (k - c0).min(KB)), &mut t);
+        let o = &mut out[kb * step_len..][..step_len];
+        for (r, row) in t.iter().enumerate() {
+            // SAFETY: `row` holds 32 elements; `store_a_row` writes row r of the step.
+            unsafe {
+                let lo = _mm512_loadu_ps(row.as_ptr());
+                store_a_row(o, r, lo, _mm512_loadu_ps(row.as_ptr().add(16)));
+            }
+        }
+    }
+}
+
+/// Splits 32 elements of A (`lo`, `hi`: columns 0..16, 16..32 of a step) and writes them as
+/// row `r` of each plane of the packed step `o` (`[PLANES][MR][KB]`).
+///
+/// # Safety
+/// The CPU has AVX-512F/BW; `r < MR`, `o` holds a whole step.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn store_a_row(
+    o: &mut [u16],
+    r: usize,
+    lo: std::arch::x86_64::__m512,
+    hi: std::arch::x86_64::__m512,
+) {
+    use std::arch::x86_64::*;
+    // Word 2i + 1 of the pair (lo, hi): the high halves of lo's 16 lanes, then hi's.
+    let odd_words = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23, 21, 19,
+        17, 15, 13, 11, 9, 7, 5, 3, 1,
+    );
+    // SAFETY: the caller's contract (AVX-512F).
+    let (lo, hi) = unsafe { (split16(lo), split16(hi)) };
+    for p in 0..PLANES {
+        let words = _mm512_permutex2var_epi16(lo[p], odd_words, hi[p]);
+        let dst = o[p * MR * KB + r * KB..][..KB].as_mut_ptr();
+        // SAFETY: 32 u16 of `o`.
+        unsafe { _mm512_storeu_si512(dst.cast(), words) };
     }
 }
 
@@ -381,6 +416,8 @@ unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) 
 /// The CPU has AVX-512F/BW/VL (every AMX CPU has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
     let mut t = [[0f32; 32]; 32];
     for kb in 0..k.div_ceil(KB) {
         let k0 = kb * KB;
@@ -388,18 +425,56 @@ unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, out: &mut [u16]) 
         let o = &mut out[kb * PLANES * KB * NR..][..PLANES * KB * NR];
         for half in 0..2 {
             for pair in 0..KB / 2 {
-                for j in 0..16 {
-                    for e in 0..2 {
-                        let h = split(t[2 * pair + e][16 * half + j]);
-                        let i = ((half * 16 + pair) * 16 + j) * 2 + e;
-                        o[i] = h[0];
-                        o[KB * NR + i] = h[1];
-                        o[2 * KB * NR + i] = h[2];
+                // SAFETY: rows 2 pair and 2 pair + 1 of `t` hold 16 columns from 16 half; each
+                // store writes the 16 (column, pair) words of one plane, inside `o`.
+                unsafe {
+                    let even = split16(_mm512_loadu_ps(t[2 * pair][16 * half..].as_ptr()));
+                    let odd = split16(_mm512_loadu_ps(t[2 * pair + 1][16 * half..].as_ptr()));
+                    for p in 0..PLANES {
+                        // Lane j: the even row's bf16 in the low word, the odd row's above it.
+                        let words = _mm512_or_si512(
+                            _mm512_srli_epi32::<16>(even[p]),
+                            _mm512_and_si512(odd[p], high),
+                        );
+                        let at = p * KB * NR + (half * 16 + pair) * 32;
+                        _mm512_storeu_si512(o[at..].as_mut_ptr().cast(), words);
                     }
                 }
             }
         }
     }
+}
+
+/// The three bf16 planes of 16 lanes, `x = x0 + x1 + x2` within 2^-27 of x (each rounds to
+/// nearest what the previous ones leave; the tests hold it bit for bit to the scalar statement): each plane's bf16 in the high half of its 32-bit lane
+/// (the packers drop the low half). Vector integer ops rather than `vcvtne2ps2bf16`, which
+/// treats subnormal inputs as zero and so would not equal the crate's rounding.
+///
+/// # Safety
+/// The CPU has AVX-512F.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn split16(x: std::arch::x86_64::__m512) -> [std::arch::x86_64::__m512i; PLANES] {
+    use std::arch::x86_64::*;
+    let (one, half_ulp) = (_mm512_set1_epi32(1), _mm512_set1_epi32(0x7fff));
+    let (high, quiet) = (
+        _mm512_set1_epi32(0xffff_0000_u32 as i32),
+        _mm512_set1_epi32(0x0040_0000),
+    );
+    let mut rest = x;
+    let mut planes = [_mm512_setzero_si512(); PLANES];
+    for plane in &mut planes {
+        let bits = _mm512_castps_si512(rest);
+        // As `f32_to_bf16_bits`: add 0x7fff plus the lowest kept bit (ties to even) ...
+        let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(bits), one);
+        let rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, half_ulp));
+        // ... and a NaN keeps its high half, quietened.
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(rest, rest);
+        *plane = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, quiet));
+        let kept = _mm512_castsi512_ps(_mm512_and_si512(*plane, high));
+        rest = _mm512_sub_ps(rest, kept);
+    }
+    planes
 }
 
 /// A u16 buffer aligned to cache lines: an unaligned 64-byte tile row would straddle two lines
@@ -453,9 +528,9 @@ pub(super) unsafe fn sgemm(
     (m, n, k): (usize, usize, usize),
     (dst, dst_rs): (*mut f32, usize),
     accumulate: bool,
-    a: Mat<'_>,
-    b: Mat<'_>,
+    (a, b): (Mat<'_>, Mat<'_>),
     threads: usize,
+    finish: Option<&Finish<'_>>,
 ) {
     let kp = padded(k);
     let panel = b_panel_len(kp);
@@ -482,9 +557,12 @@ pub(super) unsafe fn sgemm(
         // SAFETY: the caller's contract; this group writes rows first*MR.. only.
         unsafe {
             group_product(
-                dst,
-                dst_rs,
-                accumulate,
+                Out {
+                    dst,
+                    dst_rs,
+                    accumulate,
+                    finish,
+                },
                 a,
                 (first, blocks),
                 (m, n, k),
@@ -506,9 +584,7 @@ pub(super) unsafe fn sgemm(
 /// # Safety
 /// As [`sgemm`]; no other task writes rows `first * MR .. (first + blocks) * MR`.
 unsafe fn group_product(
-    dst: Dst,
-    dst_rs: usize,
-    accumulate: bool,
+    out: Out<'_>,
     a: Mat<'_>,
     (first, blocks): (usize, usize),
     (m, n, k): (usize, usize, usize),
@@ -518,10 +594,10 @@ unsafe fn group_product(
     let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
     let mut ap = A_PACK.take();
     let a_packed = ap.slice(blocks * ablock);
-    for (i, out) in a_packed.chunks_mut(ablock).enumerate() {
+    for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
         let r0 = (first + i) * MR;
         // SAFETY: AMX CPUs have AVX-512.
-        unsafe { pack_a(a, r0, (m - r0).min(MR), k, out) };
+        unsafe { pack_a(a, r0, (m - r0).min(MR), k, block) };
     }
     let mut c = [0f32; MR * NR];
     // SAFETY: the tile state was granted (`enabled`); the config is a valid palette 1.
@@ -530,24 +606,11 @@ unsafe fn group_product(
         let (c0, cols) = (nb * NR, (n - nb * NR).min(NR));
         for (i, block) in a_packed.chunks(ablock).enumerate() {
             let r0 = (first + i) * MR;
-            // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32.
-            unsafe { kernel(block.as_ptr(), panel.as_ptr(), kp, c.as_mut_ptr()) };
-            for (r, row) in c.chunks(NR).take((m - r0).min(MR)).enumerate() {
-                // SAFETY: row r0 + r < m and columns c0..c0+cols < n of the caller's dst.
-                let d = unsafe {
-                    std::slice::from_raw_parts_mut(dst.0.add((r0 + r) * dst_rs + c0), cols)
-                };
-                if accumulate {
-                    d.iter_mut().zip(row).for_each(|(d, x)| *d += x);
-                } else if let (Ok(d), Ok(row)) = (
-                    <&mut [f32; NR]>::try_from(&mut *d),
-                    <&[f32; NR]>::try_from(row),
-                ) {
-                    // SAFETY: AMX CPUs have AVX-512.
-                    unsafe { copy32(d, row) };
-                } else {
-                    d.copy_from_slice(&row[..cols]);
-                }
+            // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32; the
+            // block's rows and columns lie inside the caller's destination, this group's.
+            unsafe {
+                kernel(block.as_ptr(), panel.as_ptr(), kp, c.as_mut_ptr());
+                write_out(&out, n, (r0, (m - r0).min(MR)), (c0, cols), &mut c);
             }
         }
     }
@@ -556,9 +619,68 @@ unsafe fn group_product(
     A_PACK.set(ap);
 }
 
+/// Where and how a product's blocks land.
+struct Out<'a> {
+    dst: Dst,
+    dst_rs: usize,
+    accumulate: bool,
+    finish: Option<&'a Finish<'a>>,
+}
+
+/// Writes the `rows` x `cols` valid part of block `c` (rows `r0..`, columns `c0..` of an
+/// `[m, n]` product): the finish applied first (in L1), then added to or stored over `dst`.
+///
+/// # Safety
+/// The CPU has AVX-512F; the block's rows and columns lie inside `out`'s destination, which no
+/// other task writes.
+#[target_feature(enable = "avx512f")]
+unsafe fn write_out(
+    out: &Out<'_>,
+    n: usize,
+    (r0, rows): (usize, usize),
+    (c0, cols): (usize, usize),
+    c: &mut [f32; MR * NR],
+) {
+    if let Some(finish) = out.finish {
+        finish.apply(n, (r0, c0), (cols, &mut c[..rows * NR], NR));
+    }
+    for (r, row) in c.chunks(NR).take(rows).enumerate() {
+        // SAFETY: row r0 + r and columns c0..c0+cols are inside the caller's destination.
+        let d = unsafe {
+            std::slice::from_raw_parts_mut(out.dst.0.add((r0 + r) * out.dst_rs + c0), cols)
+        };
+        if out.accumulate {
+            d.iter_mut().zip(row).for_each(|(d, x)| *d += x);
+        } else if let (Ok(d), Ok(row)) = (
+            <&mut [f32; NR]>::try_from(&mut *d),
+            <&[f32; NR]>::try_from(row),
+        ) {
+            // SAFETY: the caller's contract (AVX-512F).
+            unsafe { copy32(d, row) };
+        } else {
+            d.copy_from_slice(&row[..cols]);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::kernels::f32_to_bf16_bits as bf16_bits;
+
+    fn widen(h: u16) -> f32 {
+        f32::from_bits(u32::from(h) << 16)
+    }
+
+    /// `x` as three bf16 whose sum is `x` within 2^-27 of it (each rounds what the previous leave):
+    /// the scalar statement of what [`split16`] does, which the tests hold it to.
+    fn split(x: f32) -> [u16; 3] {
+        let h0 = bf16_bits(x);
+        let r1 = x - widen(h0);
+        let h1 = bf16_bits(r1);
+        let r2 = r1 - widen(h1);
+        [h0, h1, bf16_bits(r2)]
+    }
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut rng = crate::model::SplitMix64::new(seed);
@@ -615,9 +737,9 @@ mod tests {
                         (m, n, k),
                         (dst.as_mut_ptr(), dst_rs),
                         accumulate,
-                        (&a, a_s),
-                        (&b, b_s),
+                        ((&a, a_s), (&b, b_s)),
                         threads,
+                        None,
                     )
                 };
                 for i in 0..m {
@@ -642,6 +764,50 @@ mod tests {
                         assert!(rel < 5e-7, "{m}x{n}x{k} ({i},{j}): {got} vs {sum}: {rel:e}");
                     }
                 }
+            }
+        }
+    }
+
+    /// The vector split equals the scalar one bit for bit, subnormals, infinities and NaN
+    /// included.
+    #[test]
+    fn split16_equals_split() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512 on this CPU");
+            return;
+        }
+        let specials = [
+            0.0,
+            -0.0,
+            1e-40,
+            -3e-39,
+            f32::MIN_POSITIVE,
+            f32::MAX,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x7f80_0001),
+            1.0 + f32::EPSILON * 64.0,
+            1.0 + f32::EPSILON * 192.0,
+        ];
+        let xs: Vec<f32> = values(4096, 11)
+            .into_iter()
+            .chain(specials)
+            .chain((0..4).map(|_| 0.5))
+            .collect();
+        for chunk in xs.chunks_exact(16) {
+            let mut planes = [[0u32; 16]; PLANES];
+            // SAFETY: checked AVX-512F; 16 f32 in, 16 u32 out per plane.
+            unsafe {
+                use std::arch::x86_64::*;
+                let got = split16(_mm512_loadu_ps(chunk.as_ptr()));
+                for (out, v) in planes.iter_mut().zip(got) {
+                    _mm512_storeu_si512(out.as_mut_ptr().cast(), v);
+                }
+            }
+            for (i, &x) in chunk.iter().enumerate() {
+                let got = planes.map(|p| (p[i] >> 16) as u16);
+                assert_eq!(got, split(x), "{x:e} ({:#x})", x.to_bits());
             }
         }
     }

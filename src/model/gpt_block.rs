@@ -14,7 +14,7 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/model_gpt.rs` checks it against the candle path.
 
-use super::kernels::{CausalAttention, Gelu, LayerNorm, Linear};
+use super::kernels::{CausalAttention, Finish, Gelu, LayerNorm, Linear, RowsOut};
 use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
@@ -109,22 +109,44 @@ pub(super) fn forward(
     let kept = |v: Vec<f32>| if keep { v } else { Vec::new() };
     let x = input.flatten_all()?.to_vec1::<f32>()?;
     let ln1 = ln.fwd(&x, &p[r[0].clone()], &p[r[1].clone()])?;
-    let qkv = Linear::fwd(&ln1, &p[r[2].clone()], &p[r[3].clone()])?;
+    let qkv = Linear::fwd_finished(&ln1, &p[r[2].clone()], &Finish::Bias(&p[r[3].clone()]))?;
     let ln1 = kept(ln1);
     let att = shape.attention().forward(&qkv, 3 * c)?;
     let qkv = kept(qkv);
-    let proj = Linear::fwd(&att, &p[r[4].clone()], &p[r[5].clone()])?;
+    // x1 = x + c_proj(att): the residual added as the projection is written.
+    let x1 = Linear::fwd_finished(
+        &att,
+        &p[r[4].clone()],
+        &Finish::BiasResidual(&p[r[5].clone()], &x),
+    )?;
     let att = kept(att);
-    let x1 = sum(&x, &proj);
-    drop((x, proj));
+    drop(x);
     let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()])?;
-    let fc = Linear::fwd(&ln2, &p[r[8].clone()], &p[r[9].clone()])?;
+    // fc = c_fc(ln2) and h = gelu(fc), both written by the product's write-out.
+    let mut fc = Vec::new();
+    let fill = |h: &mut [std::mem::MaybeUninit<f32>]| -> Result<()> {
+        // SAFETY: `h` outlives the product, which alone writes it.
+        let h = unsafe { RowsOut::new(h) };
+        fc = Linear::fwd_finished(
+            &ln2,
+            &p[r[8].clone()],
+            &Finish::BiasGelu(&p[r[9].clone()], h),
+        )?;
+        Ok(())
+    };
+    // SAFETY: on success the product wrote every element of `h` (rows x 4c, checked by
+    // `fwd_finished`); on error `h` is never read.
+    let h = unsafe { super::kernels::written_or(rows * 4 * c, fill) }?;
     let ln2 = kept(ln2);
-    let h = Gelu::fwd(&fc);
     let fc = kept(fc);
-    let fc2 = Linear::fwd(&h, &p[r[10].clone()], &p[r[11].clone()])?;
+    // out = x1 + c_proj(h).
+    let out = Linear::fwd_finished(
+        &h,
+        &p[r[10].clone()],
+        &Finish::BiasResidual(&p[r[11].clone()], &x1),
+    )?;
     let h = kept(h);
-    let out = Tensor::from_vec(sum(&x1, &fc2), (rows, c), &Device::Cpu)?;
+    let out = Tensor::from_vec(out, (rows, c), &Device::Cpu)?;
     let saved = keep.then(|| BlockSaved {
         params: p.to_vec(),
         shape,

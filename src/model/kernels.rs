@@ -225,6 +225,21 @@ unsafe fn written<T: Real>(
     v
 }
 
+/// [`written`] for a `fill` that may fail: the vector only if it succeeded.
+///
+/// # Safety
+/// When `fill` returns `Ok`, it wrote every element of the slice it was given.
+pub(super) unsafe fn written_or<T: Real, E>(
+    len: usize,
+    fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> std::result::Result<(), E>,
+) -> std::result::Result<Vec<T>, E> {
+    let mut v: Vec<T> = Vec::with_capacity(len);
+    fill(&mut v.spare_capacity_mut()[..len])?;
+    // SAFETY: `fill` succeeded, so it wrote all `len` elements (the caller's contract).
+    unsafe { v.set_len(len) };
+    Ok(v)
+}
+
 fn storage_dtype(s: &CpuStorage) -> DType {
     s.dtype()
 }
@@ -628,6 +643,187 @@ fn gemm_written<T: Real>(
     unsafe { written(m * n, fill) }
 }
 
+/// `lhs[m, k] @ rhs[k, n]` (k >= 1) as a new row-major `[m, n]` vector, `finish` applied to
+/// each block as the AMX path writes it, or in one pass over the rows after the `gemm` crate's
+/// product: both orders give the same bits (the finish reads only the finished product).
+fn gemm_finished(
+    (m, n, k): (usize, usize, usize),
+    lhs: Strided<'_, f32>,
+    rhs: Strided<'_, f32>,
+    finish: Option<&Finish<'_>>,
+) -> Vec<f32> {
+    if amx_takes((m, n, k)) {
+        let fill = |dst: &mut [std::mem::MaybeUninit<f32>]| {
+            let threads = match gemm_parallelism() {
+                gemm::Parallelism::Rayon(t) => t,
+                _ => 1,
+            };
+            // SAFETY: `dst` holds m rows of n, aliases no operand; the operands hold every
+            // strided element (`Linear` checked the sizes); `enabled` was checked.
+            unsafe {
+                super::amx::sgemm(
+                    (m, n, k),
+                    (dst.as_mut_ptr().cast::<f32>(), n),
+                    false,
+                    (lhs, rhs),
+                    threads,
+                    finish,
+                )
+            }
+        };
+        // SAFETY: without `accumulate` the AMX product writes every element of the m x n block.
+        return unsafe { written(m * n, fill) };
+    }
+    let mut y = gemm_written((m, n, k), lhs, rhs);
+    if let Some(finish) = finish {
+        y.par_chunks_mut(n * ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(t, rows)| finish.apply(n, (t * ROWS_PER_TASK, 0), (n, rows, n)));
+    }
+    y
+}
+
+/// Whether `gemm_raw` sends an f32 product of these dimensions to AMX.
+fn amx_takes(dims: (usize, usize, usize)) -> bool {
+    super::amx::enabled() && super::amx::worth_it(dims)
+}
+
+/// What a product's write-out does to each row before it lands: fused into the AMX path's
+/// write-out (the block is still in L1), one pass over the rows after the `gemm` crate's. Each arm
+/// repeats the unfused ops' arithmetic in their order, so fusing changes no bit; what it saves is
+/// a pass over the output through memory (and, for the GELU, one over its input).
+pub(super) enum Finish<'a> {
+    /// `y = b + p`: a linear layer's bias.
+    Bias(&'a [f32]),
+    /// `y = r + (b + p)`: the bias, then the residual stream `r` (`[m, n]`) the layer adds to.
+    BiasResidual(&'a [f32], &'a [f32]),
+    /// `y = b + p`, and `gelu(y)` written to `h` (`[m, n]`) as well.
+    BiasGelu(&'a [f32], RowsOut),
+}
+
+/// [`Finish::apply`]'s arguments: the product's width, the first row and column, and the
+/// columns, rows and row stride of the block.
+type FinishArgs<'a> = (usize, (usize, usize), (usize, &'a mut [f32], usize));
+
+/// An `[m, n]` output written through a pointer by tasks that own disjoint rows (the side output
+/// of [`Finish::BiasGelu`]).
+#[derive(Clone, Copy)]
+pub(super) struct RowsOut {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: the writers own disjoint rows (each block or row chunk of the product is one task's).
+unsafe impl Send for RowsOut {}
+// SAFETY: as above.
+unsafe impl Sync for RowsOut {}
+
+impl RowsOut {
+    /// # Safety
+    /// `out` outlives every use, and no one else touches it meanwhile.
+    pub(super) unsafe fn new(out: &mut [std::mem::MaybeUninit<f32>]) -> Self {
+        Self {
+            ptr: out.as_mut_ptr().cast(),
+            len: out.len(),
+        }
+    }
+}
+
+impl Finish<'_> {
+    /// The product's width `n`.
+    fn columns(&self) -> usize {
+        match self {
+            Self::Bias(b) | Self::BiasResidual(b, _) | Self::BiasGelu(b, _) => b.len(),
+        }
+    }
+
+    /// Its `[m, n]` operands hold `m` rows.
+    fn check(&self, m: usize) -> Result<()> {
+        let want = m * self.columns();
+        let len = match self {
+            Self::Bias(_) => want,
+            Self::BiasResidual(_, r) => r.len(),
+            Self::BiasGelu(_, h) => h.len,
+        };
+        if len != want {
+            bail!(
+                "fused write-out: an operand of {len} elements, expected {m} x {}",
+                self.columns()
+            );
+        }
+        Ok(())
+    }
+
+    /// Rows `i0..` of an `[m, n]` product at columns `j0..j0 + cols`, held in `y` `stride` apart.
+    pub(super) fn apply(
+        &self,
+        n: usize,
+        (i0, j0): (usize, usize),
+        (cols, y, stride): (usize, &mut [f32], usize),
+    ) {
+        // Its own per-ISA instances rather than `wide`: a closure this large is not inlined into
+        // `wide`'s, and would run as built (SSE2).
+        let args = (n, (i0, j0), (cols, y, stride));
+        #[cfg(target_arch = "x86_64")]
+        match Width::of_cpu() {
+            // SAFETY: the CPU has AVX-512F and FMA (`Width::of_cpu`).
+            Width::Avx512 => return unsafe { self.apply_avx512(args) },
+            // SAFETY: the CPU has AVX2 and FMA (`Width::of_cpu`).
+            Width::Avx2 => return unsafe { self.apply_avx2(args) },
+            Width::Baseline => {}
+        }
+        self.apply_rows(args.0, args.1, args.2)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,fma")]
+    unsafe fn apply_avx512(&self, args: FinishArgs<'_>) {
+        self.apply_rows(args.0, args.1, args.2)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn apply_avx2(&self, args: FinishArgs<'_>) {
+        self.apply_rows(args.0, args.1, args.2)
+    }
+
+    #[inline(always)]
+    fn apply_rows(
+        &self,
+        n: usize,
+        (i0, j0): (usize, usize),
+        (cols, y, stride): (usize, &mut [f32], usize),
+    ) {
+        {
+            for (r, row) in y.chunks_mut(stride).enumerate() {
+                let row = &mut row[..cols];
+                let at = (i0 + r) * n + j0;
+                match self {
+                    Self::Bias(b) => {
+                        let b = &b[j0..][..cols];
+                        row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
+                    }
+                    Self::BiasResidual(b, res) => {
+                        let (b, res) = (&b[j0..][..cols], &res[at..][..cols]);
+                        for ((y, &b), &r) in row.iter_mut().zip(b).zip(res) {
+                            *y = r + (b + *y);
+                        }
+                    }
+                    Self::BiasGelu(b, h) => {
+                        assert!(at + cols <= h.len, "gelu side output too small");
+                        // SAFETY: in bounds (above); this task owns the row (`RowsOut`).
+                        let h = unsafe { std::slice::from_raw_parts_mut(h.ptr.add(at), cols) };
+                        for ((y, &b), h) in row.iter_mut().zip(&b[j0..][..cols]).zip(h) {
+                            *y += b;
+                            *h = gelu(*y);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The parallelism of a GEMM called on the current rayon pool: the pool's size (a rank's own pool
 /// when the engine runs ranks as threads), capped by candle's thread count (physical cores, or
 /// RAYON_NUM_THREADS).
@@ -687,7 +883,7 @@ unsafe fn gemm_raw<T: Real>(
     assert!(n <= dst_rs, "gemm destination rows overlap");
     assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
-    if T::DTYPE == DType::F32 && super::amx::enabled() && super::amx::worth_it((m, n, k)) {
+    if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
         let threads = match parallelism {
             gemm::Parallelism::Rayon(t) => t,
             _ => 1,
@@ -698,9 +894,12 @@ unsafe fn gemm_raw<T: Real>(
                 (m, n, k),
                 (dst.cast::<f32>(), dst_rs),
                 accumulate,
-                (bytemuck::cast_slice(lhs), (lhs_rs, lhs_cs)),
-                (bytemuck::cast_slice(rhs), (rhs_rs, rhs_cs)),
+                (
+                    (bytemuck::cast_slice(lhs), (lhs_rs, lhs_cs)),
+                    (bytemuck::cast_slice(rhs), (rhs_rs, rhs_cs)),
+                ),
                 threads,
+                None,
             )
         };
         return;
@@ -776,14 +975,36 @@ impl Linear {
             );
         }
         let n = x.len() / inp;
-        // Start from the bias in every row, then accumulate x @ w^T on top.
-        let mut y: Vec<T> = Vec::with_capacity(n * out);
-        for _ in 0..n {
-            y.extend_from_slice(b);
-        }
-        // rhs = w^T: element (k, j) = w[j * inp + k].
-        gemm_into((n, out, inp), &mut y, true, x, (inp, 1), w, (1, inp));
+        // y = x @ w^T (rhs = w^T: element (k, j) = w[j * inp + k]), then the bias on top: the
+        // order of the fused path ([`Finish::Bias`]), so that the two give the same bits.
+        let mut y = gemm_written((n, out, inp), (x, (inp, 1)), (w, (1, inp)));
+        y.par_chunks_mut(out * ROWS_PER_TASK).for_each(|rows| {
+            wide(|| {
+                for row in rows.chunks_mut(out) {
+                    row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
+                }
+            })
+        });
         Ok(y)
+    }
+
+    /// `x @ w^T` for f32 with `finish` (the bias and whatever follows it) applied as each block
+    /// of the product is written: no separate pass over the output. Same bits as [`Self::fwd`]
+    /// followed by the unfused ops.
+    pub(super) fn fwd_finished(x: &[f32], w: &[f32], finish: &Finish<'_>) -> Result<Vec<f32>> {
+        let out = finish.columns();
+        let inp = w.len() / out.max(1);
+        if out == 0 || inp == 0 || w.len() != out * inp || x.len() % inp != 0 {
+            bail!("linear: bad sizes x {} w {} b {out}", x.len(), w.len());
+        }
+        let n = x.len() / inp;
+        finish.check(n)?;
+        Ok(gemm_finished(
+            (n, out, inp),
+            (x, (inp, 1)),
+            (w, (1, inp)),
+            Some(finish),
+        ))
     }
 
     pub(super) fn bwd<T: Real>(x: &[T], w: &[T], dy: &[T], out: usize) -> (Vec<T>, Vec<T>, Vec<T>) {
@@ -995,7 +1216,7 @@ fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
 
 #[cfg(test)]
 mod tests {
-    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide};
+    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, Finish, Gelu, Linear, RowsOut};
 
     /// The distance between `y` and the next f32 away from zero.
     fn ulp(y: f32) -> f64 {
@@ -1054,5 +1275,46 @@ mod tests {
         let tanh = |u: f32| 1.0 - 2.0 / (1.0 + exp_f32(u + u));
         assert_eq!(tanh(50.0), 1.0);
         assert_eq!(tanh(-50.0), -1.0);
+    }
+
+    /// Every fused write-out gives the bits of the unfused ops, on shapes the AMX path takes
+    /// (where the CPU has it: the finish then runs per 32 x 32 block, ragged edges included)
+    /// and on ones it leaves to the gemm crate (one pass over the rows).
+    #[test]
+    fn fused_write_outs_equal_the_unfused_ops_bit_for_bit() {
+        let mut rng = crate::model::SplitMix64::new(5);
+        let mut values = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| (rng.next_f64() as f32 - 0.5) * 2.0)
+                .collect()
+        };
+        for (rows, inp, out) in [(300, 150, 200), (256, 256, 128), (8, 5, 7)] {
+            let (x, w, b, res) = (
+                values(rows * inp),
+                values(out * inp),
+                values(out),
+                values(rows * out),
+            );
+            let plain = Linear::fwd(&x, &w, &b).unwrap();
+            let biased = Linear::fwd_finished(&x, &w, &Finish::Bias(&b)).unwrap();
+            assert!(biased == plain, "{rows}x{inp}x{out}: bias");
+            let with_res = Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res)).unwrap();
+            let want: Vec<f32> = res.iter().zip(&plain).map(|(r, p)| r + p).collect();
+            assert!(with_res == want, "{rows}x{inp}x{out}: residual");
+            let mut fc = Vec::new();
+            let fill = |h: &mut [std::mem::MaybeUninit<f32>]| {
+                // SAFETY: `h` outlives the product, which alone writes it.
+                let h = unsafe { RowsOut::new(h) };
+                fc = Linear::fwd_finished(&x, &w, &Finish::BiasGelu(&b, h))?;
+                Ok::<_, candle_core::Error>(())
+            };
+            // SAFETY: on success the product wrote all of `h`.
+            let h = unsafe { super::written_or(rows * out, fill) }.unwrap();
+            assert!(fc == plain, "{rows}x{inp}x{out}: gelu's input");
+            assert!(h == Gelu::fwd(&plain), "{rows}x{inp}x{out}: gelu");
+        }
+        let (x, w, b) = (values(6), values(6), values(3));
+        let res = values(5);
+        assert!(Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res)).is_err());
     }
 }
