@@ -14,7 +14,7 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/model_gpt.rs` checks it against the candle path.
 
-use super::kernels::{CausalAttention, Finish, Gelu, LayerNorm, Linear, RowsOut};
+use super::kernels::{CausalAttention, Finish, Gelu, LayerNorm, Linear};
 use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
@@ -122,21 +122,8 @@ pub(super) fn forward(
     let att = kept(att);
     drop(x);
     let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()])?;
-    // fc = c_fc(ln2) and h = gelu(fc), both written by the product's write-out.
-    let mut fc = Vec::new();
-    let fill = |h: &mut [std::mem::MaybeUninit<f32>]| -> Result<()> {
-        // SAFETY: `h` outlives the product, which alone writes it.
-        let h = unsafe { RowsOut::new(h) };
-        fc = Linear::fwd_finished(
-            &ln2,
-            &p[r[8].clone()],
-            &Finish::BiasGelu(&p[r[9].clone()], h),
-        )?;
-        Ok(())
-    };
-    // SAFETY: on success the product wrote every element of `h` (rows x 4c, checked by
-    // `fwd_finished`); on error `h` is never read.
-    let h = unsafe { super::kernels::written_or(rows * 4 * c, fill) }?;
+    let fc = Linear::fwd_finished(&ln2, &p[r[8].clone()], &Finish::Bias(&p[r[9].clone()]))?;
+    let h = Gelu::fwd(&fc);
     let ln2 = kept(ln2);
     let fc = kept(fc);
     // out = x1 + c_proj(h).

@@ -225,21 +225,6 @@ unsafe fn written<T: Real>(
     v
 }
 
-/// [`written`] for a `fill` that may fail: the vector only if it succeeded.
-///
-/// # Safety
-/// When `fill` returns `Ok`, it wrote every element of the slice it was given.
-pub(super) unsafe fn written_or<T: Real, E>(
-    len: usize,
-    fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>]) -> std::result::Result<(), E>,
-) -> std::result::Result<Vec<T>, E> {
-    let mut v: Vec<T> = Vec::with_capacity(len);
-    fill(&mut v.spare_capacity_mut()[..len])?;
-    // SAFETY: `fill` succeeded, so it wrote all `len` elements (the caller's contract).
-    unsafe { v.set_len(len) };
-    Ok(v)
-}
-
 fn storage_dtype(s: &CpuStorage) -> DType {
     s.dtype()
 }
@@ -691,49 +676,25 @@ fn amx_takes(dims: (usize, usize, usize)) -> bool {
 /// What a product's write-out does to each row before it lands: fused into the AMX path's
 /// write-out (the block is still in L1), one pass over the rows after the `gemm` crate's. Each arm
 /// repeats the unfused ops' arithmetic in their order, so fusing changes no bit; what it saves is
-/// a pass over the output through memory (and, for the GELU, one over its input).
+/// a pass over the output through memory. (The GELU fused here too ran slower than its own
+/// streaming pass: its second output, written a 32 x 32 block at a time with rows 4 KiB apart,
+/// missed where the streaming pass is prefetched.)
 pub(super) enum Finish<'a> {
     /// `y = b + p`: a linear layer's bias.
     Bias(&'a [f32]),
     /// `y = r + (b + p)`: the bias, then the residual stream `r` (`[m, n]`) the layer adds to.
     BiasResidual(&'a [f32], &'a [f32]),
-    /// `y = b + p`, and `gelu(y)` written to `h` (`[m, n]`) as well.
-    BiasGelu(&'a [f32], RowsOut),
 }
 
 /// [`Finish::apply`]'s arguments: the product's width, the first row and column, and the
 /// columns, rows and row stride of the block.
 type FinishArgs<'a> = (usize, (usize, usize), (usize, &'a mut [f32], usize));
 
-/// An `[m, n]` output written through a pointer by tasks that own disjoint rows (the side output
-/// of [`Finish::BiasGelu`]).
-#[derive(Clone, Copy)]
-pub(super) struct RowsOut {
-    ptr: *mut f32,
-    len: usize,
-}
-
-// SAFETY: the writers own disjoint rows (each block or row chunk of the product is one task's).
-unsafe impl Send for RowsOut {}
-// SAFETY: as above.
-unsafe impl Sync for RowsOut {}
-
-impl RowsOut {
-    /// # Safety
-    /// `out` outlives every use, and no one else touches it meanwhile.
-    pub(super) unsafe fn new(out: &mut [std::mem::MaybeUninit<f32>]) -> Self {
-        Self {
-            ptr: out.as_mut_ptr().cast(),
-            len: out.len(),
-        }
-    }
-}
-
 impl Finish<'_> {
     /// The product's width `n`.
     fn columns(&self) -> usize {
         match self {
-            Self::Bias(b) | Self::BiasResidual(b, _) | Self::BiasGelu(b, _) => b.len(),
+            Self::Bias(b) | Self::BiasResidual(b, _) => b.len(),
         }
     }
 
@@ -743,7 +704,6 @@ impl Finish<'_> {
         let len = match self {
             Self::Bias(_) => want,
             Self::BiasResidual(_, r) => r.len(),
-            Self::BiasGelu(_, h) => h.len,
         };
         if len != want {
             bail!(
@@ -807,15 +767,6 @@ impl Finish<'_> {
                         let (b, res) = (&b[j0..][..cols], &res[at..][..cols]);
                         for ((y, &b), &r) in row.iter_mut().zip(b).zip(res) {
                             *y = r + (b + *y);
-                        }
-                    }
-                    Self::BiasGelu(b, h) => {
-                        assert!(at + cols <= h.len, "gelu side output too small");
-                        // SAFETY: in bounds (above); this task owns the row (`RowsOut`).
-                        let h = unsafe { std::slice::from_raw_parts_mut(h.ptr.add(at), cols) };
-                        for ((y, &b), h) in row.iter_mut().zip(&b[j0..][..cols]).zip(h) {
-                            *y += b;
-                            *h = gelu(*y);
                         }
                     }
                 }
@@ -1216,7 +1167,7 @@ fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
 
 #[cfg(test)]
 mod tests {
-    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, Finish, Gelu, Linear, RowsOut};
+    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, Finish, Linear};
 
     /// The distance between `y` and the next f32 away from zero.
     fn ulp(y: f32) -> f64 {
@@ -1301,17 +1252,6 @@ mod tests {
             let with_res = Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res)).unwrap();
             let want: Vec<f32> = res.iter().zip(&plain).map(|(r, p)| r + p).collect();
             assert!(with_res == want, "{rows}x{inp}x{out}: residual");
-            let mut fc = Vec::new();
-            let fill = |h: &mut [std::mem::MaybeUninit<f32>]| {
-                // SAFETY: `h` outlives the product, which alone writes it.
-                let h = unsafe { RowsOut::new(h) };
-                fc = Linear::fwd_finished(&x, &w, &Finish::BiasGelu(&b, h))?;
-                Ok::<_, candle_core::Error>(())
-            };
-            // SAFETY: on success the product wrote all of `h`.
-            let h = unsafe { super::written_or(rows * out, fill) }.unwrap();
-            assert!(fc == plain, "{rows}x{inp}x{out}: gelu's input");
-            assert!(h == Gelu::fwd(&plain), "{rows}x{inp}x{out}: gelu");
         }
         let (x, w, b) = (values(6), values(6), values(3));
         let res = values(5);
