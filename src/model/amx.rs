@@ -144,9 +144,9 @@ macro_rules! dp {
 ///
 /// # Safety
 /// This thread's tiles are configured with [`TILE_CONFIG`]; `a` and `b` hold `kp / KB` steps of
-/// a packed block and panel, `c` 32 x 32 f32.
+/// a packed block and panel; `c` is valid for writes of 32 rows of 32 f32, `c_rs` apart.
 #[inline(always)]
-unsafe fn kernel(a: *const u16, b: *const u16, kp: usize, c: *mut f32) {
+unsafe fn kernel(a: *const u16, b: *const u16, kp: usize, (c, c_rs): (*mut f32, usize)) {
     let step = PLANES * MR * KB;
     let a_tile = |kb: usize, p: usize| unsafe { a.add(kb * step + p * MR * KB) };
     let b_tile = |kb: usize, p: usize| unsafe { b.add(kb * step + p * KB * NR) };
@@ -213,11 +213,11 @@ unsafe fn kernel(a: *const u16, b: *const u16, kp: usize, c: *mut f32) {
                 dp!("3", "5", "7");
             }
         }
-        let s = NR * 4;
+        let s = c_rs * 4;
         asm!("tilestored [{p} + {s}*1], tmm0", p = in(reg) c, s = in(reg) s, options(nostack));
         asm!("tilestored [{p} + {s}*1], tmm1", p = in(reg) c.add(16), s = in(reg) s, options(nostack));
-        asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) c.add(16 * NR), s = in(reg) s, options(nostack));
-        asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) c.add(16 * NR + 16), s = in(reg) s, options(nostack));
+        asm!("tilestored [{p} + {s}*1], tmm2", p = in(reg) c.add(16 * c_rs), s = in(reg) s, options(nostack));
+        asm!("tilestored [{p} + {s}*1], tmm3", p = in(reg) c.add(16 * c_rs + 16), s = in(reg) s, options(nostack));
     }
 }
 
@@ -349,6 +349,9 @@ unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) 
     // 32 x 32 gather through a scratch block).
     for r in 0..MR {
         let row = (r < rows).then(|| &a.0[(r0 + r) * a.1 .0..]);
+        if r + AHEAD < rows && full_steps > 0 {
+            prefetch_lines(&a.0[(r0 + r + AHEAD) * a.1 .0..][..full_steps * KB]);
+        }
         for kb in 0..full_steps {
             let o = &mut out[kb * step_len..][..step_len];
             // SAFETY: a full step reads elements kb*KB..kb*KB+32 of the row, inside `a` (the
@@ -377,6 +380,22 @@ unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) 
                 store_a_row(o, r, lo, _mm512_loadu_ps(row.as_ptr().add(16)));
             }
         }
+    }
+}
+
+/// Rows of A fetched ahead of the one being packed.
+const AHEAD: usize = 2;
+
+/// Asks for every cache line of `x` (a hint: it reads nothing the program sees).
+#[inline(always)]
+fn prefetch_lines(x: &[f32]) {
+    for line in x.chunks(16) {
+        // SAFETY: a prefetch never faults and reads nothing; the address is inside `x`.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                line.as_ptr().cast(),
+            )
+        };
     }
 }
 
@@ -416,32 +435,85 @@ unsafe fn store_a_row(
 /// The CPU has AVX-512F/BW/VL (every AMX CPU has).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_b(b: Mat<'_>, c0: usize, cols: usize, k: usize, out: &mut [u16]) {
-    use std::arch::x86_64::*;
-    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    let step_len = PLANES * KB * NR;
     let mut t = [[0f32; 32]; 32];
     for kb in 0..k.div_ceil(KB) {
         let k0 = kb * KB;
         gather(b, (k0, (k - k0).min(KB)), (c0, cols), &mut t);
-        let o = &mut out[kb * PLANES * KB * NR..][..PLANES * KB * NR];
+        let o = &mut out[kb * step_len..][..step_len];
         for half in 0..2 {
             for pair in 0..KB / 2 {
-                // SAFETY: rows 2 pair and 2 pair + 1 of `t` hold 16 columns from 16 half; each
-                // store writes the 16 (column, pair) words of one plane, inside `o`.
-                unsafe {
-                    let even = split16(_mm512_loadu_ps(t[2 * pair][16 * half..].as_ptr()));
-                    let odd = split16(_mm512_loadu_ps(t[2 * pair + 1][16 * half..].as_ptr()));
-                    for p in 0..PLANES {
-                        // Lane j: the even row's bf16 in the low word, the odd row's above it.
-                        let words = _mm512_or_si512(
-                            _mm512_srli_epi32::<16>(even[p]),
-                            _mm512_and_si512(odd[p], high),
-                        );
-                        let at = p * KB * NR + (half * 16 + pair) * 32;
-                        _mm512_storeu_si512(o[at..].as_mut_ptr().cast(), words);
-                    }
+                let (even, odd) = (&t[2 * pair][16 * half..], &t[2 * pair + 1][16 * half..]);
+                // SAFETY: 16 elements of each row; `o` is a whole step.
+                unsafe { store_b_pair(o, (half, pair), even.as_ptr(), odd.as_ptr()) };
+            }
+        }
+    }
+}
+
+/// Packs every full 32-column panel of B (k x n) with contiguous rows (column stride 1) into
+/// `out` (panels `panel_len` apart, each laid out as [`pack_b`]'s), for the full 32-row steps of
+/// k, in one pass down B's rows: each row read once, left to right, where packing panel by panel
+/// reads 128 bytes of every row per panel (rows up to 16 KiB apart, which the hardware
+/// prefetchers do not follow).
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/VL; B's rows are contiguous and hold n elements each; `n` and `k`
+/// are multiples of 32; `out` holds `n / NR` panels of `panel_len`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_b_rows(b: Mat<'_>, (n, k): (usize, usize), out: &mut [u16], panel_len: usize) {
+    let step_len = PLANES * KB * NR;
+    for kb in 0..k / KB {
+        for pair in 0..KB / 2 {
+            let row = kb * KB + 2 * pair;
+            for ahead in (row + 2 * AHEAD..k).take(2) {
+                prefetch_lines(&b.0[ahead * b.1 .0..][..n]);
+            }
+            let even = &b.0[row * b.1 .0..][..n];
+            let odd = &b.0[(row + 1) * b.1 .0..][..n];
+            for (nb, panel) in out.chunks_mut(panel_len).take(n / NR).enumerate() {
+                let o = &mut panel[kb * step_len..][..step_len];
+                for half in 0..2 {
+                    let c = nb * NR + 16 * half;
+                    // SAFETY: columns c..c+16 < n of both rows; `o` is a whole step.
+                    unsafe { store_b_pair(o, (half, pair), even[c..].as_ptr(), odd[c..].as_ptr()) };
                 }
             }
         }
+    }
+}
+
+/// Splits 16 columns of two consecutive rows of B (`even`, `odd`) and writes them as the VNNI
+/// pairs `pair` of `half` in each plane of the packed step `o`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `even` and `odd` are valid for 16 reads; `o` holds a whole step.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_b_pair(
+    o: &mut [u16],
+    (half, pair): (usize, usize),
+    even: *const f32,
+    odd: *const f32,
+) {
+    use std::arch::x86_64::*;
+    let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+    // SAFETY: the caller's contract.
+    let (even, odd) = unsafe {
+        (
+            split16(_mm512_loadu_ps(even)),
+            split16(_mm512_loadu_ps(odd)),
+        )
+    };
+    for p in 0..PLANES {
+        // Lane j: the even row's bf16 in the low word, the odd row's above it.
+        let words = _mm512_or_si512(
+            _mm512_srli_epi32::<16>(even[p]),
+            _mm512_and_si512(odd[p], high),
+        );
+        let at = p * KB * NR + (half * 16 + pair) * 32;
+        // SAFETY: 32 u16 inside the step.
+        unsafe { _mm512_storeu_si512(o[at..][..32].as_mut_ptr().cast(), words) };
     }
 }
 
@@ -547,6 +619,9 @@ pub(super) unsafe fn sgemm(
     let dst = Dst(dst);
     if threads > 1 {
         b_packed.par_chunks_mut(panel).enumerate().for_each(pack);
+    } else if b.1 .1 == 1 && k % KB == 0 && n % NR == 0 {
+        // SAFETY: AMX CPUs have AVX-512; B's rows are contiguous and hold n; every panel is full.
+        unsafe { pack_b_rows(b, (n, k), b_packed, panel) };
     } else {
         b_packed.chunks_mut(panel).enumerate().for_each(pack);
     }
@@ -600,6 +675,7 @@ unsafe fn group_product(
         unsafe { pack_a(a, r0, (m - r0).min(MR), k, block) };
     }
     let mut c = [0f32; MR * NR];
+    let direct = !out.accumulate && out.finish.is_none();
     // SAFETY: the tile state was granted (`enabled`); the config is a valid palette 1.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &TILE_CONFIG, options(nostack, readonly)) };
     for (nb, panel) in b_packed.chunks(panel).enumerate() {
@@ -608,9 +684,16 @@ unsafe fn group_product(
             let r0 = (first + i) * MR;
             // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32; the
             // block's rows and columns lie inside the caller's destination, this group's.
+            let rows = (m - r0).min(MR);
             unsafe {
-                kernel(block.as_ptr(), panel.as_ptr(), kp, c.as_mut_ptr());
-                write_out(&out, n, (r0, (m - r0).min(MR)), (c0, cols), &mut c);
+                if direct && rows == MR && cols == NR {
+                    // A whole block with nothing to add: the tiles store straight into dst.
+                    let d = out.dst.0.add(r0 * out.dst_rs + c0);
+                    kernel(block.as_ptr(), panel.as_ptr(), kp, (d, out.dst_rs));
+                } else {
+                    kernel(block.as_ptr(), panel.as_ptr(), kp, (c.as_mut_ptr(), NR));
+                    write_out(&out, n, (r0, rows), (c0, cols), &mut c);
+                }
             }
         }
     }
