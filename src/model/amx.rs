@@ -368,8 +368,27 @@ unsafe fn pack_a(a: Mat<'_>, r0: usize, rows: usize, k: usize, out: &mut [u16]) 
             }
         }
     }
+    // SAFETY: the caller's contract.
+    unsafe { pack_a_gathered(a, (r0, rows), full_steps..k.div_ceil(KB), k, out) };
+}
+
+/// Packs steps `steps` of rows r0..r0+rows (<= MR) of A (m x k) into `out` (laid out as
+/// [`pack_a`]'s) through a 32 x 32 gather: any strides, ragged edges zero-filled.
+///
+/// # Safety
+/// The CPU has AVX-512F/BW/VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn pack_a_gathered(
+    a: Mat<'_>,
+    (r0, rows): (usize, usize),
+    steps: std::ops::Range<usize>,
+    k: usize,
+    out: &mut [u16],
+) {
+    use std::arch::x86_64::*;
+    let step_len = PLANES * MR * KB;
     let mut t = [[0f32; 32]; 32];
-    for kb in full_steps..k.div_ceil(KB) {
+    for kb in steps {
         let c0 = kb * KB;
         gather(a, (r0, rows), (c0, (k - c0).min(KB)), &mut t);
         let o = &mut out[kb * step_len..][..step_len];
@@ -669,10 +688,23 @@ unsafe fn group_product(
     let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
     let mut ap = A_PACK.take();
     let a_packed = ap.slice(blocks * ablock);
-    for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
-        let r0 = (first + i) * MR;
-        // SAFETY: AMX CPUs have AVX-512.
-        unsafe { pack_a(a, r0, (m - r0).min(MR), k, block) };
+    if a.1 .0 == 1 && a.1 .1 != 1 {
+        // A transposed (its columns contiguous): step by step across the group's blocks, so
+        // that each source row is read along the group's whole width at once, not 128 bytes of
+        // it per block.
+        for kb in 0..kp / KB {
+            for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
+                let r0 = (first + i) * MR;
+                // SAFETY: AMX CPUs have AVX-512.
+                unsafe { pack_a_gathered(a, (r0, (m - r0).min(MR)), kb..kb + 1, k, block) };
+            }
+        }
+    } else {
+        for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
+            let r0 = (first + i) * MR;
+            // SAFETY: AMX CPUs have AVX-512.
+            unsafe { pack_a(a, r0, (m - r0).min(MR), k, block) };
+        }
     }
     let mut c = [0f32; MR * NR];
     let direct = !out.accumulate && out.finish.is_none();
