@@ -717,6 +717,20 @@ unsafe fn group_product(
             // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32; the
             // block's rows and columns lie inside the caller's destination, this group's.
             let rows = (m - r0).min(MR);
+            // The block's destination lines, asked for with intent to write: their misses then
+            // resolve while the block computes instead of stalling its stores at the end.
+            for r in 0..rows {
+                let d = out.dst.0.wrapping_add((r0 + r) * out.dst_rs + c0);
+                for line in (0..cols).step_by(16) {
+                    // SAFETY: a prefetch never faults and reads nothing; the address is inside
+                    // the destination (row r0 + r, column c0 + line < n).
+                    unsafe {
+                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
+                            d.wrapping_add(line).cast(),
+                        )
+                    };
+                }
+            }
             unsafe {
                 if direct && rows == MR && cols == NR {
                     // A whole block with nothing to add: the tiles store straight into dst.
