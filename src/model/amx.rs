@@ -18,6 +18,13 @@
 //! 64 contiguous, line-aligned bytes; a 32 x 32 block of C lives in four accumulator tiles over
 //! the whole k. Buffers are per thread and grow to the largest product seen, then stay.
 //!
+//! Packing reads 4 bytes and writes 6 per element, and in a training step its operands come from
+//! memory, not cache: it is bandwidth- and latency-bound, so it reads each source row whole and
+//! in order (a row-contiguous B packs all its panels in one pass down its rows; a transposed A
+//! packs step by step across a group's blocks), asks for rows a few ahead, and splits 16 lanes
+//! at a time. Each block's destination lines are prefetched for writing before its product, and a
+//! whole block with nothing to add or finish is stored by the tiles straight into place.
+//!
 //! Non-finite inputs give non-finite outputs (an infinity may come out as NaN: `inf - inf` in the
 //! split); inputs whose bf16 rounding overflows (|x| above 3.39e38) likewise.
 //!
