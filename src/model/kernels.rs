@@ -114,7 +114,9 @@ pub(super) fn lit<T: Real>(x: f64) -> T {
 
 /// Runs an element-wise loop compiled for AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) when the
 /// CPU has it, else as built (SSE2 on x86-64). `f` is inlined into the wide function, so that its
-/// loop is vectorised at that width; every build gives the same bits (Rust never contracts
+/// loop is vectorised at that width; a large closure needs `#[inline(always)]` for that (LLVM
+/// otherwise leaves it a call, compiled as built: the layer norms ran as SSE2 so); every build
+/// gives the same bits (Rust never contracts
 /// `a * b + c` into a fused multiply-add on its own, an explicit [`Real::mul_add`] is one rounding
 /// on every path, and the lane sums fix their order in the source).
 #[inline(always)]
@@ -355,14 +357,17 @@ impl LayerNorm {
             y.par_chunks_mut(cols * ROWS_PER_TASK)
                 .zip(x.par_chunks(cols * ROWS_PER_TASK))
                 .for_each(|(ys, xs)| {
-                    wide(|| {
-                        for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
-                            let (mean, rstd) = ln_stats(xr, self.eps);
-                            for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
-                                y.write((x - mean) * rstd * w + b);
+                    wide(
+                        #[inline(always)]
+                        || {
+                            for (yr, xr) in ys.chunks_mut(cols).zip(xs.chunks(cols)) {
+                                let (mean, rstd) = ln_stats(xr, self.eps);
+                                for (((y, &x), &w), &b) in yr.iter_mut().zip(xr).zip(w).zip(b) {
+                                    y.write((x - mean) * rstd * w + b);
+                                }
                             }
-                        }
-                    })
+                        },
+                    )
                 })
         };
         // SAFETY: `y`'s chunks and rows pair with `x`'s, of the same lengths, and `w` and `b`
@@ -383,30 +388,33 @@ impl LayerNorm {
                 let mut db = vec![lit::<T>(0.0); cols];
                 // Per row: xhat into dx (reused as scratch), the weight and bias gradients, then
                 // the two row means and dx itself; every loop element-wise or a lane sum.
-                wide(|| {
-                    for ((dxr, xr), dyr) in dxs
-                        .chunks_mut(cols)
-                        .zip(xs.chunks(cols))
-                        .zip(dys.chunks(cols))
-                    {
-                        let (mean, rstd) = ln_stats(xr, self.eps);
-                        for (xhat, &x) in dxr.iter_mut().zip(xr) {
-                            *xhat = (x - mean) * rstd;
-                        }
-                        for (((dw, db), &g), &xhat) in
-                            dw.iter_mut().zip(&mut db).zip(dyr).zip(&*dxr)
+                wide(
+                    #[inline(always)]
+                    || {
+                        for ((dxr, xr), dyr) in dxs
+                            .chunks_mut(cols)
+                            .zip(xs.chunks(cols))
+                            .zip(dys.chunks(cols))
                         {
-                            *dw += g * xhat;
-                            *db += g;
+                            let (mean, rstd) = ln_stats(xr, self.eps);
+                            for (xhat, &x) in dxr.iter_mut().zip(xr) {
+                                *xhat = (x - mean) * rstd;
+                            }
+                            for (((dw, db), &g), &xhat) in
+                                dw.iter_mut().zip(&mut db).zip(dyr).zip(&*dxr)
+                            {
+                                *dw += g * xhat;
+                                *db += g;
+                            }
+                            let (sum_g, sum_gx) = lane_sums_g_gx(dyr, w, dxr);
+                            let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
+                            for ((dx, &g), &w) in dxr.iter_mut().zip(dyr).zip(w) {
+                                let xhat = *dx;
+                                *dx = rstd * (g * w - mean_g - xhat * mean_gx);
+                            }
                         }
-                        let (sum_g, sum_gx) = lane_sums_g_gx(dyr, w, dxr);
-                        let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
-                        for ((dx, &g), &w) in dxr.iter_mut().zip(dyr).zip(w) {
-                            let xhat = *dx;
-                            *dx = rstd * (g * w - mean_g - xhat * mean_gx);
-                        }
-                    }
-                });
+                    },
+                );
                 (dw, db)
             })
             .collect();
@@ -507,11 +515,14 @@ impl Gelu {
             y.par_chunks_mut(ELEMS_PER_TASK)
                 .zip(x.par_chunks(ELEMS_PER_TASK))
                 .for_each(|(ys, xs)| {
-                    wide(|| {
-                        for (y, &x) in ys.iter_mut().zip(xs) {
-                            y.write(gelu(x));
-                        }
-                    })
+                    wide(
+                        #[inline(always)]
+                        || {
+                            for (y, &x) in ys.iter_mut().zip(xs) {
+                                y.write(gelu(x));
+                            }
+                        },
+                    )
                 })
         };
         // SAFETY: `y`'s chunks pair with `x`'s, of the same lengths: every element is written.
@@ -531,11 +542,14 @@ impl Gelu {
                 .zip(x.par_chunks(ELEMS_PER_TASK))
                 .zip(dy.par_chunks(ELEMS_PER_TASK))
                 .for_each(|((d, xs), gs)| {
-                    wide(|| {
-                        for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
-                            d.write(g * gelu_grad(x));
-                        }
-                    })
+                    wide(
+                        #[inline(always)]
+                        || {
+                            for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                                d.write(g * gelu_grad(x));
+                            }
+                        },
+                    )
                 })
         };
         // SAFETY: as in `fwd`, `dy` as long as `x` (checked): every element is written.
@@ -686,10 +700,6 @@ pub(super) enum Finish<'a> {
     BiasResidual(&'a [f32], &'a [f32]),
 }
 
-/// [`Finish::apply`]'s arguments: the product's width, the first row and column, and the
-/// columns, rows and row stride of the block.
-type FinishArgs<'a> = (usize, (usize, usize), (usize, &'a mut [f32], usize));
-
 impl Finish<'_> {
     /// The product's width `n`.
     fn columns(&self) -> usize {
@@ -721,30 +731,12 @@ impl Finish<'_> {
         (i0, j0): (usize, usize),
         (cols, y, stride): (usize, &mut [f32], usize),
     ) {
-        // Its own per-ISA instances rather than `wide`: a closure this large is not inlined into
-        // `wide`'s, and would run as built (SSE2).
-        let args = (n, (i0, j0), (cols, y, stride));
-        #[cfg(target_arch = "x86_64")]
-        match Width::of_cpu() {
-            // SAFETY: the CPU has AVX-512F and FMA (`Width::of_cpu`).
-            Width::Avx512 => return unsafe { self.apply_avx512(args) },
-            // SAFETY: the CPU has AVX2 and FMA (`Width::of_cpu`).
-            Width::Avx2 => return unsafe { self.apply_avx2(args) },
-            Width::Baseline => {}
-        }
-        self.apply_rows(args.0, args.1, args.2)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,fma")]
-    unsafe fn apply_avx512(&self, args: FinishArgs<'_>) {
-        self.apply_rows(args.0, args.1, args.2)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn apply_avx2(&self, args: FinishArgs<'_>) {
-        self.apply_rows(args.0, args.1, args.2)
+        // `inline(always)`: a closure this large is otherwise not inlined into `wide`'s vector
+        // instances and runs as built (SSE2).
+        wide(
+            #[inline(always)]
+            || self.apply_rows(n, (i0, j0), (cols, y, stride)),
+        )
     }
 
     #[inline(always)]
@@ -930,11 +922,14 @@ impl Linear {
         // order of the fused path ([`Finish::Bias`]), so that the two give the same bits.
         let mut y = gemm_written((n, out, inp), (x, (inp, 1)), (w, (1, inp)));
         y.par_chunks_mut(out * ROWS_PER_TASK).for_each(|rows| {
-            wide(|| {
-                for row in rows.chunks_mut(out) {
-                    row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
-                }
-            })
+            wide(
+                #[inline(always)]
+                || {
+                    for row in rows.chunks_mut(out) {
+                        row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
+                    }
+                },
+            )
         });
         Ok(y)
     }
@@ -1207,11 +1202,14 @@ mod tests {
         let x: Vec<f32> = (0..10_007)
             .map(|i| ((i as f32) * 0.618_034).sin() * 9.0 - (i % 7) as f32)
             .collect();
-        let wide_out = wide(|| {
-            let y: Vec<u32> = x.iter().map(|&v| gelu(v).to_bits()).collect();
-            let g: Vec<u32> = x.iter().map(|&v| gelu_grad(v).to_bits()).collect();
-            (y, g, lane_sum(&x, |v| v * v).to_bits())
-        });
+        let wide_out = wide(
+            #[inline(always)]
+            || {
+                let y: Vec<u32> = x.iter().map(|&v| gelu(v).to_bits()).collect();
+                let g: Vec<u32> = x.iter().map(|&v| gelu_grad(v).to_bits()).collect();
+                (y, g, lane_sum(&x, |v| v * v).to_bits())
+            },
+        );
         assert!(wide_out == scalar(&x));
     }
 
