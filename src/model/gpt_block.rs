@@ -14,7 +14,7 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/model_gpt.rs` checks it against the candle path.
 
-use super::kernels::{CausalAttention, Finish, Gelu, LayerNorm, Linear};
+use super::kernels::{wide, CausalAttention, Finish, Gelu, LayerNorm, Linear};
 use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
@@ -84,7 +84,7 @@ impl BlockShape {
 }
 
 fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
-    a.iter().zip(b).map(|(&a, &b)| a + b).collect()
+    wide(|| a.iter().zip(b).map(|(&a, &b)| a + b).collect())
 }
 
 /// The block's forward on `input` (`[rows, width]`) with its flat parameters `p`: the output, and

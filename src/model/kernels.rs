@@ -986,9 +986,11 @@ impl Linear {
             .par_chunks(out * ROWS_PER_TASK)
             .map(|rows| {
                 let mut acc = vec![lit::<T>(0.0); out];
-                for r in rows.chunks(out) {
-                    acc.iter_mut().zip(r).for_each(|(a, &g)| *a += g);
-                }
+                wide(|| {
+                    for r in rows.chunks(out) {
+                        acc.iter_mut().zip(r).for_each(|(a, &g)| *a += g);
+                    }
+                });
                 acc
             })
             .collect();
