@@ -115,10 +115,10 @@ pub(super) fn lit<T: Real>(x: f64) -> T {
 /// Runs an element-wise loop compiled for AVX-512 (16 lanes) or AVX2 with FMA (8 lanes) when the
 /// CPU has it, else as built (SSE2 on x86-64). `f` is inlined into the wide function, so that its
 /// loop is vectorised at that width; a large closure needs `#[inline(always)]` for that (LLVM
-/// otherwise leaves it a call, compiled as built: the layer norms ran as SSE2 so); every build
-/// gives the same bits (Rust never contracts
-/// `a * b + c` into a fused multiply-add on its own, an explicit [`Real::mul_add`] is one rounding
-/// on every path, and the lane sums fix their order in the source).
+/// otherwise leaves it a call, compiled as built: the layer norms ran as SSE2 so). Every build
+/// gives the same bits (Rust never contracts `a * b + c` into a fused multiply-add on its own, an
+/// explicit [`Real::mul_add`] is one rounding on every path, and the lane sums fix their order in
+/// the source).
 #[inline(always)]
 pub(super) fn wide<R>(f: impl FnOnce() -> R) -> R {
     #[cfg(target_arch = "x86_64")]
@@ -746,20 +746,18 @@ impl Finish<'_> {
         (i0, j0): (usize, usize),
         (cols, y, stride): (usize, &mut [f32], usize),
     ) {
-        {
-            for (r, row) in y.chunks_mut(stride).enumerate() {
-                let row = &mut row[..cols];
-                let at = (i0 + r) * n + j0;
-                match self {
-                    Self::Bias(b) => {
-                        let b = &b[j0..][..cols];
-                        row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
-                    }
-                    Self::BiasResidual(b, res) => {
-                        let (b, res) = (&b[j0..][..cols], &res[at..][..cols]);
-                        for ((y, &b), &r) in row.iter_mut().zip(b).zip(res) {
-                            *y = r + (b + *y);
-                        }
+        for (r, row) in y.chunks_mut(stride).enumerate() {
+            let row = &mut row[..cols];
+            let at = (i0 + r) * n + j0;
+            match self {
+                Self::Bias(b) => {
+                    let b = &b[j0..][..cols];
+                    row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
+                }
+                Self::BiasResidual(b, res) => {
+                    let (b, res) = (&b[j0..][..cols], &res[at..][..cols]);
+                    for ((y, &b), &r) in row.iter_mut().zip(b).zip(res) {
+                        *y = r + (b + *y);
                     }
                 }
             }
