@@ -628,7 +628,7 @@ pub(super) unsafe fn sgemm(
     accumulate: bool,
     (a, b): (Mat<'_>, Mat<'_>),
     threads: usize,
-    finish: Option<&Finish<'_>>,
+    finish: Option<&Finish<'_, f32>>,
 ) {
     let kp = padded(k);
     let panel = b_panel_len(kp);
@@ -760,7 +760,7 @@ struct Out<'a> {
     dst: Dst,
     dst_rs: usize,
     accumulate: bool,
-    finish: Option<&'a Finish<'a>>,
+    finish: Option<&'a Finish<'a, f32>>,
 }
 
 /// Writes the `rows` x `cols` valid part of block `c` (rows `r0..`, columns `c0..` of an

@@ -645,41 +645,47 @@ fn gemm_written<T: Real>(
 /// `lhs[m, k] @ rhs[k, n]` (k >= 1) as a new row-major `[m, n]` vector, `finish` applied to
 /// each block as the AMX path writes it, or in one pass over the rows after the `gemm` crate's
 /// product: both orders give the same bits (the finish reads only the finished product).
-fn gemm_finished(
+fn gemm_finished<T: Real>(
     (m, n, k): (usize, usize, usize),
-    lhs: Strided<'_, f32>,
-    rhs: Strided<'_, f32>,
-    finish: Option<&Finish<'_>>,
-) -> Vec<f32> {
-    if amx_takes((m, n, k)) {
-        let fill = |dst: &mut [std::mem::MaybeUninit<f32>]| {
-            let threads = match gemm_parallelism() {
-                gemm::Parallelism::Rayon(t) => t,
-                _ => 1,
-            };
+    (lhs, lhs_strides): Strided<'_, T>,
+    (rhs, rhs_strides): Strided<'_, T>,
+    finish: &Finish<'_, T>,
+) -> Vec<T> {
+    if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
+        let fill = |dst: &mut [std::mem::MaybeUninit<T>]| {
+            let operands = (
+                (bytemuck::cast_slice(lhs), lhs_strides),
+                (bytemuck::cast_slice(rhs), rhs_strides),
+            );
             // SAFETY: `dst` holds m rows of n, aliases no operand; the operands hold every
-            // strided element (`Linear` checked the sizes); `enabled` was checked.
+            // strided element (`Linear` checked the sizes); `enabled` was checked; T is f32.
             unsafe {
                 super::amx::sgemm(
                     (m, n, k),
                     (dst.as_mut_ptr().cast::<f32>(), n),
                     false,
-                    (lhs, rhs),
-                    threads,
-                    finish,
+                    operands,
+                    amx_threads(gemm_parallelism()),
+                    Some(&finish.as_f32()),
                 )
             }
         };
         // SAFETY: without `accumulate` the AMX product writes every element of the m x n block.
         return unsafe { written(m * n, fill) };
     }
-    let mut y = gemm_written((m, n, k), lhs, rhs);
-    if let Some(finish) = finish {
-        y.par_chunks_mut(n * ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(t, rows)| finish.apply(n, (t * ROWS_PER_TASK, 0), (n, rows, n)));
-    }
+    let mut y = gemm_written((m, n, k), (lhs, lhs_strides), (rhs, rhs_strides));
+    y.par_chunks_mut(n * ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(t, rows)| finish.apply(n, (t * ROWS_PER_TASK, 0), (n, rows, n)));
     y
+}
+
+/// The threads an AMX product runs on under `parallelism`.
+fn amx_threads(parallelism: gemm::Parallelism) -> usize {
+    match parallelism {
+        gemm::Parallelism::Rayon(t) => t,
+        _ => 1,
+    }
 }
 
 /// Whether `gemm_raw` sends an f32 product of these dimensions to AMX.
@@ -693,14 +699,25 @@ fn amx_takes(dims: (usize, usize, usize)) -> bool {
 /// a pass over the output through memory. (The GELU fused here too ran slower than its own
 /// streaming pass: its second output, written a 32 x 32 block at a time with rows 4 KiB apart,
 /// missed where the streaming pass is prefetched.)
-pub(super) enum Finish<'a> {
+pub(super) enum Finish<'a, T> {
     /// `y = b + p`: a linear layer's bias.
-    Bias(&'a [f32]),
+    Bias(&'a [T]),
     /// `y = r + (b + p)`: the bias, then the residual stream `r` (`[m, n]`) the layer adds to.
-    BiasResidual(&'a [f32], &'a [f32]),
+    BiasResidual(&'a [T], &'a [T]),
 }
 
-impl Finish<'_> {
+impl<'a, T: Real> Finish<'a, T> {
+    /// The same finish on f32 slices, for the AMX path; only called when T is f32 (the cast
+    /// checks it).
+    fn as_f32(&self) -> Finish<'a, f32> {
+        match *self {
+            Self::Bias(b) => Finish::Bias(bytemuck::cast_slice(b)),
+            Self::BiasResidual(b, r) => {
+                Finish::BiasResidual(bytemuck::cast_slice(b), bytemuck::cast_slice(r))
+            }
+        }
+    }
+
     /// The product's width `n`.
     fn columns(&self) -> usize {
         match self {
@@ -729,7 +746,7 @@ impl Finish<'_> {
         &self,
         n: usize,
         (i0, j0): (usize, usize),
-        (cols, y, stride): (usize, &mut [f32], usize),
+        (cols, y, stride): (usize, &mut [T], usize),
     ) {
         // `inline(always)`: a closure this large is otherwise not inlined into `wide`'s vector
         // instances and runs as built (SSE2).
@@ -744,7 +761,7 @@ impl Finish<'_> {
         &self,
         n: usize,
         (i0, j0): (usize, usize),
-        (cols, y, stride): (usize, &mut [f32], usize),
+        (cols, y, stride): (usize, &mut [T], usize),
     ) {
         for (r, row) in y.chunks_mut(stride).enumerate() {
             let row = &mut row[..cols];
@@ -825,10 +842,6 @@ unsafe fn gemm_raw<T: Real>(
     assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
     if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
-        let threads = match parallelism {
-            gemm::Parallelism::Rayon(t) => t,
-            _ => 1,
-        };
         // SAFETY: as below; T is f32 (same size and layout), and `enabled` checked AMX.
         unsafe {
             super::amx::sgemm(
@@ -839,7 +852,7 @@ unsafe fn gemm_raw<T: Real>(
                     (bytemuck::cast_slice(lhs), (lhs_rs, lhs_cs)),
                     (bytemuck::cast_slice(rhs), (rhs_rs, rhs_cs)),
                 ),
-                threads,
+                amx_threads(parallelism),
                 None,
             )
         };
@@ -905,37 +918,18 @@ pub fn gemm_flops_per_s((m, k, n): (usize, usize, usize), threads: usize, min_se
 }
 
 impl Linear {
+    /// `x @ w^T + b`: the product, then the bias on top (as [`Finish::Bias`]).
     pub(super) fn fwd<T: Real>(x: &[T], w: &[T], b: &[T]) -> Result<Vec<T>> {
-        let (out, inp) = (b.len(), w.len() / b.len().max(1));
-        if out == 0 || w.len() != out * inp || x.len() % inp != 0 {
-            bail!(
-                "linear: bad sizes x {} w {} b {}",
-                x.len(),
-                w.len(),
-                b.len()
-            );
-        }
-        let n = x.len() / inp;
-        // y = x @ w^T (rhs = w^T: element (k, j) = w[j * inp + k]), then the bias on top: the
-        // order of the fused path ([`Finish::Bias`]), so that the two give the same bits.
-        let mut y = gemm_written((n, out, inp), (x, (inp, 1)), (w, (1, inp)));
-        y.par_chunks_mut(out * ROWS_PER_TASK).for_each(|rows| {
-            wide(
-                #[inline(always)]
-                || {
-                    for row in rows.chunks_mut(out) {
-                        row.iter_mut().zip(b).for_each(|(y, &b)| *y += b);
-                    }
-                },
-            )
-        });
-        Ok(y)
+        Self::fwd_finished(x, w, &Finish::Bias(b))
     }
 
-    /// `x @ w^T` for f32 with `finish` (the bias and whatever follows it) applied as each block
-    /// of the product is written: no separate pass over the output. Same bits as [`Self::fwd`]
-    /// followed by the unfused ops.
-    pub(super) fn fwd_finished(x: &[f32], w: &[f32], finish: &Finish<'_>) -> Result<Vec<f32>> {
+    /// `x @ w^T` with `finish` (the bias and whatever follows it) applied as each block of the
+    /// product is written: no separate pass over the output. Same bits as the unfused ops.
+    pub(super) fn fwd_finished<T: Real>(
+        x: &[T],
+        w: &[T],
+        finish: &Finish<'_, T>,
+    ) -> Result<Vec<T>> {
         let out = finish.columns();
         let inp = w.len() / out.max(1);
         if out == 0 || inp == 0 || w.len() != out * inp || x.len() % inp != 0 {
@@ -947,7 +941,7 @@ impl Linear {
             (n, out, inp),
             (x, (inp, 1)),
             (w, (1, inp)),
-            Some(finish),
+            finish,
         ))
     }
 
@@ -1230,7 +1224,7 @@ mod tests {
     /// (where the CPU has it: the finish then runs per 32 x 32 block, ragged edges included)
     /// and on ones it leaves to the gemm crate (one pass over the rows).
     #[test]
-    fn fused_write_outs_equal_the_unfused_ops_bit_for_bit() {
+    fn fused_write_outs_equal_the_unfused_ops_bit_for_bit() -> candle_core::Result<()> {
         let mut rng = crate::model::SplitMix64::new(5);
         let mut values = |n: usize| -> Vec<f32> {
             (0..n)
@@ -1244,15 +1238,20 @@ mod tests {
                 values(out),
                 values(rows * out),
             );
-            let plain = Linear::fwd(&x, &w, &b).unwrap();
-            let biased = Linear::fwd_finished(&x, &w, &Finish::Bias(&b)).unwrap();
+            // The unfused ops: the product, then the bias added in a pass of its own.
+            let mut plain = super::gemm_written((rows, out, inp), (&x, (inp, 1)), (&w, (1, inp)));
+            for row in plain.chunks_mut(out) {
+                row.iter_mut().zip(&b).for_each(|(y, &b)| *y += b);
+            }
+            let biased = Linear::fwd_finished(&x, &w, &Finish::Bias(&b))?;
             assert!(biased == plain, "{rows}x{inp}x{out}: bias");
-            let with_res = Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res)).unwrap();
+            let with_res = Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res))?;
             let want: Vec<f32> = res.iter().zip(&plain).map(|(r, p)| r + p).collect();
             assert!(with_res == want, "{rows}x{inp}x{out}: residual");
         }
         let (x, w, b) = (values(6), values(6), values(3));
         let res = values(5);
         assert!(Linear::fwd_finished(&x, &w, &Finish::BiasResidual(&b, &res)).is_err());
+        Ok(())
     }
 }
