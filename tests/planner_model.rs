@@ -357,7 +357,7 @@ fn buffers_follow_the_engine_rules_in_the_options() {
     // DeepSpeed defaults at stage 3: 5e8-element buckets, overlap on (two), max live 1e9.
     assert_eq!(s3.bytes_per_device.reduce_buckets, 2 * 500_000_000 * 2);
     assert_eq!(s3.bytes_per_device.gather_pool, 1_000_000_000 * 2);
-    let b = engine_buffer_bytes(3, Precision::Bf16, &inp.model, &s3.buffer_settings);
+    let b = engine_buffer_bytes(3, Precision::Bf16, &inp.model, &s3.buffer_settings, false);
     assert_eq!(
         b.reduce_buckets + b.gather_pool + b.persistent_params,
         s3.buffer_bytes()

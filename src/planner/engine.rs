@@ -186,7 +186,10 @@ impl<'a> EngineRun<'a> {
     /// - stage 0: the gradient all-reduce, one call per bucket, on the last micro-step;
     /// - stages 1-3: the gradient reduce-scatter, one call per bucket region (stage 1 on the last
     ///   micro-step, stages 2-3 on every one);
-    /// - stages 1-2: the all-gather of the updated shards after the step, bucketed the same way;
+    /// - stages 0-1 with gradients kept in the communication dtype: those reductions in place
+    ///   instead, one call per (non-empty) unit;
+    /// - stages 1-2: the all-gather of the updated shards after the step, in place, one call per
+    ///   unit;
     /// - stage 3: one all-gather per unit each time a visit needs it while it is released, which
     ///   skips the last unit's backward (it stays gathered from its forward), the backward of units
     ///   that kept their forward graph (`stage3_max_reuse_distance`), and persistent units after
@@ -201,6 +204,7 @@ impl<'a> EngineRun<'a> {
         let comm = p.comm_dtype.size() as u64;
         let param = p.param_dtype.size() as u64;
         let ga = self.config.grad_accum.max(1) as u64;
+        let units = self.layout.units.iter().filter(|u| u.padded > 0).count() as u64;
         let mut ops: Vec<(Collective, &'static str, u64, u64)> = Vec::new();
         let stage = self.config.stage;
         match stage {
@@ -208,15 +212,22 @@ impl<'a> EngineRun<'a> {
                 Collective::AllReduce,
                 "grads",
                 mul(&[padded, comm]),
-                padded.div_ceil(p.bucket_elems.max(1) as u64),
+                match p.reduce_in_place {
+                    true => units,
+                    false => padded.div_ceil(p.bucket_elems.max(1) as u64),
+                },
             )),
             _ => {
                 let reductions = if stage.shards_grads() { ga } else { 1 };
+                let per_reduction = match p.reduce_in_place {
+                    true => units,
+                    false => shard.div_ceil(region),
+                };
                 ops.push((
                     Collective::ReduceScatter,
                     "grads",
                     mul(&[reductions, padded, comm]),
-                    mul(&[reductions, shard.div_ceil(region)]),
+                    mul(&[reductions, per_reduction]),
                 ));
             }
         }
@@ -225,7 +236,7 @@ impl<'a> EngineRun<'a> {
                 Collective::AllGather,
                 "params (after step)",
                 mul(&[padded, param]),
-                shard.div_ceil(region),
+                units,
             ));
         }
         if stage == Stage::Zero3 {

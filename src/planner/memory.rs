@@ -167,7 +167,9 @@ pub struct EngineBuffers {
 
 /// zerodp's engine buffer rules, in one place so that they can be reconciled with the engine:
 /// - reduce bucket: min(reduce_bucket_size, Ψ) elements in the communication dtype (f32 for fp32
-///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on;
+///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on, none when
+///   the reduction runs in place in the units' kept gradients (`reduce_in_place`, by
+///   [`crate::zero::buffers::reduces_in_place`]);
 /// - stage 3: a gather pool of max(largest unit, min(max_live_parameters, Ψ)) elements in the
 ///   parameter dtype, which bounds every fetch including prefetch;
 /// - stage 3: every unit of at most `param_persistence_threshold` elements stays gathered (known only
@@ -180,10 +182,15 @@ pub fn engine_buffer_bytes(
     precision: Precision,
     model: &ModelSize,
     s: &BufferSettings,
+    reduce_in_place: bool,
 ) -> EngineBuffers {
     let dtype = precision.param_bytes();
     let bucket_elems = s.reduce_bucket_size.min(model.params);
-    let buckets = if s.overlap_comm { 2 } else { 1 };
+    let buckets = match (reduce_in_place, s.overlap_comm) {
+        (true, _) => 0,
+        (false, true) => 2,
+        (false, false) => 1,
+    };
     let mut out = EngineBuffers {
         reduce_buckets: bucket_elems * dtype * buckets,
         ..EngineBuffers::default()
@@ -394,7 +401,7 @@ mod tests {
         let m = ModelSize::from_count(1_000_000, Some(300_000)).unwrap();
         let mut s = BufferSettings::deepspeed_defaults(2);
         s.reduce_bucket_size = 200_000;
-        let b = engine_buffer_bytes(2, Precision::Bf16, &m, &s);
+        let b = engine_buffer_bytes(2, Precision::Bf16, &m, &s, false);
         assert_eq!(
             b,
             EngineBuffers {
@@ -406,15 +413,20 @@ mod tests {
         );
         s.overlap_comm = true;
         s.max_live_parameters = 100_000;
-        let b = engine_buffer_bytes(3, Precision::Fp32, &m, &s);
+        let b = engine_buffer_bytes(3, Precision::Fp32, &m, &s, false);
         // Bucket 200k f32 ×2; pool = max(largest unit 300k, min(100k, Ψ)) f32.
         assert_eq!(b.reduce_buckets, 1_600_000);
         assert_eq!(b.gather_pool, 1_200_000);
         // A bucket larger than the model is clamped to Ψ.
         s.reduce_bucket_size = 5_000_000;
         assert_eq!(
-            engine_buffer_bytes(0, Precision::Bf16, &m, &s).reduce_buckets,
+            engine_buffer_bytes(0, Precision::Bf16, &m, &s, false).reduce_buckets,
             4_000_000
+        );
+        // Reduced in place in the units' own gradients: no bucket at all.
+        assert_eq!(
+            engine_buffer_bytes(0, Precision::Fp32, &m, &s, true).reduce_buckets,
+            0
         );
     }
 

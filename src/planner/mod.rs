@@ -337,7 +337,21 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     }
     let buffers = match &engine {
         Some(e) => e.buffer_bytes(),
-        None => engine_buffer_bytes(choice.stage, input.precision, &input.model, &settings),
+        None => {
+            let run = run_settings(input, choice.stage);
+            let in_place = crate::zero::buffers::reduces_in_place(
+                choice.stage >= 2,
+                crate::setup::dtype_of(run.grad_accum_dtype),
+                crate::setup::dtype_of(run.communication_data_type),
+            );
+            engine_buffer_bytes(
+                choice.stage,
+                input.precision,
+                &input.model,
+                &settings,
+                in_place,
+            )
+        }
     };
     bytes.reduce_buckets = buffers.reduce_buckets;
     bytes.scratch_buffers = buffers.scratch_buffers;

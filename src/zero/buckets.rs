@@ -1,28 +1,37 @@
-//! Communication buckets: gradients (and, after the optimizer step, parameter shards) are copied into
-//! a few preallocated buckets and reduced or gathered one bucket at a time, DeepSpeed's IPG buckets
-//! with a true reduce-scatter.
+//! Communication buckets: gradients are copied into a few preallocated buckets and reduced one
+//! bucket at a time, DeepSpeed's IPG buckets with a true reduce-scatter; or, where a unit's own
+//! buffer serves, reduced or gathered in place in it.
 //!
 //! A reduce-scatter bucket is laid out rank-major: `world` regions of `region` elements each, where
 //! region q holds the pieces of rank q's shards of the units in the bucket. Reduce-scattering the
 //! bucket then hands every rank exactly its own shard pieces, whatever mix of units the bucket holds,
 //! and a unit larger than a bucket is split into pieces at the same shard offsets on every rank. An
-//! all-gather bucket is the mirror image. An all-reduce bucket (stage 0) is plain concatenation.
+//! all-reduce bucket (stage 0, gradients kept in another dtype) is plain concatenation.
 //!
-//! The sharded collectives run in place (NCCL's in-place forms): the reduce-scatter leaves the
-//! rank's reduced pieces in its own region of the bucket, and the all-gather takes the rank's
-//! pieces from there. A bucket therefore needs no second, one-region buffer for the shard: it
-//! costs exactly its own bytes (as DeepSpeed's `reduce_bucket_size` reads), and the in-place forms
-//! also skip the copy between the two buffers.
+//! The reduce-scatter runs in place (NCCL's in-place form): it leaves the rank's reduced pieces in
+//! its own region of the bucket. A bucket therefore needs no second, one-region buffer for the
+//! shard: it costs exactly its own bytes (as DeepSpeed's `reduce_bucket_size` reads).
+//!
+//! Where a unit's own buffer already is what a collective needs, the buckets step aside and the
+//! collective runs in place in it, one per unit (FSDP2's way): no copy in, no copy out, and no
+//! bucket memory (see [`reduces_in_place`](super::buffers::reduces_in_place)). That is the stage
+//! 0-1 reduction of gradients kept in the communication dtype (the all-reduce, or the
+//! reduce-scatter that leaves the rank's shard at its place in the unit's full gradient) and the
+//! stage 1-2 all-gather, whose input is the rank's updated shard at its place in the unit's full
+//! parameters. Stages 2-3 reduce transient gradients, which a bucket copies so that they can be
+//! freed at once, so they keep the buckets.
 //!
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
-//! is waited for as soon as it is launched. Every decision depends only on the layout and the order
+//! is waited for as soon as it is launched. In-place unit collectives all stay in flight until the
+//! flush with `overlap_comm` (they hold no memory of their own), and are waited for one by one
+//! without it. Every decision depends only on the layout and the order
 //! of pushes, never on timing, so every rank issues the same collectives in the same order.
 
 use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
 use super::precision::{FlatBuffer, Slice};
 use super::state::FlatState;
-use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType, ReduceOp};
+use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
 
 /// What a bucket does and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,15 +77,15 @@ pub struct Buckets {
     world: usize,
     overlap: bool,
     mode: BucketMode,
-    /// Dtype of gradient reductions (`communication_data_type`).
-    comm_dtype: DType,
-    /// Dtype of the post-step all-gather (the parameters').
-    param_dtype: DType,
+    /// Whether the stage 0-1 reductions run in place in each unit's kept gradient.
+    reduce_in_place: bool,
+    /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
+    units_in_flight: Vec<(usize, CommHandle)>,
 }
 
 impl Buckets {
-    /// Allocate the buckets of `plan` (once, for the whole run).
-    pub fn new(plan: &BufferPlan, world: usize) -> Self {
+    /// Allocate the buckets of `plan` (once, for the whole run); `overlap` is `overlap_comm`.
+    pub fn new(plan: &BufferPlan, world: usize, overlap: bool) -> Self {
         let region = plan.bucket_elems / world;
         let slots = (0..plan.bucket_count)
             .map(|_| Slot {
@@ -91,35 +100,34 @@ impl Buckets {
             current: 0,
             region,
             world,
-            overlap: plan.bucket_count > 1,
+            overlap,
             mode: BucketMode::AllReduce,
-            comm_dtype: plan.comm_dtype,
-            param_dtype: plan.param_dtype,
+            reduce_in_place: plan.reduce_in_place,
+            units_in_flight: Vec::new(),
         }
     }
 
-    /// Switch what the buckets do; only between flushes. The all-gather moves parameters in their
-    /// own dtype: where gradients are reduced in another (16-bit parameters, f32 reductions) the
-    /// buckets are re-typed, never larger than planned since the reduction dtype is the wider.
+    /// Switch what the buckets do; only between flushes.
     pub fn set_mode(&mut self, mode: BucketMode) {
         assert!(
             self.is_idle(),
             "bucket mode changed while a bucket is in use"
         );
         self.mode = mode;
-        let dtype = match mode {
-            BucketMode::AllGather => self.param_dtype,
-            _ => self.comm_dtype,
-        };
-        for slot in &mut self.slots {
-            if slot.big.dtype() != dtype {
-                slot.big = Buffer::zeros(dtype, slot.big.len());
-            }
-        }
     }
 
     fn is_idle(&self) -> bool {
-        self.slots.iter().all(|s| s.used == 0 && s.flight.is_none())
+        self.units_in_flight.is_empty()
+            && self.slots.iter().all(|s| s.used == 0 && s.flight.is_none())
+    }
+
+    /// Whether the current mode's collectives run in place in each unit's own buffer.
+    fn in_place(&self) -> bool {
+        match self.mode {
+            BucketMode::AllReduce | BucketMode::ReduceScatterStore => self.reduce_in_place,
+            BucketMode::ReduceScatterAccumulate => false,
+            BucketMode::AllGather => true,
+        }
     }
 
     /// Elements one bucket takes per rank region.
@@ -139,6 +147,9 @@ impl Buckets {
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
+        if self.in_place() {
+            return self.launch_unit(comm, unit, state, layout);
+        }
         let u = layout.units[unit];
         let total = match self.mode {
             BucketMode::AllReduce => u.padded,
@@ -151,7 +162,6 @@ impl Buckets {
                 self.complete(self.current, state, layout)?;
             }
             let region = self.region;
-            let own = layout.own_shard(unit);
             let slot = &mut self.slots[self.current];
             let len = (cap - slot.used).min(total - start);
             let seg = Segment {
@@ -185,14 +195,7 @@ impl Buckets {
                             .copy_from(Slice::F32(&src[from..from + len]));
                     }
                 }
-                BucketMode::AllGather => {
-                    // The rank's own region, as the reduce-scatter lays regions out.
-                    let from = own.start + start;
-                    let to = layout.rank * region + seg.offset;
-                    slot.big
-                        .slice_mut(to..to + len)
-                        .copy_from(state.params(unit).slice(from..from + len));
-                }
+                BucketMode::AllGather => unreachable!("the all-gather runs in place"),
             }
             slot.segments.push(seg);
             slot.used += len;
@@ -204,13 +207,65 @@ impl Buckets {
         Ok(())
     }
 
-    /// Launch the partly filled bucket, wait for every bucket in flight and apply the results.
+    /// Issue unit `unit`'s collective in place in its own buffer, which the unit lacks until
+    /// [`Buckets::complete_units`] puts it back.
+    fn launch_unit(
+        &mut self,
+        comm: &dyn Communicator,
+        unit: usize,
+        state: &mut FlatState,
+        layout: &FlatLayout,
+    ) -> Result<(), CommError> {
+        if layout.units[unit].padded == 0 {
+            return Ok(());
+        }
+        let handle = match self.mode {
+            BucketMode::AllReduce => comm.all_reduce(state.take_full_grad(unit), ReduceOp::Avg),
+            BucketMode::ReduceScatterStore => {
+                comm.reduce_scatter_in_place(state.take_full_grad(unit), ReduceOp::Avg)
+            }
+            BucketMode::AllGather => {
+                let params = state.full_params_mut(unit);
+                let dtype = params.dtype();
+                comm.all_gather_in_place(std::mem::replace(params, Buffer::zeros(dtype, 0)))
+            }
+            BucketMode::ReduceScatterAccumulate => {
+                unreachable!("transient gradients are reduced through the buckets")
+            }
+        };
+        self.units_in_flight.push((unit, handle));
+        if !self.overlap {
+            self.complete_units(state)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the in-place unit collectives in flight, in the order they were issued, and give
+    /// every unit its buffer back: the reduced gradient (at stage 1, its own shard at its place)
+    /// or the gathered parameters.
+    fn complete_units(&mut self, state: &mut FlatState) -> Result<(), CommError> {
+        for (unit, handle) in self.units_in_flight.drain(..) {
+            let buf = handle.wait_one()?;
+            match self.mode {
+                BucketMode::AllGather => *state.full_params_mut(unit) = buf,
+                _ => state.put_full_grad(unit, buf),
+            }
+        }
+        Ok(())
+    }
+
+    /// Launch the partly filled bucket, wait for every bucket and unit collective in flight and
+    /// apply the results.
     pub fn flush(
         &mut self,
         comm: &dyn Communicator,
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
+        self.complete_units(state)?;
+        if self.slots.is_empty() {
+            return Ok(());
+        }
         let cur = &self.slots[self.current];
         if cur.used > 0 && cur.flight.is_none() {
             self.launch(comm, state, layout)?;
@@ -250,14 +305,7 @@ impl Buckets {
                 big.truncate(world * used);
                 comm.reduce_scatter_in_place(big, ReduceOp::Avg)
             }
-            BucketMode::AllGather => {
-                // The rank's region moves to where the gathered bucket of `world * used` elements
-                // has it (leftwards, as above; the other regions are overwritten by the gather).
-                let own = layout.rank * region;
-                big.copy_within(own..own + used, layout.rank * used);
-                big.truncate(world * used);
-                comm.all_gather_in_place(big)
-            }
+            BucketMode::AllGather => unreachable!("the all-gather runs in place"),
         };
         slot.flight = Some(handle);
         self.current = (idx + 1) % self.slots.len();
@@ -282,7 +330,6 @@ impl Buckets {
         // The reduce-scatter leaves the rank's reduced region at its place in the closed-up bucket.
         let own = layout.rank * used;
         for seg in slot.segments.drain(..) {
-            let u = layout.units[seg.unit];
             let res = seg.offset..seg.offset + seg.len;
             match mode {
                 BucketMode::AllReduce => {
@@ -303,16 +350,7 @@ impl Buckets {
                         .slice_mut(at..at + seg.len)
                         .add(big.slice(own + res.start..own + res.end));
                 }
-                BucketMode::AllGather => {
-                    for q in 0..world {
-                        let to = q * u.shard_len + seg.start;
-                        let from = q * used + seg.offset;
-                        state
-                            .full_params_mut(seg.unit)
-                            .slice_mut(to..to + seg.len)
-                            .copy_from(big.slice(from..from + seg.len));
-                    }
-                }
+                BucketMode::AllGather => unreachable!("the all-gather runs in place"),
             }
         }
         big.resize_zeroed(region * world);

@@ -6,8 +6,12 @@
 //!   two when `overlap_comm` (one fills while the other is in flight), else one. The sharded
 //!   collectives run in place in the bucket, so it needs no second buffer for the rank's shard: a
 //!   bucket costs exactly its own bytes, which is also what DeepSpeed's `reduce_bucket_size` means.
-//! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each the size of the largest padded unit, as
-//!   many as a backward holds at once (a tied unit's gradient waits for its last user).
+//!   None at all where no collective needs one ([`reduces_in_place`]): the stage 0-1 reduction of
+//!   gradients kept in the communication dtype, and the stage 1-2 all-gather of parameters, run in
+//!   place in each unit's own buffer, one collective per unit (FSDP2's way), with nothing to copy.
+//! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
+//!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
+//!   gradient waits for its last user).
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
 //!   unit a visit reads, each the size of the largest padded unit. Stages 0-1 with 16-bit gradients
 //!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
@@ -30,8 +34,11 @@ use crate::zero::unit::ModelSpec;
 pub struct BufferPlan {
     /// Elements per reduction bucket (a multiple of the world size).
     pub bucket_elems: usize,
-    /// Number of buckets (2 with `overlap_comm`).
+    /// Number of buckets (2 with `overlap_comm`; 0 where the reduction runs in place).
     pub bucket_count: usize,
+    /// Whether the gradient reduction runs in place in each unit's kept gradient
+    /// ([`reduces_in_place`]) instead of through the buckets.
+    pub reduce_in_place: bool,
     /// Dtype of the buckets.
     pub comm_dtype: DType,
     /// Elements of each transient full-unit gradient buffer (stages 2-3).
@@ -97,13 +104,30 @@ pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan
         .collect()
 }
 
+/// Whether a stage's gradient reduction runs in place in each unit's kept gradient, one collective
+/// per unit with no bucket: at stages 0-1 (which keep full gradients until they are reduced) when
+/// they are kept in the communication dtype. Stages 2-3 reduce the transient f32 gradients of
+/// every micro-step, freed once copied into a bucket; other dtypes convert as they are copied.
+pub fn reduces_in_place(shards_grads: bool, grad_accum: DType, comm: DType) -> bool {
+    !shards_grads && grad_accum == comm
+}
+
 /// Size every buffer for `spec` under `cfg`.
 pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     let world = cfg.world_size.max(1);
     let layout = FlatLayout::new(spec, world, 0);
     let total = layout.padded_numel();
     let region = (cfg.reduce_bucket_size.min(total) / world).max(1);
-    let bucket_count = if cfg.overlap_comm { 2 } else { 1 };
+    let reduce_in_place = reduces_in_place(
+        cfg.stage.shards_grads(),
+        cfg.grad_accum_dtype,
+        cfg.comm_dtype,
+    );
+    let bucket_count = match (reduce_in_place, cfg.overlap_comm) {
+        (true, _) => 0,
+        (false, true) => 2,
+        (false, false) => 1,
+    };
     let stage = cfg.stage;
     let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
         (layout.largest_padded(), schedule::max_grads_held(spec))
@@ -160,6 +184,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     BufferPlan {
         bucket_elems: region * world,
         bucket_count,
+        reduce_in_place,
         comm_dtype: cfg.comm_dtype,
         grad_scratch_elems,
         grad_scratch_count,
@@ -223,6 +248,25 @@ mod tests {
         // The bucket alone (its collectives run in place) and two gradient buffers.
         assert_eq!(p.bucket_bytes(), 32 * 4);
         assert_eq!(p.buffer_bytes(), (32 + 128 * 2) * 4);
+    }
+
+    #[test]
+    fn stages_0_1_reduce_in_place_when_gradients_are_kept_in_the_communication_dtype() {
+        for stage in [Stage::Zero0, Stage::Zero1] {
+            let mut cfg = EngineConfig::new(stage, 2);
+            let p = plan(&spec(), &cfg);
+            assert!(p.reduce_in_place, "{stage:?}");
+            assert_eq!((p.bucket_count, p.bucket_bytes()), (0, 0), "{stage:?}");
+            // bf16 reductions of f32-kept gradients convert as they are copied into buckets.
+            cfg.comm_dtype = DType::BF16;
+            let p = plan(&spec(), &cfg);
+            assert!(!p.reduce_in_place, "{stage:?}");
+            assert_eq!(p.bucket_bytes(), 2 * 208 * 2, "{stage:?}");
+        }
+        // Stages 2-3 reduce transient gradients: always through buckets.
+        let p = plan(&spec(), &EngineConfig::new(Stage::Zero3, 2));
+        assert!(!p.reduce_in_place);
+        assert_eq!(p.bucket_count, 2);
     }
 
     #[test]

@@ -321,7 +321,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         };
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params, comm.rank())?;
         let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref(), &state);
-        let buckets = Buckets::new(&plan, cfg.world_size);
+        let buckets = Buckets::new(&plan, cfg.world_size, cfg.overlap_comm);
         let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
             .map(|_| vec![0.0f32; plan.param_scratch_elems])

@@ -104,6 +104,41 @@ impl FlatState {
             _ => panic!("stages 2-3 keep no full gradients"),
         }
     }
+    /// Take unit `unit`'s full gradient buffer out at stages 0-1, for a collective to run in place
+    /// in it; the unit holds no gradient until [`FlatState::put_full_grad`] gives it back.
+    pub fn take_full_grad(&mut self, unit: usize) -> Buffer {
+        match &mut self.stage {
+            StageState::Replicated {
+                kept_grads: Some(kept),
+                ..
+            } => {
+                let dtype = kept[unit].dtype();
+                std::mem::replace(&mut kept[unit], Buffer::zeros(dtype, 0))
+            }
+            StageState::Replicated {
+                kept_grads: None, ..
+            } => Buffer::F32(std::mem::take(&mut self.grads[unit])),
+            _ => panic!("stages 2-3 keep no full gradients"),
+        }
+    }
+    /// Give back what [`FlatState::take_full_grad`] took (a collective returns the buffer it was
+    /// given, so an f32 gradient comes back f32).
+    pub fn put_full_grad(&mut self, unit: usize, buf: Buffer) {
+        match &mut self.stage {
+            StageState::Replicated {
+                kept_grads: Some(kept),
+                ..
+            } => kept[unit] = buf,
+            StageState::Replicated {
+                kept_grads: None, ..
+            } => {
+                self.grads[unit] = buf
+                    .into_f32()
+                    .expect("a collective returns the buffer it was given (f32 here)")
+            }
+            _ => panic!("stages 2-3 keep no full gradients"),
+        }
+    }
     /// The rank's concatenated gradient shards at stages 2-3, as the buckets accumulate into them.
     pub fn grad_shards_mut(&mut self) -> &mut Buffer {
         match &mut self.stage {
