@@ -203,21 +203,33 @@ fn stages_0_to_3_match_the_engine_with_the_default_knobs() {
 #[test]
 fn accumulation_and_one_bucket_without_overlap() {
     let model = Toy::new(16, 8, 2, false);
-    for stage in STAGES {
-        for world in [2, 4] {
-            let mut cfg = config(stage, world, 2);
-            cfg.overlap_comm = false;
-            cfg.reduce_bucket_size = 1 << 20;
-            let o = check(&model, &cfg, Gather::Exact);
-            let (_, rs_calls) = planned(&o, Collective::ReduceScatter);
-            // One bucket per reduction at stages 2-3, once per micro-step; stage 1 reduces once
-            // per step, in place in each unit's kept gradient (no bucket, one call per unit).
-            let expect = match stage {
-                Stage::Zero0 => 0,
-                Stage::Zero1 => model.spec().units.len() as u64,
-                _ => 2,
-            };
-            assert_eq!(rs_calls, expect, "{stage:?} world {world}");
+    let units = model.spec().units.len() as u64;
+    for bucketed in [false, true] {
+        for stage in STAGES {
+            for world in [2, 4] {
+                let mut cfg = config(stage, world, 2);
+                if bucketed {
+                    // bf16 reductions of gradients kept in f32: through the buckets at every stage.
+                    cfg = cfg.with_precision(DType::BF16);
+                    cfg.grad_accum_dtype = DType::F32;
+                }
+                cfg.overlap_comm = false;
+                cfg.reduce_bucket_size = 1 << 20;
+                let o = check(&model, &cfg, Gather::Exact);
+                let (_, rs_calls) = planned(&o, Collective::ReduceScatter);
+                // Stage 1 reduces once per step, stages 2-3 once per micro-step: one bucket per
+                // reduction, or in place in each unit's gradient, one call per unit.
+                let per_reduction = if bucketed { 1 } else { units };
+                let expect = match stage {
+                    Stage::Zero0 => 0,
+                    Stage::Zero1 => per_reduction,
+                    _ => 2 * per_reduction,
+                };
+                assert_eq!(
+                    rs_calls, expect,
+                    "{stage:?} world {world} bucketed {bucketed}"
+                );
+            }
         }
     }
 }
@@ -279,7 +291,8 @@ fn stage3_kept_graphs_and_checkpointing() {
 fn bucket_advice_on_the_engine_path_counts_the_buckets_alone() {
     use zerodp::planner::plan;
     let model = Toy::new(64, 16, 3, true);
-    let mut cfg = config(Stage::Zero2, 4, 1);
+    // bf16 reductions go through buckets (f32 ones would run in place in the units' gradients).
+    let mut cfg = config(Stage::Zero2, 4, 1).with_precision(DType::BF16);
     cfg.reduce_bucket_size = 1 << 30;
     let mut input = input_for(&model, &cfg);
     let o = plan_option(&input, choice(Stage::Zero2));
@@ -297,13 +310,13 @@ fn bucket_advice_on_the_engine_path_counts_the_buckets_alone() {
         .unwrap_or_else(|| panic!("no bucket bound in: {advice}"))
         .parse()
         .unwrap();
-    // The buckets' collectives run in place, so the bound is the room over the two f32 buckets,
+    // The buckets' collectives run in place, so the bound is the room over the two bf16 buckets,
     // up to the advice's three significant digits (counting a second, one-region buffer per bucket
     // would give only 4/5 of it at world size 4).
-    let exact = (room / (2 * 4)) as f64;
+    let exact = (room / (2 * 2)) as f64;
     assert!(
         bound <= exact && bound >= exact * 0.99,
-        "{advice}: the room holds two f32 buckets of {exact} elements"
+        "{advice}: the room holds two bf16 buckets of {exact} elements"
     );
     // The bound it gives makes the option fit, and the planner counts the engine's buckets.
     input.buffers.reduce_bucket_size = Some(bound as u64);

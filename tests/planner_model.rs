@@ -1,9 +1,11 @@
 //! The planner's memory, traffic and time model against the ZeRO paper's formulas, DeepSpeed's
 //! estimators and the classic worked examples.
 
+use zerodp::comm::DType;
 use zerodp::planner::{
     engine_buffer_bytes, interconnect, model_state_bytes, plan, plan_option, BufferOverrides,
-    Cluster, Collective, HostLinks, ModelSize, Offload, PlanInput, Precision, ZeroChoice,
+    Cluster, Collective, HostLinks, ModelSize, Offload, PlanInput, Precision, ReductionDtypes,
+    ZeroChoice,
 };
 
 const GIB: u64 = 1 << 30;
@@ -357,7 +359,16 @@ fn buffers_follow_the_engine_rules_in_the_options() {
     // DeepSpeed defaults at stage 3: 5e8-element buckets, overlap on (two), max live 1e9.
     assert_eq!(s3.bytes_per_device.reduce_buckets, 2 * 500_000_000 * 2);
     assert_eq!(s3.bytes_per_device.gather_pool, 1_000_000_000 * 2);
-    let b = engine_buffer_bytes(3, Precision::Bf16, &inp.model, &s3.buffer_settings, false);
+    let b = engine_buffer_bytes(
+        3,
+        Precision::Bf16,
+        &inp.model,
+        &s3.buffer_settings,
+        ReductionDtypes {
+            grad_accum: DType::BF16,
+            comm: DType::BF16,
+        },
+    );
     assert_eq!(
         b.reduce_buckets + b.gather_pool + b.persistent_params,
         s3.buffer_bytes()

@@ -1,7 +1,9 @@
 //! Bytes per device and per node, by kind, for one stage and offload choice.
 
 use super::model::{GptShape, ModelSize};
+use crate::comm::DType;
 use crate::config::defaults;
+use crate::zero::buffers;
 
 /// Training precision. Mixed precision keeps 16-bit params and grads plus an fp32 master copy;
 /// fp32 training has no separate master (the params are the master).
@@ -165,11 +167,21 @@ pub struct EngineBuffers {
     pub persistent_params: u64,
 }
 
+/// The dtypes a gradient reduction involves: where gradients are kept (accumulated) and what the
+/// collective moves (`data_types.grad_accum_dtype`, `communication_data_type`, resolved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReductionDtypes {
+    pub grad_accum: DType,
+    pub comm: DType,
+}
+
 /// zerodp's engine buffer rules, in one place so that they can be reconciled with the engine:
 /// - reduce bucket: min(reduce_bucket_size, Ψ) elements in the communication dtype (f32 for fp32
-///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on, none when
-///   the reduction runs in place in the units' kept gradients (`reduce_in_place`, by
-///   [`crate::zero::buffers::reduces_in_place`]);
+///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on; none when
+///   the reduction runs in place in the units' own gradients (by
+///   [`crate::zero::buffers::reduces_in_place`]), which at stages 2-3 with `overlap_comm` holds
+///   [`crate::zero::buffers::UNITS_IN_FLIGHT`] transient f32 gradients of the largest unit instead
+///   (scratch; the estimates count no other);
 /// - stage 3: a gather pool of max(largest unit, min(max_live_parameters, Ψ)) elements in the
 ///   parameter dtype, which bounds every fetch including prefetch;
 /// - stage 3: every unit of at most `param_persistence_threshold` elements stays gathered (known only
@@ -182,17 +194,30 @@ pub fn engine_buffer_bytes(
     precision: Precision,
     model: &ModelSize,
     s: &BufferSettings,
-    reduce_in_place: bool,
+    reduction: ReductionDtypes,
 ) -> EngineBuffers {
     let dtype = precision.param_bytes();
     let bucket_elems = s.reduce_bucket_size.min(model.params);
-    let buckets = match (reduce_in_place, s.overlap_comm) {
+    let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    let in_place = buffers::reduces_in_place(
+        stage >= 2,
+        reduction.grad_accum,
+        reduction.comm,
+        size(model.largest_unit),
+        size(bucket_elems),
+    );
+    let buckets = match (in_place, s.overlap_comm) {
         (true, _) => 0,
         (false, true) => 2,
         (false, false) => 1,
     };
+    let in_flight = match in_place && s.overlap_comm && stage >= 2 {
+        true => buffers::UNITS_IN_FLIGHT as u64,
+        false => 0,
+    };
     let mut out = EngineBuffers {
-        reduce_buckets: bucket_elems * dtype * buckets,
+        reduce_buckets: bucket_elems * reduction.comm.size() as u64 * buckets,
+        scratch_buffers: in_flight * model.largest_unit * 4,
         ..EngineBuffers::default()
     };
     if stage == 3 {
@@ -401,7 +426,16 @@ mod tests {
         let m = ModelSize::from_count(1_000_000, Some(300_000)).unwrap();
         let mut s = BufferSettings::deepspeed_defaults(2);
         s.reduce_bucket_size = 200_000;
-        let b = engine_buffer_bytes(2, Precision::Bf16, &m, &s, false);
+        let b = engine_buffer_bytes(
+            2,
+            Precision::Bf16,
+            &m,
+            &s,
+            ReductionDtypes {
+                grad_accum: DType::BF16,
+                comm: DType::BF16,
+            },
+        );
         assert_eq!(
             b,
             EngineBuffers {
@@ -413,21 +447,63 @@ mod tests {
         );
         s.overlap_comm = true;
         s.max_live_parameters = 100_000;
-        let b = engine_buffer_bytes(3, Precision::Fp32, &m, &s, false);
+        let b = engine_buffer_bytes(
+            3,
+            Precision::Fp32,
+            &m,
+            &s,
+            ReductionDtypes {
+                grad_accum: DType::F32,
+                comm: DType::F32,
+            },
+        );
         // Bucket 200k f32 ×2; pool = max(largest unit 300k, min(100k, Ψ)) f32.
         assert_eq!(b.reduce_buckets, 1_600_000);
         assert_eq!(b.gather_pool, 1_200_000);
         // A bucket larger than the model is clamped to Ψ.
         s.reduce_bucket_size = 5_000_000;
         assert_eq!(
-            engine_buffer_bytes(0, Precision::Bf16, &m, &s, false).reduce_buckets,
+            engine_buffer_bytes(
+                0,
+                Precision::Bf16,
+                &m,
+                &s,
+                ReductionDtypes {
+                    grad_accum: DType::F32,
+                    comm: DType::BF16
+                }
+            )
+            .reduce_buckets,
             4_000_000
         );
         // Reduced in place in the units' own gradients: no bucket at all.
         assert_eq!(
-            engine_buffer_bytes(0, Precision::Fp32, &m, &s, true).reduce_buckets,
+            engine_buffer_bytes(
+                0,
+                Precision::Fp32,
+                &m,
+                &s,
+                ReductionDtypes {
+                    grad_accum: DType::F32,
+                    comm: DType::F32
+                }
+            )
+            .reduce_buckets,
             0
         );
+        // Stage 3 in place too once a bucket holds the largest unit (300k): two transient f32
+        // gradients in flight instead of the buckets.
+        let b = engine_buffer_bytes(
+            3,
+            Precision::Fp32,
+            &m,
+            &s,
+            ReductionDtypes {
+                grad_accum: DType::F32,
+                comm: DType::F32,
+            },
+        );
+        assert_eq!((b.reduce_buckets, b.scratch_buffers), (0, 2 * 300_000 * 4));
     }
 
     #[test]

@@ -33,7 +33,8 @@ pub use deepspeed::{config_precision, ConfigKeys};
 pub use engine::{comm_dtype, planned_engine_config, run_settings, EngineRun};
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
-    BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ZeroChoice,
+    BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ReductionDtypes,
+    ZeroChoice,
 };
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use process::{
@@ -339,17 +340,15 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         Some(e) => e.buffer_bytes(),
         None => {
             let run = run_settings(input, choice.stage);
-            let in_place = crate::zero::buffers::reduces_in_place(
-                choice.stage >= 2,
-                crate::setup::dtype_of(run.grad_accum_dtype),
-                crate::setup::dtype_of(run.communication_data_type),
-            );
             engine_buffer_bytes(
                 choice.stage,
                 input.precision,
                 &input.model,
                 &settings,
-                in_place,
+                ReductionDtypes {
+                    grad_accum: crate::setup::dtype_of(run.grad_accum_dtype),
+                    comm: crate::setup::dtype_of(run.communication_data_type),
+                },
             )
         }
     };

@@ -18,19 +18,24 @@
 //! 0-1 reduction of gradients kept in the communication dtype (the all-reduce, or the
 //! reduce-scatter that leaves the rank's shard at its place in the unit's full gradient) and the
 //! stage 1-2 all-gather, whose input is the rank's updated shard at its place in the unit's full
-//! parameters. Stages 2-3 reduce transient gradients, which a bucket copies so that they can be
-//! freed at once, so they keep the buckets.
+//! parameters. Stages 2-3 reduce-scatter each transient gradient in place when the plan has room
+//! for it (f32 reductions, units no larger than a bucket): the buffer goes back to the free ones
+//! when its collective is done, after its shard has been added to the rank's gradient shards;
+//! otherwise a bucket copies it and it is free at once.
 //!
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
-//! is waited for as soon as it is launched. In-place unit collectives all stay in flight until the
-//! flush with `overlap_comm` (they hold no memory of their own), and are waited for one by one
-//! without it. Every decision depends only on the layout and the order
+//! is waited for as soon as it is launched. In-place unit collectives stay in flight until the
+//! flush with `overlap_comm` (the stage 2-3 ones, which hold transient buffers, at most
+//! [`UNITS_IN_FLIGHT`] of them: the oldest is waited for before another is issued), and are
+//! waited for one by one without it. Every decision depends only on the layout and the order
 //! of pushes, never on timing, so every rank issues the same collectives in the same order.
 
-use super::buffers::BufferPlan;
+use super::buffers::{BufferPlan, UNITS_IN_FLIGHT};
 use super::flat::FlatLayout;
 use super::precision::{FlatBuffer, Slice};
 use super::state::FlatState;
+use std::collections::VecDeque;
+
 use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
 
 /// What a bucket does and where its results go.
@@ -80,7 +85,7 @@ pub struct Buckets {
     /// Whether the stage 0-1 reductions run in place in each unit's kept gradient.
     reduce_in_place: bool,
     /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
-    units_in_flight: Vec<(usize, CommHandle)>,
+    units_in_flight: VecDeque<(usize, CommHandle)>,
 }
 
 impl Buckets {
@@ -103,7 +108,7 @@ impl Buckets {
             overlap,
             mode: BucketMode::AllReduce,
             reduce_in_place: plan.reduce_in_place,
-            units_in_flight: Vec::new(),
+            units_in_flight: VecDeque::new(),
         }
     }
 
@@ -124,8 +129,9 @@ impl Buckets {
     /// Whether the current mode's collectives run in place in each unit's own buffer.
     fn in_place(&self) -> bool {
         match self.mode {
-            BucketMode::AllReduce | BucketMode::ReduceScatterStore => self.reduce_in_place,
-            BucketMode::ReduceScatterAccumulate => false,
+            BucketMode::AllReduce
+            | BucketMode::ReduceScatterStore
+            | BucketMode::ReduceScatterAccumulate => self.reduce_in_place,
             BucketMode::AllGather => true,
         }
     }
@@ -139,7 +145,8 @@ impl Buckets {
     }
 
     /// Add all of unit `unit` (its gradient, or at [`BucketMode::AllGather`] its parameter shard),
-    /// launching buckets as they fill. The source may be released when this returns.
+    /// launching buckets as they fill. A transient gradient (stages 2-3) is consumed: its buffer
+    /// goes back to the free ones, now or when its collective in place is done.
     pub fn push(
         &mut self,
         comm: &dyn Communicator,
@@ -204,6 +211,9 @@ impl Buckets {
                 self.launch(comm, state, layout)?;
             }
         }
+        if self.mode == BucketMode::ReduceScatterAccumulate {
+            state.grad_pool.give(&mut state.grads[unit]);
+        }
         Ok(())
     }
 
@@ -217,7 +227,15 @@ impl Buckets {
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
         if layout.units[unit].padded == 0 {
+            if self.mode == BucketMode::ReduceScatterAccumulate {
+                state.grad_pool.give(&mut state.grads[unit]);
+            }
             return Ok(());
+        }
+        if self.mode == BucketMode::ReduceScatterAccumulate
+            && self.units_in_flight.len() == UNITS_IN_FLIGHT
+        {
+            self.complete_oldest_unit(state, layout)?;
         }
         let handle = match self.mode {
             BucketMode::AllReduce => comm.all_reduce(state.take_full_grad(unit), ReduceOp::Avg),
@@ -230,25 +248,54 @@ impl Buckets {
                 comm.all_gather_in_place(std::mem::replace(params, Buffer::zeros(dtype, 0)))
             }
             BucketMode::ReduceScatterAccumulate => {
-                unreachable!("transient gradients are reduced through the buckets")
+                let grad = std::mem::take(&mut state.grads[unit]);
+                comm.reduce_scatter_in_place(Buffer::F32(grad), ReduceOp::Avg)
             }
         };
-        self.units_in_flight.push((unit, handle));
+        self.units_in_flight.push_back((unit, handle));
         if !self.overlap {
-            self.complete_units(state)?;
+            self.complete_units(state, layout)?;
         }
         Ok(())
     }
 
-    /// Wait for the in-place unit collectives in flight, in the order they were issued, and give
-    /// every unit its buffer back: the reduced gradient (at stage 1, its own shard at its place)
-    /// or the gathered parameters.
-    fn complete_units(&mut self, state: &mut FlatState) -> Result<(), CommError> {
-        for (unit, handle) in self.units_in_flight.drain(..) {
-            let buf = handle.wait_one()?;
-            match self.mode {
-                BucketMode::AllGather => *state.full_params_mut(unit) = buf,
-                _ => state.put_full_grad(unit, buf),
+    /// Wait for the in-place unit collectives in flight, in the order they were issued.
+    fn complete_units(
+        &mut self,
+        state: &mut FlatState,
+        layout: &FlatLayout,
+    ) -> Result<(), CommError> {
+        while !self.units_in_flight.is_empty() {
+            self.complete_oldest_unit(state, layout)?;
+        }
+        Ok(())
+    }
+
+    /// Wait for the oldest in-place unit collective and give its unit the buffer back: the
+    /// reduced gradient (at stage 1, its own shard at its place) or the gathered parameters; a
+    /// transient gradient's shard is added to the rank's gradient shards and the buffer freed.
+    fn complete_oldest_unit(
+        &mut self,
+        state: &mut FlatState,
+        layout: &FlatLayout,
+    ) -> Result<(), CommError> {
+        let Some((unit, handle)) = self.units_in_flight.pop_front() else {
+            return Ok(());
+        };
+        let buf = handle.wait_one()?;
+        match self.mode {
+            BucketMode::AllGather => *state.full_params_mut(unit) = buf,
+            BucketMode::AllReduce | BucketMode::ReduceScatterStore => {
+                state.put_full_grad(unit, buf)
+            }
+            BucketMode::ReduceScatterAccumulate => {
+                let own = layout.own_shard(unit);
+                let at = layout.shard_slot(unit);
+                state.grad_shards_mut().slice_mut(at).add(buf.slice(own));
+                let mut grad = buf
+                    .into_f32()
+                    .expect("a collective returns the buffer it was given (f32 here)");
+                state.grad_pool.give(&mut grad);
             }
         }
         Ok(())
@@ -262,7 +309,7 @@ impl Buckets {
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
-        self.complete_units(state)?;
+        self.complete_units(state, layout)?;
         if self.slots.is_empty() {
             return Ok(());
         }

@@ -6,12 +6,13 @@
 //!   two when `overlap_comm` (one fills while the other is in flight), else one. The sharded
 //!   collectives run in place in the bucket, so it needs no second buffer for the rank's shard: a
 //!   bucket costs exactly its own bytes, which is also what DeepSpeed's `reduce_bucket_size` means.
-//!   None at all where no collective needs one ([`reduces_in_place`]): the stage 0-1 reduction of
-//!   gradients kept in the communication dtype, and the stage 1-2 all-gather of parameters, run in
-//!   place in each unit's own buffer, one collective per unit (FSDP2's way), with nothing to copy.
+//!   None at all where no collective needs one ([`reduces_in_place`]): the gradient reduction
+//!   where a unit's own buffer serves, and the stage 1-2 all-gather of parameters, run in place in
+//!   each unit's own buffer, one collective per unit (FSDP2's way), with nothing to copy.
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
-//!   gradient waits for its last user).
+//!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
+//!   [`UNITS_IN_FLIGHT`] more, in reduce-scatters still in flight.
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
 //!   unit a visit reads, each the size of the largest padded unit. Stages 0-1 with 16-bit gradients
 //!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
@@ -104,13 +105,32 @@ pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan
         .collect()
 }
 
-/// Whether a stage's gradient reduction runs in place in each unit's kept gradient, one collective
-/// per unit with no bucket: at stages 0-1 (which keep full gradients until they are reduced) when
-/// they are kept in the communication dtype. Stages 2-3 reduce the transient f32 gradients of
-/// every micro-step, freed once copied into a bucket; other dtypes convert as they are copied.
-pub fn reduces_in_place(shards_grads: bool, grad_accum: DType, comm: DType) -> bool {
-    !shards_grads && grad_accum == comm
+/// Whether a stage's gradient reduction runs in place in each unit's own gradient buffer, one
+/// collective per unit with no bucket:
+/// - stages 0-1 (which keep full gradients until they are reduced) when they are kept in the
+///   communication dtype: it costs nothing, the kept gradient is the buffer;
+/// - stages 2-3 (which reduce the transient f32 gradients of every micro-step) when the
+///   communication dtype is f32 and the largest unit is no larger than a bucket: each transient
+///   buffer is held until its reduce-scatter is done, up to [`UNITS_IN_FLIGHT`] of them beside
+///   those the backward holds, in place of as many buckets, so never more memory.
+///
+/// Other dtypes convert as they are copied into a bucket.
+pub fn reduces_in_place(
+    shards_grads: bool,
+    grad_accum: DType,
+    comm: DType,
+    largest_unit: usize,
+    bucket_elems: usize,
+) -> bool {
+    match shards_grads {
+        false => grad_accum == comm,
+        true => comm == DType::F32 && largest_unit <= bucket_elems,
+    }
 }
+
+/// Stages 2-3 reducing in place with `overlap_comm`: transient gradient buffers in flight at
+/// most, as many as the buckets they replace (without overlap each is waited for at once).
+pub const UNITS_IN_FLIGHT: usize = 2;
 
 /// Size every buffer for `spec` under `cfg`.
 pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
@@ -122,6 +142,8 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         cfg.stage.shards_grads(),
         cfg.grad_accum_dtype,
         cfg.comm_dtype,
+        layout.largest_padded(),
+        region * world,
     );
     let bucket_count = match (reduce_in_place, cfg.overlap_comm) {
         (true, _) => 0,
@@ -130,7 +152,14 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     };
     let stage = cfg.stage;
     let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
-        (layout.largest_padded(), schedule::max_grads_held(spec))
+        let in_flight = match reduce_in_place && cfg.overlap_comm {
+            true => UNITS_IN_FLIGHT,
+            false => 0,
+        };
+        (
+            layout.largest_padded(),
+            schedule::max_grads_held(spec) + in_flight,
+        )
     } else {
         (0, 0)
     };
@@ -235,15 +264,20 @@ mod tests {
 
     #[test]
     fn buckets_are_capped_by_the_model_and_doubled_by_overlap() {
+        // bf16 reductions: stage 2 goes through the buckets whatever their size.
         let mut cfg = EngineConfig::new(Stage::Zero2, 2);
+        cfg.comm_dtype = DType::BF16;
         let p = plan(&spec(), &cfg);
         assert_eq!(p.bucket_elems, 64 + 128 + 16);
         assert_eq!(p.bucket_count, 2);
-        assert_eq!(p.bucket_bytes(), 2 * 208 * 4);
+        assert_eq!(p.bucket_bytes(), 2 * 208 * 2);
         assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2));
+        // f32 reductions with a bucket smaller than the largest unit (128) too.
+        cfg.comm_dtype = DType::F32;
         cfg.overlap_comm = false;
         cfg.reduce_bucket_size = 33;
         let p = plan(&spec(), &cfg);
+        assert!(!p.reduce_in_place);
         assert_eq!((p.bucket_elems, p.bucket_count), (32, 1));
         // The bucket alone (its collectives run in place) and two gradient buffers.
         assert_eq!(p.bucket_bytes(), 32 * 4);
@@ -251,22 +285,35 @@ mod tests {
     }
 
     #[test]
-    fn stages_0_1_reduce_in_place_when_gradients_are_kept_in_the_communication_dtype() {
+    fn reductions_run_in_place_where_the_units_own_buffers_serve() {
         for stage in [Stage::Zero0, Stage::Zero1] {
             let mut cfg = EngineConfig::new(stage, 2);
             let p = plan(&spec(), &cfg);
             assert!(p.reduce_in_place, "{stage:?}");
             assert_eq!((p.bucket_count, p.bucket_bytes()), (0, 0), "{stage:?}");
+            assert_eq!(p.scratch_bytes(), 0, "{stage:?}");
             // bf16 reductions of f32-kept gradients convert as they are copied into buckets.
             cfg.comm_dtype = DType::BF16;
             let p = plan(&spec(), &cfg);
             assert!(!p.reduce_in_place, "{stage:?}");
             assert_eq!(p.bucket_bytes(), 2 * 208 * 2, "{stage:?}");
         }
-        // Stages 2-3 reduce transient gradients: always through buckets.
-        let p = plan(&spec(), &EngineConfig::new(Stage::Zero3, 2));
-        assert!(!p.reduce_in_place);
-        assert_eq!(p.bucket_count, 2);
+        // Stages 2-3 with f32 reductions and a bucket that holds the largest unit: the two
+        // buckets become two more transient gradients (of the largest unit, 128) in flight.
+        for stage in [Stage::Zero2, Stage::Zero3] {
+            let mut cfg = EngineConfig::new(stage, 2);
+            let p = plan(&spec(), &cfg);
+            assert!(p.reduce_in_place, "{stage:?}");
+            assert_eq!(p.bucket_count, 0, "{stage:?}");
+            assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2 + 2));
+            // Without overlap each is waited for at once: nothing more is held.
+            cfg.overlap_comm = false;
+            let p = plan(&spec(), &cfg);
+            assert_eq!((p.bucket_count, p.grad_scratch_count), (0, 2), "{stage:?}");
+            // A bucket smaller than the largest unit keeps the buckets (and their bound).
+            cfg.reduce_bucket_size = 100;
+            assert!(!plan(&spec(), &cfg).reduce_in_place, "{stage:?}");
+        }
     }
 
     #[test]

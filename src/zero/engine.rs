@@ -52,7 +52,7 @@ use super::precision::{
 };
 use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
-use super::state::{FlatState, StageState};
+use super::state::{FlatState, GradPool, StageState};
 use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
@@ -193,7 +193,6 @@ pub struct Engine<'a, M: UnitModel> {
     /// Mixed precision: f32 scratch the 16-bit parameters of a visit are widened into, one per
     /// unit the visit reads.
     widened: Vec<Vec<f32>>,
-    grad_pool: GradPool,
     /// Loss scale and Inf/NaN skipping.
     policy: StepPolicy,
     ledger: MemoryLedger,
@@ -235,34 +234,6 @@ enum Stash<M: UnitModel> {
     Input(Option<M::Act>),
     /// What the forward kept for backward.
     Saved(Option<M::Saved>),
-}
-
-/// The free transient full-unit f32 gradient buffers, allocated once (as many and as large as
-/// the plan says): a unit takes one when a backward first writes its gradient and gives it back
-/// once the gradient has been accumulated or reduced.
-struct GradPool {
-    free: Vec<Vec<f32>>,
-}
-
-impl GradPool {
-    fn new(plan: &BufferPlan) -> Self {
-        let free = (0..plan.grad_scratch_count)
-            .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
-            .collect();
-        GradPool { free }
-    }
-    /// A zeroed buffer of `len` elements.
-    fn take(&mut self, len: usize) -> Vec<f32> {
-        let mut g = self.free.pop().expect("gradient scratch sized by the plan");
-        g.resize(len, 0.0);
-        g
-    }
-    /// Take the buffer out of `slot` (leaving it empty) and keep it for reuse.
-    fn give(&mut self, slot: &mut Vec<f32>) {
-        let mut g = std::mem::take(slot);
-        g.clear();
-        self.free.push(g);
-    }
 }
 
 /// The step's agreed scalars.
@@ -322,7 +293,6 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params, comm.rank())?;
         let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref(), &state);
         let buckets = Buckets::new(&plan, cfg.world_size, cfg.overlap_comm);
-        let grad_pool = GradPool::new(&plan);
         let widened = (0..plan.param_scratch_count)
             .map(|_| vec![0.0f32; plan.param_scratch_elems])
             .collect();
@@ -336,7 +306,6 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             units,
             buckets,
             widened,
-            grad_pool,
             policy,
             ledger,
             nvme,
@@ -633,7 +602,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
         for &k in &self.units[unit].reads {
             if self.state.grads[k].is_empty() {
-                self.state.grads[k] = self.grad_pool.take(self.layout.units[k].padded);
+                self.state.grads[k] = self.state.grad_pool.take(self.layout.units[k].padded);
             }
         }
     }
@@ -657,7 +626,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     kept[unit]
                         .all_mut()
                         .add(Slice::F32(&self.state.grads[unit]));
-                    self.grad_pool.give(&mut self.state.grads[unit]);
+                    self.state.grad_pool.give(&mut self.state.grads[unit]);
                 }
                 if reduce {
                     self.buckets
@@ -665,10 +634,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 }
             }
             StageState::ShardedGrads { .. } | StageState::ShardedParams { .. } => {
-                // The buckets copy it: the transient gradient is free once pushed.
+                // The push consumes the transient gradient: a bucket copies it and frees it at
+                // once, or its reduce-scatter in place frees it when done.
                 self.buckets
                     .push(self.comm, unit, &mut self.state, &self.layout)?;
-                self.grad_pool.give(&mut self.state.grads[unit]);
             }
         }
         Ok(())
@@ -1094,7 +1063,11 @@ fn flat_state(
             (stage, transient())
         }
     };
-    Ok(FlatState { grads, stage })
+    Ok(FlatState {
+        grads,
+        grad_pool: GradPool::new(plan),
+        stage,
+    })
 }
 
 /// Stage 3: the coordinator of the parameter `shards`, with every visit's gathers planned. A unit

@@ -5,6 +5,7 @@
 //! The stages differ in what they keep, so [`StageState`] has one variant per layout: code that
 //! depends on the stage matches on it and finds there exactly the buffers the stage has.
 
+use super::buffers::BufferPlan;
 use super::gather::Coordinator;
 use super::precision::{FlatBuffer, Slice, SliceMut};
 use crate::comm::Buffer;
@@ -16,8 +17,38 @@ pub struct FlatState {
     /// gradients themselves) at stages 0-1 with f32 accumulation, transient otherwise (a unit's
     /// entry is empty while it holds no gradient; see [`StageState::transient_grads`]).
     pub grads: Vec<Vec<f32>>,
+    /// The free transient gradient buffers (empty where the gradients are kept).
+    pub grad_pool: GradPool,
     /// The parameters and reduced gradients, as the stage keeps them.
     pub stage: StageState,
+}
+
+/// The free transient full-unit f32 gradient buffers, allocated once (as many and as large as
+/// the plan says): a unit takes one when a backward first writes its gradient and gives it back
+/// once the gradient has been accumulated or reduced.
+pub struct GradPool {
+    free: Vec<Vec<f32>>,
+}
+
+impl GradPool {
+    pub fn new(plan: &BufferPlan) -> Self {
+        let free = (0..plan.grad_scratch_count)
+            .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
+            .collect();
+        GradPool { free }
+    }
+    /// A zeroed buffer of `len` elements.
+    pub fn take(&mut self, len: usize) -> Vec<f32> {
+        let mut g = self.free.pop().expect("gradient scratch sized by the plan");
+        g.resize(len, 0.0);
+        g
+    }
+    /// Take the buffer out of `slot` (leaving it empty) and keep it for reuse.
+    pub fn give(&mut self, slot: &mut Vec<f32>) {
+        let mut g = std::mem::take(slot);
+        g.clear();
+        self.free.push(g);
+    }
 }
 
 /// The stage-dependent buffers. Dtypes: parameters in the parameter dtype, kept gradients in the

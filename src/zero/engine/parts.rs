@@ -38,7 +38,7 @@ impl<'s> UpdateParts<'s> {
         units: &[UnitState],
         overwritten: bool,
     ) -> UpdateParts<'s> {
-        let FlatState { grads, stage } = state;
+        let FlatState { grads, stage, .. } = state;
         let part = |u: usize| units[u].updated.clone();
         match stage {
             StageState::Replicated { params, kept_grads } => {
