@@ -180,7 +180,7 @@ pub struct ReductionDtypes {
 ///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on; none when
 ///   the reduction runs in place in the units' own gradients (by
 ///   [`crate::zero::buffers::reduces_in_place`]), which at stages 2-3 with `overlap_comm` holds
-///   [`crate::zero::buffers::UNITS_IN_FLIGHT`] transient f32 gradients of the largest unit instead
+///   [`crate::zero::buffers::units_in_flight`] transient f32 gradients of the largest unit instead
 ///   (scratch; the estimates count no other);
 /// - stage 3: a gather pool of max(largest unit, min(max_live_parameters, Ψ)) elements in the
 ///   parameter dtype, which bounds every fetch including prefetch;
@@ -211,8 +211,13 @@ pub fn engine_buffer_bytes(
         (false, true) => 2,
         (false, false) => 1,
     };
-    let in_flight = match in_place && s.overlap_comm && stage >= 2 {
-        true => buffers::UNITS_IN_FLIGHT as u64,
+    let in_flight = match in_place && stage >= 2 {
+        true => buffers::units_in_flight(
+            s.overlap_comm,
+            size(model.largest_unit),
+            size(bucket_elems),
+            (!model.unit_numels.is_empty()).then_some(model.unit_numels.len()),
+        ) as u64,
         false => 0,
     };
     let mut out = EngineBuffers {
@@ -491,8 +496,8 @@ mod tests {
             .reduce_buckets,
             0
         );
-        // Stage 3 in place too once a bucket holds the largest unit (300k): two transient f32
-        // gradients in flight instead of the buckets.
+        // Stage 3 in place too once a bucket holds the largest unit (300k): instead of the two
+        // buckets of Ψ (1M), as many transient f32 gradients in flight as their memory holds (6).
         let b = engine_buffer_bytes(
             3,
             Precision::Fp32,
@@ -503,7 +508,7 @@ mod tests {
                 comm: DType::F32,
             },
         );
-        assert_eq!((b.reduce_buckets, b.scratch_buffers), (0, 2 * 300_000 * 4));
+        assert_eq!((b.reduce_buckets, b.scratch_buffers), (0, 6 * 300_000 * 4));
     }
 
     #[test]

@@ -26,11 +26,12 @@
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
 //! is waited for as soon as it is launched. In-place unit collectives stay in flight until the
 //! flush with `overlap_comm` (the stage 2-3 ones, which hold transient buffers, at most
-//! [`UNITS_IN_FLIGHT`] of them: the oldest is waited for before another is issued), and are
+//! [`units_in_flight`](super::buffers::units_in_flight) of them: the oldest is waited for before
+//! another is issued), and are
 //! waited for one by one without it. Every decision depends only on the layout and the order
 //! of pushes, never on timing, so every rank issues the same collectives in the same order.
 
-use super::buffers::{BufferPlan, UNITS_IN_FLIGHT};
+use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
 use super::precision::{FlatBuffer, Slice};
 use super::state::FlatState;
@@ -86,6 +87,8 @@ pub struct Buckets {
     reduce_in_place: bool,
     /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
     units_in_flight: VecDeque<(usize, CommHandle)>,
+    /// Stages 2-3: transient gradients in flight at most (the plan's `units_in_flight`).
+    max_in_flight: usize,
 }
 
 impl Buckets {
@@ -109,6 +112,7 @@ impl Buckets {
             mode: BucketMode::AllReduce,
             reduce_in_place: plan.reduce_in_place,
             units_in_flight: VecDeque::new(),
+            max_in_flight: plan.units_in_flight,
         }
     }
 
@@ -233,7 +237,7 @@ impl Buckets {
             return Ok(());
         }
         if self.mode == BucketMode::ReduceScatterAccumulate
-            && self.units_in_flight.len() == UNITS_IN_FLIGHT
+            && self.units_in_flight.len() >= self.max_in_flight.max(1)
         {
             self.complete_oldest_unit(state, layout)?;
         }

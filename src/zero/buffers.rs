@@ -12,7 +12,7 @@
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
-//!   [`UNITS_IN_FLIGHT`] more, in reduce-scatters still in flight.
+//!   [`units_in_flight`] more, in reduce-scatters still in flight.
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
 //!   unit a visit reads, each the size of the largest padded unit. Stages 0-1 with 16-bit gradients
 //!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
@@ -40,6 +40,9 @@ pub struct BufferPlan {
     /// Whether the gradient reduction runs in place in each unit's kept gradient
     /// ([`reduces_in_place`]) instead of through the buckets.
     pub reduce_in_place: bool,
+    /// Stages 2-3 reducing in place: transient gradients in reduce-scatters in flight at most
+    /// ([`units_in_flight`]; counted in `grad_scratch_count`).
+    pub units_in_flight: usize,
     /// Dtype of the buckets.
     pub comm_dtype: DType,
     /// Elements of each transient full-unit gradient buffer (stages 2-3).
@@ -111,8 +114,8 @@ pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan
 ///   communication dtype: it costs nothing, the kept gradient is the buffer;
 /// - stages 2-3 (which reduce the transient f32 gradients of every micro-step) when the
 ///   communication dtype is f32 and the largest unit is no larger than a bucket: each transient
-///   buffer is held until its reduce-scatter is done, up to [`UNITS_IN_FLIGHT`] of them beside
-///   those the backward holds, in place of as many buckets, so never more memory.
+///   buffer is held until its reduce-scatter is done, up to [`units_in_flight`] of them beside
+///   those the backward holds, in place of the buckets, so never more memory.
 ///
 /// Other dtypes convert as they are copied into a bucket.
 pub fn reduces_in_place(
@@ -128,9 +131,27 @@ pub fn reduces_in_place(
     }
 }
 
-/// Stages 2-3 reducing in place with `overlap_comm`: transient gradient buffers in flight at
-/// most, as many as the buckets they replace (without overlap each is waited for at once).
-pub const UNITS_IN_FLIGHT: usize = 2;
+/// Stages 2-3 reducing in place with `overlap_comm`: the transient gradient buffers (of the
+/// largest unit, `largest`) in flight at most, as many as the memory of the two buckets of
+/// `bucket_elems` they replace holds, and no more than the `units` (when known). Waiting for one
+/// mid-backward stalls the rank until every rank has reached that collective: two in flight ran
+/// the small GPT's stages 2-3 no faster than copying into buckets, one per unit 1-3% faster.
+/// Without overlap each is waited for at once (0). At least 2 where it applies, since the
+/// largest unit fits a bucket.
+pub fn units_in_flight(
+    overlap: bool,
+    largest: usize,
+    bucket_elems: usize,
+    units: Option<usize>,
+) -> usize {
+    match overlap {
+        true => {
+            let fit = (2 * bucket_elems) / largest.max(1);
+            units.map_or(fit, |n| fit.min(n))
+        }
+        false => 0,
+    }
+}
 
 /// Size every buffer for `spec` under `cfg`.
 pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
@@ -145,6 +166,15 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         layout.largest_padded(),
         region * world,
     );
+    let in_flight = match reduce_in_place && cfg.stage.shards_grads() {
+        true => units_in_flight(
+            cfg.overlap_comm,
+            layout.largest_padded(),
+            region * world,
+            Some(spec.units.len()),
+        ),
+        false => 0,
+    };
     let bucket_count = match (reduce_in_place, cfg.overlap_comm) {
         (true, _) => 0,
         (false, true) => 2,
@@ -152,10 +182,6 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     };
     let stage = cfg.stage;
     let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
-        let in_flight = match reduce_in_place && cfg.overlap_comm {
-            true => UNITS_IN_FLIGHT,
-            false => 0,
-        };
         (
             layout.largest_padded(),
             schedule::max_grads_held(spec) + in_flight,
@@ -214,6 +240,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         bucket_elems: region * world,
         bucket_count,
         reduce_in_place,
+        units_in_flight: in_flight,
         comm_dtype: cfg.comm_dtype,
         grad_scratch_elems,
         grad_scratch_count,
@@ -299,13 +326,15 @@ mod tests {
             assert_eq!(p.bucket_bytes(), 2 * 208 * 2, "{stage:?}");
         }
         // Stages 2-3 with f32 reductions and a bucket that holds the largest unit: the two
-        // buckets become two more transient gradients (of the largest unit, 128) in flight.
+        // buckets (of 208) become transient gradients (of the largest unit, 128) in flight, as
+        // many as their memory holds (3), and no more than the units (3).
         for stage in [Stage::Zero2, Stage::Zero3] {
             let mut cfg = EngineConfig::new(stage, 2);
             let p = plan(&spec(), &cfg);
             assert!(p.reduce_in_place, "{stage:?}");
             assert_eq!(p.bucket_count, 0, "{stage:?}");
-            assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2 + 2));
+            assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2 + 3));
+            assert_eq!(p.units_in_flight, 3);
             // Without overlap each is waited for at once: nothing more is held.
             cfg.overlap_comm = false;
             let p = plan(&spec(), &cfg);
@@ -314,6 +343,16 @@ mod tests {
             cfg.reduce_bucket_size = 100;
             assert!(!plan(&spec(), &cfg).reduce_in_place, "{stage:?}");
         }
+    }
+
+    #[test]
+    fn units_in_flight_fill_the_memory_of_the_buckets_they_replace() {
+        // Two buckets of 1000 hold 20 gradients of 100, capped by the units when known.
+        assert_eq!(units_in_flight(true, 100, 1000, None), 20);
+        assert_eq!(units_in_flight(true, 100, 1000, Some(4)), 4);
+        assert_eq!(units_in_flight(true, 1000, 1000, None), 2);
+        // Without overlap each is waited for at once.
+        assert_eq!(units_in_flight(false, 100, 1000, Some(4)), 0);
     }
 
     #[test]
