@@ -426,21 +426,16 @@ mod tests {
         assert_eq!(d.model_states, 16_000);
     }
 
+    fn dtypes(grad_accum: DType, comm: DType) -> ReductionDtypes {
+        ReductionDtypes { grad_accum, comm }
+    }
+
     #[test]
     fn buffer_rules() {
         let m = ModelSize::from_count(1_000_000, Some(300_000)).unwrap();
         let mut s = BufferSettings::deepspeed_defaults(2);
         s.reduce_bucket_size = 200_000;
-        let b = engine_buffer_bytes(
-            2,
-            Precision::Bf16,
-            &m,
-            &s,
-            ReductionDtypes {
-                grad_accum: DType::BF16,
-                comm: DType::BF16,
-            },
-        );
+        let b = engine_buffer_bytes(2, Precision::Bf16, &m, &s, dtypes(DType::BF16, DType::BF16));
         assert_eq!(
             b,
             EngineBuffers {
@@ -452,62 +447,26 @@ mod tests {
         );
         s.overlap_comm = true;
         s.max_live_parameters = 100_000;
-        let b = engine_buffer_bytes(
-            3,
-            Precision::Fp32,
-            &m,
-            &s,
-            ReductionDtypes {
-                grad_accum: DType::F32,
-                comm: DType::F32,
-            },
-        );
+        let b = engine_buffer_bytes(3, Precision::Fp32, &m, &s, dtypes(DType::F32, DType::F32));
         // Bucket 200k f32 ×2; pool = max(largest unit 300k, min(100k, Ψ)) f32.
         assert_eq!(b.reduce_buckets, 1_600_000);
         assert_eq!(b.gather_pool, 1_200_000);
         // A bucket larger than the model is clamped to Ψ.
         s.reduce_bucket_size = 5_000_000;
         assert_eq!(
-            engine_buffer_bytes(
-                0,
-                Precision::Bf16,
-                &m,
-                &s,
-                ReductionDtypes {
-                    grad_accum: DType::F32,
-                    comm: DType::BF16
-                }
-            )
-            .reduce_buckets,
+            engine_buffer_bytes(0, Precision::Bf16, &m, &s, dtypes(DType::F32, DType::BF16))
+                .reduce_buckets,
             4_000_000
         );
         // Reduced in place in the units' own gradients: no bucket at all.
         assert_eq!(
-            engine_buffer_bytes(
-                0,
-                Precision::Fp32,
-                &m,
-                &s,
-                ReductionDtypes {
-                    grad_accum: DType::F32,
-                    comm: DType::F32
-                }
-            )
-            .reduce_buckets,
+            engine_buffer_bytes(0, Precision::Fp32, &m, &s, dtypes(DType::F32, DType::F32))
+                .reduce_buckets,
             0
         );
         // Stage 3 in place too once a bucket holds the largest unit (300k): instead of the two
         // buckets of Ψ (1M), as many transient f32 gradients in flight as their memory holds (6).
-        let b = engine_buffer_bytes(
-            3,
-            Precision::Fp32,
-            &m,
-            &s,
-            ReductionDtypes {
-                grad_accum: DType::F32,
-                comm: DType::F32,
-            },
-        );
+        let b = engine_buffer_bytes(3, Precision::Fp32, &m, &s, dtypes(DType::F32, DType::F32));
         assert_eq!((b.reduce_buckets, b.scratch_buffers), (0, 6 * 300_000 * 4));
     }
 

@@ -27,9 +27,9 @@
 //! is waited for as soon as it is launched. In-place unit collectives stay in flight until the
 //! flush with `overlap_comm` (the stage 2-3 ones, which hold transient buffers, at most
 //! [`units_in_flight`](super::buffers::units_in_flight) of them: the oldest is waited for before
-//! another is issued), and are
-//! waited for one by one without it. Every decision depends only on the layout and the order
-//! of pushes, never on timing, so every rank issues the same collectives in the same order.
+//! another is issued), and are waited for one by one without it. Every decision depends only on
+//! the layout and the order of pushes, never on timing, so every rank issues the same collectives
+//! in the same order.
 
 use super::buffers::BufferPlan;
 use super::flat::FlatLayout;
@@ -83,7 +83,7 @@ pub struct Buckets {
     world: usize,
     overlap: bool,
     mode: BucketMode,
-    /// Whether the stage 0-1 reductions run in place in each unit's kept gradient.
+    /// Whether the gradient reductions run in place in each unit's own gradient buffer.
     reduce_in_place: bool,
     /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
     units_in_flight: VecDeque<(usize, CommHandle)>,
