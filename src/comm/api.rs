@@ -123,6 +123,16 @@ impl Buffer {
             _ => None,
         }
     }
+    /// The f32 vector of a buffer a collective handed back on `rank`, which is the f32 buffer it
+    /// was given: a backend returning another dtype breaks the [`Communicator`] contract, and that
+    /// is an error, not a panic.
+    pub fn into_returned_f32(self, rank: usize) -> Result<Vec<f32>, CommError> {
+        let dtype = self.dtype();
+        self.into_f32().ok_or_else(|| CommError::InvalidArgument {
+            rank,
+            what: format!("a collective given an f32 buffer returned a {dtype:?} one"),
+        })
+    }
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Buffer::F32(v) => Some(v),

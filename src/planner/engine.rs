@@ -186,7 +186,7 @@ impl<'a> EngineRun<'a> {
     /// - stage 0: the gradient all-reduce, one call per bucket, on the last micro-step;
     /// - stages 1-3: the gradient reduce-scatter, one call per bucket region (stage 1 on the last
     ///   micro-step, stages 2-3 on every one);
-    /// - where the reduction runs in place (`zero::buffers::reduces_in_place`: stages 0-1 with
+    /// - where the reduction runs in place (`zero::buffers::reduction_plan`: stages 0-1 with
     ///   gradients kept in the communication dtype, stages 2-3 with f32 reductions and a bucket
     ///   that holds the largest unit): one call per (non-empty) unit instead;
     /// - stages 1-2: the all-gather of the updated shards after the step, in place, one call per

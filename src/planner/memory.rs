@@ -1,9 +1,9 @@
 //! Bytes per device and per node, by kind, for one stage and offload choice.
 
 use super::model::{GptShape, ModelSize};
-use crate::comm::DType;
 use crate::config::defaults;
 use crate::zero::buffers;
+pub use crate::zero::buffers::ReductionDtypes;
 
 /// Training precision. Mixed precision keeps 16-bit params and grads plus an fp32 master copy;
 /// fp32 training has no separate master (the params are the master).
@@ -167,20 +167,12 @@ pub struct EngineBuffers {
     pub persistent_params: u64,
 }
 
-/// The dtypes a gradient reduction involves: where gradients are kept (accumulated) and what the
-/// collective moves (`data_types.grad_accum_dtype`, `communication_data_type`, resolved).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ReductionDtypes {
-    pub grad_accum: DType,
-    pub comm: DType,
-}
-
 /// zerodp's engine buffer rules, in one place so that they can be reconciled with the engine:
 /// - reduce bucket: min(reduce_bucket_size, Ψ) elements in the communication dtype (f32 for fp32
 ///   runs, the 16-bit type for mixed precision), two of them when `overlap_comm` is on; none when
 ///   the reduction runs in place in the units' own gradients (by
-///   [`crate::zero::buffers::reduces_in_place`]), which at stages 2-3 with `overlap_comm` holds
-///   [`crate::zero::buffers::units_in_flight`] transient f32 gradients of the largest unit instead
+///   [`crate::zero::buffers::reduction_plan`]), which at stages 2-3 with `overlap_comm` holds
+///   the plan's `units_in_flight` transient f32 gradients of the largest unit instead
 ///   (scratch; the estimates count no other);
 /// - stage 3: a gather pool of max(largest unit, min(max_live_parameters, Ψ)) elements in the
 ///   parameter dtype, which bounds every fetch including prefetch;
@@ -199,30 +191,18 @@ pub fn engine_buffer_bytes(
     let dtype = precision.param_bytes();
     let bucket_elems = s.reduce_bucket_size.min(model.params);
     let size = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    let in_place = buffers::reduces_in_place(
+    let units = model.unit_numels.len();
+    let r = buffers::reduction_plan(
         stage >= 2,
-        reduction.grad_accum,
-        reduction.comm,
+        reduction,
         size(model.largest_unit),
         size(bucket_elems),
+        (units > 0).then_some(units),
+        s.overlap_comm,
     );
-    let buckets = match (in_place, s.overlap_comm) {
-        (true, _) => 0,
-        (false, true) => 2,
-        (false, false) => 1,
-    };
-    let in_flight = match in_place && stage >= 2 {
-        true => buffers::units_in_flight(
-            s.overlap_comm,
-            size(model.largest_unit),
-            size(bucket_elems),
-            (!model.unit_numels.is_empty()).then_some(model.unit_numels.len()),
-        ) as u64,
-        false => 0,
-    };
     let mut out = EngineBuffers {
-        reduce_buckets: bucket_elems * reduction.comm.size() as u64 * buckets,
-        scratch_buffers: in_flight * model.largest_unit * 4,
+        reduce_buckets: bucket_elems * reduction.comm.size() as u64 * r.bucket_count as u64,
+        scratch_buffers: r.units_in_flight as u64 * model.largest_unit * 4,
         ..EngineBuffers::default()
     };
     if stage == 3 {
@@ -410,6 +390,7 @@ pub fn model_state_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::DType;
 
     #[test]
     fn fp32_training_is_16_bytes_per_param_without_master() {

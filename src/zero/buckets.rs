@@ -1,6 +1,7 @@
-//! Communication buckets: gradients are copied into a few preallocated buckets and reduced one
-//! bucket at a time, DeepSpeed's IPG buckets with a true reduce-scatter; or, where a unit's own
-//! buffer serves, reduced or gathered in place in it.
+//! Gradient reduction: gradients are copied into a few preallocated buckets and reduced one bucket
+//! at a time, DeepSpeed's IPG buckets with a true reduce-scatter; or, where a unit's own buffer
+//! serves, reduced in place in it. (The stage 1-2 all-gather of updated parameters always runs in
+//! place in each unit's parameters: `Engine::gather_updated`.)
 //!
 //! A reduce-scatter bucket is laid out rank-major: `world` regions of `region` elements each, where
 //! region q holds the pieces of rank q's shards of the units in the bucket. Reduce-scattering the
@@ -14,11 +15,10 @@
 //!
 //! Where a unit's own buffer already is what a collective needs, the buckets step aside and the
 //! collective runs in place in it, one per unit (FSDP2's way): no copy in, no copy out, and no
-//! bucket memory (see [`reduces_in_place`](super::buffers::reduces_in_place)). That is the stage
-//! 0-1 reduction of gradients kept in the communication dtype (the all-reduce, or the
-//! reduce-scatter that leaves the rank's shard at its place in the unit's full gradient) and the
-//! stage 1-2 all-gather, whose input is the rank's updated shard at its place in the unit's full
-//! parameters. Stages 2-3 reduce-scatter each transient gradient in place when the plan has room
+//! bucket memory (see [`reduction_plan`](super::buffers::reduction_plan)). That is the stage 0-1
+//! reduction of gradients kept in the communication dtype (the all-reduce, or the reduce-scatter
+//! that leaves the rank's shard at its place in the unit's full gradient). Stages 2-3
+//! reduce-scatter each transient gradient in place when the plan has room
 //! for it (f32 reductions, units no larger than a bucket): the buffer goes back to the free ones
 //! when its collective is done, after its shard has been added to the rank's gradient shards;
 //! otherwise a bucket copies it and it is free at once.
@@ -39,7 +39,7 @@ use std::collections::VecDeque;
 
 use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
 
-/// What a bucket does and where its results go.
+/// Which reduction the buckets do and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BucketMode {
     /// Stage 0: all-reduce (average) full gradients in place.
@@ -50,9 +50,6 @@ pub enum BucketMode {
     /// Stages 2-3: reduce-scatter (average) transient full gradients; the result is added to the
     /// rank's gradient shard accumulator.
     ReduceScatterAccumulate,
-    /// Stages 1-2 after the optimizer step: all-gather the updated parameter shards into the full
-    /// parameter buffers.
-    AllGather,
 }
 
 /// A piece of one unit in a bucket.
@@ -130,16 +127,6 @@ impl Buckets {
             && self.slots.iter().all(|s| s.used == 0 && s.flight.is_none())
     }
 
-    /// Whether the current mode's collectives run in place in each unit's own buffer.
-    fn in_place(&self) -> bool {
-        match self.mode {
-            BucketMode::AllReduce
-            | BucketMode::ReduceScatterStore
-            | BucketMode::ReduceScatterAccumulate => self.reduce_in_place,
-            BucketMode::AllGather => true,
-        }
-    }
-
     /// Elements one bucket takes per rank region.
     fn capacity(&self) -> usize {
         match self.mode {
@@ -148,9 +135,9 @@ impl Buckets {
         }
     }
 
-    /// Add all of unit `unit` (its gradient, or at [`BucketMode::AllGather`] its parameter shard),
-    /// launching buckets as they fill. A transient gradient (stages 2-3) is consumed: its buffer
-    /// goes back to the free ones, now or when its collective in place is done.
+    /// Add unit `unit`'s gradient, launching buckets as they fill, or its own collective in place.
+    /// A transient gradient (stages 2-3) is consumed: its buffer goes back to the free ones, now
+    /// or when its collective in place is done.
     pub fn push(
         &mut self,
         comm: &dyn Communicator,
@@ -158,7 +145,7 @@ impl Buckets {
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
-        if self.in_place() {
+        if self.reduce_in_place {
             return self.launch_unit(comm, unit, state, layout);
         }
         let u = layout.units[unit];
@@ -206,7 +193,6 @@ impl Buckets {
                             .copy_from(Slice::F32(&src[from..from + len]));
                     }
                 }
-                BucketMode::AllGather => unreachable!("the all-gather runs in place"),
             }
             slot.segments.push(seg);
             slot.used += len;
@@ -241,19 +227,11 @@ impl Buckets {
         {
             self.complete_oldest_unit(state, layout)?;
         }
+        let grad = state.take_grad(unit);
         let handle = match self.mode {
-            BucketMode::AllReduce => comm.all_reduce(state.take_full_grad(unit), ReduceOp::Avg),
-            BucketMode::ReduceScatterStore => {
-                comm.reduce_scatter_in_place(state.take_full_grad(unit), ReduceOp::Avg)
-            }
-            BucketMode::AllGather => {
-                let params = state.full_params_mut(unit);
-                let dtype = params.dtype();
-                comm.all_gather_in_place(std::mem::replace(params, Buffer::zeros(dtype, 0)))
-            }
-            BucketMode::ReduceScatterAccumulate => {
-                let grad = std::mem::take(&mut state.grads[unit]);
-                comm.reduce_scatter_in_place(Buffer::F32(grad), ReduceOp::Avg)
+            BucketMode::AllReduce => comm.all_reduce(grad, ReduceOp::Avg),
+            BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
+                comm.reduce_scatter_in_place(grad, ReduceOp::Avg)
             }
         };
         self.units_in_flight.push_back((unit, handle));
@@ -275,9 +253,9 @@ impl Buckets {
         Ok(())
     }
 
-    /// Wait for the oldest in-place unit collective and give its unit the buffer back: the
-    /// reduced gradient (at stage 1, its own shard at its place) or the gathered parameters; a
-    /// transient gradient's shard is added to the rank's gradient shards and the buffer freed.
+    /// Wait for the oldest in-place unit collective and give its unit the buffer back, the reduced
+    /// gradient (at stage 1, its own shard at its place); a transient gradient's shard is added to
+    /// the rank's gradient shards and the buffer freed.
     fn complete_oldest_unit(
         &mut self,
         state: &mut FlatState,
@@ -288,17 +266,14 @@ impl Buckets {
         };
         let buf = handle.wait_one()?;
         match self.mode {
-            BucketMode::AllGather => *state.full_params_mut(unit) = buf,
             BucketMode::AllReduce | BucketMode::ReduceScatterStore => {
-                state.put_full_grad(unit, buf)
+                state.put_grad(unit, buf, layout.rank)?
             }
             BucketMode::ReduceScatterAccumulate => {
                 let own = layout.own_shard(unit);
                 let at = layout.shard_slot(unit);
                 state.grad_shards_mut().slice_mut(at).add(buf.slice(own));
-                let mut grad = buf
-                    .into_f32()
-                    .expect("a collective returns the buffer it was given (f32 here)");
+                let mut grad = buf.into_returned_f32(layout.rank)?;
                 state.grad_pool.give(&mut grad);
             }
         }
@@ -356,7 +331,6 @@ impl Buckets {
                 big.truncate(world * used);
                 comm.reduce_scatter_in_place(big, ReduceOp::Avg)
             }
-            BucketMode::AllGather => unreachable!("the all-gather runs in place"),
         };
         slot.flight = Some(handle);
         self.current = (idx + 1) % self.slots.len();
@@ -401,7 +375,6 @@ impl Buckets {
                         .slice_mut(at..at + seg.len)
                         .add(big.slice(own + res.start..own + res.end));
                 }
-                BucketMode::AllGather => unreachable!("the all-gather runs in place"),
             }
         }
         big.resize_zeroed(region * world);

@@ -6,7 +6,7 @@
 //!   two when `overlap_comm` (one fills while the other is in flight), else one. The sharded
 //!   collectives run in place in the bucket, so it needs no second buffer for the rank's shard: a
 //!   bucket costs exactly its own bytes, which is also what DeepSpeed's `reduce_bucket_size` means.
-//!   None at all where no collective needs one ([`reduces_in_place`]): the gradient reduction
+//!   None at all where no collective needs one ([`reduction_plan`]): the gradient reduction
 //!   where a unit's own buffer serves, and the stage 1-2 all-gather of parameters, run in place in
 //!   each unit's own buffer, one collective per unit (FSDP2's way), with nothing to copy.
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
@@ -38,7 +38,7 @@ pub struct BufferPlan {
     /// Number of buckets (2 with `overlap_comm`; 0 where the reduction runs in place).
     pub bucket_count: usize,
     /// Whether the gradient reduction runs in place in each unit's kept gradient
-    /// ([`reduces_in_place`]) instead of through the buckets.
+    /// ([`reduction_plan`]) instead of through the buckets.
     pub reduce_in_place: bool,
     /// Stages 2-3 reducing in place: transient gradients in reduce-scatters in flight at most
     /// ([`units_in_flight`]; counted in `grad_scratch_count`).
@@ -108,6 +108,53 @@ pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan
         .collect()
 }
 
+/// The dtypes a gradient reduction involves: where gradients are kept (accumulated) and what the
+/// collective moves (`data_types.grad_accum_dtype`, `communication_data_type`, resolved).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReductionDtypes {
+    pub grad_accum: DType,
+    pub comm: DType,
+}
+
+/// How a stage reduces its gradients, and what that holds beside the model states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReductionPlan {
+    /// In place in each unit's own gradient buffer (stages 0-1 with gradients kept in the
+    /// communication dtype; stages 2-3 with f32 reductions and a bucket that holds the largest
+    /// unit), or through buckets.
+    pub in_place: bool,
+    /// Buckets: 2 with `overlap_comm`, else 1; none in place.
+    pub bucket_count: usize,
+    /// Stages 2-3 in place: transient gradients in flight at most ([`units_in_flight`]).
+    pub units_in_flight: usize,
+}
+
+/// The one rule for the engine and the planner: how a stage that shards gradients or not
+/// (`shards_grads`) reduces them, for units of at most `largest` elements (`units` of them, when
+/// known) and buckets of `bucket_elems`.
+pub fn reduction_plan(
+    shards_grads: bool,
+    dtypes: ReductionDtypes,
+    largest: usize,
+    bucket_elems: usize,
+    units: Option<usize>,
+    overlap: bool,
+) -> ReductionPlan {
+    let in_place = reduces_in_place(shards_grads, dtypes, largest, bucket_elems);
+    ReductionPlan {
+        in_place,
+        bucket_count: match (in_place, overlap) {
+            (true, _) => 0,
+            (false, true) => 2,
+            (false, false) => 1,
+        },
+        units_in_flight: match in_place && shards_grads {
+            true => units_in_flight(overlap, largest, bucket_elems, units),
+            false => 0,
+        },
+    }
+}
+
 /// Whether a stage's gradient reduction runs in place in each unit's own gradient buffer, one
 /// collective per unit with no bucket:
 /// - stages 0-1 (which keep full gradients until they are reduced) when they are kept in the
@@ -118,16 +165,15 @@ pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan
 ///   those the backward holds, in place of the buckets, so never more memory.
 ///
 /// Other dtypes convert as they are copied into a bucket.
-pub fn reduces_in_place(
+fn reduces_in_place(
     shards_grads: bool,
-    grad_accum: DType,
-    comm: DType,
+    dtypes: ReductionDtypes,
     largest_unit: usize,
     bucket_elems: usize,
 ) -> bool {
     match shards_grads {
-        false => grad_accum == comm,
-        true => comm == DType::F32 && largest_unit <= bucket_elems,
+        false => dtypes.grad_accum == dtypes.comm,
+        true => dtypes.comm == DType::F32 && largest_unit <= bucket_elems,
     }
 }
 
@@ -138,7 +184,7 @@ pub fn reduces_in_place(
 /// the small GPT's stages 2-3 no faster than copying into buckets, one per unit 1-3% faster.
 /// Without overlap each is waited for at once (0). At least 2 where it applies, since the
 /// largest unit fits a bucket.
-pub fn units_in_flight(
+fn units_in_flight(
     overlap: bool,
     largest: usize,
     bucket_elems: usize,
@@ -159,32 +205,22 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     let layout = FlatLayout::new(spec, world, 0);
     let total = layout.padded_numel();
     let region = (cfg.reduce_bucket_size.min(total) / world).max(1);
-    let reduce_in_place = reduces_in_place(
+    let reduction = reduction_plan(
         cfg.stage.shards_grads(),
-        cfg.grad_accum_dtype,
-        cfg.comm_dtype,
+        ReductionDtypes {
+            grad_accum: cfg.grad_accum_dtype,
+            comm: cfg.comm_dtype,
+        },
         layout.largest_padded(),
         region * world,
+        Some(spec.units.len()),
+        cfg.overlap_comm,
     );
-    let in_flight = match reduce_in_place && cfg.stage.shards_grads() {
-        true => units_in_flight(
-            cfg.overlap_comm,
-            layout.largest_padded(),
-            region * world,
-            Some(spec.units.len()),
-        ),
-        false => 0,
-    };
-    let bucket_count = match (reduce_in_place, cfg.overlap_comm) {
-        (true, _) => 0,
-        (false, true) => 2,
-        (false, false) => 1,
-    };
     let stage = cfg.stage;
     let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
         (
             layout.largest_padded(),
-            schedule::max_grads_held(spec) + in_flight,
+            schedule::max_grads_held(spec) + reduction.units_in_flight,
         )
     } else {
         (0, 0)
@@ -238,9 +274,9 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     };
     BufferPlan {
         bucket_elems: region * world,
-        bucket_count,
-        reduce_in_place,
-        units_in_flight: in_flight,
+        bucket_count: reduction.bucket_count,
+        reduce_in_place: reduction.in_place,
+        units_in_flight: reduction.units_in_flight,
         comm_dtype: cfg.comm_dtype,
         grad_scratch_elems,
         grad_scratch_count,

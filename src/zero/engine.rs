@@ -682,7 +682,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             .comm
             .all_reduce(Buffer::F32(scalars), ReduceOp::Sum)
             .wait_one()?;
-        self.scalars = reduced.into_f32().expect("f32 scalars");
+        self.scalars = reduced.into_returned_f32(self.layout.rank)?;
         let sq = match local {
             true => unit_sq.iter().sum::<f64>(),
             false => f64::from(self.scalars[1]),
@@ -759,7 +759,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 .comm
                 .all_reduce(Buffer::F32(flags), ReduceOp::Max)
                 .wait_one()?;
-            flags = reduced.into_f32().expect("f32 flags");
+            flags = reduced.into_returned_f32(self.layout.rank)?;
         }
         Ok(flags
             .iter()
@@ -807,19 +807,26 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Stages 1-2: all-gather the updated parameter shards into every rank's full parameters
-    /// (stage 0 updated them whole, stage 3 keeps only its shards).
+    /// (stage 0 updated them whole, stage 3 keeps only its shards), in place in each unit's
+    /// parameters, whose own shard the optimizer has just written: one collective per unit, all
+    /// issued before the first is waited for, nothing copied.
     fn gather_updated(&mut self) -> Result<(), CommError> {
         if !matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2) {
             return Ok(());
         }
         let t = Instant::now();
-        self.buckets.set_mode(BucketMode::AllGather);
-        for u in 0..self.layout.num_units() {
-            self.buckets
-                .push(self.comm, u, &mut self.state, &self.layout)?;
+        let mut in_flight = Vec::with_capacity(self.layout.num_units());
+        for u in (0..self.layout.num_units()).filter(|&u| self.layout.units[u].padded > 0) {
+            let params = self.state.full_params_mut(u);
+            let empty = Buffer::zeros(params.dtype(), 0);
+            let handle = self
+                .comm
+                .all_gather_in_place(std::mem::replace(params, empty));
+            in_flight.push((u, handle));
         }
-        self.buckets
-            .flush(self.comm, &mut self.state, &self.layout)?;
+        for (u, handle) in in_flight {
+            *self.state.full_params_mut(u) = handle.wait_one()?;
+        }
         self.phases.comm += t.elapsed().as_secs_f64();
         Ok(())
     }

@@ -8,7 +8,7 @@
 use super::buffers::BufferPlan;
 use super::gather::Coordinator;
 use super::precision::{FlatBuffer, Slice, SliceMut};
-use crate::comm::Buffer;
+use crate::comm::{Buffer, CommError};
 use std::ops::Range;
 
 /// A rank's flat buffers.
@@ -135,9 +135,11 @@ impl FlatState {
             _ => panic!("stages 2-3 keep no full gradients"),
         }
     }
-    /// Take unit `unit`'s full gradient buffer out at stages 0-1, for a collective to run in place
-    /// in it; the unit holds no gradient until [`FlatState::put_full_grad`] gives it back.
-    pub fn take_full_grad(&mut self, unit: usize) -> Buffer {
+    /// Take the buffer holding unit `unit`'s gradient out, for a collective to run in place in
+    /// it: the kept 16-bit gradient at stages 0-1 with 16-bit accumulation, else the f32 one the
+    /// model wrote (kept at stages 0-1, transient at stages 2-3). The unit holds no gradient until
+    /// [`FlatState::put_grad`] gives it back (or, transient, until the pool gets it).
+    pub fn take_grad(&mut self, unit: usize) -> Buffer {
         match &mut self.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
@@ -146,29 +148,19 @@ impl FlatState {
                 let dtype = kept[unit].dtype();
                 std::mem::replace(&mut kept[unit], Buffer::zeros(dtype, 0))
             }
-            StageState::Replicated {
-                kept_grads: None, ..
-            } => Buffer::F32(std::mem::take(&mut self.grads[unit])),
-            _ => panic!("stages 2-3 keep no full gradients"),
+            _ => Buffer::F32(std::mem::take(&mut self.grads[unit])),
         }
     }
-    /// Give back what [`FlatState::take_full_grad`] took (a collective returns the buffer it was
-    /// given, so an f32 gradient comes back f32).
-    pub fn put_full_grad(&mut self, unit: usize, buf: Buffer) {
+    /// Give back what [`FlatState::take_grad`] took, as the collective on `rank` returned it.
+    pub fn put_grad(&mut self, unit: usize, buf: Buffer, rank: usize) -> Result<(), CommError> {
         match &mut self.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
                 ..
             } => kept[unit] = buf,
-            StageState::Replicated {
-                kept_grads: None, ..
-            } => {
-                self.grads[unit] = buf
-                    .into_f32()
-                    .expect("a collective returns the buffer it was given (f32 here)")
-            }
-            _ => panic!("stages 2-3 keep no full gradients"),
+            _ => self.grads[unit] = buf.into_returned_f32(rank)?,
         }
+        Ok(())
     }
     /// The rank's concatenated gradient shards at stages 2-3, as the buckets accumulate into them.
     pub fn grad_shards_mut(&mut self) -> &mut Buffer {
