@@ -14,7 +14,7 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/model_gpt.rs` checks it against the candle path.
 
-use super::kernels::{wide, CausalAttention, Finish, Gelu, LayerNorm, Linear};
+use super::kernels::{wide, with_slice, CausalAttention, Finish, Gelu, LayerNorm, Linear};
 use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
@@ -83,8 +83,10 @@ impl BlockShape {
     }
 }
 
-fn sum(a: &[f32], b: &[f32]) -> Vec<f32> {
-    wide(|| a.iter().zip(b).map(|(&a, &b)| a + b).collect())
+/// `dst += src`, element by element: a tensor with two consumers gets the sum of its two
+/// gradients (the same bits in either order), written over one of them.
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    wide(|| dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s))
 }
 
 /// The block's forward on `input` (`[rows, width]`) with its flat parameters `p`: the output, and
@@ -107,20 +109,21 @@ pub(super) fn forward(
     // Without `keep`, each activation is freed after its last use (a forward without a graph holds
     // little beside its output, as activation checkpointing and stage-3 recomputation expect).
     let kept = |v: Vec<f32>| if keep { v } else { Vec::new() };
-    let x = input.flatten_all()?.to_vec1::<f32>()?;
-    let ln1 = ln.fwd(&x, &p[r[0].clone()], &p[r[1].clone()])?;
-    let qkv = Linear::fwd_finished(&ln1, &p[r[2].clone()], &Finish::Bias(&p[r[3].clone()]))?;
-    let ln1 = kept(ln1);
-    let att = shape.attention().forward(&qkv, 3 * c)?;
-    let qkv = kept(qkv);
-    // x1 = x + c_proj(att): the residual added as the projection is written.
-    let x1 = Linear::fwd_finished(
-        &att,
-        &p[r[4].clone()],
-        &Finish::BiasResidual(&p[r[5].clone()], &x),
-    )?;
-    let att = kept(att);
-    drop(x);
+    // The input is read where it lies (the previous unit's output tensor), not copied out.
+    let (ln1, qkv, att, x1) = with_slice::<f32, _>(input, |x| {
+        let ln1 = ln.fwd(x, &p[r[0].clone()], &p[r[1].clone()])?;
+        let qkv = Linear::fwd_finished(&ln1, &p[r[2].clone()], &Finish::Bias(&p[r[3].clone()]))?;
+        let ln1 = kept(ln1);
+        let att = shape.attention().forward(&qkv, 3 * c)?;
+        let qkv = kept(qkv);
+        // x1 = x + c_proj(att): the residual added as the projection is written.
+        let x1 = Linear::fwd_finished(
+            &att,
+            &p[r[4].clone()],
+            &Finish::BiasResidual(&p[r[5].clone()], x),
+        )?;
+        Ok((ln1, qkv, kept(att), x1))
+    })?;
     let ln2 = ln.fwd(&x1, &p[r[6].clone()], &p[r[7].clone()])?;
     let fc = Linear::fwd_finished(&ln2, &p[r[8].clone()], &Finish::Bias(&p[r[9].clone()]))?;
     let h = Gelu::fwd(&fc);
@@ -184,27 +187,30 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
         add(grads, w + 1, db);
         dx
     };
-    let dout = grad_output.flatten_all()?.to_vec1::<f32>()?;
-    // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout.
-    let dh = linear(grads, &s.h, 10, &dout, c);
-    let dfc = Gelu::bwd(&s.fc, &dh)?;
-    drop(dh);
-    let dln2 = linear(grads, &s.ln2, 8, &dfc, 4 * c);
-    drop(dfc);
-    let (dx1_norm, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
-    add(grads, 6, dw);
-    add(grads, 7, db);
-    let dx1 = sum(&dout, &dx1_norm);
-    drop((dout, dx1_norm, dln2));
+    // The output gradient is read where it lies, not copied out.
+    let dx1 = with_slice::<f32, _>(grad_output, |dout| {
+        // out = x1 + c_proj(gelu(c_fc(ln_2(x1)))): both terms get dout.
+        let dh = linear(grads, &s.h, 10, dout, c);
+        let dfc = Gelu::bwd(&s.fc, &dh)?;
+        drop(dh);
+        let dln2 = linear(grads, &s.ln2, 8, &dfc, 4 * c);
+        drop(dfc);
+        let (mut dx1, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
+        add(grads, 6, dw);
+        add(grads, 7, db);
+        add_into(&mut dx1, dout);
+        Ok(dx1)
+    })?;
     // x1 = x + c_proj(attention(c_attn(ln_1(x)))).
     let datt = linear(grads, &s.att, 4, &dx1, c);
     let dqkv = s.shape.attention().backward(&s.qkv, &datt, 3 * c)?;
     drop(datt);
     let dln1 = linear(grads, &s.ln1, 2, &dqkv, 3 * c);
     drop(dqkv);
-    let x = s.input.flatten_all()?.to_vec1::<f32>()?;
-    let (dx_norm, dw, db) = ln.bwd(&x, &p[r[0].clone()], &dln1);
+    let (mut dx, dw, db) =
+        with_slice::<f32, _>(&s.input, |x| Ok(ln.bwd(x, &p[r[0].clone()], &dln1)))?;
     add(grads, 0, dw);
     add(grads, 1, db);
-    Tensor::from_vec(sum(&dx1, &dx_norm), (rows, c), &Device::Cpu)
+    add_into(&mut dx, &dx1);
+    Tensor::from_vec(dx, (rows, c), &Device::Cpu)
 }
