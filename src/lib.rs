@@ -21,6 +21,8 @@
 //!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
+//! * `prefetch` (crate-private): software prefetch hints for the streaming loops of `optim` and
+//!   `model` (the CPU Adam, the element-wise kernels). Depends on nothing.
 //!
 //! Dependencies point one way: `config` <- `optim`, `comm` <- `memory`, `offload` <- `zero` <- `setup`,
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
@@ -35,6 +37,7 @@ pub mod model;
 pub mod offload;
 pub mod optim;
 pub mod planner;
+mod prefetch;
 pub mod setup;
 pub mod trainer;
 pub mod zero;

@@ -25,7 +25,8 @@ pub struct BenchOpsArgs {
     /// Compute threads of the rank (its rayon pool).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
-    /// Timed calls per op and direction (the median is reported), after one warm-up call.
+    /// Timed calls per op and direction (the median is reported; the caches are evicted before
+    /// each), after one warm-up call.
     #[arg(long, default_value_t = 5)]
     pub reps: usize,
     /// Training steps of the whole model timed for comparison (after two warm-up steps).
@@ -229,16 +230,32 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// Bytes [`evict_caches`] writes: twice the last-level cache of the hosts we measure on (32 MiB).
+const EVICT_BYTES: usize = 64 << 20;
+
+/// Writes every cache line of `buf`, so that an op timed next finds its inputs in memory, not in
+/// cache, as it does inside a training step (forward's activations are read by backward long after
+/// they were written; each op's output was written by the op before, a layer's worth of data ago).
+fn evict_caches(buf: &mut [u8]) {
+    for line in buf.chunks_mut(64) {
+        line[0] = line[0].wrapping_add(1);
+    }
+    std::hint::black_box(buf);
+}
+
 fn measure_ops(gpt: &GptConfig, args: &BenchOpsArgs) -> anyhow::Result<Vec<OpRow>> {
     let model = std::sync::Arc::new(Gpt::new(gpt.clone())?);
+    let mut evictor = vec![0u8; EVICT_BYTES];
     let mut rows = Vec::new();
     for op in step_ops(gpt, &model, args.per_rank)? {
         let inputs: Vec<Tensor> = op.inputs.iter().map(|v| v.as_tensor().clone()).collect();
         let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
         for rep in 0..=args.reps {
+            evict_caches(&mut evictor);
             let start = std::time::Instant::now();
             let y = (op.run)(&inputs)?;
             let forward = start.elapsed().as_secs_f64();
+            evict_caches(&mut evictor);
             let start = std::time::Instant::now();
             let grads = y.backward()?;
             let backward = start.elapsed().as_secs_f64();

@@ -17,6 +17,7 @@
 //! Reductions across rows (the LayerNorm weight and bias gradients, the bias gradient) are summed
 //! over a fixed chunking, in chunk order, so results do not depend on the number of threads.
 
+use crate::prefetch::{self, BLOCK};
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
@@ -509,6 +510,11 @@ fn gelu_grad<T: Real>(x: T) -> T {
     lit::<T>(0.5) * (lit::<T>(1.0) + t) + lit::<T>(0.5) * x * (lit::<T>(1.0) - t * t) * d_inner
 }
 
+/// The GELU's passes stream `[rows, 4c]` activations that backward reads long after forward wrote
+/// them (and forward reads the `c_fc` output a layer's worth of data after): they ask for their
+/// inputs' lines ahead ([`crate::prefetch`]), which took the 25M GPT's forward from 2.5-2.7 to
+/// 1.6-1.9 ms and its backward about 0.7 ms faster (`zerodp bench ops`, caches evicted before
+/// each call). The layer norms' rows, asked for two rows ahead, gained nothing.
 impl Gelu {
     pub(super) fn fwd<T: Real>(x: &[T]) -> Vec<T> {
         let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
@@ -518,8 +524,11 @@ impl Gelu {
                     wide(
                         #[inline(always)]
                         || {
-                            for (y, &x) in ys.iter_mut().zip(xs) {
-                                y.write(gelu(x));
+                            for (ys, xs) in ys.chunks_mut(BLOCK).zip(xs.chunks(BLOCK)) {
+                                prefetch::block_ahead(xs);
+                                for (y, &x) in ys.iter_mut().zip(xs) {
+                                    y.write(gelu(x));
+                                }
                             }
                         },
                     )
@@ -545,8 +554,13 @@ impl Gelu {
                     wide(
                         #[inline(always)]
                         || {
-                            for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
-                                d.write(g * gelu_grad(x));
+                            let blocks = d.chunks_mut(BLOCK).zip(xs.chunks(BLOCK));
+                            for ((d, xs), gs) in blocks.zip(gs.chunks(BLOCK)) {
+                                prefetch::block_ahead(xs);
+                                prefetch::block_ahead(gs);
+                                for ((d, &x), &g) in d.iter_mut().zip(xs).zip(gs) {
+                                    d.write(g * gelu_grad(x));
+                                }
                             }
                         },
                     )

@@ -30,14 +30,15 @@
 //! traffic): each step widens them exactly, runs the same `f32` formulas and rounds them to
 //! nearest even once.
 //!
-//! The update asks for the cache lines it will need `PREFETCH_DISTANCE` elements ahead: with
+//! The update asks for the cache lines it will need a few KiB ahead ([`crate::prefetch`]): with
 //! the hardware prefetchers alone the bf16-state step drew only about 80% of the bandwidth its
-//! streams allow (see `prefetch_ahead`).
+//! streams allow.
 //!
 //! The chunk kernel is compiled three times, for baseline x86-64 (SSE2), AVX2 and AVX-512F, and
 //! the widest the CPU runs is chosen once per process ([`adam_isa`]; [`ADAM_ISA_ENV`] forces one).
 //! All three give the same bits (see [`AdamIsa`]).
 
+use crate::prefetch;
 use half::bf16;
 use rayon::prelude::*;
 
@@ -299,54 +300,20 @@ fn adam_tile<S: StateElement, G: StateElement, const LERP_LOW: bool, const ADAMW
     c: &StepConsts,
 ) {
     let blocks = p
-        .chunks_mut(PREFETCH_BLOCK)
-        .zip(g.chunks(PREFETCH_BLOCK))
-        .zip(m.chunks_mut(PREFETCH_BLOCK))
-        .zip(v.chunks_mut(PREFETCH_BLOCK));
+        .chunks_mut(prefetch::BLOCK)
+        .zip(g.chunks(prefetch::BLOCK))
+        .zip(m.chunks_mut(prefetch::BLOCK))
+        .zip(v.chunks_mut(prefetch::BLOCK));
     for (((p, g), m), v) in blocks {
-        prefetch_ahead(p, g, m, v);
+        // With the hardware prefetchers alone the bf16-state step drew about 80% of the bandwidth
+        // a pass with its streams and no arithmetic draws (100M elements, 2 threads: 1.22x the
+        // `f32`-state step where its bytes allow 1.4x); asking ahead, 96-99%.
+        prefetch::block_ahead(p);
+        prefetch::block_ahead(g);
+        prefetch::block_ahead(m);
+        prefetch::block_ahead(v);
         adam_block::<S, G, LERP_LOW, ADAMW>(p, g, m, v, c);
     }
-}
-
-/// Elements per block of [`adam_tile`]: each block asks for the lines of the block
-/// [`PREFETCH_DISTANCE`] elements ahead (one or two 64-byte lines per stream).
-const PREFETCH_BLOCK: usize = 32;
-
-/// How far ahead, in elements, [`prefetch_ahead`] asks for lines: 2 KiB of the `f32` streams.
-/// The hardware prefetchers alone left the bf16-state step at about 80% of the bandwidth a pass
-/// with its streams and no arithmetic draws (100M elements, 2 threads: 1.22x the `f32`-state step
-/// where its bytes allow 1.4x); asking 256 to 1024 elements ahead gave the same gain, 2048 less.
-const PREFETCH_DISTANCE: usize = 512;
-
-/// Asks for the cache lines of all four streams [`PREFETCH_DISTANCE`] elements past the start of
-/// this block (a hint: addresses past a slice's end are never read, and never fault).
-#[inline(always)]
-fn prefetch_ahead<S, G>(p: &[f32], g: &[G], m: &[S], v: &[S]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        fn lines<T>(s: &[T]) {
-            let size = std::mem::size_of::<T>();
-            let ahead = s
-                .as_ptr()
-                .cast::<i8>()
-                .wrapping_add(PREFETCH_DISTANCE * size);
-            for line in (0..PREFETCH_BLOCK * size).step_by(64) {
-                // SAFETY: a prefetch is a hint; it reads nothing and cannot fault.
-                unsafe {
-                    std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                        ahead.wrapping_add(line),
-                    )
-                };
-            }
-        }
-        lines(p);
-        lines(g);
-        lines(m);
-        lines(v);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, g, m, v);
 }
 
 /// [`adam_tile`]'s update of one block.
