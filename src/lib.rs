@@ -21,6 +21,8 @@
 //!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
+//! * [`atomic_file`]: files written under a temporary name and renamed into place, so that a
+//!   failed or killed write leaves what was there before. Depends on nothing.
 //! * `prefetch` (crate-private): software prefetch hints for the streaming loops of `optim` and
 //!   `model` (the CPU Adam, the element-wise kernels). Depends on nothing.
 //!
@@ -28,6 +30,7 @@
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
+pub mod atomic_file;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;

@@ -219,27 +219,11 @@ pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
         })
 }
 
-/// Write `text` to `path` atomically: a temporary beside it, fsynced, renamed over it, and the
-/// directory fsynced.
+/// Write `text` to `path` atomically ([`crate::atomic_file`]): a temporary beside it, fsynced,
+/// renamed over it, and the directory fsynced.
 pub fn write_atomic(path: &Path, text: &[u8]) -> Result<(), CheckpointError> {
-    let io = |source| CheckpointError::Io {
+    crate::atomic_file::write_atomic(path, text).map_err(|source| CheckpointError::Io {
         path: path.to_path_buf(),
         source,
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = dir.join(format!(
-        ".{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file")
-    ));
-    let written = File::create(&tmp)
-        .and_then(|mut f| {
-            f.write_all(text)?;
-            f.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&tmp, path));
-    if let Err(e) = written {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
-    }
-    sync_dir(dir)
+    })
 }

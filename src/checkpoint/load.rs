@@ -3,7 +3,8 @@
 
 use super::format::{file_crc, header_bytes, CrcWriter, SliceReader, TensorEntry};
 use super::manifest::{Manifest, ModelDescription};
-use super::{tensor_names, CheckpointError};
+use super::{tensor_names, CheckpointError, LATEST_FILE, MANIFEST_FILE};
+use crate::atomic_file::AtomicFile;
 use crate::zero::{Engine, UnitModel};
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
@@ -13,10 +14,10 @@ use std::path::{Path, PathBuf};
 /// The checkpoint directory `dir` names: itself when it holds a manifest, else the one its
 /// `latest` file names.
 pub fn resolve_dir(dir: &Path) -> Result<PathBuf, CheckpointError> {
-    if dir.join("manifest.json").exists() {
+    if dir.join(MANIFEST_FILE).exists() {
         return Ok(dir.to_path_buf());
     }
-    let latest = dir.join("latest");
+    let latest = dir.join(LATEST_FILE);
     let name = std::fs::read_to_string(&latest).map_err(|e| CheckpointError::NotFound {
         dir: dir.to_path_buf(),
         why: format!("no manifest.json and no readable `latest` file ({e})"),
@@ -65,6 +66,13 @@ impl<'a> Files<'a> {
 
     /// Elements `want` of tensor `which` (0 master, 1 exp_avg, 2 exp_avg_sq) of unit `unit`,
     /// gathered from every file whose range overlaps them.
+    /// Master weights `want` of unit `unit`, in a new buffer.
+    fn read_all(&mut self, unit: usize, want: Range<usize>) -> Result<Vec<f32>, CheckpointError> {
+        let mut values = vec![0.0f32; want.len()];
+        self.read(unit, 0, want, &mut values)?;
+        Ok(values)
+    }
+
     fn read(
         &mut self,
         unit: usize,
@@ -86,7 +94,7 @@ impl<'a> Files<'a> {
         }
         if covered != want.len() {
             return Err(CheckpointError::Manifest {
-                path: self.dir.join("manifest.json"),
+                path: self.dir.join(MANIFEST_FILE),
                 what: format!(
                     "unit {unit}: the files cover {covered} of the elements {}..{}",
                     want.start, want.end
@@ -146,6 +154,11 @@ pub fn restore_engine<M: UnitModel>(
 /// the model's parameter names (what DeepSpeed's `zero_to_fp32.py` does), as F32 or BF16,
 /// streaming one parameter at a time so memory stays near the largest parameter. Returns the
 /// bytes written.
+///
+/// `out` is written under a temporary name and renamed over it only once whole and on disk: a
+/// damaged checkpoint found half way, a full disk or a kill leaves what `out` held before. That
+/// `out` is not inside or on a checkpoint is the caller's check
+/// (`zerodp::trainer::outputs::check_outputs`, as `zerodp ckpt consolidate` does).
 pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, CheckpointError> {
     let (manifest, step_dir) = load_manifest(dir)?;
     let mut files = Files::new(&step_dir, &manifest);
@@ -169,37 +182,31 @@ pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, Checkpoint
         path: out.to_path_buf(),
         source,
     };
-    let tmp = out.with_extension("safetensors.tmp");
-    let result = (|| {
-        let file = std::fs::File::create(&tmp).map_err(io)?;
-        let mut w = CrcWriter::new(BufWriter::with_capacity(1 << 20, file));
-        w.write_all(&(header.len() as u64).to_le_bytes())
-            .map_err(io)?;
-        w.write_all(&header).map_err(io)?;
-        let mut values = Vec::new();
-        let mut wide = Vec::new();
-        for ((u, p), e) in params.iter().zip(&entries) {
-            values.clear();
-            values.resize(e.len(), 0.0f32);
-            files.read(*u, 0, p.offset..p.offset + e.len(), &mut values)?;
-            if bf16 {
-                wide.clear();
-                wide.extend(values.iter().map(|&x| half::bf16::from_f32(x).to_bits()));
-                w.write_all(bytemuck::cast_slice(&wide)).map_err(io)?;
-            } else {
-                w.write_all(bytemuck::cast_slice(&values)).map_err(io)?;
-            }
-        }
-        let (inner, bytes, _) = w.finish();
-        let file = inner.into_inner().map_err(|e| io(e.into_error()))?;
-        file.sync_all().map_err(io)?;
-        std::fs::rename(&tmp, out).map_err(io)?;
-        Ok(bytes)
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+    let file = AtomicFile::create(out).map_err(io)?;
+    let mut w = CrcWriter::new(BufWriter::with_capacity(1 << 20, file));
+    w.write_all(&(header.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    w.write_all(&header).map_err(io)?;
+    for ((u, p), e) in params.iter().zip(&entries) {
+        let values = files.read_all(*u, p.offset..p.offset + e.len())?;
+        write_values(&mut w, &values, bf16).map_err(io)?;
     }
-    result
+    let (inner, bytes, _) = w.finish();
+    let file = inner.into_inner().map_err(|e| io(e.into_error()))?;
+    file.commit().map_err(io)?;
+    Ok(bytes)
+}
+
+/// F32 values as they are, or rounded to BF16.
+fn write_values(w: &mut impl Write, values: &[f32], bf16: bool) -> std::io::Result<()> {
+    if !bf16 {
+        return w.write_all(bytemuck::cast_slice(values));
+    }
+    let narrow: Vec<u16> = values
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect();
+    w.write_all(bytemuck::cast_slice(&narrow))
 }
 
 /// What `zerodp ckpt inspect` reports.

@@ -132,7 +132,7 @@ impl ModelDescription {
 impl Manifest {
     /// Read and check `dir/manifest.json`.
     pub fn read(dir: &Path) -> Result<Manifest, CheckpointError> {
-        let path = dir.join("manifest.json");
+        let path = dir.join(super::MANIFEST_FILE);
         let text = std::fs::read_to_string(&path).map_err(|source| match source.kind() {
             std::io::ErrorKind::NotFound => CheckpointError::NotFound {
                 dir: dir.to_path_buf(),

@@ -10,6 +10,8 @@
 //! DIR/step000120/rank00000.safetensors
 //!                                rank 0's slice of every unit: `u{k}.master`, `u{k}.exp_avg`,
 //!                                `u{k}.exp_avg_sq` (plain F32 tensors; no pickles, no code)
+//! DIR/.zerodp.lock               held by the run writing DIR while it runs ([`SaveDirLock`]);
+//!                                no checkpoint's file, never verified or loaded
 //! ```
 //! A rank writes its own shard of each unit (at stage 0, where every rank holds everything, each
 //! still writes only its 1/N), so no byte is written twice. Ranges are element ranges of a unit's
@@ -31,12 +33,16 @@
 
 mod format;
 mod image;
+pub mod layout;
 mod load;
+mod lock;
 mod manifest;
 mod save;
 
 pub use format::{file_crc, SliceReader};
+pub use layout::{LATEST_FILE, MANIFEST_FILE};
 pub use load::{consolidate, inspect, load_manifest, resolve_dir, restore_engine, Inspection};
+pub use lock::{acquire_for_job, Acquired, LockError, LockOwner, SaveDirLock, LOCK_FILE};
 pub use manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 pub use save::{CheckpointWriter, RunDescription, SaveTiming};
 

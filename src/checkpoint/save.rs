@@ -3,7 +3,9 @@
 use super::format::{sync_dir, write_atomic, TensorEntry};
 use super::image::FileImage;
 use super::manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
-use super::{rank_file_name, step_dir_name, tensor_names, CheckpointError};
+use super::{
+    rank_file_name, step_dir_name, tensor_names, CheckpointError, LATEST_FILE, MANIFEST_FILE,
+};
 use crate::comm::{Buffer, Communicator, ReduceOp};
 use crate::zero::{Engine, EngineCounters, UnitModel};
 use std::path::{Path, PathBuf};
@@ -273,7 +275,7 @@ impl CheckpointWriter {
             files,
         };
         let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
-        write_atomic(&tmp.join("manifest.json"), &json)?;
+        write_atomic(&tmp.join(MANIFEST_FILE), &json)?;
         let name = step_dir_name(step);
         let target = self.dir.join(&name);
         let io = |path: &Path| {
@@ -289,7 +291,7 @@ impl CheckpointWriter {
         }
         std::fs::rename(tmp, &target).map_err(io(tmp))?;
         sync_dir(&self.dir)?;
-        write_atomic(&self.dir.join("latest"), name.as_bytes())?;
+        write_atomic(&self.dir.join(LATEST_FILE), name.as_bytes())?;
         let _ = std::fs::remove_dir_all(&old);
         if let Some(k) = self.keep_last {
             prune(&self.dir, k, &name, step);

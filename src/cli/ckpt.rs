@@ -3,6 +3,7 @@
 use anyhow::bail;
 use std::path::PathBuf;
 use zerodp::checkpoint::{consolidate, inspect};
+use zerodp::trainer::outputs::{check_outputs, NamedPath};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum CkptCommand {
@@ -26,7 +27,8 @@ pub struct InspectArgs {
 pub struct ConsolidateArgs {
     /// A --save-dir (its `latest` checkpoint) or one checkpoint directory.
     pub dir: PathBuf,
-    /// The safetensors file to write.
+    /// The safetensors file to write (outside any checkpoint; written under a temporary name and
+    /// renamed into place).
     pub out: PathBuf,
     /// `fp32` (the master weights exactly) or `bf16`.
     #[arg(long, default_value = "fp32")]
@@ -91,9 +93,17 @@ fn run_consolidate(a: ConsolidateArgs) -> anyhow::Result<i32> {
         "bf16" => true,
         other => bail!("--dtype must be fp32 or bf16, got {other}"),
     };
-    if a.out.is_dir() {
-        bail!("{} is a directory; give the file to write", a.out.display());
-    }
+    // Before any work: the output must not be the checkpoint read, lie in it or in any other
+    // checkpoint, or be one of a checkpoint's files (see `zerodp::trainer::outputs`).
+    let input = NamedPath {
+        name: "checkpoint",
+        path: &a.dir,
+    };
+    let output = NamedPath {
+        name: "output",
+        path: &a.out,
+    };
+    check_outputs(&[input], &[output])?;
     let bytes = consolidate(&a.dir, &a.out, bf16)?;
     errln!("wrote {} ({bytes} bytes, {})", a.out.display(), a.dtype);
     Ok(0)

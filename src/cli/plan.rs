@@ -137,10 +137,12 @@ fn interconnect_help() -> String {
 
 pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
     let args = args.flags;
+    check_chart_path(&args)?;
     let input = build_input(&args)?;
     let plan = planner::plan(&input)?;
     if let Some(path) = &args.chart {
-        std::fs::write(path, memory_chart_svg(&plan, input.cluster.device_memory))
+        let svg = memory_chart_svg(&plan, input.cluster.device_memory);
+        zerodp::atomic_file::write_atomic(path, svg.as_bytes())
             .with_context(|| format!("writing the chart to {}", path.display()))?;
     }
     if args.format == "json" {
@@ -152,6 +154,29 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
         }
     }
     Ok(0)
+}
+
+/// `--chart` is checked before any work as every output is ([`zerodp::trainer::outputs`]): not
+/// the `--config` read, not in or on a checkpoint.
+fn check_chart_path(args: &PlanFlags) -> anyhow::Result<()> {
+    use zerodp::trainer::outputs::{check_outputs, NamedPath};
+    let Some(chart) = &args.chart else {
+        return Ok(());
+    };
+    let inputs: Vec<NamedPath<'_>> = args
+        .config
+        .iter()
+        .map(|path| NamedPath {
+            name: "--config",
+            path,
+        })
+        .collect();
+    let output = NamedPath {
+        name: "--chart",
+        path: chart,
+    };
+    check_outputs(&inputs, &[output])?;
+    Ok(())
 }
 
 /// The offload rates: the defaults, each replaced by its flag; `--host-adam-rate measure` times

@@ -20,9 +20,12 @@
 //! scale (DeepSpeed's dynamic scaling, at the documented 2^16 and hysteresis 2 even when the block
 //! sets no dynamic key), bf16 and fp32 stop after `--max-skipped-steps` such steps in a row.
 //!
-//! Reliability: output paths are checked against the inputs before any work
-//! ([`zerodp::trainer::outputs`]); SIGINT/SIGTERM end the run after the current step (exit 130 /
-//! 143); a run whose loss ends non-finite or whose every step was skipped exits 1.
+//! Reliability: output paths are checked against the inputs and any checkpoint before any work
+//! ([`zerodp::trainer::outputs`]); the run holds `--save-dir`'s lock from before the first step
+//! until it returns, so a second run on the directory is refused at once
+//! ([`zerodp::checkpoint::SaveDirLock`]); SIGINT/SIGTERM end the run after the current step (exit
+//! 130 / 143, the lock released on the way out); a run whose loss ends non-finite or whose every
+//! step was skipped exits 1.
 
 use super::launch::Resolved;
 use anyhow::{bail, Context};
@@ -31,14 +34,15 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
-use zerodp::comm::{CommOptions, TraceLevel};
+use zerodp::checkpoint::{acquire_for_job, SaveDirLock};
+use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
 use zerodp::model::{
     load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel,
     DEFAULT_CORPUS_PATH,
 };
 use zerodp::planner::TrainProcess;
-use zerodp::trainer::outputs::{check_outputs, NamedPath};
+use zerodp::trainer::outputs::{check_outputs, prepare_save_dir, NamedPath};
 use zerodp::trainer::{
     step_log_line, Backend, CheckpointOptions, MetricsFile, Resume, StepEvent, StepObserver,
     TrainOutcome, Trainer, TrainerError,
@@ -187,6 +191,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             .map(|p| super::launch::per_rank_path(p, rank))
     };
     check_paths(&args, &data_path, metrics_for(launch_rank).as_deref())?;
+    // The run owns --save-dir from here until it returns (the lock is released on drop); under
+    // MPI rank 0 takes it for the job once the ranks can agree, below.
+    let mut _save_dir_lock = match backend {
+        Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
+        Resolved::Mpi { .. } => None,
+    };
     let resume = resume_from(&args)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
@@ -243,6 +253,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let Resolved::Mpi { world } = backend {
         let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
         rank = comm.rank();
+        _save_dir_lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
         trainer = trainer
             .with_backend(Backend::Process(comm))
             .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
@@ -459,32 +470,35 @@ fn breakdown_line(report: &zerodp::zero::StepReport) -> String {
 }
 
 /// Every output must be a new or replaceable file in a writable directory, and none may be an
-/// input: checked before the first step, so no input is ever overwritten and no run fails to save
-/// at its end.
+/// input or lie in a checkpoint ([`zerodp::trainer::outputs`]): checked before the first step, so
+/// no input or checkpoint is ever overwritten and no run fails to save at its end.
 fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow::Result<()> {
-    let mut inputs = vec![
-        NamedPath {
-            name: "--config",
-            path: &args.config,
-        },
-        NamedPath {
-            name: "--data",
-            path: data,
-        },
-    ];
-    if let Some(p) = &args.init {
-        inputs.push(NamedPath {
-            name: "--init",
-            path: p,
-        });
+    fn named<'a>(name: &'a str, p: Option<&'a Path>) -> Option<NamedPath<'a>> {
+        p.map(|path| NamedPath { name, path })
     }
-    let outputs: Vec<NamedPath<'_>> = [("--save", args.save.as_deref()), ("--metrics", metrics)]
-        .into_iter()
-        .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
-        .collect();
+    let inputs: Vec<NamedPath<'_>> = [
+        named("--config", Some(args.config.as_path())),
+        named("--data", Some(data)),
+        named("--init", args.init.as_deref()),
+        named("--resume", resume_dir(args)),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let outputs: Vec<NamedPath<'_>> = [
+        named("--save", args.save.as_deref()),
+        named("--metrics", metrics),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     check_outputs(&inputs, &outputs)?;
     if let Some(dir) = &args.save_dir {
-        check_save_dir(dir)?;
+        let dir = NamedPath {
+            name: "--save-dir",
+            path: dir,
+        };
+        prepare_save_dir(dir, &inputs, &outputs)?;
     }
     if args.save_every.is_some() && args.save_dir.is_none() {
         bail!("--save-every needs --save-dir DIR (where to put the checkpoints)");
@@ -495,40 +509,55 @@ fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow:
     Ok(())
 }
 
-/// `--save-dir` is created if missing (its parent must exist) and must be writable.
-fn check_save_dir(dir: &Path) -> anyhow::Result<()> {
-    if dir.exists() && !dir.is_dir() {
-        bail!("--save-dir {} is a file; give a directory", dir.display());
+/// Takes `--save-dir`'s lock ([`SaveDirLock`]): in this process, or for the MPI job through
+/// `comm` (rank 0 holds it). A second run on the directory is refused here, before any step; a
+/// lock left by a run that died is taken over, with a note.
+fn take_save_dir_lock(
+    dir: Option<&Path>,
+    comm: Option<&dyn Communicator>,
+) -> anyhow::Result<Option<SaveDirLock>> {
+    let Some(dir) = dir else {
+        return Ok(None);
+    };
+    let acquired = match comm {
+        Some(comm) => acquire_for_job(dir, comm)?,
+        None => Some(SaveDirLock::acquire(dir)?),
+    };
+    let Some(acquired) = acquired else {
+        return Ok(None);
+    };
+    if let Some(old) = &acquired.took_over {
+        let who = match old.pid {
+            0 => "an unreadable lock".to_string(),
+            pid => format!("zerodp run pid {pid} (started at {})", old.started_text()),
+        };
+        errln!(
+            "note: taking over {}: it was left by {who}, which no longer runs (killed or \
+             crashed); its last committed checkpoint is what `latest` names",
+            acquired.lock.path().display()
+        );
     }
-    std::fs::create_dir(dir)
-        .or_else(|e| match e.kind() {
-            std::io::ErrorKind::AlreadyExists => Ok(()),
-            _ => Err(e),
-        })
-        .with_context(|| format!("--save-dir {}: cannot create it", dir.display()))?;
-    let probe = dir.join("latest");
-    check_outputs(
-        &[],
-        &[NamedPath {
-            name: "--save-dir",
-            path: &probe,
-        }],
-    )?;
-    Ok(())
+    Ok(Some(acquired.lock))
+}
+
+/// The checkpoint directory `--resume` reads: its own argument, or `--save-dir`.
+fn resume_dir(args: &TrainArgs) -> Option<&Path> {
+    match &args.resume {
+        Some(Some(d)) => Some(d),
+        Some(None) => args.save_dir.as_deref(),
+        None => None,
+    }
 }
 
 /// The checkpoint to resume from: `--resume DIR`, or `--resume` alone with `--save-dir`.
 fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
-    let Some(dir) = &args.resume else {
+    if args.resume.is_none() {
         return Ok(None);
+    }
+    let Some(dir) = resume_dir(args) else {
+        bail!("--resume without a directory needs --save-dir (or give --resume DIR)")
     };
-    let dir = match (dir, &args.save_dir) {
-        (Some(d), _) | (None, Some(d)) => d.clone(),
-        (None, None) => {
-            bail!("--resume without a directory needs --save-dir (or give --resume DIR)")
-        }
-    };
-    let r = Resume::from_dir(&dir)?;
+    let r = Resume::from_dir(dir)?;
     let m = &r.manifest;
     errln!(
         "resuming from {} at step {} (saved at world size {}, stage {}, {}; seed {})",

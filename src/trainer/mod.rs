@@ -321,7 +321,9 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self
     }
     /// Save sharded checkpoints ([`crate::checkpoint`]) as `options` say, at the end of the run,
-    /// and when the stop flag ends it.
+    /// and when the stop flag ends it. The directory should be this run's alone while it runs:
+    /// hold its [`crate::checkpoint::SaveDirLock`] around [`Trainer::run`], as `zerodp train`
+    /// does (taken once per process, or per job with `acquire_for_job`, not per rank).
     pub fn with_checkpoints(mut self, options: CheckpointOptions) -> Self {
         self.checkpoints = Some(options);
         self

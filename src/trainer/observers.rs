@@ -113,9 +113,11 @@ struct MetricsState {
 }
 
 impl MetricsFile {
-    /// Create (truncate) `path`.
+    /// Create `path`, replacing what was there: a new file renamed into place
+    /// ([`crate::atomic_file::AtomicFile::publish`]) rather than the old one truncated, so that a
+    /// hard link to the old file keeps its bytes. The lines are then appended as the run goes.
     pub fn create(path: &Path) -> std::io::Result<Self> {
-        let file = File::create(path)?;
+        let file = crate::atomic_file::AtomicFile::create(path)?.publish()?;
         Ok(MetricsFile {
             path: path.to_path_buf(),
             state: Mutex::new(MetricsState {
