@@ -193,7 +193,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     check_paths(&args, &data_path, metrics_for(launch_rank).as_deref())?;
     // The run owns --save-dir from here until it returns (the lock is released on drop); under
     // MPI rank 0 takes it for the job once the ranks can agree, below.
-    let mut _save_dir_lock = match backend {
+    let mut save_dir_lock = match backend {
         Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
         Resolved::Mpi { .. } => None,
     };
@@ -253,7 +253,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let Resolved::Mpi { world } = backend {
         let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
         rank = comm.rank();
-        _save_dir_lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
+        save_dir_lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
         trainer = trainer
             .with_backend(Backend::Process(comm))
             .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
@@ -319,7 +319,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let Some(m) = &metrics {
         observers.push(m);
     }
-    let outcome = trainer.run(&data, args.steps, &observers)?;
+    let outcome = trainer.run(&data, args.steps, &observers);
+    // The last checkpoint is committed (or the run failed): free the directory now, not after
+    // the communicator's teardown, which under mpirun may be cut short by the launcher's SIGKILL
+    // once a signal has ended the job.
+    drop(save_dir_lock);
+    let outcome = outcome?;
     progress.bar.finish_and_clear();
     let elapsed = started.elapsed().as_secs_f64();
     let steps_run = outcome.steps - outcome.start_step;
