@@ -32,7 +32,7 @@
 //! and Linux must grant the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `ZERODP_GEMM=gemm`
 //! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
 
-use super::kernels::{Finish, Strided};
+use super::kernels::{even_split, Finish, Strided};
 use rayon::prelude::*;
 use std::arch::asm;
 use std::cell::Cell;
@@ -47,6 +47,9 @@ const KB: usize = 32;
 const PLANES: usize = 3;
 /// Bytes of packed A blocks kept in L2 (2 MiB here) while a B panel is reused across them.
 const A_GROUP_BYTES: usize = 1 << 20;
+/// k per chunk of a longer product (see [`product`]): a packed block's chunk is 96 KiB, so ten
+/// of them and a panel's chunk sit in a 2 MiB L2.
+const KC: usize = 512;
 /// Products smaller than this many multiply-adds stay on the `gemm` crate: packing costs more
 /// than AMX saves (attention's per-head 128 x 128 x 64 ran at 0.75x).
 const MIN_WORK: usize = 1 << 23;
@@ -149,23 +152,43 @@ macro_rules! dp {
 /// (measured: the same products with the loads grouped ran at the same rate only once the
 /// buffers were line-aligned; see [`Packed`]).
 ///
+/// With `init`, the accumulators start from the 32 x 32 partial sums there (rows [`NR`] apart)
+/// instead of zero: a product over k in chunks stores and reloads them exactly, so the sums come
+/// out the same bits as in one call.
+///
 /// # Safety
 /// This thread's tiles are configured with [`TILE_CONFIG`]; `a` and `b` hold `kp / KB` steps of
-/// a packed block and panel; `c` is valid for writes of 32 rows of 32 f32, `c_rs` apart.
+/// a packed block and panel; `init`, if any, is valid for reads of 32 rows of 32 f32; `c` is
+/// valid for writes of 32 rows of 32 f32, `c_rs` apart.
 #[inline(always)]
-unsafe fn kernel(a: *const u16, b: *const u16, kp: usize, (c, c_rs): (*mut f32, usize)) {
+unsafe fn kernel(
+    a: *const u16,
+    b: *const u16,
+    kp: usize,
+    init: Option<*const f32>,
+    (c, c_rs): (*mut f32, usize),
+) {
     let step = PLANES * MR * KB;
     let a_tile = |kb: usize, p: usize| unsafe { a.add(kb * step + p * MR * KB) };
     let b_tile = |kb: usize, p: usize| unsafe { b.add(kb * step + p * KB * NR) };
     let nk = kp / KB;
     unsafe {
-        asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
+        match init {
+            Some(p) => {
+                let s = NR * 4;
+                tload!("0", p, s);
+                tload!("1", p.add(16), s);
+                tload!("2", p.add(16 * NR), s);
+                tload!("3", p.add(16 * NR + 16), s);
+            }
+            None => asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            ),
+        }
         if nk > 0 {
             // The first product of the first step: A plane 0, B plane 2.
             tload!("4", a_tile(0, 0), 64usize);
@@ -604,6 +627,8 @@ thread_local! {
     /// this thread steals mid-call gets its own) and put back after.
     static B_PACK: Cell<Packed> = Cell::new(Packed::default());
     static A_PACK: Cell<Packed> = Cell::new(Packed::default());
+    /// Per-thread partial sums of a product over k in chunks ([`product`]).
+    static PARTIALS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// The destination's base pointer, shared by tasks that write disjoint rows.
@@ -616,6 +641,13 @@ unsafe impl Sync for Dst {}
 
 /// `dst[m, n] (+)= a[m, k] @ b[k, n]`, `dst` given by pointer and row stride (column stride
 /// 1), on `threads` threads of the current rayon pool (1: this thread only).
+///
+/// With one thread, each group of A's 32-row blocks is packed and run against every B panel in
+/// turn. With more, the whole of A is packed first (a task per few blocks), then the product runs
+/// as a grid of (row group, panel range) tasks, at least two per thread where the shape has them:
+/// a training step's products have 1024 rows (32 blocks), which as row groups alone gave a
+/// 16-thread rank 2-4 tasks. Every block of C is still one kernel call over the whole k, so the
+/// result is the same bits at every thread count.
 ///
 /// # Safety
 /// [`enabled`] is true; `k >= 1` (the callers go through [`worth_it`]); `dst` is valid for reads
@@ -631,18 +663,15 @@ pub(super) unsafe fn sgemm(
     finish: Option<&Finish<'_, f32>>,
 ) {
     let kp = padded(k);
-    let panel = b_panel_len(kp);
+    let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
+    let panels = n.div_ceil(NR);
     let mut bp = B_PACK.take();
-    let b_packed = bp.slice(n.div_ceil(NR) * panel);
+    let b_packed = bp.slice(panels * panel);
     let pack = |(nb, out): (usize, &mut [u16])| {
         let cols = (n - nb * NR).min(NR);
         // SAFETY: AMX CPUs have AVX-512 (the caller checked `enabled`).
         unsafe { pack_b(b, nb * NR, cols, k, out) }
     };
-    let group = (A_GROUP_BYTES / (2 * a_block_len(kp))).clamp(1, 16);
-    let mblocks = m.div_ceil(MR);
-    let groups = mblocks.div_ceil(group);
-    let dst = Dst(dst);
     if threads > 1 {
         b_packed.par_chunks_mut(panel).enumerate().for_each(pack);
     } else if b.1 .1 == 1 && k % KB == 0 && n % NR == 0 {
@@ -652,107 +681,216 @@ pub(super) unsafe fn sgemm(
         b_packed.chunks_mut(panel).enumerate().for_each(pack);
     }
     let b_packed = &*b_packed;
-    let run = |g: usize| {
-        let first = g * group;
-        let blocks = (mblocks - first).min(group);
-        // SAFETY: the caller's contract; this group writes rows first*MR.. only.
-        unsafe {
-            group_product(
-                Out {
-                    dst,
-                    dst_rs,
-                    accumulate,
-                    finish,
-                },
-                a,
-                (first, blocks),
-                (m, n, k),
-                b_packed,
-            )
-        }
+    let out = Out {
+        dst: Dst(dst),
+        dst_rs,
+        accumulate,
+        finish,
     };
+    let grid = Grid::new(m.div_ceil(MR), panels, a_block_len(chunk_k(kp)), threads);
+    let mut ap = A_PACK.take();
     if threads > 1 {
-        (0..groups).into_par_iter().for_each(run);
+        let a_packed = ap.slice(grid.blocks * ablock);
+        let per_task = grid.blocks.div_ceil(threads);
+        a_packed
+            .par_chunks_mut(per_task * ablock)
+            .enumerate()
+            // SAFETY: AMX CPUs have AVX-512; the chunk holds its blocks.
+            .for_each(|(t, blocks)| unsafe { pack_blocks(a, t * per_task, (m, k), blocks) });
+        let a_packed = &*a_packed;
+        (0..grid.tasks()).into_par_iter().for_each(|t| {
+            let (rows, cols) = grid.task(t);
+            let blocks = &a_packed[rows.start * ablock..rows.end * ablock];
+            // SAFETY: the caller's contract; this task writes rows `rows` x panels `cols` only.
+            unsafe { product(&out, (rows.start, blocks), (m, n, k), (cols, b_packed)) };
+        });
     } else {
-        (0..groups).for_each(run);
+        for g in 0..grid.row_groups {
+            let rows = grid.rows(g);
+            let blocks = ap.slice(rows.len() * ablock);
+            // SAFETY: AMX CPUs have AVX-512; `blocks` holds the group's blocks.
+            unsafe { pack_blocks(a, rows.start, (m, k), blocks) };
+            // SAFETY: the caller's contract.
+            unsafe { product(&out, (rows.start, blocks), (m, n, k), (0..panels, b_packed)) };
+        }
     }
+    A_PACK.set(ap);
     B_PACK.set(bp);
 }
 
-/// One group of 32-row blocks of A against every B panel: packs the blocks, runs the kernel on
-/// each (block, panel) pair with the panel reused across the group, writes C.
+/// How a product's blocks of C split into tasks: row groups of A's blocks small enough to stay
+/// in L2 while a B panel is reused across them, times ranges of B panels when the row groups
+/// alone are fewer than two per thread.
+struct Grid {
+    /// A's 32-row blocks.
+    blocks: usize,
+    row_groups: usize,
+    panels: usize,
+    col_groups: usize,
+}
+
+impl Grid {
+    /// `ablock`: elements of one packed block over a k chunk ([`chunk_k`]). The row groups are at
+    /// least as many as keep a group's chunk in L2; with several threads, the (row groups, panel
+    /// ranges) pair is the one whose largest task times its rounds over the threads is least
+    /// (ties: fewer tasks), so that no thread idles through a last, part-filled round.
+    fn new(blocks: usize, panels: usize, ablock: usize, threads: usize) -> Self {
+        let most = (A_GROUP_BYTES / (2 * ablock)).clamp(1, 16);
+        let fewest = blocks.div_ceil(most).max(1);
+        let mut best = (fewest, 1);
+        if threads > 1 {
+            let cost = |(rg, cg): (usize, usize)| {
+                let rounds = (rg * cg).div_ceil(threads);
+                (rounds * blocks.div_ceil(rg) * panels.div_ceil(cg), rg * cg)
+            };
+            for rg in fewest..=blocks.min(4 * fewest).max(fewest) {
+                for cg in 1..=panels.clamp(1, 4 * threads) {
+                    if cost((rg, cg)) < cost(best) {
+                        best = (rg, cg);
+                    }
+                }
+            }
+        }
+        Self {
+            blocks,
+            row_groups: best.0,
+            panels,
+            col_groups: best.1,
+        }
+    }
+
+    fn tasks(&self) -> usize {
+        self.row_groups * self.col_groups
+    }
+
+    /// The blocks of row group `g`: the groups differ by at most one block.
+    fn rows(&self, g: usize) -> std::ops::Range<usize> {
+        even_split(self.blocks, self.row_groups, g)
+    }
+
+    /// Task `t`'s blocks and panels.
+    fn task(&self, t: usize) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+        let (g, c) = (t / self.col_groups, t % self.col_groups);
+        (self.rows(g), even_split(self.panels, self.col_groups, c))
+    }
+}
+
+/// Packs A's blocks `first..` (as many as `out` holds) for the kernel.
 ///
 /// # Safety
-/// As [`sgemm`]; no other task writes rows `first * MR .. (first + blocks) * MR`.
-unsafe fn group_product(
-    out: Out<'_>,
-    a: Mat<'_>,
-    (first, blocks): (usize, usize),
-    (m, n, k): (usize, usize, usize),
-    b_packed: &[u16],
-) {
+/// The CPU has AVX-512F; A holds every element its strides reach for `m` rows of `k`.
+unsafe fn pack_blocks(a: Mat<'_>, first: usize, (m, k): (usize, usize), out: &mut [u16]) {
     let kp = padded(k);
-    let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
-    let mut ap = A_PACK.take();
-    let a_packed = ap.slice(blocks * ablock);
+    let ablock = a_block_len(kp);
     if a.1 .0 == 1 && a.1 .1 != 1 {
-        // A transposed (its columns contiguous): step by step across the group's blocks, so
-        // that each source row is read along the group's whole width at once, not 128 bytes of
-        // it per block.
+        // A transposed (its columns contiguous): step by step across the blocks, so that each
+        // source row is read along all of their width at once, not 128 bytes of it per block.
         for kb in 0..kp / KB {
-            for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
+            for (i, block) in out.chunks_mut(ablock).enumerate() {
                 let r0 = (first + i) * MR;
-                // SAFETY: AMX CPUs have AVX-512.
+                // SAFETY: the caller's contract.
                 unsafe { pack_a_gathered(a, (r0, (m - r0).min(MR)), kb..kb + 1, k, block) };
             }
         }
     } else {
-        for (i, block) in a_packed.chunks_mut(ablock).enumerate() {
+        for (i, block) in out.chunks_mut(ablock).enumerate() {
             let r0 = (first + i) * MR;
-            // SAFETY: AMX CPUs have AVX-512.
+            // SAFETY: the caller's contract.
             unsafe { pack_a(a, r0, (m - r0).min(MR), k, block) };
         }
+    }
+}
+
+/// The k of one chunk of a product over a padded `kp`: all of it up to [`KC`], else [`KC`].
+fn chunk_k(kp: usize) -> usize {
+    kp.min(KC)
+}
+
+/// Packed blocks of A (the first is block `first`) against B panels `cols`: the kernel on each
+/// (block, panel) pair with the panel reused across the blocks, C written as each block ends.
+/// Over a k longer than [`KC`], chunk by chunk: a chunk of the blocks stays in L2 while the
+/// panels' chunks stream past, the partial sums kept per (block, panel) in between (over the
+/// whole k at once, a 2048-long panel was reused by only two blocks and the product ran at half
+/// the rate of a 512-long one).
+///
+/// # Safety
+/// As [`sgemm`]; no other task writes these blocks' rows in these panels' columns.
+unsafe fn product(
+    out: &Out<'_>,
+    (first, a_packed): (usize, &[u16]),
+    (m, n, k): (usize, usize, usize),
+    (cols, b_packed): (std::ops::Range<usize>, &[u16]),
+) {
+    let kp = padded(k);
+    let (ablock, panel) = (a_block_len(kp), b_panel_len(kp));
+    let kc = chunk_k(kp);
+    let chunks = kp.div_ceil(kc);
+    let blocks = a_packed.len() / ablock;
+    let mut partials = PARTIALS.take();
+    if chunks > 1 && partials.len() < blocks * cols.len() * MR * NR {
+        partials.resize(blocks * cols.len() * MR * NR, 0.0);
     }
     let mut c = [0f32; MR * NR];
     let direct = !out.accumulate && out.finish.is_none();
     // SAFETY: the tile state was granted (`enabled`); the config is a valid palette 1.
     unsafe { asm!("ldtilecfg [{}]", in(reg) &TILE_CONFIG, options(nostack, readonly)) };
-    for (nb, panel) in b_packed.chunks(panel).enumerate() {
-        let (c0, cols) = (nb * NR, (n - nb * NR).min(NR));
-        for (i, block) in a_packed.chunks(ablock).enumerate() {
-            let r0 = (first + i) * MR;
-            // SAFETY: `block` and `panel` hold kp/KB steps of packed tiles; `c` is 32 x 32; the
-            // block's rows and columns lie inside the caller's destination, this group's.
-            let rows = (m - r0).min(MR);
-            // The block's destination lines, asked for with intent to write: their misses then
-            // resolve while the block computes instead of stalling its stores at the end.
-            for r in 0..rows {
-                let d = out.dst.0.wrapping_add((r0 + r) * out.dst_rs + c0);
-                for line in (0..cols).step_by(16) {
-                    // SAFETY: a prefetch never faults and reads nothing; the address is inside
-                    // the destination (row r0 + r, column c0 + line < n).
-                    unsafe {
-                        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
-                            d.wrapping_add(line).cast(),
-                        )
-                    };
+    for chunk in 0..chunks {
+        let (k0, last) = (chunk * kc, chunk + 1 == chunks);
+        let (steps, off) = ((kp - k0).min(kc), k0 / KB * PLANES * MR * KB);
+        for (j, nb) in cols.clone().enumerate() {
+            let panel = &b_packed[nb * panel + off..(nb + 1) * panel];
+            let (c0, cols) = (nb * NR, (n - nb * NR).min(NR));
+            for (i, block) in a_packed.chunks(ablock).enumerate() {
+                let (a, r0) = (&block[off..], (first + i) * MR);
+                let rows = (m - r0).min(MR);
+                let part = partials
+                    .as_mut_ptr()
+                    .wrapping_add((j * blocks + i) * MR * NR);
+                let init = (chunk > 0).then_some(part.cast_const());
+                if !last {
+                    // SAFETY: `a` and `panel` hold this chunk's steps; `part` is this pair's
+                    // 32 x 32 partial sums (sized above).
+                    unsafe { kernel(a.as_ptr(), panel.as_ptr(), steps, init, (part, NR)) };
+                    continue;
                 }
-            }
-            unsafe {
-                if direct && rows == MR && cols == NR {
-                    // A whole block with nothing to add: the tiles store straight into dst.
-                    let d = out.dst.0.add(r0 * out.dst_rs + c0);
-                    kernel(block.as_ptr(), panel.as_ptr(), kp, (d, out.dst_rs));
-                } else {
-                    kernel(block.as_ptr(), panel.as_ptr(), kp, (c.as_mut_ptr(), NR));
-                    write_out(&out, n, (r0, rows), (c0, cols), &mut c);
+                // The block's destination lines, asked for with intent to write: their misses
+                // then resolve while the block computes instead of stalling its stores at the end.
+                for r in 0..rows {
+                    let d = out.dst.0.wrapping_add((r0 + r) * out.dst_rs + c0);
+                    for line in (0..cols).step_by(16) {
+                        // SAFETY: a prefetch never faults and reads nothing; the address is inside
+                        // the destination (row r0 + r, column c0 + line < n).
+                        unsafe {
+                            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(
+                                d.wrapping_add(line).cast(),
+                            )
+                        };
+                    }
+                }
+                // SAFETY: `a` and `panel` hold this chunk's steps; `init` as above; `c` is 32 x 32;
+                // the block's rows and columns lie inside the caller's destination, this task's.
+                unsafe {
+                    if direct && rows == MR && cols == NR {
+                        // A whole block with nothing to add: the tiles store straight into dst.
+                        let d = out.dst.0.add(r0 * out.dst_rs + c0);
+                        kernel(a.as_ptr(), panel.as_ptr(), steps, init, (d, out.dst_rs));
+                    } else {
+                        kernel(
+                            a.as_ptr(),
+                            panel.as_ptr(),
+                            steps,
+                            init,
+                            (c.as_mut_ptr(), NR),
+                        );
+                        write_out(out, n, (r0, rows), (c0, cols), &mut c);
+                    }
                 }
             }
         }
     }
     // SAFETY: releases this thread's tile state (it was configured above).
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
-    A_PACK.set(ap);
+    PARTIALS.set(partials);
 }
 
 /// Where and how a product's blocks land.
@@ -962,6 +1100,82 @@ mod tests {
                 assert_eq!(dst[i * 17 + j], src[j * 20 + i], "({i}, {j})");
             }
         }
+    }
+
+    /// Every block of C is one kernel call over the whole k at any thread count: the same bits
+    /// from one thread as from a grid of row groups and panel ranges.
+    #[test]
+    fn products_are_the_same_bits_at_every_thread_count() {
+        if !enabled() {
+            eprintln!("skipped: no AMX on this CPU (or {GEMM_ENV}=gemm)");
+            return;
+        }
+        for (m, n, k, a_t) in [
+            (1024, 512, 512, false),
+            (512, 96, 1024, true),
+            (70, 300, 64, false),
+        ] {
+            let (a, b) = (values(m * k, 4), values(k * n, 5));
+            let a_s = if a_t { (1, m) } else { (k, 1) };
+            let run = |threads: usize| {
+                let mut dst = values(m * n, 6);
+                // SAFETY: dst holds m rows of n; the operands every strided element.
+                unsafe {
+                    sgemm(
+                        (m, n, k),
+                        (dst.as_mut_ptr(), n),
+                        true,
+                        ((&a, a_s), (&b, (n, 1))),
+                        threads,
+                        None,
+                    )
+                };
+                dst
+            };
+            let one = run(1);
+            for threads in [2, 3, 16] {
+                assert!(one == run(threads), "{m}x{n}x{k} at {threads} threads");
+            }
+        }
+    }
+
+    /// The grid covers every (block, panel) pair once, splits panels only when row groups are
+    /// fewer than two per thread, and keeps its parts within one of each other.
+    #[test]
+    fn the_task_grid_covers_each_block_and_panel_once() {
+        for (blocks, panels, kp, threads) in [
+            (32, 16, 512, 16),
+            (32, 64, 2048, 16),
+            (3, 1, 64, 8),
+            (40, 5, 96, 1),
+        ] {
+            let g = Grid::new(blocks, panels, a_block_len(chunk_k(kp)), threads);
+            let mut seen = vec![0u8; blocks * panels];
+            for t in 0..g.tasks() {
+                let (rows, cols) = g.task(t);
+                for r in rows {
+                    for c in cols.clone() {
+                        seen[r * panels + c] += 1;
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s == 1), "{blocks} x {panels}");
+        }
+        // The GPT's products (1024 rows, 16-64 panels) keep 16 threads at least 90% busy.
+        for panels in [16, 48, 64] {
+            let g = Grid::new(32, panels, a_block_len(512), 16);
+            let (rows, cols) = g.task(0);
+            let busiest = g.tasks().div_ceil(16) * rows.len() * cols.len();
+            let load = (32 * panels) as f64 / (16 * busiest) as f64;
+            assert!(
+                load >= 0.9,
+                "{panels} panels: {} x {} tasks, {load}",
+                g.row_groups,
+                g.col_groups
+            );
+        }
+        assert_eq!(even_split(10, 4, 0), 0..3);
+        assert_eq!(even_split(10, 4, 3), 8..10);
     }
 
     #[test]

@@ -18,7 +18,7 @@
 use rayon::prelude::*;
 use std::ops::Range;
 
-use super::kernels::{lane_dot, lane_max, lane_sum, lit, Real, Width};
+use super::kernels::{even_split, lane_dot, lane_max, lane_sum, lit, written, Real, Width};
 use candle_core::{bail, Result};
 
 /// Rows of a register tile.
@@ -157,22 +157,90 @@ unsafe fn tile_f32_avx512<const R: usize>(
     out
 }
 
-/// Where a product's rows go: row `i` of the result at `data[i * ld..]`.
+/// Where a product's rows go: row `i` of the result at `data[i * ld..]`. A pointer and a length
+/// rather than a `&mut [T]`: tasks for different heads of one sequence write disjoint columns of
+/// the same rows, which no slice borrow can express.
 struct Dest<'a, T> {
-    data: &'a mut [T],
+    data: *mut T,
+    len: usize,
     ld: usize,
+    _rows: std::marker::PhantomData<&'a mut [T]>,
 }
 
-impl<T: Real> Dest<'_, T> {
+impl<'a, T: Real> Dest<'a, T> {
+    /// The rows of `data`, `ld` apart.
+    fn of(data: &'a mut [T], ld: usize) -> Self {
+        Dest {
+            data: data.as_mut_ptr(),
+            len: data.len(),
+            ld,
+            _rows: std::marker::PhantomData,
+        }
+    }
+
+    /// The rows of `rows` from element `at` on, `ld` apart.
+    ///
+    /// # Safety
+    /// No other live `Dest` of `rows` writes the elements this one's products write (tasks
+    /// own disjoint column ranges of each row).
+    unsafe fn columns(rows: SharedRows<T>, at: usize, ld: usize) -> Self {
+        assert!(
+            at <= rows.len,
+            "attention: columns from {at} of {}",
+            rows.len
+        );
+        Dest {
+            // SAFETY: `at` is inside the buffer (checked above).
+            data: unsafe { rows.ptr.add(at) },
+            len: rows.len - at,
+            ld,
+            _rows: std::marker::PhantomData,
+        }
+    }
+
     #[inline(always)]
     fn store<const R: usize>(&mut self, r0: usize, j0: usize, cols: usize, tile: &[[T; NR]; R]) {
         for (i, row) in tile.iter().enumerate() {
             let at = (r0 + i) * self.ld + j0;
-            match cols == NR {
-                // A constant length: inline moves instead of a memcpy call per row.
-                true => self.data[at..at + NR].copy_from_slice(row),
-                false => self.data[at..at + cols].copy_from_slice(&row[..cols]),
+            assert!(at + cols <= self.len, "attention: store past the rows");
+            // SAFETY: `at..at + cols` is inside the rows (checked above), which this Dest may
+            // write (see `Dest::columns`); `row` is a local tile.
+            unsafe {
+                let dst = self.data.add(at);
+                match cols == NR {
+                    // A constant length: inline moves instead of a memcpy call per row.
+                    true => std::ptr::copy_nonoverlapping(row.as_ptr(), dst, NR),
+                    false => std::ptr::copy_nonoverlapping(row.as_ptr(), dst, cols),
+                }
             }
+        }
+    }
+}
+
+/// A row-major buffer that tasks write in disjoint column ranges (one per head).
+struct SharedRows<T> {
+    ptr: *mut T,
+    len: usize,
+}
+
+impl<T> Clone for SharedRows<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedRows<T> {}
+// SAFETY: a pointer into a buffer that outlives the parallel loop sharing it; writers own
+// disjoint elements (`Dest::columns`).
+unsafe impl<T: Send> Send for SharedRows<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SharedRows<T> {}
+
+impl<T> SharedRows<T> {
+    /// The buffer an op is filling (see `kernels::written`): written through the pointer only.
+    fn new(data: &mut [std::mem::MaybeUninit<T>]) -> Self {
+        SharedRows {
+            ptr: data.as_mut_ptr().cast(),
+            len: data.len(),
         }
     }
 }
@@ -264,32 +332,44 @@ impl Panels {
 /// waited out the last-level cache's latency (a fifth of the attention's time).
 #[inline(always)]
 fn prefetch_rows<T>(src: &[T], ld: usize, width: usize, rows: usize) {
+    prefetch_raw_rows((src.as_ptr(), src.len()), ld, width, rows)
+}
+
+/// [`prefetch_rows`] on a buffer given by pointer and length (one that other tasks are writing).
+#[inline(always)]
+fn prefetch_raw_rows<T>((src, len): (*const T, usize), ld: usize, width: usize, rows: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let bytes = width * std::mem::size_of::<T>();
         for i in 0..rows {
-            let Some(row) = src.get(i * ld..i * ld + width) else {
+            if i * ld + width > len {
                 return;
-            };
-            let base = row.as_ptr().cast::<i8>();
+            }
+            let base = src.wrapping_add(i * ld).cast::<i8>();
             for off in (0..bytes).step_by(64) {
-                // SAFETY: a prefetch is a hint, never a read; the address is inside `row`.
+                // SAFETY: a prefetch is a hint, never a read; the address is inside the buffer.
                 unsafe { _mm_prefetch::<_MM_HINT_T1>(base.wrapping_add(off)) };
             }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (src, ld, width, rows);
+    let _ = (src, len, ld, width, rows);
 }
 
 /// [`prefetch_rows`] for the head whose columns start at `o` in each of the q, k and v parts of
-/// qkv-shaped rows (`c` columns each, rows `cols3` apart).
+/// qkv-shaped rows (`c` columns each, rows `cols3` apart), given by pointer and length.
 #[inline(always)]
-fn prefetch_qkv<T>(rows: &[T], o: usize, (c, cols3): (usize, usize), pn: &Panels) {
+fn prefetch_qkv<T>(
+    (rows, len): (*const T, usize),
+    o: usize,
+    (c, cols3): (usize, usize),
+    pn: &Panels,
+) {
     for part in 0..3 {
-        if let Some(from) = rows.get(part * c + o..) {
-            prefetch_rows(from, cols3, pn.hd, pn.t);
+        let from = part * c + o;
+        if from < len {
+            prefetch_raw_rows((rows.wrapping_add(from), len - from), cols3, pn.hd, pn.t);
         }
     }
 }
@@ -363,10 +443,7 @@ impl CausalAttention {
             row: pn.dp,
             col: 1,
         };
-        let dest = Dest {
-            data: &mut s.p,
-            ld: tp,
-        };
+        let dest = Dest::of(&mut s.p, tp);
         // Rows r0..r1 see keys 0..r1.
         product::<T, AVX512>(t, q, (&s.kt, tp), dest, |_, r1| (0..pn.hd, r1));
         for (i, row) in s.p.chunks_mut(tp).enumerate() {
@@ -381,21 +458,41 @@ impl CausalAttention {
         }
     }
 
-    /// `y [b*t, c]`: per sequence (in parallel) and head, `softmax(q k^T) v`.
+    /// `y [b*t, c]`: per sequence and head, `softmax(q k^T) v`, in parallel over sequences and,
+    /// where the sequences are fewer than two per thread, over groups of their heads.
     pub(super) fn forward<T: Real>(&self, qkv: &[T], cols3: usize) -> Result<Vec<T>> {
         let c = self.width(qkv.len(), cols3)?;
         let t = self.seq;
-        let mut out = vec![lit::<T>(0.0); self.batch * t * c];
         let pn = self.per_sequence(cols3).3;
-        // One scratch per rayon job, reused by the sequences it runs.
-        out.par_chunks_mut(t * c).enumerate().for_each_init(
-            || Scratch::new(&pn),
-            |s, (bi, y)| {
-                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
-                forward_seq_wide(self, x, y, cols3, s);
-            },
-        );
-        Ok(out)
+        let groups = self.head_groups();
+        let fill = |out: &mut [std::mem::MaybeUninit<T>]| {
+            let y = SharedRows::new(out);
+            // One scratch per rayon job, reused by the tasks it runs.
+            (0..self.batch * groups).into_par_iter().for_each_init(
+                || Scratch::new(&pn),
+                |s, task| {
+                    let (bi, heads) =
+                        (task / groups, even_split(self.heads, groups, task % groups));
+                    let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                    // SAFETY: this task writes only its heads' columns of sequence bi's rows.
+                    unsafe { forward_seq_wide(self, x, (y, bi * t * c), heads, cols3, s) };
+                },
+            )
+        };
+        // SAFETY: every (sequence, head) is one task's, and a head's product writes all t rows
+        // of its hd columns: every element is written.
+        Ok(unsafe { written(self.batch * t * c, fill) })
+    }
+
+    /// Groups of heads each sequence's work splits into: one where the sequences alone give
+    /// every thread of the pool two tasks, else enough for that (at most one per head).
+    fn head_groups(&self) -> usize {
+        let want = 2 * rayon::current_num_threads();
+        if self.batch >= want {
+            1
+        } else {
+            want.div_ceil(self.batch.max(1)).clamp(1, self.heads.max(1))
+        }
     }
 
     /// `dqkv [b*t, 3c]` from `dy [b*t, c]`, the probabilities recomputed per (sequence, head):
@@ -411,17 +508,25 @@ impl CausalAttention {
                 self.batch * t * c
             );
         }
-        let mut dqkv = vec![lit::<T>(0.0); qkv.len()];
         let pn = self.per_sequence(cols3).3;
-        dqkv.par_chunks_mut(t * cols3).enumerate().for_each_init(
-            || Scratch::new(&pn),
-            |s, (bi, dx)| {
-                let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
-                let g = &dy[bi * t * c..(bi + 1) * t * c];
-                backward_seq_wide(self, x, g, dx, cols3, s);
-            },
-        );
-        Ok(dqkv)
+        let groups = self.head_groups();
+        let fill = |dqkv: &mut [std::mem::MaybeUninit<T>]| {
+            let dx = SharedRows::new(dqkv);
+            (0..self.batch * groups).into_par_iter().for_each_init(
+                || Scratch::new(&pn),
+                |s, task| {
+                    let (bi, heads) =
+                        (task / groups, even_split(self.heads, groups, task % groups));
+                    let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                    let g = &dy[bi * t * c..(bi + 1) * t * c];
+                    // SAFETY: this task writes only its heads' columns of sequence bi's rows.
+                    unsafe { backward_seq_wide(self, x, g, (dx, bi * t * cols3), heads, cols3, s) };
+                },
+            )
+        };
+        // SAFETY: every (sequence, head) is one task's, and its dq, dk and dv products each write
+        // all t rows of the head's hd columns: every element is written.
+        Ok(unsafe { written(qkv.len(), fill) })
     }
 
     /// What every head of a sequence shares: the model width, the head width, the softmax scale
@@ -432,20 +537,25 @@ impl CausalAttention {
         (c, hd, 1.0 / (hd as f64).sqrt(), Panels::new(self.seq, hd))
     }
 
-    /// One sequence's forward: `x` its qkv rows, `y` its output rows, `s` scratch from
-    /// [`Scratch::new`] for these shapes (every head overwrites what it reads of it).
+    /// Heads `heads` of one sequence's forward: `x` its qkv rows, `y` the output and where the
+    /// sequence's rows start in it, `s` scratch from [`Scratch::new`] for these shapes (every
+    /// head overwrites what it reads of it).
+    ///
+    /// # Safety
+    /// No other task writes these heads' columns of the sequence's output rows.
     #[inline(always)]
-    fn forward_seq<T: Real, const AVX512: bool>(
+    unsafe fn forward_seq<T: Real, const AVX512: bool>(
         &self,
         x: &[T],
-        y: &mut [T],
+        (y, at): (SharedRows<T>, usize),
+        heads: Range<usize>,
         cols3: usize,
         s: &mut Scratch<T>,
     ) {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
-        for h in 0..self.heads {
-            if h + 1 < self.heads {
-                prefetch_qkv(x, (h + 1) * hd, (c, cols3), &pn);
+        for h in heads.clone() {
+            if h + 1 < heads.end {
+                prefetch_qkv((x.as_ptr(), x.len()), (h + 1) * hd, (c, cols3), &pn);
             }
             pn.rows_of(&x[h * hd..], cols3, &mut s.q);
             pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
@@ -453,46 +563,61 @@ impl CausalAttention {
             pn.rows_of(&x[2 * c + h * hd..], cols3, &mut s.v);
             self.probs::<T, AVX512>(&pn, s, scale);
             let probs = Strided::by_row(&s.p, pn.tp);
-            let dest = Dest {
-                data: &mut y[h * hd..],
-                ld: c,
-            };
+            // SAFETY: head h's columns of this sequence's rows are this task's (the caller's
+            // contract).
+            let dest = unsafe { Dest::columns(y, at + h * hd, c) };
             // Rows r0..r1 weigh the values of keys 0..r1 (the rest of their row is zero).
             product::<T, AVX512>(self.seq, probs, (&s.v, pn.dp), dest, |_, r1| (0..r1, hd));
         }
     }
 
-    /// One sequence's backward: `x` its qkv rows, `g` its output gradient rows, `dx` its qkv
-    /// gradient rows, `s` as in [`CausalAttention::forward_seq`].
+    /// Heads `heads` of one sequence's backward: `x` its qkv rows, `g` its output gradient rows,
+    /// `dx` the qkv gradient and where the sequence's rows start in it, `s` as in
+    /// [`CausalAttention::forward_seq`].
+    ///
+    /// # Safety
+    /// No other task writes these heads' columns of the sequence's qkv gradient rows.
     #[inline(always)]
-    fn backward_seq<T: Real, const AVX512: bool>(
+    unsafe fn backward_seq<T: Real, const AVX512: bool>(
         &self,
         x: &[T],
         g: &[T],
-        dx: &mut [T],
+        (dx, at): (SharedRows<T>, usize),
+        heads: Range<usize>,
         cols3: usize,
         s: &mut Scratch<T>,
     ) {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
-        for h in 0..self.heads {
-            if h + 1 < self.heads {
+        for h in heads.clone() {
+            if h + 1 < heads.end {
                 let o = (h + 1) * hd;
-                prefetch_qkv(x, o, (c, cols3), &pn);
-                prefetch_qkv(dx, o, (c, cols3), &pn);
+                prefetch_qkv((x.as_ptr(), x.len()), o, (c, cols3), &pn);
+                let rows = (
+                    dx.ptr.wrapping_add(at).cast_const(),
+                    dx.len.saturating_sub(at),
+                );
+                prefetch_qkv(rows, o, (c, cols3), &pn);
                 prefetch_rows(&g[o..], c, hd, self.seq);
             }
-            self.head_backward::<T, AVX512>(&pn, s, (x, g, dx), (h * hd, c, cols3), scale);
+            // SAFETY: head h's columns are this task's (the caller's contract).
+            unsafe {
+                self.head_backward::<T, AVX512>(&pn, s, (x, g, (dx, at)), (h * hd, c, cols3), scale)
+            };
         }
     }
 
     /// One head's share of [`CausalAttention::backward`] for one sequence: `x` its qkv rows, `g`
-    /// its output gradient rows, `dx` its qkv gradient rows; the head's columns start at `o`.
+    /// its output gradient rows, `dx` the qkv gradient and where the sequence's rows start in it;
+    /// the head's columns start at `o`.
+    ///
+    /// # Safety
+    /// No other task writes this head's columns of the sequence's qkv gradient rows.
     #[inline(always)]
-    fn head_backward<T: Real, const AVX512: bool>(
+    unsafe fn head_backward<T: Real, const AVX512: bool>(
         &self,
         pn: &Panels,
         s: &mut Scratch<T>,
-        (x, g, dx): (&[T], &[T], &mut [T]),
+        (x, g, (dx, at)): (&[T], &[T], (SharedRows<T>, usize)),
         (o, c, cols3): (usize, usize, usize),
         scale: f64,
     ) {
@@ -510,10 +635,8 @@ impl CausalAttention {
             t,
             Strided::by_col(&s.p, tp),
             (&s.dy, dp),
-            Dest {
-                data: &mut dx[2 * c + o..],
-                ld: cols3,
-            },
+            // SAFETY: the head's v columns (the caller's contract).
+            unsafe { Dest::columns(dx, at + 2 * c + o, cols3) },
             keys_seen,
         );
         // dp = dy v^T, rows r0..r1 over keys 0..r1, into ds.
@@ -522,16 +645,9 @@ impl CausalAttention {
             row: dp,
             col: 1,
         };
-        product::<T, AVX512>(
-            t,
-            dy,
-            (&s.vt, tp),
-            Dest {
-                data: &mut s.ds,
-                ld: tp,
-            },
-            |_, r1| (0..hd, r1),
-        );
+        product::<T, AVX512>(t, dy, (&s.vt, tp), Dest::of(&mut s.ds, tp), |_, r1| {
+            (0..hd, r1)
+        });
         for (i, (dsr, pr)) in s.ds.chunks_mut(tp).zip(s.p.chunks(tp)).enumerate() {
             let live = i + 1;
             let dot = lane_dot(&pr[..live], &dsr[..live]);
@@ -545,20 +661,16 @@ impl CausalAttention {
             t,
             Strided::by_row(&s.ds, tp),
             (&s.k, dp),
-            Dest {
-                data: &mut dx[o..],
-                ld: cols3,
-            },
+            // SAFETY: the head's q columns (the caller's contract).
+            unsafe { Dest::columns(dx, at + o, cols3) },
             |_, r1| (0..r1, hd),
         );
         product::<T, AVX512>(
             t,
             Strided::by_col(&s.ds, tp),
             (&s.q, dp),
-            Dest {
-                data: &mut dx[c + o..],
-                ld: cols3,
-            },
+            // SAFETY: the head's k columns (the caller's contract).
+            unsafe { Dest::columns(dx, at + c + o, cols3) },
             keys_seen,
         );
     }
@@ -567,10 +679,11 @@ impl CausalAttention {
 /// `$body` (an `#[inline(always)]` method of [`CausalAttention`]) compiled for AVX-512 with FMA,
 /// AVX2 with FMA, or as built, chosen at run time. A named function per width rather than
 /// `kernels::wide`'s closure: LLVM does not inline a body this large into the wide function, and
-/// outside it `mul_add` is a library call.
+/// outside it `mul_add` is a library call. Unsafe as the bodies are: the caller owns what they
+/// write.
 macro_rules! wide_fn {
     ($name:ident, $body:ident, ($($arg:ident: $ty:ty),*)) => {
-        fn $name<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
+        unsafe fn $name<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,fma")]
@@ -589,13 +702,14 @@ macro_rules! wide_fn {
                     Width::Baseline => {}
                 }
             }
-            att.$body::<T, false>($($arg),*)
+            // SAFETY: the caller's contract, passed on.
+            unsafe { att.$body::<T, false>($($arg),*) }
         }
     };
 }
 
-wide_fn!(forward_seq_wide, forward_seq, (x: &[T], y: &mut [T], cols3: usize, s: &mut Scratch<T>));
-wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: &mut [T], cols3: usize, s: &mut Scratch<T>));
+wide_fn!(forward_seq_wide, forward_seq, (x: &[T], y: (SharedRows<T>, usize), heads: Range<usize>, cols3: usize, s: &mut Scratch<T>));
+wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: (SharedRows<T>, usize), heads: Range<usize>, cols3: usize, s: &mut Scratch<T>));
 
 #[cfg(test)]
 mod tests {
@@ -683,6 +797,45 @@ mod tests {
                 close(&y[ry..ry + t * c3 / 3], &y64, "y");
                 close(&d[rq..rq + t * c3], &d64, "dqkv");
             }
+        }
+    }
+
+    /// Heads split into groups across threads (when sequences are fewer than two per thread)
+    /// compute exactly what one thread computes: every head is the same arithmetic either way.
+    #[test]
+    fn head_groups_give_the_same_bits_as_one_thread() {
+        let (batch, t, heads, hd) = (2, 19, 6, 8);
+        let c3 = 3 * heads * hd;
+        let qkv: Vec<f32> = (0..batch * t * c3)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
+            .collect();
+        let dy: Vec<f32> = (0..batch * t * c3 / 3)
+            .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let attn = CausalAttention {
+            batch,
+            seq: t,
+            heads,
+        };
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                assert_eq!(
+                    attn.head_groups(),
+                    if threads == 1 { 1 } else { heads.min(threads) }
+                );
+                (
+                    attn.forward(&qkv, c3).unwrap(),
+                    attn.backward(&qkv, &dy, c3).unwrap(),
+                )
+            })
+        };
+        let one = run(1);
+        for threads in [3, 6] {
+            assert!(run(threads) == one, "{threads} threads");
         }
     }
 

@@ -14,7 +14,9 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/model_gpt.rs` checks it against the candle path.
 
-use super::kernels::{wide, with_slice, CausalAttention, Finish, Gelu, LayerNorm, Linear};
+use super::kernels::{
+    par_add_into, par_copy, with_slice, CausalAttention, Finish, Gelu, LayerNorm, Linear,
+};
 use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
@@ -86,7 +88,7 @@ impl BlockShape {
 /// `dst += src`, element by element: a tensor with two consumers gets the sum of its two
 /// gradients (the same bits in either order), written over one of them.
 fn add_into(dst: &mut [f32], src: &[f32]) {
-    wide(|| dst.iter_mut().zip(src).for_each(|(d, &s)| *d += s))
+    par_add_into(dst, src)
 }
 
 /// The block's forward on `input` (`[rows, width]`) with its flat parameters `p`: the output, and
@@ -138,7 +140,7 @@ pub(super) fn forward(
     let h = kept(h);
     let out = Tensor::from_vec(out, (rows, c), &Device::Cpu)?;
     let saved = keep.then(|| BlockSaved {
-        params: p.to_vec(),
+        params: par_copy(p),
         shape,
         input: input.clone(),
         ln1,
@@ -174,12 +176,7 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
     let p = &s.params;
     let ln = LayerNorm { eps: s.shape.eps };
     // Adds a parameter's gradient into its range of the flat gradient.
-    let add = |grads: &mut [f32], k: usize, g: Vec<f32>| {
-        grads[r[k].clone()]
-            .iter_mut()
-            .zip(g)
-            .for_each(|(a, g)| *a += g);
-    };
+    let add = |grads: &mut [f32], k: usize, g: Vec<f32>| par_add_into(&mut grads[r[k].clone()], &g);
     // A linear layer's backward: the weight gradient (parameter `w`) accumulated in place by the
     // GEMM, the bias gradient (`w + 1`) added; returns the input gradient.
     let linear = |grads: &mut [f32], x: &[f32], w: usize, dy: &[f32], out: usize| {
