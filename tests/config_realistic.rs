@@ -1054,3 +1054,81 @@ fn bf16_master_weights_and_grads_is_read_with_its_gradients() {
         "bf16_master_weights_and_grads has no effect unless"
     ));
 }
+
+/// Hugging Face's `tests/deepspeed/ds_config_zero3.json` as it shipped (transformers, fp16 on, no
+/// batch sizes: the Trainer fills them), with the zeros DeepSpeed accepts.
+const HF_TESTS_ZERO3: &str = r#"{
+    "fp16": {
+        "enabled": true,
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1
+    },
+
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {
+            "device": "cpu",
+            "pin_memory": true
+        },
+        "offload_param": {
+            "device": "cpu",
+            "pin_memory": true
+        },
+        "overlap_comm": true,
+        "contiguous_gradients": true,
+        "sub_group_size": 1e14,
+        "reduce_bucket_size": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_fp16_weights_on_model_save": true
+    },
+
+    "optimizer": {
+        "type": "AdamW",
+        "params": {
+            "lr": 3e-5,
+            "betas": [0.8, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 3e-7
+        }
+    },
+
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": {
+            "warmup_min_lr": 0,
+            "warmup_max_lr": 3e-5,
+            "warmup_num_steps": 500
+        }
+    },
+
+    "steps_per_print": 2000,
+    "wall_clock_breakdown": false
+}"#;
+
+#[test]
+fn hugging_face_tests_zero3_takes_a_zero_bucket_as_deepspeed_does() {
+    let c = ResolveContext {
+        micro_batch: Some(2),
+        ..ctx(2)
+    };
+    let l = ok(HF_TESTS_ZERO3, &c);
+    let z = &l.settings.zero_optimization;
+    // 0: no bucket, each gradient reduced on its own; no prefetch; nothing kept gathered.
+    assert_eq!(z.reduce_bucket_size, 0);
+    assert_eq!(z.prefetch_bucket_size, 0);
+    assert_eq!(z.param_persistence_threshold, 0);
+    assert_eq!(z.sub_group_size, 100_000_000_000_000);
+    assert!(z.gather_16bit_weights_on_model_save);
+    assert_eq!(l.settings.precision, Precision::Fp16);
+    assert_eq!(l.settings.batch.train_batch_size, 4);
+    // The legacy spelling gets its deprecation warning; the zeros none.
+    assert!(has_warning(&l, "stage3_gather_fp16_weights_on_model_save"));
+    assert!(!has_warning(&l, "reduce_bucket_size"), "{:?}", l.warnings);
+    assert_eq!(l.to_json()["zero_optimization"]["reduce_bucket_size"], 0);
+}

@@ -80,3 +80,43 @@ fn stages_match_one_rank_with_clipping_without_overlap() {
 fn stages_match_one_rank_with_checkpointing_untied() {
     check(3, 0.5, true, 100, true, false);
 }
+
+#[test]
+fn stages_match_one_rank_with_no_bucket() {
+    // reduce_bucket_size 0 (DeepSpeed: each gradient on its own): every unit in place.
+    check(1, 0.0, true, 0, false, true);
+    check(2, 0.05, false, 0, false, true);
+}
+
+/// `reduce_bucket_size` 0 reduces each unit's gradient on its own (in place, or through a staging
+/// bucket of one unit where the gradient is converted to a 16-bit communication dtype): the same
+/// sums in the same rank order as the buckets, so the same bits, at every stage.
+#[test]
+fn no_bucket_trains_bit_for_bit_as_the_default_bucket() {
+    use zerodp::comm::DType;
+    let model = Toy::new(16, 8, 2, true);
+    // (parameter and communication dtype, gradients kept in f32)
+    let precisions = [
+        (DType::F32, false),
+        (DType::BF16, false),
+        (DType::BF16, true),
+        (DType::F16, true),
+    ];
+    for (dtype, f32_grads) in precisions {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            for (ga, overlap) in [(1, true), (2, false)] {
+                let mut cfg = test_config(stage, 2, ga, GLOBAL).with_precision(dtype);
+                if f32_grads {
+                    cfg.grad_accum_dtype = DType::F32;
+                }
+                cfg.overlap_comm = overlap;
+                let bucketed = train(&model, &cfg, STEPS, GLOBAL, SEQ);
+                cfg.reduce_bucket_size = 0;
+                let alone = train(&model, &cfg, STEPS, GLOBAL, SEQ);
+                let what = format!("{stage:?} {dtype:?} f32 grads {f32_grads} ga {ga}");
+                assert_eq!(bucketed.losses(), alone.losses(), "{what}");
+                assert_eq!(bucketed.params, alone.params, "{what}");
+            }
+        }
+    }
+}

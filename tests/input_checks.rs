@@ -294,20 +294,72 @@ fn a_config_with_a_byte_order_mark_is_read() {
     assert!(e.starts_with("bom.json:1:33:"), "{e}");
 }
 
+/// Hugging Face's `tests/deepspeed/ds_config_zero3.json` as it shipped with `"auto"` values and
+/// the zeros DeepSpeed takes as "no bucket" / "no prefetch" / "nothing persistent".
+const HF_ZERO3: &str = r#"{
+    "fp16": {
+        "enabled": "auto",
+        "loss_scale": 0,
+        "loss_scale_window": 1000,
+        "initial_scale_power": 16,
+        "hysteresis": 2,
+        "min_loss_scale": 1
+    },
+    "optimizer": {
+        "type": "AdamW",
+        "params": { "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto" }
+    },
+    "scheduler": {
+        "type": "WarmupLR",
+        "params": { "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto" }
+    },
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": { "device": "cpu", "pin_memory": true },
+        "offload_param": { "device": "cpu", "pin_memory": true },
+        "overlap_comm": true,
+        "contiguous_gradients": true,
+        "sub_group_size": 1e14,
+        "reduce_bucket_size": 0,
+        "stage3_prefetch_bucket_size": 0,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_fp16_weights_on_model_save": true
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": false
+}"#;
+
 #[test]
-fn a_zero_reduce_bucket_is_refused_where_it_is_written() {
+fn a_zero_reduce_bucket_is_accepted_and_explained() {
     let dir = tempfile::tempdir().unwrap();
-    let text = "{ \"train_batch_size\": 2,\n  \"zero_optimization\": { \"stage\": 2, \"reduce_bucket_size\": 0 } }";
-    let path = write(dir.path(), "ds.json", text.as_bytes());
-    let out = zerodp(&["config", "check", path.to_str().unwrap()]);
-    let err = stderr(&out);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let path = write(dir.path(), "ds_config_zero3.json", HF_ZERO3.as_bytes());
+    let file = path.to_str().unwrap();
+    let out = zerodp(&["config", "check", file, "--world-size", "2"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}{text}", stderr(&out));
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("reduce_bucket_size"))
+        .unwrap_or_else(|| panic!("no reduce_bucket_size row: {text}"));
     assert!(
-        err.contains("ds.json:2:60: zero_optimization.reduce_bucket_size: 0 would reduce"),
-        "{err}"
+        row.contains("0 (no bucket: each unit's gradient is reduced on its own"),
+        "{row}"
     );
-    assert!(err.contains("5e8"), "{err}");
-    assert_eq!(std::fs::read_to_string(&path).unwrap(), text);
+    // A note in the table, not a warning.
+    assert!(
+        !text.contains("warning(s):\n  - zero_optimization.reduce_bucket_size"),
+        "{text}"
+    );
+    let out = zerodp(&["config", "check", file, "--format", "json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["zero_optimization"]["reduce_bucket_size"], 0);
     // Zero prefetch (no prefetching) and a zero all-gather bucket (unused) stay valid.
     let ok = r#"{"train_batch_size": 1, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0,
                  "allgather_bucket_size": 0}}"#;

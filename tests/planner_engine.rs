@@ -508,3 +508,43 @@ fn a_bf16_master_is_sized_as_the_engine_holds_it() {
         }
     }
 }
+
+#[test]
+fn no_bucket_matches_the_engine_one_reduction_per_unit() {
+    // reduce_bucket_size 0: each unit's gradient on its own, in place (f32) or through a staging
+    // bucket of one unit (bf16 reductions of f32 gradients), with and without overlap.
+    let model = Toy::new(16, 8, 2, false);
+    let units = model.spec().units.len() as u64;
+    for staged in [false, true] {
+        for overlap in [true, false] {
+            for stage in STAGES {
+                let mut cfg = config(stage, 2, 2);
+                if staged {
+                    cfg = cfg.with_precision(DType::BF16);
+                    cfg.grad_accum_dtype = DType::F32;
+                }
+                cfg.overlap_comm = overlap;
+                cfg.reduce_bucket_size = 0;
+                let plan = buffers::plan(model.spec(), &cfg);
+                let what = format!("{stage:?} staged {staged} overlap {overlap}");
+                assert_eq!(plan.bucket_bytes() > 0, staged, "{what}");
+                let o = check(&model, &cfg, Gather::Exact);
+                let grads = |op: Collective| {
+                    o.collectives
+                        .iter()
+                        .find(|t| t.op == op && t.what == "grads")
+                        .map_or(0, |t| t.calls)
+                };
+                let expect = match stage {
+                    Stage::Zero0 | Stage::Zero1 => units,
+                    _ => 2 * units,
+                };
+                let op = match stage {
+                    Stage::Zero0 => Collective::AllReduce,
+                    _ => Collective::ReduceScatter,
+                };
+                assert_eq!(grads(op), expect, "{what}");
+            }
+        }
+    }
+}

@@ -383,6 +383,82 @@ fn buffers_follow_the_engine_rules_in_the_options() {
     );
 }
 
+/// `reduce_bucket_size` 0 (DeepSpeed: each gradient on its own): no bucket term in the bytes,
+/// one reduction call per unit; a 16-bit reduction of f32 gradients stages one unit at a time.
+#[test]
+fn a_zero_bucket_plans_no_bucket_bytes_and_one_reduction_per_unit() {
+    let (psi, largest) = (7_500_000_000u64, 200_000_000u64);
+    let units = psi.div_ceil(largest);
+    let mut inp = input(psi, largest, cluster(8, 8, 80 * GIB, "ib-ndr"));
+    inp.precision = Precision::Fp32;
+    for stage in 0..=3 {
+        // Without overlap nothing is in flight beside the backward: the bytes are those of a
+        // bucketed run (buckets smaller than a unit) less its bucket term.
+        inp.buffers = BufferOverrides {
+            reduce_bucket_size: Some(1_000_000),
+            overlap_comm: Some(false),
+            ..BufferOverrides::default()
+        };
+        let bucketed = plan_option(&inp, none(stage)).bytes_per_device;
+        // (Stages 0-1 reduce f32 gradients in place in the units' own buffers whatever the size.)
+        assert_eq!(bucketed.reduce_buckets > 0, stage >= 2, "stage {stage}");
+        inp.buffers.reduce_bucket_size = Some(0);
+        let o = plan_option(&inp, none(stage));
+        let b = o.bytes_per_device;
+        assert_eq!(b.reduce_buckets, 0, "stage {stage}");
+        assert_eq!(
+            b.total,
+            bucketed.total - bucketed.reduce_buckets,
+            "stage {stage}"
+        );
+        assert_eq!(
+            b.total,
+            b.model_states
+                + b.scratch_buffers
+                + b.gather_pool
+                + b.persistent_params
+                + b.activations
+        );
+        let calls = |op: Collective| -> u64 {
+            o.collectives
+                .iter()
+                .filter(|t| t.op == op && t.what == "grads")
+                .map(|t| t.calls)
+                .sum()
+        };
+        let reduce = match stage {
+            0 => calls(Collective::AllReduce),
+            _ => calls(Collective::ReduceScatter),
+        };
+        assert_eq!(reduce, units, "stage {stage}");
+        // With overlap (stage 3's default) one reduce-scatter in flight: no bucket either.
+        inp.buffers.overlap_comm = None;
+        assert_eq!(
+            plan_option(&inp, none(stage))
+                .bytes_per_device
+                .reduce_buckets,
+            0
+        );
+    }
+    // bf16 reductions of f32 gradients (stage 0): a staging bucket of the largest unit, two with
+    // overlap.
+    let b = engine_buffer_bytes(
+        0,
+        Precision::Bf16,
+        &inp.model,
+        &zerodp::planner::BufferSettings {
+            reduce_bucket_size: 0,
+            overlap_comm: true,
+            ..zerodp::planner::BufferSettings::deepspeed_defaults(0)
+        },
+        ReductionDtypes {
+            grad_accum: DType::F32,
+            comm: DType::BF16,
+        },
+    );
+    assert_eq!(b.reduce_buckets, 2 * largest * 2);
+}
+
 #[test]
 fn config_advice_names_a_bucket_size_that_breaks_the_budget() {
     let mut inp = input(

@@ -133,7 +133,7 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
             "reduce_bucket_size".into(),
             un(
                 "zero_optimization.reduce_bucket_size",
-                z.reduce_bucket_size.to_string(),
+                reduce_bucket_row(z.reduce_bucket_size),
             ),
         ),
         ("overlap_comm".into(), z.overlap_comm.to_string()),
@@ -237,6 +237,16 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
         }
     }
     out
+}
+
+/// The `reduce_bucket_size` row: the elements, and what 0 means (DeepSpeed accepts it).
+fn reduce_bucket_row(elems: u64) -> String {
+    match elems {
+        0 => "0 (no bucket: each unit's gradient is reduced on its own, one collective per unit, \
+              as DeepSpeed reduces each gradient on its own at 0)"
+            .into(),
+        n => n.to_string(),
+    }
 }
 
 /// A float as people write it in configs: `0.001`, `1e-8`.

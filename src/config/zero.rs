@@ -328,6 +328,8 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         "pass --hidden-size so zerodp can compute it the way Hugging Face does, or write a number";
     z.contiguous_gradients = r.bool_or(obj, "contiguous_gradients", z.contiguous_gradients)?;
     z.reduce_scatter = r.bool_or(obj, "reduce_scatter", z.reduce_scatter)?;
+    // 0 is DeepSpeed's "no bucket, each gradient reduced on its own" (Hugging Face's test
+    // configs set it); the engine then reduces each unit's gradient on its own.
     let rpath = join(obj.path, "reduce_bucket_size");
     z.reduce_bucket_size = r.read(
         &rpath,
@@ -335,21 +337,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         z.reduce_bucket_size,
         h.map(|h| h.saturating_mul(h)),
         hint_h,
-        |r, p, n| {
-            let v = r.node_u64(p, n)?;
-            // DeepSpeed takes 0 and then reduces every gradient tensor on its own; zerodp's
-            // buckets would hold one element per rank. Neither is what 0 asks for.
-            if v == 0 {
-                return Err(ConfigError::OutOfRange {
-                    at: r.at(p, n),
-                    message: "0 would reduce the gradients one element per rank per \
-                              collective, tens of times slower; give the bucket size in \
-                              elements, such as 5e8 (DeepSpeed's default) or 5e7"
-                        .into(),
-                });
-            }
-            Ok(v)
-        },
+        |r, p, n| r.node_u64(p, n),
     )?;
     z.use_multi_rank_bucket_allreduce = r.bool_or(
         obj,

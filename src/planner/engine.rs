@@ -188,7 +188,8 @@ impl<'a> EngineRun<'a> {
     ///   micro-step, stages 2-3 on every one);
     /// - where the reduction runs in place (`zero::buffers::reduction_plan`: stages 0-1 with
     ///   gradients kept in the communication dtype, stages 2-3 with f32 reductions and a bucket
-    ///   that holds the largest unit): one call per (non-empty) unit instead;
+    ///   that holds the largest unit), and with `reduce_bucket_size` 0 (each unit on its own):
+    ///   one call per (non-empty) unit instead;
     /// - stages 1-2: the all-gather of the updated shards after the step, in place, one call per
     ///   unit;
     /// - stage 3: one all-gather per unit each time a visit needs it while it is released, which
@@ -213,14 +214,14 @@ impl<'a> EngineRun<'a> {
                 Collective::AllReduce,
                 "grads",
                 mul(&[padded, comm]),
-                match p.reduce_in_place {
+                match p.reduce_in_place || p.per_unit {
                     true => units,
                     false => padded.div_ceil(p.bucket_elems.max(1) as u64),
                 },
             )),
             _ => {
                 let reductions = if stage.shards_grads() { ga } else { 1 };
-                let per_reduction = match p.reduce_in_place {
+                let per_reduction = match p.reduce_in_place || p.per_unit {
                     true => units,
                     false => shard.div_ceil(region),
                 };

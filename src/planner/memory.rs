@@ -124,7 +124,8 @@ impl ZeroChoice {
 /// The knobs that size zerodp's engine buffers (DeepSpeed's names and defaults).
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct BufferSettings {
-    /// Elements per gradient-reduction bucket (`reduce_bucket_size`, default 5e8).
+    /// Elements per gradient-reduction bucket (`reduce_bucket_size`, default 5e8; 0: none, each
+    /// unit's gradient reduced on its own).
     pub reduce_bucket_size: u64,
     /// Two buckets instead of one, so one reduces while the next fills (`overlap_comm`).
     pub overlap_comm: bool,
@@ -173,7 +174,8 @@ pub struct EngineBuffers {
 ///   the reduction runs in place in the units' own gradients (by
 ///   [`crate::zero::buffers::reduction_plan`]), which at stages 2-3 with `overlap_comm` holds
 ///   the plan's `units_in_flight` transient f32 gradients of the largest unit instead
-///   (scratch; the estimates count no other);
+///   (scratch; the estimates count no other); `reduce_bucket_size` 0 (each unit on its own)
+///   holds none in place, else staging buckets of the largest unit;
 /// - stage 3: a gather pool of max(largest unit, min(max_live_parameters, Ψ)) elements in the
 ///   parameter dtype, which bounds every fetch including prefetch;
 /// - stage 3: every unit of at most `param_persistence_threshold` elements stays gathered (known only
@@ -201,7 +203,9 @@ pub fn engine_buffer_bytes(
         s.overlap_comm,
     );
     let mut out = EngineBuffers {
-        reduce_buckets: bucket_elems * reduction.comm.size() as u64 * r.bucket_count as u64,
+        reduce_buckets: r.bucket_elems as u64
+            * reduction.comm.size() as u64
+            * r.bucket_count as u64,
         scratch_buffers: r.units_in_flight as u64 * model.largest_unit * 4,
         ..EngineBuffers::default()
     };

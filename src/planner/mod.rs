@@ -578,11 +578,6 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             m.largest_unit, m.params
         )));
     }
-    if input.buffers.reduce_bucket_size == Some(0) {
-        return Err(PlanError::Input(
-            "reduce_bucket_size must be at least 1 element (DeepSpeed's default is 5e8)".into(),
-        ));
-    }
     if !positive(c.device_flops) {
         return Err(PlanError::Input(
             "--flops must be more than 0 (for example 4e14)".into(),

@@ -25,7 +25,8 @@ pub struct CollectiveTraffic {
 }
 
 /// The collectives of one optimizer step (`grad_accum` micro-steps) under zerodp's schedule:
-/// - stage 0: one all-reduce of the grads, bucketed, at the accumulation boundary;
+/// - stage 0: one all-reduce of the grads, bucketed (one call per unit with `reduce_bucket_size`
+///   0), at the accumulation boundary;
 /// - stages 1-2: a reduce-scatter of the grads (stage 1 at the boundary, stage 2 every micro-step
 ///   since it keeps only its partition), then one all-gather of the updated params per unit;
 /// - stage 3, every micro-step: an all-gather per unit in forward and again in backward (units kept
@@ -45,7 +46,10 @@ pub fn collectives(
     let psi = model.params;
     let gas = grad_accum.max(1);
     let units = model.num_units();
-    let buckets = psi.div_ceil(buffers.reduce_bucket_size.clamp(1, psi.max(1)));
+    let buckets = match buffers.reduce_bucket_size {
+        0 => units,
+        b => psi.div_ceil(b.clamp(1, psi.max(1))),
+    };
     let mut ops: Vec<(Collective, &'static str, u64, u64)> = Vec::new();
     match choice.stage {
         0 => ops.push((Collective::AllReduce, "grads", psi, buckets)),

@@ -23,6 +23,10 @@
 //! when its collective is done, after its shard has been added to the rank's gradient shards;
 //! otherwise a bucket copies it and it is free at once.
 //!
+//! With `reduce_bucket_size` 0 (DeepSpeed's "each gradient on its own") every unit's gradient is
+//! reduced on its own: in place where the dtypes allow it at any unit size, else through a bucket
+//! of one unit that is launched as soon as the unit is in it (`BufferPlan::per_unit`).
+//!
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
 //! is waited for as soon as it is launched. In-place unit collectives stay in flight until the
 //! flush with `overlap_comm` (the stage 2-3 ones, which hold transient buffers, at most
@@ -82,6 +86,8 @@ pub struct Buckets {
     mode: BucketMode,
     /// Whether the gradient reductions run in place in each unit's own gradient buffer.
     reduce_in_place: bool,
+    /// Whether a bucket holds one unit and is launched as soon as that unit is in it.
+    per_unit: bool,
     /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
     units_in_flight: VecDeque<(usize, CommHandle)>,
     /// Stages 2-3: transient gradients in flight at most (the plan's `units_in_flight`).
@@ -108,6 +114,7 @@ impl Buckets {
             overlap,
             mode: BucketMode::AllReduce,
             reduce_in_place: plan.reduce_in_place,
+            per_unit: plan.per_unit,
             units_in_flight: VecDeque::new(),
             max_in_flight: plan.units_in_flight,
         }
@@ -200,6 +207,10 @@ impl Buckets {
             if slot.used == cap {
                 self.launch(comm, state, layout)?;
             }
+        }
+        let slot = &self.slots[self.current];
+        if self.per_unit && slot.used > 0 && slot.flight.is_none() {
+            self.launch(comm, state, layout)?;
         }
         if self.mode == BucketMode::ReduceScatterAccumulate {
             state.grad_pool.give(&mut state.grads[unit]);

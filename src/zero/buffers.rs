@@ -9,6 +9,10 @@
 //!   None at all where no collective needs one ([`reduction_plan`]): the gradient reduction
 //!   where a unit's own buffer serves, and the stage 1-2 all-gather of parameters, run in place in
 //!   each unit's own buffer, one collective per unit (FSDP2's way), with nothing to copy.
+//!   `reduce_bucket_size` 0 asks for no bucket (DeepSpeed then reduces each gradient on its own):
+//!   each unit's gradient is reduced on its own, in place where its dtypes allow at any unit size,
+//!   else through a staging bucket of one unit where it must be converted to the communication
+//!   dtype (bf16 and fp16 reductions of f32 gradients).
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
@@ -40,6 +44,9 @@ pub struct BufferPlan {
     /// Whether the gradient reduction runs in place in each unit's kept gradient
     /// ([`reduction_plan`]) instead of through the buckets.
     pub reduce_in_place: bool,
+    /// `reduce_bucket_size` 0: each unit's gradient is reduced on its own, one collective per
+    /// unit (a bucket, where there is one, holds one unit and is launched at once).
+    pub per_unit: bool,
     /// Stages 2-3 reducing in place: transient gradients in reduce-scatters in flight at most
     /// ([`units_in_flight`]; counted in `grad_scratch_count`).
     pub units_in_flight: usize,
@@ -121,8 +128,14 @@ pub struct ReductionDtypes {
 pub struct ReductionPlan {
     /// In place in each unit's own gradient buffer (stages 0-1 with gradients kept in the
     /// communication dtype; stages 2-3 with f32 reductions and a bucket that holds the largest
-    /// unit), or through buckets.
+    /// unit, or no bucket asked for), or through buckets.
     pub in_place: bool,
+    /// No bucket asked for (`reduce_bucket_size` 0): one collective per unit.
+    pub per_unit: bool,
+    /// Elements of each bucket: as asked, or the largest unit where no bucket was asked for but
+    /// the gradients must be converted on their way to the collective (a staging bucket of one
+    /// unit).
+    pub bucket_elems: usize,
     /// Buckets: 2 with `overlap_comm`, else 1; none in place.
     pub bucket_count: usize,
     /// Stages 2-3 in place: transient gradients in flight at most ([`units_in_flight`]).
@@ -131,7 +144,7 @@ pub struct ReductionPlan {
 
 /// The one rule for the engine and the planner: how a stage that shards gradients or not
 /// (`shards_grads`) reduces them, for units of at most `largest` elements (`units` of them, when
-/// known) and buckets of `bucket_elems`.
+/// known) and buckets of `bucket_elems` (0: no bucket asked for, each unit on its own).
 pub fn reduction_plan(
     shards_grads: bool,
     dtypes: ReductionDtypes,
@@ -141,8 +154,14 @@ pub fn reduction_plan(
     overlap: bool,
 ) -> ReductionPlan {
     let in_place = reduces_in_place(shards_grads, dtypes, largest, bucket_elems);
+    let per_unit = bucket_elems == 0;
     ReductionPlan {
         in_place,
+        per_unit,
+        bucket_elems: match per_unit && !in_place {
+            true => largest,
+            false => bucket_elems,
+        },
         bucket_count: match (in_place, overlap) {
             (true, _) => 0,
             (false, true) => 2,
@@ -162,7 +181,9 @@ pub fn reduction_plan(
 /// - stages 2-3 (which reduce the transient f32 gradients of every micro-step) when the
 ///   communication dtype is f32 and the largest unit is no larger than a bucket: each transient
 ///   buffer is held until its reduce-scatter is done, up to [`units_in_flight`] of them beside
-///   those the backward holds, in place of the buckets, so never more memory.
+///   those the backward holds, in place of the buckets, so never more memory; or when no bucket
+///   is asked for (`bucket_elems` 0), at any unit size, as DeepSpeed then reduces each gradient
+///   in its own tensor.
 ///
 /// Other dtypes convert as they are copied into a bucket.
 fn reduces_in_place(
@@ -173,7 +194,7 @@ fn reduces_in_place(
 ) -> bool {
     match shards_grads {
         false => dtypes.grad_accum == dtypes.comm,
-        true => dtypes.comm == DType::F32 && largest_unit <= bucket_elems,
+        true => dtypes.comm == DType::F32 && (bucket_elems == 0 || largest_unit <= bucket_elems),
     }
 }
 
@@ -183,7 +204,9 @@ fn reduces_in_place(
 /// mid-backward stalls the rank until every rank has reached that collective: two in flight ran
 /// the small GPT's stages 2-3 no faster than copying into buckets, one per unit 1-3% faster.
 /// Without overlap each is waited for at once (0). At least 2 where it applies, since the
-/// largest unit fits a bucket.
+/// largest unit fits a bucket. With no bucket asked for (`bucket_elems` 0) there is no bucket
+/// memory to fill: one, whose reduce-scatter runs during the next unit's backward (FSDP2's
+/// overlap), for the price of one more transient gradient.
 fn units_in_flight(
     overlap: bool,
     largest: usize,
@@ -192,7 +215,10 @@ fn units_in_flight(
 ) -> usize {
     match overlap {
         true => {
-            let fit = (2 * bucket_elems) / largest.max(1);
+            let fit = match bucket_elems {
+                0 => 1,
+                b => (2 * b) / largest.max(1),
+            };
             units.map_or(fit, |n| fit.min(n))
         }
         false => 0,
@@ -204,7 +230,11 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     let world = cfg.world_size.max(1);
     let layout = FlatLayout::new(spec, world, 0);
     let total = layout.padded_numel();
-    let region = (cfg.reduce_bucket_size.min(total) / world).max(1);
+    // 0 asks for no bucket; any other size is rounded down to equal rank regions, at least 1.
+    let asked = match cfg.reduce_bucket_size {
+        0 => 0,
+        b => (b.min(total) / world).max(1) * world,
+    };
     let reduction = reduction_plan(
         cfg.stage.shards_grads(),
         ReductionDtypes {
@@ -212,7 +242,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
             comm: cfg.comm_dtype,
         },
         layout.largest_padded(),
-        region * world,
+        asked,
         Some(spec.units.len()),
         cfg.overlap_comm,
     );
@@ -273,9 +303,10 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         0
     };
     BufferPlan {
-        bucket_elems: region * world,
+        bucket_elems: reduction.bucket_elems,
         bucket_count: reduction.bucket_count,
         reduce_in_place: reduction.in_place,
+        per_unit: reduction.per_unit,
         units_in_flight: reduction.units_in_flight,
         comm_dtype: cfg.comm_dtype,
         grad_scratch_elems,
@@ -382,6 +413,35 @@ mod tests {
     }
 
     #[test]
+    fn bucket_size_zero_reduces_each_unit_on_its_own() {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            // f32 reductions: in place at every stage, whatever the unit sizes, no bucket.
+            let mut cfg = EngineConfig::new(stage, 2);
+            cfg.reduce_bucket_size = 0;
+            let p = plan(&spec(), &cfg);
+            assert!(p.per_unit && p.reduce_in_place, "{stage:?}");
+            assert_eq!((p.bucket_count, p.bucket_bytes()), (0, 0), "{stage:?}");
+            if stage.shards_grads() {
+                // With overlap one reduce-scatter in flight beside the backward's two gradients.
+                assert_eq!(
+                    (p.units_in_flight, p.grad_scratch_count),
+                    (1, 3),
+                    "{stage:?}"
+                );
+                cfg.overlap_comm = false;
+                assert_eq!(plan(&spec(), &cfg).grad_scratch_count, 2, "{stage:?}");
+            }
+            // bf16 reductions of f32 gradients convert through a staging bucket of one unit.
+            cfg.comm_dtype = DType::BF16;
+            cfg.overlap_comm = true;
+            let p = plan(&spec(), &cfg);
+            assert!(p.per_unit && !p.reduce_in_place, "{stage:?}");
+            assert_eq!((p.bucket_elems, p.bucket_count), (128, 2), "{stage:?}");
+            assert_eq!(p.bucket_bytes(), 2 * 128 * 2, "{stage:?}");
+        }
+    }
+
+    #[test]
     fn units_in_flight_fill_the_memory_of_the_buckets_they_replace() {
         // Two buckets of 1000 hold 20 gradients of 100, capped by the units when known.
         assert_eq!(units_in_flight(true, 100, 1000, None), 20);
@@ -389,6 +449,9 @@ mod tests {
         assert_eq!(units_in_flight(true, 1000, 1000, None), 2);
         // Without overlap each is waited for at once.
         assert_eq!(units_in_flight(false, 100, 1000, Some(4)), 0);
+        // No bucket asked for: one in flight during the next unit's backward.
+        assert_eq!(units_in_flight(true, 100, 0, Some(4)), 1);
+        assert_eq!(units_in_flight(true, 100, 0, Some(0)), 0);
     }
 
     #[test]

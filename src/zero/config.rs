@@ -56,7 +56,8 @@ pub struct EngineConfig {
     pub micro_batch: usize,
     /// Micro-batches per optimizer step (`gradient_accumulation_steps`).
     pub grad_accum: usize,
-    /// Elements per gradient reduction bucket (`reduce_bucket_size`).
+    /// Elements per gradient reduction bucket (`reduce_bucket_size`); 0: no bucket, each unit's
+    /// gradient reduced on its own ([`super::buffers::reduction_plan`]).
     pub reduce_bucket_size: usize,
     /// Overlap reductions and gathers with compute (double-buffered buckets, stage-3 prefetch).
     pub overlap_comm: bool,
