@@ -23,6 +23,8 @@
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //! * [`atomic_file`]: files written under a temporary name and renamed into place, so that a
 //!   failed or killed write leaves what was there before. Depends on nothing.
+//! * [`affinity`]: which cores a rank's threads are pinned to (the process's affinity mask shared
+//!   out among in-process ranks). Depends on nothing.
 //! * `prefetch` (crate-private): software prefetch hints for the streaming loops of `optim` and
 //!   `model` (the CPU Adam, the element-wise kernels). Depends on nothing.
 //!
@@ -30,6 +32,7 @@
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
+pub mod affinity;
 pub mod atomic_file;
 pub mod checkpoint;
 pub mod comm;

@@ -376,7 +376,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             return self.run_this_rank(comm.clone(), data, steps, observers);
         }
         let finals = run_ranks(world, self.comm.clone(), |comm, rank| {
-            self.rank_in_pool(&*comm, rank, data, steps, observers)
+            let cores = crate::affinity::rank_cores(rank, world, self.threads_per_rank);
+            self.rank_in_pool(&*comm, (rank, cores), data, steps, observers)
         })
         .map_err(|e| TrainerError::Ranks(e.to_string()))?;
         let mut last = Vec::with_capacity(world);
@@ -427,7 +428,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
                 self.engine.world_size
             )));
         }
-        let run = || self.rank_in_pool(&*comm, rank, data, steps, observers);
+        // One rank per process: the launcher's binding (the process's mask) is kept as it is.
+        let run = || self.rank_in_pool(&*comm, (rank, None), data, steps, observers);
         let f = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)) {
             Ok(Ok(f)) => f,
             Ok(Err(e)) => {
@@ -453,22 +455,29 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
     }
 
     /// [`Trainer::rank_loop`] inside a fresh rayon pool of `threads_per_rank` threads, so that the
-    /// rank's matmuls use its share of the cores instead of competing for the global pool.
+    /// rank's matmuls use its share of the cores instead of competing for the global pool; with
+    /// `cores` ([`crate::affinity::rank_cores`]) each pool thread pinned to its own core, where
+    /// the rank's buffers are then first touched.
     fn rank_in_pool(
         &self,
         comm: &dyn Communicator,
-        rank: usize,
+        (rank, cores): (usize, Option<Vec<usize>>),
         data: &dyn DataSource<M::Batch>,
         steps: u64,
         observers: &[&dyn StepObserver],
     ) -> Result<RankFinal, TrainerError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(self.threads_per_rank)
-            .build()
-            .map_err(|e| TrainerError::Pool {
-                rank,
-                message: e.to_string(),
-            })?;
+        let mut builder = rayon::ThreadPoolBuilder::new().num_threads(self.threads_per_rank);
+        if let Some(cores) = cores {
+            builder = builder.start_handler(move |i| {
+                if let Some(&core) = cores.get(i) {
+                    crate::affinity::pin_current_thread(core);
+                }
+            });
+        }
+        let pool = builder.build().map_err(|e| TrainerError::Pool {
+            rank,
+            message: e.to_string(),
+        })?;
         pool.install(|| self.rank_loop(comm, rank, data, steps, observers))
     }
 
