@@ -454,6 +454,16 @@ impl Gpt {
         t: usize,
     ) -> candle_core::Result<Tensor> {
         let c = self.config.width;
+        if self.fused {
+            if tokens.len() != b * t {
+                candle_core::bail!("embedding: {} tokens for {b} x {t}", tokens.len());
+            }
+            let op = kernels::Embedding {
+                tokens: tokens.to_vec(),
+                seq: t,
+            };
+            return wte.contiguous()?.apply_op2(&wpe.contiguous()?, op);
+        }
         let tokens = Tensor::from_slice(tokens, b * t, &self.device)?;
         let tok = wte.index_select(&tokens, 0)?.reshape((b, t, c))?;
         let pos = wpe.narrow(0, 0, t)?;

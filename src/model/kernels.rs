@@ -1107,6 +1107,149 @@ impl CustomOp3 for Linear {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Token plus position embeddings: y[i] = wte[tokens[i]] + wpe[i % seq] for wte [vocab, c],
+// wpe [positions, c]. One graph node whose backward runs on the pool: candle's index_select
+// backward (an index_add) and its broadcast add's sum ran on one thread (6 ms of a 16-thread
+// rank's step).
+
+pub(crate) struct Embedding {
+    /// The token ids of `rows` rows, row `i` at position `i % seq`.
+    pub tokens: Vec<u32>,
+    pub seq: usize,
+}
+
+/// Columns of the embedding tables per backward task: every task reads all rows' slice of them.
+const EMBED_COLS_PER_TASK: usize = 16;
+
+impl Embedding {
+    fn check(&self, (vocab, positions): (usize, usize)) -> Result<()> {
+        if self.seq == 0 || self.seq > positions || self.tokens.len() % self.seq != 0 {
+            bail!(
+                "embedding: {} tokens in sequences of {} against {positions} positions",
+                self.tokens.len(),
+                self.seq
+            );
+        }
+        if let Some(&bad) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("embedding: token id {bad} outside the vocabulary of {vocab}");
+        }
+        Ok(())
+    }
+
+    fn fwd<T: Real>(&self, wte: &[T], wpe: &[T], c: usize) -> Vec<T> {
+        let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
+            y.par_chunks_mut(c).enumerate().for_each(|(i, row)| {
+                let tok = &wte[self.tokens[i] as usize * c..][..c];
+                let pos = &wpe[(i % self.seq) * c..][..c];
+                for ((y, &a), &b) in row.iter_mut().zip(tok).zip(pos) {
+                    y.write(a + b);
+                }
+            })
+        };
+        // SAFETY: one row of c per token, each written whole.
+        unsafe { written(self.tokens.len() * c, fill) }
+    }
+
+    /// `dwte` (rows added in row order per element, as an index_add over zeros) and `dwpe` (per
+    /// position, the sequences' rows added in order; positions past `seq` zero).
+    fn bwd<T: Real>(
+        &self,
+        dy: &[T],
+        (vocab, positions, c): (usize, usize, usize),
+    ) -> (Vec<T>, Vec<T>) {
+        let zero = lit::<T>(0.0);
+        let mut dwte = vec![zero; vocab * c];
+        let cols: Vec<usize> = (0..c).step_by(EMBED_COLS_PER_TASK).collect();
+        let out = SharedCols(dwte.as_mut_ptr());
+        cols.par_iter().for_each(|&j0| {
+            let j1 = (j0 + EMBED_COLS_PER_TASK).min(c);
+            for (i, &tok) in self.tokens.iter().enumerate() {
+                let src = &dy[i * c + j0..i * c + j1];
+                // SAFETY: this task alone writes columns j0..j1 of every row of dwte, inside
+                // its vocab x c elements (tokens were checked against vocab).
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(out.at(tok as usize * c + j0), j1 - j0)
+                };
+                dst.iter_mut().zip(src).for_each(|(d, &g)| *d += g);
+            }
+        });
+        let mut dwpe = vec![zero; positions * c];
+        let seqs = self.tokens.len() / self.seq;
+        dwpe[..self.seq * c]
+            .par_chunks_mut(c)
+            .enumerate()
+            .for_each(|(p, row)| {
+                for s in 0..seqs {
+                    let g = &dy[(s * self.seq + p) * c..][..c];
+                    row.iter_mut().zip(g).for_each(|(d, &g)| *d += g);
+                }
+            });
+        (dwte, dwpe)
+    }
+}
+
+/// The base of a buffer whose column ranges tasks write (see [`Embedding::bwd`]).
+struct SharedCols<T>(*mut T);
+
+impl<T> SharedCols<T> {
+    /// The address of element `i` (a method, so that closures capture the Sync wrapper).
+    fn at(&self, i: usize) -> *mut T {
+        self.0.wrapping_add(i)
+    }
+}
+// SAFETY: tasks write disjoint columns of the buffer, which outlives the parallel loop.
+unsafe impl<T: Send> Send for SharedCols<T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for SharedCols<T> {}
+
+impl CustomOp2 for Embedding {
+    fn name(&self) -> &'static str {
+        "zerodp-embedding"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (vocab, c) = l1.shape().dims2()?;
+        let (positions, c2) = l2.shape().dims2()?;
+        if c2 != c {
+            bail!("embedding: token table width {c}, position table width {c2}");
+        }
+        self.check((vocab, positions))?;
+        by_dtype!(storage_dtype(s1), self.name(), |T| {
+            let y = self.fwd(slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?, c);
+            Ok((
+                T::to_cpu_storage_owned(y),
+                Shape::from((self.tokens.len(), c)),
+            ))
+        })
+    }
+
+    fn bwd(
+        &self,
+        wte: &Tensor,
+        wpe: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (vocab, c) = wte.dims2()?;
+        let positions = wpe.dims2()?.0;
+        by_dtype!(wte.dtype(), self.name(), |T| {
+            let (dwte, dwpe) =
+                with_slice::<T, _>(dy, |dy| Ok(self.bwd(dy, (vocab, positions, c))))?;
+            Ok((
+                Some(tensor(dwte, (vocab, c))?),
+                Some(tensor(dwpe, (positions, c))?),
+            ))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The causal attention core's candle op (its kernels are in `super::attention`).
 
 impl CustomOp1 for CausalAttention {
@@ -1167,12 +1310,24 @@ impl CustomOp2 for CrossEntropy {
         if targets.len() != n {
             bail!("cross entropy: {n} rows, {} targets", targets.len());
         }
+        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
+            bail!("cross entropy: target {bad} outside the vocabulary of {v}");
+        }
         by_dtype!(storage_dtype(s1), self.name(), |T| {
             let logits = slice_of::<T>(s1, l1)?;
-            let mut total = 0f64;
-            for (row, &tgt) in logits.chunks(v).zip(targets) {
-                total += (Self::lse(row) - row[tgt as usize]).to_f64();
-            }
+            // Per task of rows a partial sum, the partials added in task order: the same value
+            // at every thread count.
+            let partials: Vec<f64> = logits
+                .par_chunks(v * ROWS_PER_TASK)
+                .zip(targets.par_chunks(ROWS_PER_TASK))
+                .map(|(rows, ts)| {
+                    rows.chunks(v)
+                        .zip(ts)
+                        .map(|(row, &tgt)| (Self::lse(row) - row[tgt as usize]).to_f64())
+                        .sum::<f64>()
+                })
+                .collect();
+            let total: f64 = partials.iter().sum();
             Ok((
                 T::to_cpu_storage_owned(vec![T::from_f64(total / n as f64)]),
                 Shape::from(()),
@@ -1221,7 +1376,8 @@ fn slice_of_u32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
 
 #[cfg(test)]
 mod tests {
-    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, Finish, Linear};
+    use super::{exp_f32, gelu, gelu_grad, lane_sum, wide, Embedding, Finish, Linear};
+    use candle_core::{Device, Tensor};
 
     /// The distance between `y` and the next f32 away from zero.
     fn ulp(y: f32) -> f64 {
@@ -1288,6 +1444,75 @@ mod tests {
     /// Every fused write-out gives the bits of the unfused ops, on shapes the AMX path takes
     /// (where the CPU has it: the finish then runs per 32 x 32 block, ragged edges included)
     /// and on ones it leaves to the gemm crate (one pass over the rows).
+    /// The embedding op against candle's index_select + broadcast add: the same outputs and the
+    /// same gradients for both tables (repeated tokens summed, positions past `seq` zero), at one
+    /// thread and at four.
+    #[test]
+    fn embedding_matches_index_select_and_broadcast_add() -> candle_core::Result<()> {
+        use candle_core::Var;
+        let (vocab, positions, c, b, t) = (11, 9, 40, 3, 7);
+        let val = |n: usize, s: u64| {
+            let mut r = crate::model::SplitMix64::new(s);
+            (0..n)
+                .map(|_| r.next_f64() as f32 - 0.5)
+                .collect::<Vec<f32>>()
+        };
+        let wte = Var::from_vec(val(vocab * c, 1), (vocab, c), &Device::Cpu)?;
+        let wpe = Var::from_vec(val(positions * c, 2), (positions, c), &Device::Cpu)?;
+        let tokens: Vec<u32> = (0..b * t).map(|i| (i * 7 % 5) as u32).collect();
+        let dy = Tensor::from_vec(val(b * t * c, 3), (b * t, c), &Device::Cpu)?;
+        let reference = {
+            let ids = Tensor::from_slice(&tokens, b * t, &Device::Cpu)?;
+            let tok = wte.index_select(&ids, 0)?.reshape((b, t, c))?;
+            let y = tok
+                .broadcast_add(&wpe.narrow(0, 0, t)?)?
+                .reshape((b * t, c))?;
+            let g = (&y * &dy)?.sum_all()?.backward()?;
+            let grads = (
+                g.get(&wte).unwrap().to_vec2::<f32>()?,
+                g.get(&wpe).unwrap().to_vec2::<f32>()?,
+            );
+            (y.to_vec2::<f32>()?, grads)
+        };
+        for threads in [1, 4] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let got = pool.install(|| -> candle_core::Result<_> {
+                let op = Embedding {
+                    tokens: tokens.clone(),
+                    seq: t,
+                };
+                let y = wte.apply_op2(&wpe, op)?;
+                let g = (&y * &dy)?.sum_all()?.backward()?;
+                let grads = (
+                    g.get(&wte).unwrap().to_vec2::<f32>()?,
+                    g.get(&wpe).unwrap().to_vec2::<f32>()?,
+                );
+                Ok((y.to_vec2::<f32>()?, grads))
+            })?;
+            assert_eq!(got.0, reference.0, "forward, {threads} threads");
+            assert_eq!(
+                got.1 .0, reference.1 .0,
+                "token table gradient, {threads} threads"
+            );
+            assert_eq!(
+                got.1 .1, reference.1 .1,
+                "position table gradient, {threads} threads"
+            );
+        }
+        let bad = Embedding {
+            tokens: vec![11; t],
+            seq: t,
+        };
+        assert!(
+            wte.apply_op2(&wpe, bad).is_err(),
+            "a token past the vocabulary is an error"
+        );
+        Ok(())
+    }
+
     #[test]
     fn fused_write_outs_equal_the_unfused_ops_bit_for_bit() -> candle_core::Result<()> {
         let mut rng = crate::model::SplitMix64::new(5);
