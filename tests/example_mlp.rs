@@ -6,8 +6,8 @@
 mod mlp;
 
 use candle_core::{Device, Tensor};
-use mlp::{accuracy, Mlp, MlpConfig, Rows, Spirals};
-use zerodp::model::{mix_seed, Candle, CandleUnits, SplitMix64};
+use mlp::{accuracy, mlp_units, predict, MlpConfig, Rows, Spirals};
+use zerodp::model::{mix_seed, Candle, CandleUnits, SplitMix64, VarUnits};
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::{BatchCounts, ModelSpec, ParamSpec, UnitSpec};
 use zerodp::zero::{EngineConfig, Stage};
@@ -15,16 +15,15 @@ use zerodp::zero::{EngineConfig, Stage};
 /// Divisible by 1, 2, 3 and 4 ranks.
 const GLOBAL: usize = 24;
 
-fn mlp() -> Candle<Mlp> {
-    Candle::new(
-        Mlp::new(MlpConfig {
-            features: Spirals::FEATURES,
-            hidden: 16,
-            layers: 2,
-            classes: 3,
-        })
-        .unwrap(),
-    )
+const CFG: MlpConfig = MlpConfig {
+    features: Spirals::FEATURES,
+    hidden: 16,
+    layers: 2,
+    classes: 3,
+};
+
+fn mlp() -> Candle<VarUnits<Rows>> {
+    Candle::new(mlp_units(CFG).unwrap())
 }
 
 fn spirals() -> Spirals {
@@ -109,10 +108,7 @@ fn mlp_loss_falls_and_it_classifies() {
     assert!(first > 0.9, "3 classes start near ln 3: {l:?}");
     assert!(last < 0.5 * first, "loss did not fall: {first} -> {last}");
     let held_out = Spirals { seed: 99, ..data }.rows(0, 600);
-    let predicted = model
-        .units()
-        .predict(out.params.as_ref().unwrap(), &held_out)
-        .unwrap();
+    let predicted = predict(&CFG, model.units(), out.params.as_ref().unwrap(), &held_out).unwrap();
     let acc = accuracy(&predicted, &held_out);
     assert!(acc > 0.8, "held-out accuracy {acc}");
 }

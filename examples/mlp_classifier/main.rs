@@ -13,7 +13,7 @@
 
 mod model;
 
-use model::{accuracy, Mlp, MlpConfig, Spirals};
+use model::{accuracy, mlp_units, predict, MlpConfig, Spirals};
 use zerodp::model::{run_candle_elementwise_on_caller_thread, Candle, CandleUnits};
 use zerodp::trainer::{BatchIndex, StepEvent, StepObserver, Trainer, TrainerError};
 
@@ -93,7 +93,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         layers: 2,
         classes: 3,
     };
-    let model = Candle::new(Mlp::new(cfg)?);
+    let model = Candle::new(mlp_units(cfg)?);
     let train = Spirals {
         seed: args.seed,
         classes: cfg.classes,
@@ -132,7 +132,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .params
         .expect("keep_params(true) hands the parameters back");
     let held_out = test.rows(0, 3000);
-    let predicted = model.units().predict(&params, &held_out)?;
+    let predicted = predict(&cfg, model.units(), &params, &held_out)?;
     println!(
         "accuracy on {} held-out points: {:.1}%",
         held_out.n,

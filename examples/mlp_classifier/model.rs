@@ -5,6 +5,10 @@
 //! # Model
 //! `features -> hidden` (ReLU), `layers` times `hidden -> hidden` (ReLU), `hidden -> classes`,
 //! softmax cross-entropy (`candle_nn::loss::cross_entropy`, composite ops that have a backward).
+//! Every layer is a `candle_nn::linear`, made from a `VarBuilder` as candle-transformers makes its
+//! layers: [`mlp_units`] wraps each in a unit in a few lines ([`zerodp::model::VarUnits`] finds
+//! the parameters' names, shapes and initialisers from what `candle_nn::linear` asks for), and
+//! [`predict`] builds the same layers again from the trained parameters.
 //!
 //! # Units
 //! | unit | name | owns |
@@ -13,8 +17,8 @@
 //! | 1..=L | `hidden.{i}` | `hidden.{i}.weight [H, H]`, `hidden.{i}.bias [H]` |
 //! | L+1 | `head` | `head.weight [K, H]`, `head.bias [K]` |
 //!
-//! Linear weights are `[out, in]` (`y = x W^T + b`), like `torch.nn.Linear`. Nothing is tied, so
-//! every unit's `uses` is empty.
+//! Linear weights are `[out, in]` (`y = x W^T + b`), like `torch.nn.Linear`, initialised as
+//! `candle_nn::linear` asks: Kaiming-normal weights, biases uniform in `±1/sqrt(in)`.
 //!
 //! # Data
 //! [`Spirals`]: `classes` interleaved noisy spiral arms in the plane, generated from a seed. Sample
@@ -24,11 +28,12 @@
 #![allow(dead_code)]
 
 use candle_core::{Device, Tensor};
-use zerodp::model::{mix_seed, CandleUnits, SplitMix64};
+use candle_nn::{linear, Module};
+use zerodp::model::{mix_seed, SplitMix64, VarUnits};
 use zerodp::trainer::BatchIndex;
-use zerodp::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
+use zerodp::zero::unit::{BatchCounts, ModelError};
 
-/// The sizes of an [`Mlp`].
+/// The sizes of the MLP.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MlpConfig {
     /// Input features per sample.
@@ -40,6 +45,18 @@ pub struct MlpConfig {
     pub classes: usize,
 }
 
+impl MlpConfig {
+    /// The linear layers in order: `(name, in, out)`; one unit each.
+    pub fn layers(&self) -> Vec<(String, usize, usize)> {
+        let mut layers = vec![("input".to_string(), self.features, self.hidden)];
+        for i in 0..self.layers {
+            layers.push((format!("hidden.{i}"), self.hidden, self.hidden));
+        }
+        layers.push(("head".to_string(), self.hidden, self.classes));
+        layers
+    }
+}
+
 /// One micro-batch: `n` rows of `features` values (row-major) and one class label per row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Rows {
@@ -48,174 +65,93 @@ pub struct Rows {
     pub n: usize,
 }
 
-/// The MLP's units (a [`CandleUnits`]); `zerodp::model::Candle::new(Mlp::new(cfg)?)` is the
-/// `UnitModel` the trainer runs.
-pub struct Mlp {
-    cfg: MlpConfig,
-    spec: ModelSpec,
+impl Rows {
+    fn x(&self) -> candle_core::Result<Tensor> {
+        let width = self.features.len() / self.n.max(1);
+        Tensor::from_slice(&self.features, (self.n, width), &Device::Cpu)
+    }
 }
 
-fn linear_unit(name: String, out: usize, inp: usize) -> UnitSpec {
-    UnitSpec {
-        params: vec![
-            ParamSpec {
-                name: format!("{name}.weight"),
-                shape: vec![out, inp],
+/// The MLP's units: `zerodp::model::Candle::new(mlp_units(cfg)?)` is the `UnitModel` the trainer
+/// runs. Each unit is a `candle_nn::linear` and what follows it.
+pub fn mlp_units(cfg: MlpConfig) -> Result<VarUnits<Rows>, ModelError> {
+    if cfg.features == 0 || cfg.hidden == 0 || cfg.classes < 2 {
+        return Err(ModelError::Invalid(format!(
+            "an MLP needs at least one feature, one hidden unit and two classes, got {cfg:?}"
+        )));
+    }
+    let mut units = VarUnits::new(|b: &Rows| BatchCounts {
+        samples: b.n,
+        tokens: b.n,
+    })
+    .check_batch(move |b| check_rows(&cfg, b));
+    let mut layers = cfg.layers();
+    let (head, h, k) = layers.pop().expect("an MLP has a head");
+    for (i, (name, inp, out)) in layers.into_iter().enumerate() {
+        let prefix = name.clone();
+        units = units.unit(
+            name,
+            move |vb| linear(inp, out, vb.pp(&prefix)),
+            move |layer, x, b: &Rows| match (i, x) {
+                (0, _) => layer.forward(&b.x()?)?.relu(),
+                (_, Some(x)) => layer.forward(x)?.relu(),
+                (_, None) => candle_core::bail!("unit {i} needs the previous unit's output"),
             },
-            ParamSpec {
-                name: format!("{name}.bias"),
-                shape: vec![out],
-            },
-        ],
-        name,
-        uses: vec![],
+        )?;
     }
+    // Mean softmax cross-entropy over the micro-batch (log_softmax + nll, both composite).
+    units.unit(
+        head.clone(),
+        move |vb| linear(h, k, vb.pp(&head)),
+        |layer, x, b: &Rows| {
+            let x = x.ok_or_else(|| candle_core::Error::Msg("the head needs an input".into()))?;
+            let labels = Tensor::from_slice(&b.labels, b.n, &Device::Cpu)?;
+            candle_nn::loss::cross_entropy(&layer.forward(x)?, &labels)
+        },
+    )
 }
 
-impl Mlp {
-    pub fn new(cfg: MlpConfig) -> Result<Self, ModelError> {
-        if cfg.features == 0 || cfg.hidden == 0 || cfg.classes < 2 {
-            return Err(ModelError::Invalid(format!(
-                "an MLP needs at least one feature, one hidden unit and two classes, got {cfg:?}"
-            )));
+/// Predicted classes of `rows` from the trained parameters (one flat buffer per unit, as
+/// `Trainer::keep_params` hands them back): the same layers, built from them by name.
+pub fn predict(
+    cfg: &MlpConfig,
+    units: &VarUnits<Rows>,
+    params: &[Vec<f32>],
+    rows: &Rows,
+) -> Result<Vec<u32>, Box<dyn std::error::Error>> {
+    let vb = units.var_builder(params)?;
+    let layers = cfg.layers();
+    let mut x = rows.x()?;
+    for (i, (name, inp, out)) in layers.iter().enumerate() {
+        x = linear(*inp, *out, vb.pp(name))?.forward(&x)?;
+        if i + 1 < layers.len() {
+            x = x.relu()?;
         }
-        let mut units = vec![linear_unit("input".into(), cfg.hidden, cfg.features)];
-        for i in 0..cfg.layers {
-            units.push(linear_unit(format!("hidden.{i}"), cfg.hidden, cfg.hidden));
-        }
-        units.push(linear_unit("head".into(), cfg.classes, cfg.hidden));
-        Ok(Mlp {
-            cfg,
-            spec: ModelSpec { units },
-        })
     }
-
-    pub fn config(&self) -> &MlpConfig {
-        &self.cfg
-    }
-
-    fn is_head(&self, unit: usize) -> bool {
-        unit + 1 == self.spec.units.len()
-    }
-
-    /// The logits `[n, classes]` of the head from its parameters and the last hidden activation.
-    fn logits(p: &[Tensor], x: &Tensor) -> candle_core::Result<Tensor> {
-        x.matmul(&p[0].t()?)?.broadcast_add(&p[1])
-    }
-
-    /// Every unit but the head: `relu(x W^T + b)`, `x` the batch's features for unit 0.
-    fn layer(
-        &self,
-        unit: usize,
-        p: &[Tensor],
-        input: Option<&Tensor>,
-        batch: &Rows,
-    ) -> candle_core::Result<Tensor> {
-        let x = match input {
-            Some(x) => x.clone(),
-            None if unit == 0 => {
-                Tensor::from_slice(&batch.features, (batch.n, self.cfg.features), &Device::Cpu)?
-            }
-            None => candle_core::bail!("unit {unit} needs the previous unit's output"),
-        };
-        x.matmul(&p[0].t()?)?.broadcast_add(&p[1])?.relu()
-    }
-
-    /// Predicted classes of `rows` from the trained parameters (one flat buffer per unit, as
-    /// `Trainer::keep_params` hands them back).
-    pub fn predict(&self, params: &[Vec<f32>], rows: &Rows) -> candle_core::Result<Vec<u32>> {
-        let mut x: Option<Tensor> = None;
-        for (u, spec) in self.spec.units.iter().enumerate() {
-            let p = spec
-                .params
-                .iter()
-                .zip(spec.offsets())
-                .map(|(ps, off)| {
-                    Tensor::from_slice(
-                        &params[u][off..off + ps.numel()],
-                        ps.shape.as_slice(),
-                        &Device::Cpu,
-                    )
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            if self.is_head(u) {
-                let x = x.as_ref().expect("the head comes after the input unit");
-                return Self::logits(&p, x)?.argmax(1)?.to_vec1::<u32>();
-            }
-            x = Some(self.layer(u, &p, x.as_ref(), rows)?);
-        }
-        candle_core::bail!("the model has no head")
-    }
+    Ok(x.argmax(1)?.to_vec1::<u32>()?)
 }
 
-impl CandleUnits for Mlp {
-    type Batch = Rows;
-
-    fn spec(&self) -> &ModelSpec {
-        &self.spec
+/// Sizes and labels of a micro-batch, before any unit computes on it.
+fn check_rows(cfg: &MlpConfig, batch: &Rows) -> Result<(), ModelError> {
+    if batch.n == 0
+        || batch.features.len() != batch.n * cfg.features
+        || batch.labels.len() != batch.n
+    {
+        return Err(ModelError::Invalid(format!(
+            "a batch of {} rows needs {} features and {} labels, got {} and {}",
+            batch.n,
+            batch.n * cfg.features,
+            batch.n,
+            batch.features.len(),
+            batch.labels.len()
+        )));
     }
-
-    fn batch_counts(&self, batch: &Rows) -> BatchCounts {
-        BatchCounts {
-            samples: batch.n,
-            tokens: batch.n,
-        }
-    }
-
-    /// He-normal weights (`std = sqrt(2 / fan_in)`, the head `sqrt(1 / fan_in)`), zero biases; one
-    /// splitmix64 stream per unit from `(seed, unit)`.
-    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
-        let weight = &self.spec.units[unit].params[0];
-        let fan_in = weight.shape[1] as f64;
-        let gain = if self.is_head(unit) { 1.0 } else { 2.0 };
-        let std = (gain / fan_in).sqrt();
-        let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64]));
-        let (w, b) = out.split_at_mut(weight.numel());
-        w.iter_mut().for_each(|v| *v = (rng.normal() * std) as f32);
-        b.fill(0.0);
-    }
-
-    fn forward_unit(
-        &self,
-        unit: usize,
-        params: &[Tensor],
-        input: Option<&Tensor>,
-        batch: &Rows,
-    ) -> candle_core::Result<Tensor> {
-        if !self.is_head(unit) {
-            return self.layer(unit, params, input, batch);
-        }
-        let x = input.ok_or_else(|| candle_core::Error::Msg("the head needs an input".into()))?;
-        let labels = Tensor::from_slice(&batch.labels, batch.n, &Device::Cpu)?;
-        // Mean softmax cross-entropy over the micro-batch (log_softmax + nll, both composite).
-        candle_nn::loss::cross_entropy(&Self::logits(params, x)?, &labels)
-    }
-
-    fn check_batch(&self, batch: &Rows) -> Result<(), ModelError> {
-        if batch.n == 0
-            || batch.features.len() != batch.n * self.cfg.features
-            || batch.labels.len() != batch.n
-        {
-            return Err(ModelError::Invalid(format!(
-                "a batch of {} rows needs {} features and {} labels, got {} and {}",
-                batch.n,
-                batch.n * self.cfg.features,
-                batch.n,
-                batch.features.len(),
-                batch.labels.len()
-            )));
-        }
-        if let Some(&bad) = batch
-            .labels
-            .iter()
-            .find(|&&l| l as usize >= self.cfg.classes)
-        {
-            return Err(ModelError::Invalid(format!(
-                "label {bad} is not one of the {} classes",
-                self.cfg.classes
-            )));
-        }
-        Ok(())
+    match batch.labels.iter().find(|&&l| l as usize >= cfg.classes) {
+        Some(bad) => Err(ModelError::Invalid(format!(
+            "label {bad} is not one of the {} classes",
+            cfg.classes
+        ))),
+        None => Ok(()),
     }
 }
 

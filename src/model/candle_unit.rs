@@ -18,7 +18,9 @@
 //!   and names the unit in every error.
 //!
 //! What you write is a [`CandleUnits`]: the layout ([`CandleUnits::spec`]), the initial values,
-//! a batch type, and each unit's forward on tensors ([`CandleUnits::forward_unit`]).
+//! a batch type, and each unit's forward on tensors ([`CandleUnits::forward_unit`]). A model made
+//! of `candle_nn` layers need not list its parameters: [`VarUnits`](super::VarUnits) builds the
+//! `CandleUnits` from one closure per unit that makes the layers from a `candle_nn::VarBuilder`.
 //!
 //! # Writing `forward_unit`
 //! * `params` holds the unit's own parameter tensors in
@@ -196,6 +198,15 @@ pub trait CandleUnits: Send + Sync {
     fn check_batch(&self, batch: &Self::Batch) -> Result<(), ModelError> {
         let _ = batch;
         Ok(())
+    }
+
+    /// Whether backward refuses an own parameter of the unit that got no gradient, and (past the
+    /// first unit) an input that got none, naming it: in candle both are the sign of an op without backward
+    /// (candle-nn's fused ops cut the graph silently), which would leave weights untrained
+    /// without a word. [default: false: such a parameter's gradient is zero, as the engine's
+    /// contract allows an unused parameter.]
+    fn require_gradients(&self) -> bool {
+        false
     }
 }
 
@@ -432,6 +443,45 @@ impl<T: CandleUnits> Candle<T> {
     }
 }
 
+impl<T: CandleUnits> Candle<T> {
+    /// [`CandleUnits::require_gradients`]: every own parameter of `saved`, and its input past the
+    /// first unit, got a gradient in `store`; else an error naming the first that did not.
+    fn check_reached(
+        &self,
+        unit: usize,
+        saved: &CandleSaved,
+        store: &candle_core::backprop::GradStore,
+    ) -> Result<(), ModelError> {
+        let spec = &self.units.spec().units[unit];
+        let missing = |what: String| ModelError::Compute {
+            unit: spec.name.clone(),
+            message: format!(
+                "{what} got no gradient: an op between it and the loss has no backward. \
+                 candle-nn's fused ops cut the graph silently: ops::softmax_last_dim, \
+                 ops::layer_norm, ops::rms_norm, and the LayerNorm and RmsNorm modules \
+                 (candle_nn::layer_norm, candle_nn::rms_norm) on contiguous input; use \
+                 ops::softmax(x, D::Minus1), ops::layer_norm_slow, ops::rms_norm_slow or \
+                 primitive ops (or, for a parameter unused on purpose, allow_unused_params)"
+            ),
+        };
+        // Own parameters only: a reader may use some of a tied unit's parameters and not others.
+        for p in saved.params.iter().filter(|p| p.group == 0) {
+            if store.get(p.var.as_tensor()).is_none() {
+                let name = (spec.params.iter().zip(spec.offsets()))
+                    .find(|(_, off)| *off == p.offset)
+                    .map_or("?", |(ps, _)| ps.name.as_str());
+                return Err(missing(format!("parameter {name}")));
+            }
+        }
+        match &saved.input {
+            Some(x) if store.get(x.as_tensor()).is_none() => {
+                Err(missing("the unit's input".into()))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
 impl<T> std::fmt::Debug for Candle<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Candle")
@@ -643,6 +693,9 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
                 .map_err(&err)?
         };
         let store = objective.backward().map_err(&err)?;
+        if self.units.require_gradients() {
+            self.check_reached(unit, &saved, &store)?;
+        }
         for p in &saved.params {
             if let Some(g) = store.get(p.var.as_tensor()) {
                 let n = g.elem_count();

@@ -1,6 +1,7 @@
 //! The model side: the candle helper that turns a model written as per-unit tensor code into the
 //! engine's unit contract ([`candle_unit`]: [`CandleUnits`], [`Candle`]; the contract itself is
-//! [`crate::zero::unit`]), a GPT reference model on it, and data loading.
+//! [`crate::zero::unit`]), units built by closures from a `candle_nn::VarBuilder` on it
+//! ([`var_units`]: [`VarUnits`]), a GPT reference model on it, and data loading.
 
 mod amx;
 mod attention;
@@ -11,6 +12,7 @@ mod gpt_block;
 mod heap;
 mod kernels;
 mod rng;
+pub mod var_units;
 pub mod weights;
 
 pub use amx::{path_name as gemm_path, GEMM_ENV};
@@ -20,4 +22,5 @@ pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel,
 pub use heap::keep_freed_buffers;
 pub use kernels::gemm_flops_per_s;
 pub use rng::{mix_seed, SplitMix64};
+pub use var_units::{init_values, VarUnits};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};
