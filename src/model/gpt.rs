@@ -433,9 +433,7 @@ impl Gpt {
                 let x = need_input()?;
                 let h = self.layer_norm(x, &p[0], &p[1])?;
                 // p[2] is the tied `wte.weight` of unit 0.
-                let logits = self.lm_logits(&h, &p[2])?;
-                let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
-                self.cross_entropy(&logits, &targets)
+                self.head_loss(&h, &p[2], &batch.targets)
             }
         }
     }
@@ -468,6 +466,27 @@ impl Gpt {
         let tok = wte.index_select(&tokens, 0)?.reshape((b, t, c))?;
         let pos = wpe.narrow(0, 0, t)?;
         tok.broadcast_add(&pos)?.reshape((b * t, c))
+    }
+
+    /// The mean cross-entropy of the LM head's logits `h @ wte^T` (tied weights) against
+    /// `targets`: on the fused kernels over chunks of rows, never holding all `[n, vocab]` logits
+    /// (see `kernels::HeadLoss`); else the logits, then the loss.
+    #[doc(hidden)]
+    pub fn head_loss(
+        &self,
+        h: &Tensor,
+        wte: &Tensor,
+        targets: &[u32],
+    ) -> candle_core::Result<Tensor> {
+        if self.fused {
+            let op = kernels::HeadLoss {
+                targets: targets.to_vec(),
+            };
+            return h.contiguous()?.apply_op2(&wte.contiguous()?, op);
+        }
+        let logits = self.lm_logits(h, wte)?;
+        let targets = Tensor::from_slice(targets, targets.len(), &self.device)?;
+        self.cross_entropy(&logits, &targets)
     }
 
     /// The LM head's logits `h @ wte^T` (tied weights): `[n, vocab]`.
