@@ -305,7 +305,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         batch.train_batch_size,
         batch.micro_batch_per_gpu,
         batch.gradient_accumulation_steps,
-        data.corpus().name(),
+        data.source().name(),
         data.num_windows(),
     ));
     let progress = ProgressLog::new(

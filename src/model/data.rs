@@ -1,7 +1,9 @@
-//! Byte-level training data: a UTF-8 corpus cut into windows, visited in a seeded order that does
-//! not depend on the world size or the micro-batch split.
+//! Training data: a token stream cut into windows, visited in a seeded order that does not depend
+//! on the world size or the micro-batch split.
 //!
-//! * Tokens are the corpus's bytes (vocabulary 256).
+//! * Tokens are a UTF-8 corpus's bytes (vocabulary 256, [`Corpus`]), or the ids of a tokenized
+//!   corpus ([`TokenCorpus`], see [`super::token_data`]); the windows, order and split below are
+//!   the same for both.
 //! * The corpus is cut into consecutive, non-overlapping windows of `context + 1` tokens; window
 //!   `w` covers bytes `[w * (context + 1), (w + 1) * (context + 1))` (a trailing partial window is
 //!   dropped). A window's inputs are its first `context` tokens, its targets the last `context`.
@@ -19,6 +21,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use super::rng::{mix_seed, SplitMix64};
+use super::token_data::TokenCorpus;
 use crate::zero::unit::BatchCounts;
 
 /// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
@@ -45,6 +48,48 @@ pub enum DataError {
     },
     #[error("{0}")]
     Split(String),
+    #[error("{0}")]
+    NoInputs(String),
+    #[error("{path}: line 1: the file is empty (it holds no document)")]
+    EmptyFile { path: PathBuf },
+    #[error("{path}: line {line}: not valid UTF-8 (first bad byte at file offset {offset}); convert the file to UTF-8, for example with iconv")]
+    FileNotUtf8 {
+        path: PathBuf,
+        line: usize,
+        offset: u64,
+    },
+    #[error("{path}: line {line}: {msg}")]
+    Jsonl {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+    #[error("{path}: line {line}: the tokenizer failed: {msg}")]
+    Encode {
+        path: PathBuf,
+        line: usize,
+        msg: String,
+    },
+    #[error("tokenizer {path}: {msg}")]
+    Tokenizer { path: PathBuf, msg: String },
+    #[error("token cache {path}: {action}: {source}")]
+    Cache {
+        path: PathBuf,
+        action: &'static str,
+        source: std::io::Error,
+    },
+    #[error("the model's vocabulary ({model}) is smaller than the tokenizer's ({tokenizer}, {path}); a token id past the model's last row cannot be embedded")]
+    VocabTooSmall {
+        model: usize,
+        tokenizer: usize,
+        path: PathBuf,
+    },
+    #[error("{name} has {len} tokens, too few for one window of context {context} + 1 tokens; add text or use a smaller --context")]
+    TooFewTokens {
+        name: String,
+        len: usize,
+        context: usize,
+    },
 }
 
 /// A tokenized corpus (bytes of a UTF-8 text).
@@ -113,10 +158,77 @@ impl Corpus {
     }
 }
 
+/// What a [`DataLoader`] cuts into windows: a byte corpus or a tokenized one
+/// ([`super::token_data`]); both convert into it, so `DataLoader::new` takes either.
+#[derive(Debug)]
+pub enum TokenSource {
+    Bytes(Corpus),
+    Ids(TokenCorpus),
+}
+
+impl From<Corpus> for TokenSource {
+    fn from(c: Corpus) -> Self {
+        TokenSource::Bytes(c)
+    }
+}
+
+impl From<TokenCorpus> for TokenSource {
+    fn from(c: TokenCorpus) -> Self {
+        TokenSource::Ids(c)
+    }
+}
+
+impl TokenSource {
+    pub fn name(&self) -> &str {
+        match self {
+            TokenSource::Bytes(c) => c.name(),
+            TokenSource::Ids(c) => c.name(),
+        }
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match self {
+            TokenSource::Bytes(c) => c.len(),
+            TokenSource::Ids(c) => c.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The ids run from 0 to this (exclusive): a model needs at least this many embedding rows.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            TokenSource::Bytes(_) => BYTE_VOCAB,
+            TokenSource::Ids(c) => c.vocab_size(),
+        }
+    }
+
+    /// Tokens `[start, start + len)` appended to `out`.
+    fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
+        match self {
+            TokenSource::Bytes(c) => {
+                out.extend(c.tokens[start..start + len].iter().map(|&b| u32::from(b)))
+            }
+            TokenSource::Ids(c) => c.read_into(start, len, out),
+        }
+    }
+
+    fn too_short(&self, context: usize) -> DataError {
+        let (name, len) = (self.name().to_string(), self.len());
+        match self {
+            TokenSource::Bytes(_) => DataError::TooShort { name, len, context },
+            TokenSource::Ids(_) => DataError::TooFewTokens { name, len, context },
+        }
+    }
+}
+
 /// Serves micro-batches of windows in the seeded order described in the module docs.
 #[derive(Debug)]
 pub struct DataLoader {
-    corpus: Corpus,
+    source: TokenSource,
     context: usize,
     seed: u64,
     num_windows: usize,
@@ -125,27 +237,29 @@ pub struct DataLoader {
 }
 
 impl DataLoader {
-    pub fn new(corpus: Corpus, context: usize, seed: u64) -> Result<Self, DataError> {
+    /// Windows of `context + 1` tokens of a byte [`Corpus`] or a [`TokenCorpus`].
+    pub fn new(
+        source: impl Into<TokenSource>,
+        context: usize,
+        seed: u64,
+    ) -> Result<Self, DataError> {
+        let source = source.into();
         let num_windows = if context == 0 {
             0
         } else {
-            corpus.len() / (context + 1)
+            source.len() / (context + 1)
         };
         if num_windows == 0 {
-            return Err(DataError::TooShort {
-                name: corpus.name.clone(),
-                len: corpus.len(),
-                context,
-            });
+            return Err(source.too_short(context));
         }
         if num_windows > u32::MAX as usize {
             return Err(DataError::Split(format!(
                 "corpus {} has {num_windows} windows, more than 2^32",
-                corpus.name
+                source.name()
             )));
         }
         Ok(Self {
-            corpus,
+            source,
             context,
             seed,
             num_windows,
@@ -153,8 +267,17 @@ impl DataLoader {
         })
     }
 
-    pub fn corpus(&self) -> &Corpus {
-        &self.corpus
+    /// The byte corpus, when the loader reads one.
+    pub fn corpus(&self) -> Option<&Corpus> {
+        match &self.source {
+            TokenSource::Bytes(c) => Some(c),
+            TokenSource::Ids(_) => None,
+        }
+    }
+
+    /// The tokens the windows are cut from.
+    pub fn source(&self) -> &TokenSource {
+        &self.source
     }
 
     pub fn context(&self) -> usize {
@@ -245,11 +368,13 @@ impl DataLoader {
         let t = self.context;
         let mut tokens = Vec::with_capacity(micro_batch_size * t);
         let mut targets = Vec::with_capacity(micro_batch_size * t);
+        let mut window = Vec::with_capacity(t + 1);
         for g in samples {
             let w = self.window_of_sample(g);
-            let window = &self.corpus.tokens[w * (t + 1)..(w + 1) * (t + 1)];
-            tokens.extend(window[..t].iter().map(|&b| u32::from(b)));
-            targets.extend(window[1..].iter().map(|&b| u32::from(b)));
+            window.clear();
+            self.source.read_into(w * (t + 1), t + 1, &mut window);
+            tokens.extend_from_slice(&window[..t]);
+            targets.extend_from_slice(&window[1..]);
         }
         Ok(TokenBatch {
             tokens,

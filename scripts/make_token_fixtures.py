@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Makes the tokenized-data fixtures under tests/fixtures/tokens/ with Hugging Face `tokenizers`.
+
+    pip install tokenizers
+    python3 scripts/make_token_fixtures.py
+
+Writes two small tokenizers (a GPT-2-style byte-level BPE trained on a few sentences, with
+`<|endoftext|>`; and the same model with a Llama-style template that puts `<s>` before every
+text and has `</s>` as its end of sequence), the text and JSONL inputs, and `expected.json`: the
+token ids `zerodp`'s token file must hold for each case. The committed fixtures are what
+`cargo test --test token_data` reads, so the tests need no Python.
+
+The token stream is the one `zerodp::model::token_data` documents: every document encoded on
+its own with the tokenizer's special tokens (`encode(text)`, as `tokenizer(text)` does in
+`transformers`), the documents joined with the EOS id between them (none after the last). A text
+file is one document; a JSONL line is one document (its `text` field, or the field named), blank
+lines skipped; a document with empty text is skipped.
+"""
+
+import json
+import pathlib
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tokens"
+
+TRAIN = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Sharded data parallelism splits the optimizer states, the gradients and the parameters.",
+    "ZeRO stage three gathers each unit's parameters just before it runs.",
+    "Tokenizers turn text into ids; the model predicts the next id.",
+    "Über naïve café: ünïcödé wörds, 日本語のテキスト, and emoji 🙂 too.",
+]
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog.\n"
+    "ZeRO shards the optimizer states across the data-parallel ranks.\n\n"
+    "Über naïve café — 日本語 🙂\n"
+    "  indented line with    spaces\tand a tab\n"
+)
+
+JSONL_ROWS = [
+    {"text": "First document: the gradients are reduced.", "id": 1},
+    {"text": "Second one, with ünïcödé and a newline\ninside.", "id": 2},
+    {"text": "", "id": 3},
+    {"text": "Third: stage 3 partitions the parameters too.", "id": 4},
+]
+
+BODY_ROWS = [
+    {"body": "A field with another name.", "text": 7},
+    {"body": "The loader reads the field the user names."},
+]
+
+
+def byte_level_bpe():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + 200 + 1,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN * 4, trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def with_bos(base):
+    tok = Tokenizer.from_str(base.to_str())
+    tok.add_special_tokens(["<s>", "</s>"])
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def stream(tok, eos, docs):
+    ids = []
+    for i, doc in enumerate(d for d in docs if d != ""):
+        if i > 0:
+            ids.append(tok.token_to_id(eos))
+        ids.extend(tok.encode(doc).ids)
+    return ids
+
+
+def jsonl_docs(path, field):
+    docs = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            docs.append(json.loads(line)[field])
+    return docs
+
+
+def main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "a.txt").write_text(TEXT, encoding="utf-8")
+    (OUT / "b.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in JSONL_ROWS[:2])
+        + "\n"
+        + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in JSONL_ROWS[2:]),
+        encoding="utf-8",
+    )
+    (OUT / "c.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in BODY_ROWS), encoding="utf-8"
+    )
+    gpt2 = byte_level_bpe()
+    llama = with_bos(gpt2)
+    gpt2.save(str(OUT / "tokenizer.json"), pretty=False)
+    llama.save(str(OUT / "tokenizer_bos.json"), pretty=False)
+    a = TEXT
+    b = jsonl_docs(OUT / "b.jsonl", "text")
+    c = jsonl_docs(OUT / "c.jsonl", "body")
+    expected = {
+        "gpt2_text_and_jsonl": {
+            "tokenizer": "tokenizer.json", "files": ["a.txt", "b.jsonl"], "field": "text",
+            "eos": "<|endoftext|>", "ids": stream(gpt2, "<|endoftext|>", [a] + b),
+        },
+        "bos_named_field": {
+            "tokenizer": "tokenizer_bos.json", "files": ["c.jsonl", "a.txt"], "field": "body",
+            "eos": "</s>", "ids": stream(llama, "</s>", c + [a]),
+        },
+        "vocab": {"tokenizer.json": gpt2.get_vocab_size(), "tokenizer_bos.json": llama.get_vocab_size()},
+    }
+    (OUT / "expected.json").write_text(json.dumps(expected) + "\n")
+    for name, case in expected.items():
+        if "ids" in case:
+            print(name, len(case["ids"]), "ids")
+
+
+if __name__ == "__main__":
+    main()

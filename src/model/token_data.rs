@@ -1,0 +1,534 @@
+//! Tokenized training data: text and JSONL files through a Hugging Face `tokenizer.json`, into a
+//! token file that is built once and memory-mapped on every later run.
+//!
+//! * The token stream: every document (see [`super::token_inputs`]: a text file, or a JSONL
+//!   line's text field) encoded on its own with the tokenizer's special tokens, as
+//!   `tokenizer(text)` does in `transformers` (so a Llama tokenizer puts `<s>` before each), and
+//!   the documents joined with the EOS id *between* them (none after the last; a document with
+//!   empty text is skipped). The tokenizer's truncation and padding are switched off: a document
+//!   is never cut or padded. Files follow each other in `--data` order.
+//! * The EOS token: the one given, else `eos_token` of a `tokenizer_config.json` beside the
+//!   tokenizer, else the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` the
+//!   tokenizer knows.
+//! * The cache: `tokens-<key>.u32` (the ids, little-endian u32) and `tokens-<key>.json` (the
+//!   [`Manifest`]) in the cache directory (`--data-cache`, default `.zerodp-tokens/` beside the
+//!   first input), `<key>` a hash of the input paths and the text field. The next run reuses them
+//!   when the tokenizer's SHA-256, the EOS id, the field and every file's size and modification
+//!   time are the manifest's; otherwise it rebuilds them in place and says why. Both files are
+//!   written atomically, the manifest removed first and written last, so a run killed half way
+//!   leaves a cache that the next run rebuilds, never one that lies.
+//! * [`super::DataLoader`] cuts the stream into `context + 1` windows exactly as it cuts the
+//!   byte corpus, so the data order stays a pure function of the seed and the step.
+
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::data::DataError;
+use super::token_inputs::{read_documents, resolve_inputs, Document, InputFile};
+use crate::atomic_file::{write_atomic, AtomicFile};
+
+/// The JSONL field read when none is named.
+pub const DEFAULT_TEXT_FIELD: &str = "text";
+
+/// EOS tokens recognised by name when nothing says which one the tokenizer ends a text with.
+pub const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+
+/// Bumped whenever the token stream's definition changes, so that old caches are rebuilt.
+const FORMAT_VERSION: u32 = 1;
+
+/// A Hugging Face `tokenizer.json`, its SHA-256 and the EOS id put between documents.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    path: PathBuf,
+    sha256: String,
+    eos: (String, u32),
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("path", &self.path)
+            .field("sha256", &self.sha256)
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `path`; `eos` names the EOS token (see the module docs for the default).
+    pub fn from_file(path: &Path, eos: Option<&str>) -> Result<Self, DataError> {
+        let bytes = std::fs::read(path).map_err(|source| DataError::Read {
+            path: path.to_path_buf(),
+            source,
+            hint: "",
+        })?;
+        let bad = |msg: String| DataError::Tokenizer {
+            path: path.to_path_buf(),
+            msg,
+        };
+        let mut inner =
+            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(e.to_string()))?;
+        inner
+            .with_truncation(None)
+            .map_err(|e| bad(e.to_string()))?;
+        inner.with_padding(None);
+        let eos_name = match eos {
+            Some(name) => name.to_string(),
+            None => default_eos(path, &inner)?,
+        };
+        let eos_id = inner.token_to_id(&eos_name).ok_or_else(|| {
+            bad(format!(
+                "the EOS token {eos_name:?} is not in its vocabulary; name another with --eos-token"
+            ))
+        })?;
+        Ok(Self {
+            inner,
+            path: std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf()),
+            sha256: hex(&Sha256::digest(&bytes)),
+            eos: (eos_name, eos_id),
+        })
+    }
+
+    /// Vocabulary size, added tokens included: a model must have at least this many rows.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn eos_token(&self) -> &str {
+        &self.eos.0
+    }
+
+    pub fn eos_id(&self) -> u32 {
+        self.eos.1
+    }
+
+    /// SHA-256 of the tokenizer.json bytes, as `sha256sum` prints it.
+    pub fn sha256(&self) -> &str {
+        &self.sha256
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The ids of one document (with the tokenizer's special tokens).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.inner
+            .encode_fast(text, true)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// `eos_token` of `tokenizer_config.json` beside the tokenizer, else the first known name.
+fn default_eos(path: &Path, tok: &tokenizers::Tokenizer) -> Result<String, DataError> {
+    let config = path.with_file_name("tokenizer_config.json");
+    if let Ok(text) = std::fs::read_to_string(&config) {
+        let value: Option<serde_json::Value> = serde_json::from_str(&text).ok();
+        let eos = value.as_ref().and_then(|v| v.get("eos_token"));
+        let name = eos.and_then(|e| e.as_str().or_else(|| e.get("content")?.as_str()));
+        if let Some(name) = name {
+            return Ok(name.to_string());
+        }
+    }
+    EOS_CANDIDATES
+        .iter()
+        .find(|c| tok.token_to_id(c).is_some())
+        .map(|c| c.to_string())
+        .ok_or_else(|| DataError::Tokenizer {
+            path: path.to_path_buf(),
+            msg: format!(
+                "cannot tell its EOS token (no tokenizer_config.json beside it names one, and it \
+                 has none of {}); name it with --eos-token",
+                EOS_CANDIDATES.join(" ")
+            ),
+        })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// What a token file holds and what it was made from; see the module docs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: u32,
+    pub tokenizer: PathBuf,
+    pub tokenizer_sha256: String,
+    pub eos_token: String,
+    pub eos_id: u32,
+    pub vocab_size: usize,
+    pub text_field: String,
+    pub files: Vec<InputFile>,
+    pub documents: u64,
+    pub tokens: u64,
+}
+
+impl Manifest {
+    /// Why a cache made from `self` does not fit `want`, or `None` when it does.
+    fn stale_reason(&self, want: &Manifest) -> Option<String> {
+        if self.format != want.format {
+            return Some("the token file format changed".into());
+        }
+        if self.tokenizer_sha256 != want.tokenizer_sha256 {
+            return Some(format!(
+                "the tokenizer changed (sha256 {:.12} -> {:.12})",
+                self.tokenizer_sha256, want.tokenizer_sha256
+            ));
+        }
+        if (self.eos_id, &self.text_field) != (want.eos_id, &want.text_field) {
+            return Some("the EOS token or the text field changed".into());
+        }
+        let paths = |m: &Manifest| m.files.iter().map(|f| f.path.clone()).collect::<Vec<_>>();
+        if paths(self) != paths(want) {
+            return Some("the list of input files changed".into());
+        }
+        let changed = self.files.iter().zip(&want.files).find(|(a, b)| a != b);
+        changed.map(|(_, b)| format!("{} changed (size or modification time)", b.path.display()))
+    }
+}
+
+/// Where the token file and its manifest live, and whether to draw a progress bar.
+#[derive(Clone, Debug, Default)]
+pub struct TokenDataOptions {
+    /// The JSONL field holding the text [default: [`DEFAULT_TEXT_FIELD`]].
+    pub text_field: Option<String>,
+    /// The cache directory [default: `.zerodp-tokens/` beside the first input].
+    pub cache_dir: Option<PathBuf>,
+    /// Draw a progress bar over the input bytes while tokenizing (on a terminal only).
+    pub progress: bool,
+}
+
+/// How a [`TokenCorpus`] came to be.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheStatus {
+    /// The token file was up to date and is reused.
+    Reused,
+    /// The token file was (re)built; the reason, e.g. "the tokenizer changed".
+    Built(String),
+}
+
+/// A memory-mapped token file and its manifest.
+#[derive(Debug)]
+pub struct TokenCorpus {
+    name: String,
+    map: Option<memmap2::Mmap>,
+    manifest: Manifest,
+    token_file: PathBuf,
+    status: CacheStatus,
+}
+
+impl TokenCorpus {
+    /// Tokenizes `files` (text, JSONL or directories of them) with the tokenizer at
+    /// `tokenizer`, or reuses the cache made from the same inputs: the entry point for a caller
+    /// that has the paths (`zerodp train --data ... --tokenizer ...`, or `--model-dir DIR` with
+    /// `DIR/tokenizer.json`). Draws no progress bar; see [`TokenCorpus::build_with`].
+    pub fn build(
+        files: &[PathBuf],
+        tokenizer: &Path,
+        field: Option<&str>,
+        cache: Option<&Path>,
+    ) -> Result<TokenCorpus, DataError> {
+        let tokenizer = TextTokenizer::from_file(tokenizer, None)?;
+        let options = TokenDataOptions {
+            text_field: field.map(str::to_string),
+            cache_dir: cache.map(Path::to_path_buf),
+            progress: false,
+        };
+        Self::build_with(files, &tokenizer, &options)
+    }
+
+    /// [`TokenCorpus::build`] with a loaded tokenizer and every option.
+    pub fn build_with(
+        files: &[PathBuf],
+        tokenizer: &TextTokenizer,
+        options: &TokenDataOptions,
+    ) -> Result<TokenCorpus, DataError> {
+        let inputs = resolve_inputs(files)?;
+        let field = options.text_field.as_deref().unwrap_or(DEFAULT_TEXT_FIELD);
+        let want = Manifest {
+            format: FORMAT_VERSION,
+            tokenizer: tokenizer.path().to_path_buf(),
+            tokenizer_sha256: tokenizer.sha256().to_string(),
+            eos_token: tokenizer.eos_token().to_string(),
+            eos_id: tokenizer.eos_id(),
+            vocab_size: tokenizer.vocab_size(),
+            text_field: field.to_string(),
+            files: inputs,
+            documents: 0,
+            tokens: 0,
+        };
+        let (token_file, manifest_file) = cache_paths(files, &want, options.cache_dir.as_deref())?;
+        let status = match cached_manifest(&manifest_file, &token_file) {
+            Some(old) => match old.stale_reason(&want) {
+                None => return Self::open(token_file, old, CacheStatus::Reused),
+                Some(reason) => reason,
+            },
+            None => "no token file yet".to_string(),
+        };
+        let _ = std::fs::remove_file(&manifest_file);
+        let manifest = write_tokens(&token_file, tokenizer, want, options.progress)?;
+        let json = serde_json::to_vec_pretty(&manifest).map_err(std::io::Error::other);
+        json.and_then(|j| write_atomic(&manifest_file, &j))
+            .map_err(|e| cache_error(&manifest_file, "writing", e))?;
+        Self::open(token_file, manifest, CacheStatus::Built(status))
+    }
+
+    /// Maps `token_file`, which `manifest` describes.
+    fn open(
+        token_file: PathBuf,
+        manifest: Manifest,
+        status: CacheStatus,
+    ) -> Result<Self, DataError> {
+        let map = if manifest.tokens == 0 {
+            None
+        } else {
+            let f = std::fs::File::open(&token_file)
+                .map_err(|e| cache_error(&token_file, "opening", e))?;
+            // Safety: the file is ours (written through a rename, never modified in place); a
+            // rebuild replaces the name, and this mapping keeps the old inode alive.
+            let map = unsafe { memmap2::Mmap::map(&f) };
+            Some(map.map_err(|e| cache_error(&token_file, "mapping", e))?)
+        };
+        let name = match manifest.files.as_slice() {
+            [one] => one.path.display().to_string(),
+            files => format!("{} files", files.len()),
+        };
+        Ok(Self {
+            name,
+            map,
+            manifest,
+            token_file,
+            status,
+        })
+    }
+
+    /// The input file (or "N files").
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        self.manifest.tokens as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.manifest.tokens == 0
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.manifest.vocab_size
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn token_file(&self) -> &Path {
+        &self.token_file
+    }
+
+    pub fn status(&self) -> &CacheStatus {
+        &self.status
+    }
+
+    /// Tokens `[start, start + len)` appended to `out` (little-endian in the file, so the bytes
+    /// are read one id at a time rather than cast in place).
+    pub fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
+        let bytes = self.map.as_deref().unwrap_or(&[]);
+        let window = &bytes[start * 4..(start + len) * 4];
+        out.extend(
+            window
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+
+    /// Every token (for tests and tools; a training run reads windows).
+    pub fn to_vec(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len());
+        self.read_into(0, self.len(), &mut out);
+        out
+    }
+
+    /// Refuses a model whose vocabulary has fewer rows than the tokenizer has ids.
+    pub fn check_vocab(&self, model_vocab: usize) -> Result<(), DataError> {
+        if model_vocab < self.vocab_size() {
+            return Err(DataError::VocabTooSmall {
+                model: model_vocab,
+                tokenizer: self.vocab_size(),
+                path: self.manifest.tokenizer.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn cache_error(path: &Path, action: &'static str, source: std::io::Error) -> DataError {
+    DataError::Cache {
+        path: path.to_path_buf(),
+        action,
+        source,
+    }
+}
+
+/// The token file and manifest paths: `tokens-<key>.{u32,json}` in the cache directory.
+fn cache_paths(
+    args: &[PathBuf],
+    want: &Manifest,
+    cache_dir: Option<&Path>,
+) -> Result<(PathBuf, PathBuf), DataError> {
+    let first = &want.files[0].path;
+    let dir = match cache_dir {
+        Some(d) => d.to_path_buf(),
+        None => {
+            let arg = std::fs::canonicalize(&args[0]).unwrap_or_else(|_| first.clone());
+            let base = if arg.is_dir() {
+                arg
+            } else {
+                arg.parent().map_or(arg.clone(), Path::to_path_buf)
+            };
+            base.join(".zerodp-tokens")
+        }
+    };
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| cache_error(&dir, "creating (choose another with --data-cache DIR)", e))?;
+    let mut key = Sha256::new();
+    for f in &want.files {
+        key.update(f.path.as_os_str().as_encoded_bytes());
+        key.update([0]);
+    }
+    key.update(want.text_field.as_bytes());
+    let key = hex(&key.finalize()[..8]);
+    Ok((
+        dir.join(format!("tokens-{key}.u32")),
+        dir.join(format!("tokens-{key}.json")),
+    ))
+}
+
+/// The manifest at `path` when it parses and its token file has the size it records.
+fn cached_manifest(path: &Path, token_file: &Path) -> Option<Manifest> {
+    let manifest: Manifest = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
+    let size = std::fs::metadata(token_file).ok()?.len();
+    (size == manifest.tokens * 4).then_some(manifest)
+}
+
+/// Documents are encoded in parallel in batches of about this many bytes of text.
+const BATCH_BYTES: usize = 4 << 20;
+
+/// Streams the ids into the token file: EOS between documents, counts for the manifest.
+struct TokenWriter<'a> {
+    out: BufWriter<AtomicFile>,
+    path: &'a Path,
+    tokenizer: &'a TextTokenizer,
+    documents: u64,
+    tokens: u64,
+    max_id: u32,
+}
+
+impl TokenWriter<'_> {
+    /// Encodes `docs` of `file` (in parallel) and appends them in order.
+    fn write_batch(&mut self, file: &Path, docs: &mut Vec<Document>) -> Result<(), DataError> {
+        docs.retain(|d| !d.text.is_empty());
+        let encoded: Vec<Result<Vec<u32>, DataError>> = docs
+            .par_iter()
+            .map(|d| {
+                self.tokenizer
+                    .encode(&d.text)
+                    .map_err(|msg| DataError::Encode {
+                        path: file.to_path_buf(),
+                        line: d.line,
+                        msg,
+                    })
+            })
+            .collect();
+        docs.clear();
+        for ids in encoded {
+            let ids = ids?;
+            if self.documents > 0 {
+                self.push(self.tokenizer.eos_id())?;
+            }
+            self.documents += 1;
+            for id in ids {
+                self.push(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn push(&mut self, id: u32) -> Result<(), DataError> {
+        self.tokens += 1;
+        self.max_id = self.max_id.max(id);
+        self.out
+            .write_all(&id.to_le_bytes())
+            .map_err(|e| cache_error(self.path, "writing", e))
+    }
+
+    fn commit(self) -> Result<(), DataError> {
+        let path = self.path;
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| cache_error(path, "writing", e.into_error()))?;
+        file.commit().map_err(|e| cache_error(path, "writing", e))
+    }
+}
+
+/// Tokenizes every input of `want` into `token_file`; `want` comes back with the counts (and the
+/// vocabulary raised to the largest id + 1, for a tokenizer whose ids have gaps).
+fn write_tokens(
+    token_file: &Path,
+    tokenizer: &TextTokenizer,
+    mut want: Manifest,
+    progress: bool,
+) -> Result<Manifest, DataError> {
+    let bar = progress_bar(want.files.iter().map(|f| f.size).sum(), progress);
+    let out = AtomicFile::create(token_file).map_err(|e| cache_error(token_file, "creating", e))?;
+    let mut writer = TokenWriter {
+        out: BufWriter::with_capacity(1 << 20, out),
+        path: token_file,
+        tokenizer,
+        documents: 0,
+        tokens: 0,
+        max_id: 0,
+    };
+    for file in &want.files {
+        bar.set_message(file.path.display().to_string());
+        let (mut docs, mut bytes) = (Vec::new(), 0usize);
+        read_documents(file, &want.text_field, &mut |doc, n| {
+            bar.inc(n);
+            bytes += doc.text.len();
+            docs.push(doc);
+            if bytes < BATCH_BYTES {
+                return Ok(());
+            }
+            bytes = 0;
+            writer.write_batch(&file.path, &mut docs)
+        })?;
+        writer.write_batch(&file.path, &mut docs)?;
+    }
+    bar.finish_and_clear();
+    (want.documents, want.tokens) = (writer.documents, writer.tokens);
+    if writer.tokens > 0 {
+        want.vocab_size = want.vocab_size.max(writer.max_id as usize + 1);
+    }
+    writer.commit()?;
+    Ok(want)
+}
+
+fn progress_bar(total: u64, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    let style = indicatif::ProgressStyle::with_template(
+        "tokenizing {bar:30} {bytes}/{total_bytes} {bytes_per_sec} [{elapsed_precise}<{eta_precise}] {wide_msg}",
+    );
+    bar.set_style(style.unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar
+}
