@@ -197,6 +197,18 @@ pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, Checkpoint
     Ok(bytes)
 }
 
+/// The full master weights of the checkpoint `dir` names, one flat f32 buffer per unit (each
+/// checksum verified), with its manifest: what an export to another format starts from. Holds
+/// the whole model in memory, unlike [`consolidate`], which streams.
+pub fn read_params(dir: &Path) -> Result<(Manifest, Vec<Vec<f32>>), CheckpointError> {
+    let (manifest, step_dir) = load_manifest(dir)?;
+    let mut files = Files::new(&step_dir, &manifest);
+    let params = (0..manifest.model.units.len())
+        .map(|u| files.read_all(u, 0..manifest.model.units[u].numel))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((manifest, params))
+}
+
 /// F32 values as they are, or rounded to BF16.
 fn write_values(w: &mut impl Write, values: &[f32], bf16: bool) -> std::io::Result<()> {
     if !bf16 {

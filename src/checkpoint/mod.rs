@@ -41,7 +41,9 @@ mod save;
 
 pub use format::{file_crc, SliceReader};
 pub use layout::{LATEST_FILE, MANIFEST_FILE};
-pub use load::{consolidate, inspect, load_manifest, resolve_dir, restore_engine, Inspection};
+pub use load::{
+    consolidate, inspect, load_manifest, read_params, resolve_dir, restore_engine, Inspection,
+};
 pub use lock::{acquire_for_job, Acquired, LockError, LockOwner, SaveDirLock, LOCK_FILE};
 pub use manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 pub use save::{CheckpointWriter, RunDescription, SaveTiming};

@@ -1,4 +1,5 @@
-//! `zerodp ckpt`: what a checkpoint holds, verified, and its full weights in one file.
+//! `zerodp ckpt`: what a checkpoint holds, verified, and its full weights in one file or as a
+//! Hugging Face model directory.
 
 use anyhow::bail;
 use std::path::PathBuf;
@@ -12,6 +13,9 @@ pub enum CkptCommand {
     /// Write the full model weights into one safetensors file with the model's parameter names
     /// (loads with `train --init` and any safetensors reader), streaming one parameter at a time.
     Consolidate(ConsolidateArgs),
+    /// Write a Hugging Face model directory (config.json, model.safetensors, the tokenizer files
+    /// of the model directory trained from) that `transformers` loads. GPT-2 only for now.
+    Export(super::hf_model::ExportArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -39,6 +43,7 @@ pub fn run(cmd: CkptCommand) -> anyhow::Result<i32> {
     match cmd {
         CkptCommand::Inspect(a) => run_inspect(a),
         CkptCommand::Consolidate(a) => run_consolidate(a),
+        CkptCommand::Export(a) => super::hf_model::run_export(a),
     }
 }
 

@@ -42,6 +42,7 @@ pub mod bench_ops;
 pub mod bench_train;
 pub mod ckpt;
 pub mod config;
+pub mod hf_model;
 pub mod launch;
 pub mod plan;
 pub mod preflight;

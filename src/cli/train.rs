@@ -64,6 +64,8 @@ pub struct TrainArgs {
     pub backend: super::launch::BackendChoice,
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub hf: super::hf_model::HfModelArgs,
     /// UTF-8 text to train on (bytes are tokens) [default: the demo corpus, data/corpus.txt].
     #[arg(long)]
     pub data: Option<PathBuf>,
@@ -157,7 +159,11 @@ impl ModelArgs {
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let backend = super::launch::resolve(args.backend, args.world_size)?;
     let world = backend.world();
-    let gpt = args.model.build("demo")?;
+    let hf = args.hf.read()?;
+    let gpt = match &hf {
+        Some(m) => m.config.gpt.clone(),
+        None => args.model.build("demo")?,
+    };
     let ctx = ResolveContext {
         world_size: world,
         world_size_source: match backend {
@@ -237,6 +243,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     if let Some(p) = &args.init {
         trainer = trainer.with_init(load_safetensors(p, model.spec())?);
     }
+    if let Some(Some(weights)) = hf
+        .as_ref()
+        .map(|m| m.initial_weights(model.spec()))
+        .transpose()?
+    {
+        trainer = trainer.with_init(weights);
+    }
 
     let mut comm_options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
@@ -272,7 +285,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             dir: dir.clone(),
             every: args.save_every,
             keep_last: args.keep_last,
-            config: settings.to_json(),
+            config: super::hf_model::checkpoint_config(settings.to_json(), hf.as_ref()),
         });
     }
     if let Some(r) = resume {
@@ -489,6 +502,7 @@ fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow:
     ]
     .into_iter()
     .flatten()
+    .chain(args.hf.inputs())
     .collect();
     let outputs: Vec<NamedPath<'_>> = [
         named("--save", args.save.as_deref()),

@@ -8,6 +8,7 @@ mod attention;
 pub mod candle_unit;
 pub mod data;
 pub mod gpt;
+pub mod hf;
 mod gpt_block;
 mod heap;
 mod kernels;

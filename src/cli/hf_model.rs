@@ -1,0 +1,279 @@
+//! Hugging Face model directories on the command line: `train --model-dir DIR` (fine-tune from a
+//! directory's weights), `train --model-config FILE` (the model a config describes, from scratch)
+//! and `ckpt export CKPT OUT_DIR` (a directory `transformers` loads). GPT-2 only for now; the
+//! reading and writing is [`zerodp::model::hf`].
+//!
+//! A run from a config records it in every checkpoint it saves (the manifest's `config`, under
+//! [`CHECKPOINT_KEY`], with the model directory), so that `ckpt export` needs nothing but the
+//! checkpoint: the config comes back with the trained weights and the tokenizer files are copied
+//! from the directory the run started from.
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use zerodp::checkpoint::{load_manifest, read_params, Manifest, ModelDescription};
+use zerodp::model::hf::{self, ExportDtype, HfConfig};
+use zerodp::model::{CandleUnits, Gpt, GptConfig};
+use zerodp::trainer::outputs::{check_outputs, NamedPath};
+use zerodp::zero::unit::ModelSpec;
+
+/// The key of the resolved config recorded in checkpoints that holds the model's Hugging Face
+/// config and directory.
+pub const CHECKPOINT_KEY: &str = "zerodp_hf_model";
+
+/// `train`'s model-directory flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HfModelArgs {
+    /// Fine-tune a Hugging Face GPT-2 model directory (config.json; model.safetensors or a
+    /// sharded model.safetensors.index.json; F32/BF16/F16): the config is the model, the weights
+    /// the start. GPT-2 only for now.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model_config", "init", "preset", "layers", "width", "heads", "context"])]
+    pub model_dir: Option<PathBuf>,
+    /// Train the model a Hugging Face GPT-2 config.json describes, from the seeded
+    /// initialisation.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads", "context"])]
+    pub model_config: Option<PathBuf>,
+}
+
+/// A model read from Hugging Face files: its config and, for `--model-dir`, the directory.
+pub struct HfModel {
+    pub config: HfConfig,
+    pub dir: Option<PathBuf>,
+}
+
+impl HfModelArgs {
+    /// The model the flags name, if any (its notes printed).
+    pub fn read(&self) -> anyhow::Result<Option<HfModel>> {
+        let (path, dir) = match (&self.model_dir, &self.model_config) {
+            (Some(d), _) => (d.join(hf::CONFIG_FILE), Some(d.clone())),
+            (None, Some(f)) => (f.clone(), None),
+            (None, None) => return Ok(None),
+        };
+        let config = HfConfig::read(&path)?;
+        for note in &config.notes {
+            errln!("note: {note}");
+        }
+        Ok(Some(HfModel { config, dir }))
+    }
+
+    /// The flags as inputs of the output-path checks.
+    pub fn inputs(&self) -> Vec<NamedPath<'_>> {
+        [
+            ("--model-dir", self.model_dir.as_deref()),
+            ("--model-config", self.model_config.as_deref()),
+        ]
+        .into_iter()
+        .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
+        .collect()
+    }
+}
+
+impl HfModel {
+    /// The directory's weights for `spec` (`None` from a bare config: the seeded start).
+    pub fn initial_weights(&self, spec: &ModelSpec) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
+        let Some(dir) = &self.dir else {
+            return Ok(None);
+        };
+        let weights = hf::load_weights(dir, spec)?;
+        errln!("loaded the weights of {}", dir.display());
+        Ok(Some(weights))
+    }
+}
+
+/// The resolved config recorded in checkpoints, with the Hugging Face config and directory added
+/// under [`CHECKPOINT_KEY`] (so that `ckpt export` needs only the checkpoint).
+pub fn checkpoint_config(mut config: Value, model: Option<&HfModel>) -> Value {
+    let (Some(model), Some(map)) = (model, config.as_object_mut()) else {
+        return config;
+    };
+    let dir = model.dir.as_deref().map(|d| {
+        let d = std::fs::canonicalize(d).unwrap_or_else(|_| d.to_path_buf());
+        Value::from(d.to_string_lossy().into_owned())
+    });
+    let entry = serde_json::json!({ "config": model.config.json, "model_dir": dir });
+    map.insert(CHECKPOINT_KEY.into(), entry);
+    config
+}
+
+/// `zerodp ckpt export`'s arguments.
+#[derive(clap::Args, Debug)]
+pub struct ExportArgs {
+    /// A --save-dir (its `latest` checkpoint) or one checkpoint directory.
+    pub dir: PathBuf,
+    /// The Hugging Face directory to write (created if missing; outside any checkpoint and any
+    /// model directory read).
+    pub out: PathBuf,
+    /// Weights dtype: f32, bf16 or f16 [default: the config's torch_dtype, else f32].
+    #[arg(long)]
+    pub dtype: Option<String>,
+    /// Take the config and tokenizer files from this model directory rather than the ones the
+    /// checkpoint recorded.
+    #[arg(long, value_name = "DIR", conflicts_with = "model_config")]
+    pub model_dir: Option<PathBuf>,
+    /// Take the config from this Hugging Face config.json rather than the one the checkpoint
+    /// recorded.
+    #[arg(long, value_name = "FILE")]
+    pub model_config: Option<PathBuf>,
+    /// For a checkpoint of a zerodp preset (no Hugging Face config): the head count, the one size
+    /// its tensors do not show.
+    #[arg(long)]
+    pub heads: Option<usize>,
+}
+
+/// Where the export's config and tokenizer files come from.
+struct Source {
+    config: HfConfig,
+    tokenizer_dir: Option<PathBuf>,
+}
+
+pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
+    let (manifest, _) = load_manifest(&a.dir)?;
+    let source = export_source(&a, &manifest)?;
+    let spec = CandleUnits::spec(&Gpt::new(source.config.gpt.clone())?).clone();
+    if let Some(what) = manifest.model.difference(&ModelDescription::of(&spec)) {
+        bail!(
+            "checkpoint {} does not match the config's GPT-2 ({} layers, width {}, {} heads, \
+             vocabulary {}, context {}): {what}",
+            a.dir.display(),
+            spec.units.len() - 2,
+            source.config.gpt.width,
+            source.config.gpt.heads,
+            source.config.gpt.vocab_size,
+            source.config.gpt.context
+        );
+    }
+    let dtype = match a.dtype.as_deref().or(source.config.dtype()) {
+        None => ExportDtype::F32,
+        Some(text) => ExportDtype::parse(text)
+            .with_context(|| format!("--dtype {text}: choose f32, bf16 or f16"))?,
+    };
+    check_export_paths(&a, source.tokenizer_dir.as_deref())?;
+    let (_, params) = read_params(&a.dir)?;
+    let done = hf::export(
+        &a.out,
+        &source.config,
+        &spec,
+        &params,
+        dtype,
+        source.tokenizer_dir.as_deref(),
+    )?;
+    errln!(
+        "wrote {}: config.json, model.safetensors ({} bytes, {}){}",
+        a.out.display(),
+        done.weight_bytes,
+        dtype.torch_name(),
+        if done.copied.is_empty() {
+            String::new()
+        } else {
+            format!(", {}", done.copied.join(", "))
+        }
+    );
+    Ok(0)
+}
+
+/// The config and tokenizer directory: the flags', else what the checkpoint recorded, else a
+/// GPT-2 config of the checkpoint's shapes with `--heads`.
+fn export_source(a: &ExportArgs, manifest: &Manifest) -> anyhow::Result<Source> {
+    if let Some(dir) = &a.model_dir {
+        let config = HfConfig::read(&dir.join(hf::CONFIG_FILE))?;
+        let tokenizer_dir = Some(dir.clone());
+        return Ok(Source {
+            config,
+            tokenizer_dir,
+        });
+    }
+    if let Some(file) = &a.model_config {
+        let config = HfConfig::read(file)?;
+        return Ok(Source {
+            config,
+            tokenizer_dir: None,
+        });
+    }
+    if let Some(entry) = manifest.config.get(CHECKPOINT_KEY) {
+        let where_ = a.dir.join("manifest.json");
+        let config = HfConfig::from_json(entry["config"].clone(), &where_)?;
+        let tokenizer_dir = entry["model_dir"].as_str().map(PathBuf::from);
+        return Ok(Source {
+            config,
+            tokenizer_dir: tokenizer_dir.filter(|d| d.is_dir()),
+        });
+    }
+    let Some(heads) = a.heads else {
+        bail!(
+            "checkpoint {} was not trained from a Hugging Face config: pass --model-config FILE \
+             (a GPT-2 config.json of the same sizes), --model-dir DIR, or --heads N for a zerodp \
+             preset",
+            a.dir.display()
+        );
+    };
+    Ok(Source {
+        config: HfConfig::for_gpt(&gpt_of(manifest, heads)?),
+        tokenizer_dir: None,
+    })
+}
+
+/// A GPT's sizes from a checkpoint's tensor shapes (`wte` `[V, C]`, `wpe` `[T, C]`, one unit per
+/// block between the embeddings and the head) and the head count.
+fn gpt_of(manifest: &Manifest, heads: usize) -> anyhow::Result<GptConfig> {
+    let units = &manifest.model.units;
+    let shape = |name: &str| {
+        units
+            .first()
+            .and_then(|u| u.params.iter().find(|p| p.name == name))
+            .map(|p| p.shape.clone())
+            .filter(|s| s.len() == 2)
+            .with_context(|| format!("the checkpoint has no 2-d {name}: not a zerodp GPT"))
+    };
+    let (wte, wpe) = (shape("wte.weight")?, shape("wpe.weight")?);
+    Ok(GptConfig {
+        vocab_size: wte[0],
+        context: wpe[0],
+        layers: units.len().saturating_sub(2),
+        heads,
+        width: wte[1],
+    })
+}
+
+/// The export's files may not land in the checkpoint read, a model directory read, or any other
+/// checkpoint; `OUT_DIR` is checked as a path before it is created, then each file in it.
+fn check_export_paths(a: &ExportArgs, tokenizer_dir: Option<&Path>) -> anyhow::Result<()> {
+    let mut inputs = vec![NamedPath {
+        name: "checkpoint",
+        path: &a.dir,
+    }];
+    for (name, p) in [
+        ("--model-dir", a.model_dir.as_deref()),
+        ("--model-config", a.model_config.as_deref()),
+        ("the model directory", tokenizer_dir),
+    ] {
+        if let Some(path) = p {
+            inputs.push(NamedPath { name, path });
+        }
+    }
+    if !a.out.exists() {
+        check_outputs(
+            &inputs,
+            &[NamedPath {
+                name: "OUT_DIR",
+                path: &a.out,
+            }],
+        )?;
+        std::fs::create_dir(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    } else if !a.out.is_dir() {
+        bail!("OUT_DIR {} exists and is not a directory", a.out.display());
+    }
+    let names: Vec<String> = [hf::CONFIG_FILE, hf::WEIGHTS_FILE]
+        .into_iter()
+        .chain(hf::TOKENIZER_FILES)
+        .map(|n| a.out.join(n).to_string_lossy().into_owned())
+        .collect();
+    let outputs: Vec<NamedPath<'_>> = names
+        .iter()
+        .map(|n| NamedPath {
+            name: "the export",
+            path: Path::new(n),
+        })
+        .collect();
+    check_outputs(&inputs, &outputs)?;
+    Ok(())
+}
