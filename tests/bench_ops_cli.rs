@@ -122,6 +122,64 @@ fn bench_train_reports_model_flops_utilisation_against_the_measured_gemm_rate() 
     assert!((row["mfu"].as_f64().unwrap() - model / gemm).abs() <= 1e-12);
 }
 
+/// Measured at several world sizes, each stage's fastest split of the host is marked once, on
+/// the row with the most tokens/s; a stage measured at one world size has none.
+#[test]
+fn bench_train_marks_the_fastest_split_of_the_host() {
+    let v = zerodp_json(&[
+        "bench",
+        "train",
+        "--model",
+        "tiny",
+        "--world-sizes",
+        "1,2",
+        "--stages",
+        "0,1",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--per-rank",
+        "2",
+        "--backend",
+        "inprocess",
+        "--format",
+        "json",
+    ]);
+    let rows = v.as_array().unwrap();
+    for stage in [0, 1] {
+        let same: Vec<_> = rows.iter().filter(|r| r["stage"] == stage).collect();
+        let marked: Vec<_> = same.iter().filter(|r| r["fastest_split"] == true).collect();
+        assert_eq!(marked.len(), 1, "stage {stage}");
+        let best = same
+            .iter()
+            .map(|r| r["tokens_per_s"].as_f64().unwrap())
+            .fold(0.0, f64::max);
+        assert_eq!(marked[0]["tokens_per_s"].as_f64(), Some(best));
+    }
+    let one = zerodp_json(&[
+        "bench",
+        "train",
+        "--model",
+        "tiny",
+        "--world-sizes",
+        "1",
+        "--stages",
+        "0",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--per-rank",
+        "2",
+        "--backend",
+        "inprocess",
+        "--format",
+        "json",
+    ]);
+    assert_eq!(one[0]["fastest_split"], false);
+}
+
 #[test]
 fn bench_ops_rejects_zero_threads_with_a_message() {
     let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))

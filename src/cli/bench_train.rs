@@ -155,6 +155,9 @@ pub struct BenchRow {
     /// median step and over its optimizer phase (when the disk works), in GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nvme: Option<NvmeRates>,
+    /// Among the rows of this stage and offload, this world size (ranks x cores / ranks
+    /// threads) ran the most tokens/s: the split of this host to train with.
+    pub fastest_split: bool,
 }
 
 /// Swap-file traffic of an NVMe-offloaded row, beside the disk's own sequential speed.
@@ -247,6 +250,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if rank != 0 {
         return Ok(0);
     }
+    mark_fastest_splits(&mut rows);
     if args.format == "table" {
         for r in &rows {
             let p = &r.phases;
@@ -365,6 +369,7 @@ impl Samples {
             gemm_path: zerodp::model::gemm_path(),
             mfu: 0.0,
             nvme,
+            fastest_split: false,
         }
     }
 }
@@ -503,6 +508,45 @@ fn swap_per_step(reports: &[StepReport]) -> (u64, u64) {
     }
 }
 
+/// Marks, for each stage and offload measured at more than one world size, the row whose split
+/// of the host's cores into ranks x threads ran the most tokens/s.
+fn mark_fastest_splits(rows: &mut [BenchRow]) {
+    for i in 0..rows.len() {
+        let (stage, offload) = (rows[i].stage, rows[i].offload);
+        let same: Vec<usize> = (0..rows.len())
+            .filter(|&j| rows[j].stage == stage && rows[j].offload == offload)
+            .collect();
+        let best = same
+            .iter()
+            .copied()
+            .max_by(|&a, &b| rows[a].tokens_per_s.total_cmp(&rows[b].tokens_per_s));
+        rows[i].fastest_split = same.len() > 1 && best == Some(i);
+    }
+}
+
+/// One line per stage and offload measured at several world sizes: the fastest split.
+fn print_fastest_splits(rows: &[BenchRow]) -> anyhow::Result<()> {
+    for best in rows.iter().filter(|r| r.fastest_split) {
+        let slowest = rows
+            .iter()
+            .filter(|r| r.stage == best.stage && r.offload == best.offload)
+            .map(|r| r.tokens_per_s)
+            .fold(f64::INFINITY, f64::min);
+        outln!(
+            "fastest split at stage {} (offload {}): {} rank(s) x {} thread(s), {:.0} tokens/s \
+             ({:.2}x the slowest measured; --world-size {} with zerodp train)",
+            best.stage,
+            best.offload,
+            best.world_size,
+            best.rayon_threads_per_rank,
+            best.tokens_per_s,
+            best.tokens_per_s / slowest,
+            best.world_size
+        );
+    }
+    Ok(())
+}
+
 fn print_table(
     rows: &[BenchRow],
     gpt: &zerodp::model::GptConfig,
@@ -557,5 +601,5 @@ fn print_table(
             r.mfu * 100.0
         );
     }
-    Ok(())
+    print_fastest_splits(rows)
 }
