@@ -42,6 +42,7 @@ pub mod bench_ops;
 pub mod bench_train;
 pub mod ckpt;
 pub mod config;
+pub mod data_args;
 pub mod hf_model;
 pub mod launch;
 pub mod plan;
@@ -58,7 +59,8 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Train the GPT reference model with a DeepSpeed config.
-    Train(train::TrainArgs),
+    // Boxed: its flags outweigh every other command's.
+    Train(Box<train::TrainArgs>),
     /// Per-device memory and traffic for every stage and offload choice, before a run.
     Plan(plan::PlanArgs),
     /// Benchmarks: collectives, training throughput, the step's ops and the Adam step.
@@ -95,7 +97,7 @@ pub enum ConfigCommand {
 /// Runs the parsed command; returns the process exit code.
 pub fn run(cli: Cli) -> anyhow::Result<i32> {
     match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(BenchCommand::Comm(a)) => bench_comm::run(a),
         Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),

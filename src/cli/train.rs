@@ -37,10 +37,7 @@ use std::time::Instant;
 use zerodp::checkpoint::{acquire_for_job, SaveDirLock};
 use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
-use zerodp::model::{
-    load_safetensors, save_safetensors, Corpus, DataLoader, GptConfig, GptModel,
-    DEFAULT_CORPUS_PATH,
-};
+use zerodp::model::{load_safetensors, save_safetensors, GptConfig, GptModel};
 use zerodp::planner::TrainProcess;
 use zerodp::trainer::outputs::{check_outputs, prepare_save_dir, NamedPath};
 use zerodp::trainer::{
@@ -66,9 +63,8 @@ pub struct TrainArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub hf: super::hf_model::HfModelArgs,
-    /// UTF-8 text to train on (bytes are tokens) [default: the demo corpus, data/corpus.txt].
-    #[arg(long)]
-    pub data: Option<PathBuf>,
+    #[command(flatten)]
+    pub data: super::data_args::DataArgs,
     /// Start from these weights instead of the seeded initialisation (names and layouts as
     /// `zerodp::model::weights` documents; linear weights [out, in] as torch.nn.Linear).
     #[arg(long, value_name = "FILE.safetensors")]
@@ -164,6 +160,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         Some(m) => m.config.gpt.clone(),
         None => args.model.build("demo")?,
     };
+    // The tokenizer sizes the model's vocabulary, so it is read first (the data after the checks).
+    let (gpt, tokenizer) = args
+        .data
+        .fit_model(gpt, args.hf.model_dir.as_deref(), hf.is_some())?;
     let ctx = ResolveContext {
         world_size: world,
         world_size_source: match backend {
@@ -179,10 +179,6 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         errln!("warning: {w}");
     }
     let settings = loaded.settings;
-    let data_path = args
-        .data
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(DEFAULT_CORPUS_PATH));
     // Outputs are checked before any work; under MPI with this rank's metrics file (the
     // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
     let launch_rank = match backend {
@@ -196,7 +192,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             .as_deref()
             .map(|p| super::launch::per_rank_path(p, rank))
     };
-    check_paths(&args, &data_path, metrics_for(launch_rank).as_deref())?;
+    check_paths(&args, metrics_for(launch_rank).as_deref())?;
     // The run owns --save-dir from here until it returns (the lock is released on drop); under
     // MPI rank 0 takes it for the job once the ranks can agree, below.
     let mut save_dir_lock = match backend {
@@ -223,7 +219,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).
     let process = TrainProcess {
-        corpus_bytes: std::fs::metadata(&data_path).map_or(0, |m| m.len()),
+        corpus_bytes: args.data.input_bytes(),
         threads_per_rank: trainer.threads_per_rank() as u64,
         checkpoint_staging: args.save_dir.is_some(),
     };
@@ -235,10 +231,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         &gpt,
         process,
     )?;
-    let data = DataLoader::new(
-        read_corpus(&data_path, args.data.is_none())?,
+    let data = args.data.loader(
+        tokenizer.as_ref(),
         gpt.context,
         seed,
+        launch_rank == 0,
+        !args.no_progress,
     )?;
     if let Some(p) = &args.init {
         trainer = trainer.with_init(load_safetensors(p, model.spec())?);
@@ -273,7 +271,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     }
     let metrics_path = metrics_for(rank);
     if rank != launch_rank {
-        check_paths(&args, &data_path, metrics_path.as_deref())?;
+        check_paths(&args, metrics_path.as_deref())?;
     }
     let signals = Signals::register()?;
     let mut trainer = trainer
@@ -490,19 +488,19 @@ fn breakdown_line(report: &zerodp::zero::StepReport) -> String {
 /// Every output must be a new or replaceable file in a writable directory, and none may be an
 /// input or lie in a checkpoint ([`zerodp::trainer::outputs`]): checked before the first step, so
 /// no input or checkpoint is ever overwritten and no run fails to save at its end.
-fn check_paths(args: &TrainArgs, data: &Path, metrics: Option<&Path>) -> anyhow::Result<()> {
+fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
     fn named<'a>(name: &'a str, p: Option<&'a Path>) -> Option<NamedPath<'a>> {
         p.map(|path| NamedPath { name, path })
     }
     let inputs: Vec<NamedPath<'_>> = [
         named("--config", Some(args.config.as_path())),
-        named("--data", Some(data)),
         named("--init", args.init.as_deref()),
         named("--resume", resume_dir(args)),
     ]
     .into_iter()
     .flatten()
     .chain(args.hf.inputs())
+    .chain(args.data.inputs())
     .collect();
     let outputs: Vec<NamedPath<'_>> = [
         named("--save", args.save.as_deref()),
@@ -703,20 +701,6 @@ impl Signals {
             _ => "SIGTERM",
         }
     }
-}
-
-fn read_corpus(path: &Path, is_default: bool) -> anyhow::Result<Corpus> {
-    if !path.exists() {
-        if is_default {
-            bail!(
-                "the demo corpus {} is missing: run scripts/fetch_corpus.sh to download it (about 5 MB), \
-                 or pass --data FILE with any UTF-8 text",
-                path.display()
-            );
-        }
-        bail!("--data {}: no such file", path.display());
-    }
-    Ok(Corpus::from_file(path)?)
 }
 
 fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {

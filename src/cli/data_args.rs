@@ -1,0 +1,188 @@
+//! `train`'s data flags: the byte corpus (one UTF-8 file, bytes are tokens) or, with a tokenizer,
+//! text and JSONL files tokenized once into a cached token file
+//! ([`zerodp::model::token_data`]).
+//!
+//! The tokenizer is `--tokenizer FILE`, else `DIR/tokenizer.json` of `--model-dir DIR`. It is
+//! loaded before the model is built, because it sizes the model: a preset GPT takes the
+//! tokenizer's vocabulary, a Hugging Face config must already have at least as many rows.
+
+use anyhow::{bail, Context};
+use std::path::{Path, PathBuf};
+use zerodp::model::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
+use zerodp::model::{Corpus, DataLoader, GptConfig, DEFAULT_CORPUS_PATH};
+use zerodp::trainer::outputs::NamedPath;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DataArgs {
+    /// Training data. Without a tokenizer: one UTF-8 text file, its bytes the tokens [default:
+    /// the demo corpus, data/corpus.txt]. With one: text files, JSONL files (.jsonl, .ndjson,
+    /// .json) and directories of them, tokenized once into a cached token file.
+    #[arg(long = "data", value_name = "FILE_OR_DIR", num_args = 1..)]
+    pub paths: Vec<PathBuf>,
+    /// A Hugging Face tokenizer.json [default with --model-dir: DIR/tokenizer.json].
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// The JSONL field holding each document's text.
+    #[arg(long, value_name = "NAME", default_value = "text")]
+    pub text_field: String,
+    /// The token put between documents [default: eos_token of tokenizer_config.json beside the
+    /// tokenizer, else <|endoftext|>, <|end_of_text|>, </s> or <eos>, whichever it has].
+    #[arg(long, value_name = "TOKEN")]
+    pub eos_token: Option<String>,
+    /// Where the token file and its manifest go [default: .zerodp-tokens/ beside the first
+    /// --data path].
+    #[arg(long, value_name = "DIR")]
+    pub data_cache: Option<PathBuf>,
+}
+
+impl DataArgs {
+    /// The tokenizer file: `--tokenizer`, else `model_dir/tokenizer.json` when it exists.
+    fn tokenizer_path(&self, model_dir: Option<&Path>) -> Option<PathBuf> {
+        let from_dir = model_dir
+            .map(|d| d.join("tokenizer.json"))
+            .filter(|p| p.is_file());
+        self.tokenizer.clone().or(from_dir)
+    }
+
+    /// Loads the tokenizer, if any, and fits the model to it: a preset GPT (`from_config`
+    /// false) takes its vocabulary; a model from a config must have at least as many rows.
+    pub fn fit_model(
+        &self,
+        mut gpt: GptConfig,
+        model_dir: Option<&Path>,
+        from_config: bool,
+    ) -> anyhow::Result<(GptConfig, Option<TextTokenizer>)> {
+        let Some(path) = self.tokenizer_path(model_dir) else {
+            if self.paths.len() > 1 {
+                bail!("several --data paths need a tokenizer (--tokenizer FILE or --model-dir DIR); without one the data is a single UTF-8 text file");
+            }
+            return Ok((gpt, None));
+        };
+        let tokenizer = TextTokenizer::from_file(&path, self.eos_token.as_deref())?;
+        let vocab = tokenizer.vocab_size();
+        if !from_config {
+            gpt.vocab_size = vocab;
+        } else if gpt.vocab_size < vocab {
+            bail!(
+                "the model's vocab_size {} is smaller than the tokenizer's vocabulary {vocab} ({}): \
+                 the tokenizer does not belong to this model",
+                gpt.vocab_size,
+                path.display()
+            );
+        }
+        Ok((gpt, Some(tokenizer)))
+    }
+
+    /// The `--data` paths (and the tokenizer) as inputs of the output-path checks.
+    pub fn inputs(&self) -> Vec<NamedPath<'_>> {
+        let data = self.paths.iter().map(|path| NamedPath {
+            name: "--data",
+            path,
+        });
+        let tokenizer = self.tokenizer.as_deref().map(|path| NamedPath {
+            name: "--tokenizer",
+            path,
+        });
+        data.chain(tokenizer).collect()
+    }
+
+    /// Bytes of the input files, for the memory plan (a missing file counts 0; it is reported
+    /// when it is read).
+    pub fn input_bytes(&self) -> u64 {
+        let paths = self.default_paths();
+        zerodp::model::token_inputs::resolve_inputs(&paths)
+            .map(|files| files.iter().map(|f| f.size).sum())
+            .unwrap_or_else(|_| {
+                paths
+                    .iter()
+                    .map(|p| std::fs::metadata(p).map_or(0, |m| m.len()))
+                    .sum()
+            })
+    }
+
+    fn default_paths(&self) -> Vec<PathBuf> {
+        match self.paths.is_empty() {
+            true => vec![PathBuf::from(DEFAULT_CORPUS_PATH)],
+            false => self.paths.clone(),
+        }
+    }
+
+    /// The loader over the byte corpus or, with `tokenizer`, the token file of `--data` (of the
+    /// demo corpus when none is given), built or reused: on rank 0 a note says which, and
+    /// `progress` draws the tokenizing bar.
+    pub fn loader(
+        &self,
+        tokenizer: Option<&TextTokenizer>,
+        context: usize,
+        seed: u64,
+        rank0: bool,
+        progress: bool,
+    ) -> anyhow::Result<DataLoader> {
+        let Some(tokenizer) = tokenizer else {
+            let corpus = read_corpus(&self.default_paths()[0], self.paths.is_empty())?;
+            return Ok(DataLoader::new(corpus, context, seed)?);
+        };
+        let paths = self.default_paths();
+        if self.paths.is_empty() {
+            check_exists(&paths[0], true)?;
+        }
+        let options = TokenDataOptions {
+            text_field: Some(self.text_field.clone()),
+            cache_dir: self.data_cache.clone(),
+            progress: rank0 && progress,
+        };
+        let corpus =
+            TokenCorpus::build_with(&paths, tokenizer, &options).context("tokenizing --data")?;
+        if rank0 {
+            report(&corpus, tokenizer);
+        }
+        Ok(DataLoader::new(corpus, context, seed)?)
+    }
+}
+
+fn report(corpus: &TokenCorpus, tokenizer: &TextTokenizer) {
+    let m = corpus.manifest();
+    let what = match corpus.status() {
+        CacheStatus::Reused => "reusing".to_string(),
+        CacheStatus::Built(why) => format!("built ({why})"),
+    };
+    errln!(
+        "tokens: {what} {}: {} tokens from {} documents in {} files, tokenizer {} (vocabulary {}, \
+         EOS {} = {})",
+        corpus.token_file().display(),
+        m.tokens,
+        m.documents,
+        m.files.len(),
+        tokenizer.path().display(),
+        m.vocab_size,
+        m.eos_token,
+        m.eos_id
+    );
+}
+
+/// A missing demo corpus gets the command that fetches it.
+fn check_exists(path: &Path, is_default: bool) -> anyhow::Result<()> {
+    if !path.exists() {
+        if is_default {
+            bail!(
+                "the demo corpus {} is missing: run scripts/fetch_corpus.sh to download it (about 5 MB), \
+                 or pass --data FILE with any UTF-8 text",
+                path.display()
+            );
+        }
+        bail!("--data {}: no such file", path.display());
+    }
+    Ok(())
+}
+
+fn read_corpus(path: &Path, is_default: bool) -> anyhow::Result<Corpus> {
+    check_exists(path, is_default)?;
+    if path.is_dir() {
+        bail!(
+            "--data {} is a directory: a directory of text or JSONL files needs a tokenizer \
+             (--tokenizer FILE or --model-dir DIR)",
+            path.display()
+        );
+    }
+    Ok(Corpus::from_file(path)?)
+}
