@@ -246,7 +246,8 @@ fn config_error(change: impl Fn(&mut serde_json::Map<String, Value>)) -> String 
 
 #[test]
 fn configs_zerodp_cannot_compute_are_refused_by_name() {
-    let cases: [(&str, Value); 8] = [
+    let cases: [(&str, Value); 9] = [
+        ("activation_function", 5.into()),
         ("scale_attn_by_inverse_layer_idx", true.into()),
         ("scale_attn_weights", false.into()),
         ("add_cross_attention", true.into()),

@@ -328,12 +328,12 @@ fn sizes(f: &Fields<'_>) -> Result<GptConfig, HfError> {
 
 /// Every field that changes the forward or backward: refused unless it is what zerodp computes.
 fn check_math(f: &Fields<'_>, width: usize) -> Result<(), HfError> {
-    let act = f.text("activation_function").unwrap_or("gelu_new");
-    if !matches!(act, "gelu_new" | "gelu_pytorch_tanh") {
+    let act = f.map.get("activation_function").unwrap_or(&Value::Null);
+    if !matches!(act.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) && !act.is_null() {
         return Err(unsupported(
             f.path,
             "activation_function",
-            &f.map["activation_function"],
+            act,
             "zerodp's MLP uses the tanh-approximated GELU (gelu_new, gelu_pytorch_tanh)",
         ));
     }
@@ -407,9 +407,10 @@ fn dropout_notes(f: &Fields<'_>) -> Result<Vec<String>, HfError> {
     Ok(notes)
 }
 
-/// Whether the zerodp parameter `name` is one of the `Conv1D` weights stored `[in, out]`.
-fn is_conv1d(name: &str) -> bool {
-    CONV1D.iter().any(|s| name.ends_with(s))
+/// Whether the zerodp parameter `name` of `shape` is one of the `Conv1D` weights stored
+/// `[in, out]` (a matrix: any other model's 1-d tensor of such a name is stored as it is).
+fn is_conv1d(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && CONV1D.iter().any(|s| name.ends_with(s))
 }
 
 /// `[rows, cols]` row-major into `[cols, rows]`.
@@ -575,7 +576,7 @@ fn read_file_into(
             found.unexpected.push(hf_name.clone());
             continue;
         };
-        let conv = is_conv1d(name);
+        let conv = is_conv1d(name, shape);
         let stored: Vec<usize> = if conv {
             shape.iter().rev().copied().collect()
         } else {
@@ -651,9 +652,11 @@ fn check_found(
         });
     }
     if let Some((path, shape, values)) = found.lm_head {
-        let (u, off, wte) = wanted["wte.weight"];
-        let n: usize = wte.iter().product();
-        if shape != wte || values != buffers[u][off..off + n] {
+        // Equal shapes make the lengths equal; a model without `wte.weight` has no tied head.
+        let tied = wanted.get("wte.weight").is_some_and(|&(u, off, wte)| {
+            shape == wte && values == buffers[u][off..off + values.len()]
+        });
+        if !tied {
             return Err(HfError::Mismatch {
                 path,
                 problems: "lm_head.weight differs from transformer.wte.weight; zerodp ties the \
@@ -831,7 +834,7 @@ fn weight_bytes(
         }
         for (p, off) in unit.params.iter().zip(unit.offsets()) {
             let values = &buf[off..off + p.numel()];
-            let (shape, data) = if is_conv1d(&p.name) {
+            let (shape, data) = if is_conv1d(&p.name, &p.shape) {
                 let (rows, cols) = (p.shape[0], p.shape[1]);
                 (
                     vec![cols, rows],
