@@ -4,9 +4,10 @@
     pip install tokenizers
     python3 scripts/make_token_fixtures.py
 
-Writes two small tokenizers (a GPT-2-style byte-level BPE trained on a few sentences, with
-`<|endoftext|>`; and the same model with a Llama-style template that puts `<s>` before every
-text and has `</s>` as its end of sequence), the text and JSONL inputs, and `expected.json`: the
+Writes three small tokenizers (a GPT-2-style byte-level BPE trained on a few sentences, with
+`<|endoftext|>`; the same model with a Llama-style template that puts `<s>` before every text and
+has `</s>` as its end of sequence; and a Llama-3-style one, its pre-tokenizer a regex split with
+look-ahead and Unicode classes, `<|begin_of_text|>` first, 300 ids), the text and JSONL inputs, and `expected.json`: the
 token ids `zerodp`'s token file must hold for each case. The committed fixtures are what
 `cargo test --test token_data` reads, so the tests need no Python.
 
@@ -20,7 +21,7 @@ lines skipped; a document with empty text is skipped.
 import json
 import pathlib
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tokens"
 
@@ -67,6 +68,40 @@ def byte_level_bpe():
     return tok
 
 
+# Llama 3's split: the pattern the `tokenizers` Rust crate runs through fancy-regex (zerodp builds
+# it without Oniguruma), then byte-level without its own regex.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def llama3_style():
+    """300 ids in all, so that it fits the tiny GPT-2 fixture (vocab_size 300) of
+    tests/fixtures/hf/gpt2-tiny."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN * 4, trainer=trainer)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A",
+        pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", bos)],
+    )
+    assert tok.get_vocab_size() == 300, tok.get_vocab_size()
+    return tok
+
+
 def with_bos(base):
     tok = Tokenizer.from_str(base.to_str())
     tok.add_special_tokens(["<s>", "</s>"])
@@ -108,7 +143,9 @@ def main():
     )
     gpt2 = byte_level_bpe()
     llama = with_bos(gpt2)
+    llama3 = llama3_style()
     gpt2.save(str(OUT / "tokenizer.json"), pretty=False)
+    llama3.save(str(OUT / "tokenizer_regex.json"), pretty=False)
     llama.save(str(OUT / "tokenizer_bos.json"), pretty=False)
     a = TEXT
     b = jsonl_docs(OUT / "b.jsonl", "text")
@@ -121,6 +158,10 @@ def main():
         "bos_named_field": {
             "tokenizer": "tokenizer_bos.json", "files": ["c.jsonl", "a.txt"], "field": "body",
             "eos": "</s>", "ids": stream(llama, "</s>", c + [a]),
+        },
+        "regex_split": {
+            "tokenizer": "tokenizer_regex.json", "files": ["a.txt", "b.jsonl"], "field": "text",
+            "eos": "<|end_of_text|>", "ids": stream(llama3, "<|end_of_text|>", [a] + b),
         },
         "vocab": {"tokenizer.json": gpt2.get_vocab_size(), "tokenizer_bos.json": llama.get_vocab_size()},
     }

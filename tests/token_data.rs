@@ -85,6 +85,20 @@ fn the_token_file_equals_python_tokenizers_output() {
     let corpus = TokenCorpus::build(&files, &tok, Some("body"), None).unwrap();
     assert_eq!(corpus.manifest().eos_token, "</s>");
     assert_eq!(corpus.to_vec(), ids_of(case));
+
+    // Llama 3 style: a regex split with look-ahead and Unicode classes (fancy-regex here,
+    // Oniguruma in Python), `<|begin_of_text|>` first, EOS `<|end_of_text|>` found by name.
+    let dir = tempfile::tempdir().unwrap();
+    let case = &want["regex_split"];
+    let tok = copy(dir.path(), "tokenizer_regex.json", "tokenizer.json");
+    let files = vec![
+        copy(dir.path(), "a.txt", "a.txt"),
+        copy(dir.path(), "b.jsonl", "b.jsonl"),
+    ];
+    let corpus = TokenCorpus::build(&files, &tok, None, None).unwrap();
+    assert_eq!(corpus.manifest().eos_token, "<|end_of_text|>");
+    assert_eq!(corpus.to_vec(), ids_of(case));
+    assert_eq!(corpus.vocab_size(), 300);
 }
 
 #[test]

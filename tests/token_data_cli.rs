@@ -12,6 +12,8 @@ fn copy(dir: &Path, name: &str) -> PathBuf {
     to
 }
 
+/// `zerodp train` in `dir`: 2 steps at world size 2, the tiny preset unless `extra` names a
+/// `--model-dir`.
 fn train(dir: &Path, extra: &[&str]) -> Output {
     let config = dir.join("ds.json");
     std::fs::write(
@@ -24,7 +26,11 @@ fn train(dir: &Path, extra: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_zerodp"))
         .current_dir(dir)
         .args(["train", "--config", "ds.json", "--world-size", "2"])
-        .args(["--model", "tiny", "--steps", "2", "--no-progress"])
+        .args(["--steps", "2", "--no-progress"])
+        .args(match extra.contains(&"--model-dir") {
+            true => &[][..],
+            false => &["--model", "tiny"][..],
+        })
         .args(["--metrics", "m.jsonl"])
         .args(extra)
         .output()
@@ -99,4 +105,51 @@ fn train_names_the_file_and_line_of_bad_data() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("need a tokenizer"), "{stderr}");
+}
+
+/// The tiny GPT-2 directory of the Hugging Face fixtures with `tokenizer` as its tokenizer.json.
+fn model_dir(dir: &Path, tokenizer: &str) -> PathBuf {
+    let model = dir.join("model");
+    std::fs::create_dir(&model).unwrap();
+    let hf = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/gpt2-tiny");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(hf.join(f), model.join(f)).unwrap();
+    }
+    std::fs::copy(
+        Path::new(FIXTURES).join(tokenizer),
+        model.join("tokenizer.json"),
+    )
+    .unwrap();
+    model
+}
+
+#[test]
+fn model_dir_supplies_the_tokenizer_and_must_hold_its_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    copy(dir.path(), "a.txt");
+    copy(dir.path(), "b.jsonl");
+    // 300 ids, as many as the model's rows.
+    model_dir(dir.path(), "tokenizer_regex.json");
+    let out = train(
+        dir.path(),
+        &["--model-dir", "model", "--data", "a.txt", "b.jsonl"],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "train failed: {stderr}");
+    assert!(
+        stderr.contains("258 tokens") && stderr.contains("model/tokenizer.json"),
+        "{stderr}"
+    );
+
+    // 457 ids do not fit the model's 300 rows.
+    let other = tempfile::tempdir().unwrap();
+    copy(other.path(), "a.txt");
+    model_dir(other.path(), "tokenizer.json");
+    let out = train(other.path(), &["--model-dir", "model", "--data", "a.txt"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("vocab_size 300 is smaller than the tokenizer's vocabulary 457"),
+        "{stderr}"
+    );
 }
