@@ -28,7 +28,13 @@ import sys
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 SEED = 1234
 BATCH = 4  # sequences per step (the global batch)
@@ -86,18 +92,56 @@ def loss_of(model, batch):
     )
 
 
+def tiny_llama_config():
+    """Grouped-query attention (4 query heads on 2 key/value heads) and an untied head."""
+    return LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+
+
+def randomize_llama(model, gen):
+    """Matrices normal(0, 0.1) (large enough that attention is far from uniform, so that the
+    rotation and the head grouping show in the loss), norms away from 1."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+
+
 def make(out_root):
     torch.manual_seed(SEED)
-    cfg = tiny_config()
-    model = GPT2LMHeadModel(cfg).float().eval()
-    randomize(model, torch.Generator().manual_seed(SEED))
-    model_dir = os.path.join(out_root, "gpt2-tiny")
+    gpt2 = GPT2LMHeadModel(tiny_config()).float().eval()
+    randomize(gpt2, torch.Generator().manual_seed(SEED))
+    save_and_train(gpt2, out_root, "gpt2-tiny")
+    llama = LlamaForCausalLM(tiny_llama_config()).float().eval()
+    randomize_llama(llama, torch.Generator().manual_seed(SEED + 1))
+    save_and_train(llama, out_root, "llama-tiny")
+
+
+def save_and_train(model, out_root, name):
+    model_dir = os.path.join(out_root, name)
     model.save_pretrained(model_dir, safe_serialization=True)
     extra = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(extra):
         os.remove(extra)
 
-    data = batches(cfg.vocab_size)
+    data = batches(model.config.vocab_size)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=OPTIM["lr"],
@@ -115,7 +159,7 @@ def make(out_root):
     with torch.no_grad():
         after = loss_of(model, data[0]).item()
     expected = {
-        "model_dir": "gpt2-tiny",
+        "model_dir": name,
         "batch": BATCH,
         "seq": SEQ,
         "optimizer": OPTIM,
@@ -124,7 +168,7 @@ def make(out_root):
         "loss_after_steps_on_batch_0": after,
         "torch": torch.__version__,
     }
-    with open(os.path.join(out_root, "gpt2-tiny-expected.json"), "w") as f:
+    with open(os.path.join(out_root, f"{name}-expected.json"), "w") as f:
         json.dump(expected, f, indent=1)
     print(f"wrote {model_dir}; losses {losses[0]:.6f} .. {losses[-1]:.6f}")
 

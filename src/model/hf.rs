@@ -49,6 +49,8 @@ pub const TOKENIZER_FILES: [&str; 7] = [
 ];
 /// The LayerNorm epsilon zerodp's GPT computes with (GPT-2's).
 const LN_EPS: f64 = 1e-5;
+/// The token embeddings a tied LM head is (GPT-2's, Llama's).
+const TIED_TO: [&str; 2] = ["wte.weight", "model.embed_tokens.weight"];
 /// The four weights Hugging Face's GPT-2 stores as `Conv1D` (`[in, out]`).
 const CONV1D: [&str; 4] = [
     "attn.c_attn.weight",
@@ -123,7 +125,7 @@ pub struct HfConfig {
     pub notes: Vec<String>,
 }
 
-fn field_err(path: &Path, field: &str, message: impl Into<String>) -> HfError {
+pub(super) fn field_err(path: &Path, field: &str, message: impl Into<String>) -> HfError {
     HfError::Field {
         path: path.to_path_buf(),
         field: field.into(),
@@ -131,7 +133,7 @@ fn field_err(path: &Path, field: &str, message: impl Into<String>) -> HfError {
     }
 }
 
-fn unsupported(path: &Path, field: &str, value: &Value, why: &str) -> HfError {
+pub(super) fn unsupported(path: &Path, field: &str, value: &Value, why: &str) -> HfError {
     HfError::Unsupported {
         path: path.to_path_buf(),
         field: field.into(),
@@ -141,7 +143,7 @@ fn unsupported(path: &Path, field: &str, value: &Value, why: &str) -> HfError {
 }
 
 /// Reads a JSON file into a value.
-fn read_json(path: &Path) -> Result<Value, HfError> {
+pub(super) fn read_json(path: &Path) -> Result<Value, HfError> {
     let text = std::fs::read_to_string(path).map_err(|source| HfError::Read {
         path: path.to_path_buf(),
         source,
@@ -153,14 +155,14 @@ fn read_json(path: &Path) -> Result<Value, HfError> {
 }
 
 /// The config's object, field by field, with the file's path for messages.
-struct Fields<'a> {
-    path: &'a Path,
-    map: &'a Map<String, Value>,
+pub(super) struct Fields<'a> {
+    pub path: &'a Path,
+    pub map: &'a Map<String, Value>,
 }
 
 impl Fields<'_> {
     /// A positive integer field, or `default` when absent (transformers' `GPT2Config` default).
-    fn size(&self, field: &str, default: Option<usize>) -> Result<usize, HfError> {
+    pub fn size(&self, field: &str, default: Option<usize>) -> Result<usize, HfError> {
         match self.map.get(field) {
             None | Some(Value::Null) => {
                 default.ok_or_else(|| field_err(self.path, field, "is missing"))
@@ -175,7 +177,7 @@ impl Fields<'_> {
         }
     }
 
-    fn flag(&self, field: &str, default: bool) -> Result<bool, HfError> {
+    pub fn flag(&self, field: &str, default: bool) -> Result<bool, HfError> {
         match self.map.get(field) {
             None | Some(Value::Null) => Ok(default),
             Some(Value::Bool(b)) => Ok(*b),
@@ -188,14 +190,14 @@ impl Fields<'_> {
     }
 
     /// Refuses `field` when present with a value other than `wanted` (absent means `wanted`).
-    fn require_flag(&self, field: &str, wanted: bool, why: &str) -> Result<(), HfError> {
+    pub fn require_flag(&self, field: &str, wanted: bool, why: &str) -> Result<(), HfError> {
         if self.flag(field, wanted)? != wanted {
             return Err(unsupported(self.path, field, &self.map[field], why));
         }
         Ok(())
     }
 
-    fn number(&self, field: &str, default: f64) -> Result<f64, HfError> {
+    pub fn number(&self, field: &str, default: f64) -> Result<f64, HfError> {
         match self.map.get(field) {
             None | Some(Value::Null) => Ok(default),
             Some(v) => v
@@ -204,7 +206,7 @@ impl Fields<'_> {
         }
     }
 
-    fn text(&self, field: &str) -> Option<&str> {
+    pub fn text(&self, field: &str) -> Option<&str> {
         self.map.get(field).and_then(Value::as_str)
     }
 }
@@ -567,7 +569,8 @@ fn read_file_into(
         if is_mask_buffer(name) {
             continue;
         }
-        if name == "lm_head.weight" {
+        // A model with its own head (an untied Llama) reads it like any parameter.
+        if name == "lm_head.weight" && !wanted.contains_key(name) {
             let values = to_f32(path, &hf_name, &view)?;
             found.lm_head = Some((path.to_path_buf(), view.shape().to_vec(), values));
             continue;
@@ -653,14 +656,15 @@ fn check_found(
     }
     if let Some((path, shape, values)) = found.lm_head {
         // Equal shapes make the lengths equal; a model without `wte.weight` has no tied head.
-        let tied = wanted.get("wte.weight").is_some_and(|&(u, off, wte)| {
+        let embedding = TIED_TO.iter().find_map(|n| wanted.get(n));
+        let tied = embedding.is_some_and(|&(u, off, wte)| {
             shape == wte && values == buffers[u][off..off + values.len()]
         });
         if !tied {
             return Err(HfError::Mismatch {
                 path,
-                problems: "lm_head.weight differs from transformer.wte.weight; zerodp ties the \
-                           LM head to the token embedding (tie_word_embeddings true)"
+                problems: "lm_head.weight differs from the token embedding, to which this model \
+                           ties the LM head (tie_word_embeddings true)"
                     .into(),
             });
         }

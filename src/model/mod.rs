@@ -9,6 +9,7 @@ pub mod candle_unit;
 pub mod data;
 pub mod gpt;
 pub mod hf;
+pub mod llama;
 mod gpt_block;
 mod heap;
 mod kernels;

@@ -1,0 +1,415 @@
+//! A Llama (`LlamaForCausalLM`) on the candle helper: RMSNorm, rotary position embeddings,
+//! grouped-query attention, a SwiGLU MLP, a tied or untied LM head; read from a Hugging Face
+//! config ([`LlamaConfig::from_hf_json`]) with Hugging Face's parameter names, so that
+//! [`super::hf::load_weights`] reads a directory's weights as they are (Llama's projections are
+//! `torch.nn.Linear`, `[out, in]`: nothing is transposed).
+//!
+//! # Units
+//! | unit | name | owns |
+//! | --- | --- | --- |
+//! | 0 | `embeddings` | `model.embed_tokens.weight` `[V, C]` |
+//! | 1..=L | `model.layers.{i}` | `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`, `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight` |
+//! | L+1 | `head` | `model.norm.weight`, and `lm_head.weight` `[V, C]` when untied (tied: `uses = [0]`) |
+//!
+//! The compute is composite candle ops in f32 (candle's autograd gives backward), written as
+//! `transformers`' `modeling_llama.py` computes: RMSNorm as `w * (x * rsqrt(mean(x²) + eps))`, the
+//! rotary embedding as `x * cos + rotate_half(x) * sin` with the frequencies repeated over both
+//! halves, each key/value head shared by `heads / kv_heads` consecutive query heads. WHY not the
+//! GPT's fused kernels: they implement LayerNorm, GELU and multi-head attention without rotation or
+//! grouping; this model is the reference a fused Llama path would be tested against.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor, D};
+use serde_json::Value;
+
+use super::candle_unit::CandleUnits;
+use super::data::TokenBatch;
+use super::hf::{field_err, unsupported, Fields, HfError};
+use super::rng::{mix_seed, SplitMix64};
+use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
+
+/// A Llama's sizes and the constants of its math.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// `max_position_embeddings`: the longest sequence trained on.
+    pub context: usize,
+    pub rms_eps: f64,
+    pub rope_theta: f64,
+    pub tied: bool,
+    /// Standard deviation of the seeded initialisation (`initializer_range`).
+    pub init_std: f64,
+}
+
+impl LlamaConfig {
+    /// Maps a `LlamaForCausalLM` config, with `LlamaConfig`'s defaults where a field is absent;
+    /// a value zerodp does not compute (rope scaling, biases, another activation) is refused by
+    /// name.
+    pub fn from_hf_json(json: &Value, path: &Path) -> Result<LlamaConfig, HfError> {
+        let Some(map) = json.as_object() else {
+            return Err(field_err(path, "(root)", "the config is not a JSON object"));
+        };
+        let f = Fields { path, map };
+        if f.text("model_type") != Some("llama") {
+            let v = map.get("model_type").cloned().unwrap_or(Value::Null);
+            return Err(unsupported(path, "model_type", &v, "expected \"llama\""));
+        }
+        let c = sizes(&f)?;
+        check_math(&f)?;
+        if c.heads % c.kv_heads != 0 {
+            let v = &map["num_key_value_heads"];
+            let why = "num_attention_heads must be a multiple of it";
+            return Err(unsupported(path, "num_key_value_heads", v, why));
+        }
+        if c.head_dim % 2 != 0 {
+            let why = "the rotary embedding needs an even head dimension";
+            return Err(unsupported(path, "head_dim", &c.head_dim.into(), why));
+        }
+        Ok(c)
+    }
+
+    /// Ψ: the number of parameters (a tied head counted once).
+    pub fn num_params(&self) -> usize {
+        let (c, q, kv) = (
+            self.hidden,
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+        );
+        let block = 2 * c + 2 * c * q + 2 * c * kv + 3 * c * self.intermediate;
+        let head = if self.tied { 0 } else { self.vocab_size * c };
+        self.vocab_size * c + self.layers * block + c + head
+    }
+}
+
+/// The sizes, with `LlamaConfig`'s defaults.
+fn sizes(f: &Fields<'_>) -> Result<LlamaConfig, HfError> {
+    let hidden = f.size("hidden_size", Some(4096))?;
+    let heads = f.size("num_attention_heads", Some(32))?;
+    Ok(LlamaConfig {
+        vocab_size: f.size("vocab_size", Some(32000))?,
+        hidden,
+        intermediate: f.size("intermediate_size", Some(11008))?,
+        layers: f.size("num_hidden_layers", Some(32))?,
+        heads,
+        kv_heads: f.size("num_key_value_heads", Some(heads))?,
+        head_dim: f.size("head_dim", Some(hidden / heads.max(1)))?,
+        context: f.size("max_position_embeddings", Some(2048))?,
+        rms_eps: f.number("rms_norm_eps", 1e-6)?,
+        rope_theta: rope_theta(f)?,
+        tied: f.flag("tie_word_embeddings", false)?,
+        init_std: f.number("initializer_range", 0.02)?,
+    })
+}
+
+/// `rope_theta`, top-level (transformers 4) or in `rope_parameters` (transformers 5); any
+/// scaling (`rope_scaling`, or a `rope_type` other than `default`) is refused by name.
+fn rope_theta(f: &Fields<'_>) -> Result<f64, HfError> {
+    for field in ["rope_scaling", "rope_parameters"] {
+        let Some(block) = f.map.get(field).filter(|v| !v.is_null()) else {
+            continue;
+        };
+        let kind = block.get("rope_type").or_else(|| block.get("type"));
+        if kind.is_some_and(|k| k.as_str() != Some("default")) {
+            let why = "only unscaled rotary embeddings (rope_type default) are implemented";
+            return Err(unsupported(f.path, field, block, why));
+        }
+        if let Some(theta) = block.get("rope_theta") {
+            return theta
+                .as_f64()
+                .ok_or_else(|| field_err(f.path, "rope_parameters.rope_theta", "not a number"));
+        }
+    }
+    f.number("rope_theta", 10000.0)
+}
+
+/// The fields that change the math and have one implemented value.
+fn check_math(f: &Fields<'_>) -> Result<(), HfError> {
+    if let Some(act) = f
+        .map
+        .get("hidden_act")
+        .filter(|v| v.as_str() != Some("silu"))
+    {
+        return Err(unsupported(
+            f.path,
+            "hidden_act",
+            act,
+            "the MLP is SwiGLU (silu)",
+        ));
+    }
+    f.require_flag("attention_bias", false, "the projections have no bias")?;
+    f.require_flag("mlp_bias", false, "the MLP has no bias")?;
+    Ok(())
+}
+
+fn param(name: String, shape: &[usize]) -> ParamSpec {
+    ParamSpec {
+        name,
+        shape: shape.to_vec(),
+    }
+}
+
+/// A Llama's units as candle compute; wrap it in [`super::Candle`] for the engine.
+pub struct Llama {
+    config: LlamaConfig,
+    spec: ModelSpec,
+    device: Device,
+}
+
+impl Llama {
+    pub fn new(config: LlamaConfig) -> Result<Self, ModelError> {
+        let c = &config;
+        for (name, v) in [
+            ("vocab_size", c.vocab_size),
+            ("hidden_size", c.hidden),
+            ("num_hidden_layers", c.layers),
+            ("num_key_value_heads", c.kv_heads),
+        ] {
+            if v == 0 {
+                return Err(ModelError::Invalid(format!(
+                    "Llama {name} must be at least 1"
+                )));
+            }
+        }
+        let spec = llama_spec(c);
+        Ok(Llama {
+            config,
+            spec,
+            device: Device::Cpu,
+        })
+    }
+
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+}
+
+/// The units and their parameters, in Hugging Face's names.
+fn llama_spec(c: &LlamaConfig) -> ModelSpec {
+    let (h, q, kv, i) = (
+        c.hidden,
+        c.heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+        c.intermediate,
+    );
+    let mut units = vec![UnitSpec {
+        name: "embeddings".into(),
+        params: vec![param(
+            "model.embed_tokens.weight".into(),
+            &[c.vocab_size, h],
+        )],
+        uses: vec![],
+    }];
+    for l in 0..c.layers {
+        let p = |s: &str, shape: &[usize]| param(format!("model.layers.{l}.{s}"), shape);
+        units.push(UnitSpec {
+            name: format!("model.layers.{l}"),
+            params: vec![
+                p("input_layernorm.weight", &[h]),
+                p("self_attn.q_proj.weight", &[q, h]),
+                p("self_attn.k_proj.weight", &[kv, h]),
+                p("self_attn.v_proj.weight", &[kv, h]),
+                p("self_attn.o_proj.weight", &[h, q]),
+                p("post_attention_layernorm.weight", &[h]),
+                p("mlp.gate_proj.weight", &[i, h]),
+                p("mlp.up_proj.weight", &[i, h]),
+                p("mlp.down_proj.weight", &[h, i]),
+            ],
+            uses: vec![],
+        });
+    }
+    let mut head = vec![param("model.norm.weight".into(), &[h])];
+    if !c.tied {
+        head.push(param("lm_head.weight".into(), &[c.vocab_size, h]));
+    }
+    units.push(UnitSpec {
+        name: "head".into(),
+        params: head,
+        uses: if c.tied { vec![0] } else { vec![] },
+    });
+    ModelSpec { units }
+}
+
+impl Llama {
+    /// `w * (x * rsqrt(mean(x²) + eps))` over the last dimension.
+    fn rms_norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let inv = (ms + self.config.rms_eps)?.sqrt()?.recip()?;
+        x.broadcast_mul(&inv)?.broadcast_mul(w)
+    }
+
+    /// `cos` and `sin` `[t, head_dim]` of positions `0..t` (frequencies repeated over both halves).
+    fn rope_tables(&self, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let d = self.config.head_dim;
+        let inv: Vec<f32> = (0..d / 2)
+            .map(|k| (1.0 / self.config.rope_theta.powf((2 * k) as f64 / d as f64)) as f32)
+            .collect();
+        let mut angles = Vec::with_capacity(t * d);
+        for pos in 0..t {
+            let row: Vec<f32> = inv.iter().map(|f| pos as f32 * f).collect();
+            angles.extend_from_slice(&row);
+            angles.extend_from_slice(&row);
+        }
+        let a = Tensor::from_vec(angles, (t, d), &self.device)?;
+        Ok((a.cos()?, a.sin()?))
+    }
+
+    /// `x * cos + rotate_half(x) * sin` for `x [b, heads, t, d]`.
+    fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> candle_core::Result<Tensor> {
+        let d = x.dim(D::Minus1)?;
+        let (x1, x2) = (
+            x.narrow(D::Minus1, 0, d / 2)?,
+            x.narrow(D::Minus1, d / 2, d / 2)?,
+        );
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
+    }
+
+    /// `[b*t, n*d]` rows into `[b, n, t, d]` heads.
+    fn heads_of(x: &Tensor, b: usize, t: usize, n: usize, d: usize) -> candle_core::Result<Tensor> {
+        x.reshape((b, t, n, d))?.transpose(1, 2)?.contiguous()
+    }
+
+    /// Causal grouped-query attention of a block, before the output projection: `[b*t, H*d]`.
+    fn attention(
+        &self,
+        h: &Tensor,
+        p: &[Tensor],
+        b: usize,
+        t: usize,
+    ) -> candle_core::Result<Tensor> {
+        let c = &self.config;
+        let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
+        let (cos, sin) = self.rope_tables(t)?;
+        let q = Self::heads_of(&h.matmul(&p[1].t()?)?, b, t, nh, d)?;
+        let k = Self::heads_of(&h.matmul(&p[2].t()?)?, b, t, nkv, d)?;
+        let v = Self::heads_of(&h.matmul(&p[3].t()?)?, b, t, nkv, d)?;
+        let (q, k) = (Self::rotate(&q, &cos, &sin)?, Self::rotate(&k, &cos, &sin)?);
+        // Each key/value head serves `nh / nkv` consecutive query heads (transformers' repeat_kv).
+        let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
+            x.unsqueeze(2)?
+                .broadcast_as((b, nkv, nh / nkv, t, d))?
+                .reshape((b, nh, t, d))
+        };
+        let (k, v) = (repeat(k)?, repeat(v)?);
+        let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
+        let att =
+            candle_nn::ops::softmax(&scores.broadcast_add(&self.causal_mask(t)?)?, D::Minus1)?;
+        att.matmul(&v)?.transpose(1, 2)?.reshape((b * t, nh * d))
+    }
+
+    fn causal_mask(&self, t: usize) -> candle_core::Result<Tensor> {
+        let data: Vec<f32> = (0..t * t)
+            .map(|k| {
+                if k % t > k / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Tensor::from_vec(data, (t, t), &self.device)
+    }
+
+    /// A decoder layer: `x + attn(norm(x))`, then `+ down(silu(gate(h)) * up(h))`.
+    fn block(&self, x: &Tensor, p: &[Tensor], b: usize, t: usize) -> candle_core::Result<Tensor> {
+        let h = self.rms_norm(x, &p[0])?;
+        let x = (x + self.attention(&h, p, b, t)?.matmul(&p[4].t()?)?)?;
+        let h = self.rms_norm(&x, &p[5])?;
+        let gate = candle_nn::ops::silu(&h.matmul(&p[6].t()?)?)?;
+        let up = h.matmul(&p[7].t()?)?;
+        x + (gate * up)?.matmul(&p[8].t()?)?
+    }
+}
+
+impl CandleUnits for Llama {
+    type Batch = TokenBatch;
+
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
+        batch.counts()
+    }
+
+    /// Norm weights 1, every matrix normal(0, `initializer_range`), as `transformers` starts one.
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+        let spec = &self.spec.units[unit];
+        for (k, (p, off)) in spec.params.iter().zip(spec.offsets()).enumerate() {
+            let Some(dst) = out.get_mut(off..off + p.numel()) else {
+                return;
+            };
+            if p.shape.len() == 1 {
+                dst.fill(1.0);
+                continue;
+            }
+            let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64, k as u64]));
+            dst.iter_mut()
+                .for_each(|x| *x = (rng.normal() * self.config.init_std) as f32);
+        }
+    }
+
+    fn forward_unit(
+        &self,
+        unit: usize,
+        p: &[Tensor],
+        input: Option<&Tensor>,
+        batch: &TokenBatch,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t) = (batch.batch_size, batch.seq_len);
+        if unit == 0 {
+            let tokens = Tensor::from_slice(&batch.tokens, b * t, &self.device)?;
+            return p[0].index_select(&tokens, 0);
+        }
+        let x = input.ok_or_else(|| candle_core::Error::Msg("no input activation".into()))?;
+        if unit <= self.config.layers {
+            return self.block(x, p, b, t);
+        }
+        // The head: own norm, then its own lm_head or (tied) unit 0's embedding.
+        let h = self.rms_norm(x, &p[0])?;
+        let logits = h.matmul(&p[1].t()?)?;
+        let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
+        candle_nn::loss::cross_entropy(&logits, &targets)
+    }
+
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn check_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {
+        let n = batch.batch_size * batch.seq_len;
+        if n == 0 || batch.tokens.len() != n || batch.targets.len() != n {
+            return Err(ModelError::Invalid(format!(
+                "batch of {} x {} with {} tokens and {} targets",
+                batch.batch_size,
+                batch.seq_len,
+                batch.tokens.len(),
+                batch.targets.len()
+            )));
+        }
+        if batch.seq_len > self.config.context {
+            return Err(ModelError::Invalid(format!(
+                "sequence length {} exceeds max_position_embeddings {}",
+                batch.seq_len, self.config.context
+            )));
+        }
+        let v = self.config.vocab_size as u32;
+        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
+            return Err(ModelError::Invalid(format!(
+                "token id {bad} is outside the vocabulary of {v}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn require_gradients(&self) -> bool {
+        true
+    }
+}
