@@ -21,7 +21,9 @@ lines skipped; a document with empty text is skipped.
 import json
 import pathlib
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers,
+)
 
 OUT = pathlib.Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tokens"
 
@@ -39,6 +41,22 @@ TEXT = (
     "Über naïve café — 日本語 🙂\n"
     "  indented line with    spaces\tand a tab\n"
 )
+
+# Many short lines: with a small piece size the loader cuts this at line ends (where that keeps
+# the ids) and must still give the ids of one `encode` call.
+D_LINES = [
+    "Line one of a longer file.",
+    "'s at the start of a line, and 'll too.",
+    "Numbers 1234567 and 3.14159 end here:",
+    "Über naïve café, 日本語のテキスト 🙂",
+    "    indented code: fn main() { println!(\"hi\"); }",
+    "",
+    "After a blank line; tabs\there.",
+    "trailing spaces   ",
+    "UPPER lower MiXeD 42nd",
+    "<|endoftext|> inside a text is the special token.",
+]
+D_TEXT = "\n".join(D_LINES * 3) + "\n"
 
 JSONL_ROWS = [
     {"text": "First document: the gradients are reduced.", "id": 1},
@@ -102,6 +120,27 @@ def llama3_style():
     return tok
 
 
+def sentencepiece_style():
+    """Llama 2's layout: no pre-tokenizer, a normaliser that prepends `▁` and replaces spaces,
+    `<s>` first. Its ids change when a text is cut, so the loader must encode it whole."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+    alphabet = sorted(set("▁".join(TRAIN + [TEXT, D_TEXT]).replace(" ", "▁")) | {"▁"})
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + 3 + 150,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator([t.replace(" ", "▁") for t in TRAIN * 4], trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
 def with_bos(base):
     tok = Tokenizer.from_str(base.to_str())
     tok.add_special_tokens(["<s>", "</s>"])
@@ -146,6 +185,9 @@ def main():
     llama3 = llama3_style()
     gpt2.save(str(OUT / "tokenizer.json"), pretty=False)
     llama3.save(str(OUT / "tokenizer_regex.json"), pretty=False)
+    sp = sentencepiece_style()
+    sp.save(str(OUT / "tokenizer_sp.json"), pretty=False)
+    (OUT / "d.txt").write_text(D_TEXT, encoding="utf-8")
     llama.save(str(OUT / "tokenizer_bos.json"), pretty=False)
     a = TEXT
     b = jsonl_docs(OUT / "b.jsonl", "text")
@@ -162,6 +204,11 @@ def main():
         "regex_split": {
             "tokenizer": "tokenizer_regex.json", "files": ["a.txt", "b.jsonl"], "field": "text",
             "eos": "<|end_of_text|>", "ids": stream(llama3, "<|end_of_text|>", [a] + b),
+        },
+        "pieces": {
+            name: tok.encode(D_TEXT).ids
+            for name, tok in [("tokenizer.json", gpt2), ("tokenizer_bos.json", llama),
+                              ("tokenizer_regex.json", llama3), ("tokenizer_sp.json", sp)]
         },
         "vocab": {"tokenizer.json": gpt2.get_vocab_size(), "tokenizer_bos.json": llama.get_vocab_size()},
     }

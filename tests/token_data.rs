@@ -321,3 +321,32 @@ fn the_data_order_over_a_token_file_is_the_same_at_every_world_size() {
         }
     }
 }
+
+#[test]
+fn a_long_document_cut_into_pieces_keeps_python_s_ids() {
+    let want = expected();
+    let text = std::fs::read_to_string(Path::new(FIXTURES).join("d.txt")).unwrap();
+    for (name, ids) in want["pieces"].as_object().unwrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok =
+            TextTokenizer::from_file(&copy(dir.path(), name, "tokenizer.json"), None).unwrap();
+        let cuts = tok.safe_cuts(&text, 64);
+        // Llama 2's layout prepends `▁` to every text: no cut keeps its ids.
+        assert_eq!(
+            cuts.is_empty(),
+            name == "tokenizer_sp.json",
+            "{name}: {cuts:?}"
+        );
+        let options = TokenDataOptions {
+            piece_bytes: 64,
+            ..options()
+        };
+        let files = [copy(dir.path(), "d.txt", "d.txt")];
+        let corpus = TokenCorpus::build_with(&files, &tok, &options).unwrap();
+        assert_eq!(
+            corpus.to_vec(),
+            ids_of(&serde_json::json!({ "ids": ids })),
+            "{name}"
+        );
+    }
+}

@@ -130,6 +130,7 @@ impl DataArgs {
             text_field: Some(self.text_field.clone()),
             cache_dir: self.data_cache.clone(),
             progress: rank0 && progress,
+            ..Default::default()
         };
         let corpus =
             TokenCorpus::build_with(&paths, tokenizer, &options).context("tokenizing --data")?;

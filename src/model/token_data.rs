@@ -31,6 +31,8 @@ use super::data::DataError;
 use super::token_inputs::{read_documents, resolve_inputs, Document, InputFile};
 use crate::atomic_file::{write_atomic, AtomicFile};
 
+mod pieces;
+
 /// The JSONL field read when none is named.
 pub const DEFAULT_TEXT_FIELD: &str = "text";
 
@@ -201,7 +203,14 @@ pub struct TokenDataOptions {
     pub cache_dir: Option<PathBuf>,
     /// Draw a progress bar over the input bytes while tokenizing (on a terminal only).
     pub progress: bool,
+    /// A document longer than this is encoded in pieces of about this many bytes where that
+    /// gives the same ids (see `pieces.rs`) [0: [`DEFAULT_PIECE_BYTES`]].
+    pub piece_bytes: usize,
 }
+
+/// 256 KiB: `tokenizers` holds some 300 bytes per token while it encodes, so each thread
+/// encoding a piece holds a few tens of MB.
+pub const DEFAULT_PIECE_BYTES: usize = 256 << 10;
 
 /// How a [`TokenCorpus`] came to be.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -237,7 +246,7 @@ impl TokenCorpus {
         let options = TokenDataOptions {
             text_field: field.map(str::to_string),
             cache_dir: cache.map(Path::to_path_buf),
-            progress: false,
+            ..Default::default()
         };
         Self::build_with(files, &tokenizer, &options)
     }
@@ -271,7 +280,7 @@ impl TokenCorpus {
             None => "no token file yet".to_string(),
         };
         let _ = std::fs::remove_file(&manifest_file);
-        let manifest = write_tokens(&token_file, tokenizer, want, options.progress)?;
+        let manifest = write_tokens(&token_file, tokenizer, want, options)?;
         let json = serde_json::to_vec_pretty(&manifest).map_err(std::io::Error::other);
         json.and_then(|j| write_atomic(&manifest_file, &j))
             .map_err(|e| cache_error(&manifest_file, "writing", e))?;
@@ -426,32 +435,43 @@ struct TokenWriter<'a> {
     out: BufWriter<AtomicFile>,
     path: &'a Path,
     tokenizer: &'a TextTokenizer,
+    bar: &'a indicatif::ProgressBar,
+    piece_bytes: usize,
     documents: u64,
     tokens: u64,
     max_id: u32,
 }
 
 impl TokenWriter<'_> {
-    /// Encodes `docs` of `file` (in parallel) and appends them in order.
-    fn write_batch(&mut self, file: &Path, docs: &mut Vec<Document>) -> Result<(), DataError> {
-        docs.retain(|d| !d.text.is_empty());
+    /// Encodes `docs` of `file` (each with the file bytes it took), in parallel, and appends
+    /// them in order.
+    fn write_batch(
+        &mut self,
+        file: &Path,
+        docs: &mut Vec<(Document, u64)>,
+    ) -> Result<(), DataError> {
+        let (tokenizer, bar, piece_bytes) = (self.tokenizer, self.bar, self.piece_bytes);
         let encoded: Vec<Result<Vec<u32>, DataError>> = docs
             .par_iter()
-            .map(|d| {
-                self.tokenizer
-                    .encode(&d.text)
-                    .map_err(|msg| DataError::Encode {
-                        path: file.to_path_buf(),
-                        line: d.line,
-                        msg,
-                    })
+            .filter(|(d, n)| {
+                bar.inc(if d.text.is_empty() { *n } else { 0 });
+                !d.text.is_empty()
+            })
+            .map(|(d, n)| {
+                let ids = tokenizer.encode_document(&d.text, piece_bytes, &|b| bar.inc(b));
+                bar.inc(n.saturating_sub(d.text.len() as u64));
+                ids.map_err(|msg| DataError::Encode {
+                    path: file.to_path_buf(),
+                    line: d.line,
+                    msg,
+                })
             })
             .collect();
         docs.clear();
         for ids in encoded {
             let ids = ids?;
             if self.documents > 0 {
-                self.push(self.tokenizer.eos_id())?;
+                self.push(tokenizer.eos_id())?;
             }
             self.documents += 1;
             for id in ids {
@@ -485,14 +505,19 @@ fn write_tokens(
     token_file: &Path,
     tokenizer: &TextTokenizer,
     mut want: Manifest,
-    progress: bool,
+    options: &TokenDataOptions,
 ) -> Result<Manifest, DataError> {
-    let bar = progress_bar(want.files.iter().map(|f| f.size).sum(), progress);
+    let bar = progress_bar(want.files.iter().map(|f| f.size).sum(), options.progress);
     let out = AtomicFile::create(token_file).map_err(|e| cache_error(token_file, "creating", e))?;
     let mut writer = TokenWriter {
         out: BufWriter::with_capacity(1 << 20, out),
         path: token_file,
         tokenizer,
+        bar: &bar,
+        piece_bytes: match options.piece_bytes {
+            0 => DEFAULT_PIECE_BYTES,
+            n => n,
+        },
         documents: 0,
         tokens: 0,
         max_id: 0,
@@ -501,9 +526,8 @@ fn write_tokens(
         bar.set_message(file.path.display().to_string());
         let (mut docs, mut bytes) = (Vec::new(), 0usize);
         read_documents(file, &want.text_field, &mut |doc, n| {
-            bar.inc(n);
             bytes += doc.text.len();
-            docs.push(doc);
+            docs.push((doc, n));
             if bytes < BATCH_BYTES {
                 return Ok(());
             }
