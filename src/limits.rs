@@ -23,6 +23,20 @@ pub const MAX_DEVICES: u64 = 1 << 20;
 /// 2^60 (1 EiB), so that sums of a few of them and their differences fit `i64`.
 pub const MAX_MEMORY_BYTES: u64 = 1 << 60;
 
+/// Bytes of f32 logits the GPT's LM-head loss holds at a time: it computes the head's product and
+/// the cross-entropy over chunks of rows rather than all `[tokens, vocab]` logits at once. Here
+/// because the model computes with it and the planner counts it.
+pub const LM_HEAD_CHUNK_BYTES: u64 = 32 << 20;
+
+/// Rows of one LM-head chunk at vocabulary `vocab`: [`LM_HEAD_CHUNK_BYTES`] of f32 logits,
+/// rounded up to a whole number of 32-row tasks (a byte vocabulary's micro-batch is one chunk).
+pub fn lm_head_chunk_rows(vocab: u64) -> u64 {
+    (LM_HEAD_CHUNK_BYTES / (4 * vocab.max(1)))
+        .max(1)
+        .div_ceil(32)
+        * 32
+}
+
 /// The parameter count Ψ of a GPT-2-architecture shape (learned positions, tied LM head, 4x MLP,
 /// biases everywhere): (vocab + context)·w + layers·(12w² + 13w) + 2w, or `None` when it does not
 /// fit `u64`.

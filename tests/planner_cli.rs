@@ -342,3 +342,57 @@ fn a_param_nvme_recommendation_is_one_train_runs() {
     );
     assert!(!out.contains("refuses"), "{out}");
 }
+
+/// `--model-config` plans a Hugging Face GPT-2 from its config.json alone (or the directory
+/// holding it): the same plan as the shape given by flags, and a config zerodp cannot run is
+/// refused naming the field.
+#[test]
+fn plan_reads_a_hugging_face_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768,
+            "n_layer": 12, "n_head": 12, "n_positions": 1024, "vocab_size": 50257,
+            "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5}"#,
+    )
+    .unwrap();
+    let common = ["--devices", "2", "--format", "json"];
+    let plan = |model: &[&str]| {
+        let args: Vec<&str> = model.iter().chain(&common).copied().collect();
+        let (code, out, err) = zerodp(&args);
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    let by_file = plan(&["--model-config", config.to_str().unwrap()]);
+    let by_dir = plan(&["--model-config", dir.path().to_str().unwrap()]);
+    let by_flags = plan(&[
+        "--layers",
+        "12",
+        "--width",
+        "768",
+        "--heads",
+        "12",
+        "--vocab",
+        "50257",
+        "--context",
+        "1024",
+    ]);
+    assert_eq!(by_file, by_flags);
+    assert_eq!(by_dir, by_flags);
+    // GPT-2 small: 124,439,808 parameters, 2 bytes each in bf16 at stage 0.
+    assert_eq!(by_file[0]["bytes_per_device"]["params"], 2 * 124_439_808u64);
+
+    std::fs::write(
+        &config,
+        r#"{"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 32,
+            "vocab_size": 300, "activation_function": "relu"}"#,
+    )
+    .unwrap();
+    let (code, _, err) = zerodp(&["--model-config", config.to_str().unwrap()]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("activation_function") && !err.contains("panicked"),
+        "{err}"
+    );
+}

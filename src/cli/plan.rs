@@ -23,8 +23,12 @@ pub struct PlanArgs {
 #[derive(clap::Args, Debug)]
 pub struct PlanFlags {
     /// Parameter count Ψ: 7.5e9, 70B, 350M.
-    #[arg(long, value_name = "COUNT", conflicts_with_all = ["preset", "layers"])]
+    #[arg(long, value_name = "COUNT", conflicts_with_all = ["preset", "layers", "model_config"])]
     pub params: Option<String>,
+    /// A Hugging Face GPT-2 `config.json` (or the model directory holding it): the shape, from
+    /// the config file alone.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers"])]
+    pub model_config: Option<std::path::PathBuf>,
     /// Elements of the largest unit (one stage-3 gather); estimated from Ψ when left out.
     #[arg(long, value_name = "COUNT", requires = "params")]
     pub largest_unit: Option<String>,
@@ -208,6 +212,22 @@ fn host_links(args: &PlanFlags) -> anyhow::Result<HostLinks> {
     Ok(h)
 }
 
+/// The GPT shape a Hugging Face config describes (`FILE`, or `DIR/config.json`).
+fn hf_shape(path: &std::path::Path) -> anyhow::Result<GptShape> {
+    let file = match path.is_dir() {
+        true => path.join("config.json"),
+        false => path.to_path_buf(),
+    };
+    let g = zerodp::model::hf::HfConfig::read(&file)?.gpt;
+    Ok(GptShape {
+        layers: g.layers as u64,
+        width: g.width as u64,
+        heads: g.heads as u64,
+        vocab: g.vocab_size as u64,
+        context: g.context as u64,
+    })
+}
+
 /// Flags and config into the planner's input.
 pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
     let model = if let Some(p) = &args.params {
@@ -217,6 +237,8 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
             .map(|l| parse_count(l, "--largest-unit"))
             .transpose()?;
         ModelSize::from_count(parse_count(p, "--params")?, largest)?
+    } else if let Some(path) = &args.model_config {
+        ModelSize::from_gpt(hf_shape(path)?)?
     } else if let Some(name) = &args.preset {
         ModelSize::from_gpt(GptShape::preset(name)?)?
     } else if let (Some(layers), Some(width), Some(heads)) = (args.layers, args.width, args.heads) {
@@ -229,7 +251,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
         })?
     } else {
         anyhow::bail!(
-            "no model given: pass --params 7.5e9 [--largest-unit N], --preset gpt2-xl, or --layers L --width W --heads H [--vocab V --context C]"
+            "no model given: pass --params 7.5e9 [--largest-unit N], --preset gpt2-xl, --model-config config.json, or --layers L --width W --heads H [--vocab V --context C]"
         );
     };
     let cli_precision = match args.precision.as_deref() {

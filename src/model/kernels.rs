@@ -1371,24 +1371,20 @@ impl CustomOp2 for CrossEntropy {
 // The LM head and its loss fused over chunks of rows: mean cross-entropy of `h [n, c] @ wte^T`
 // against u32 targets, without the `[n, vocab]` logits. At vocabulary 50257 a micro-batch of
 // 8 x 1024 tokens has 1.6 GB of f32 logits (and as much again for their gradient); here one
-// chunk of rows (about [`HEAD_CHUNK_BYTES`]) is alive at a time, forward and backward, and the
+// chunk of rows (about [`crate::limits::LM_HEAD_CHUNK_BYTES`]) is alive at a time, forward and backward, and the
 // backward recomputes each chunk's logits instead of keeping them.
 
 pub(crate) struct HeadLoss {
     pub targets: Vec<u32>,
 }
 
-/// Bytes of one chunk's logits: with a byte-level vocabulary the whole micro-batch is one chunk.
-const HEAD_CHUNK_BYTES: usize = 32 << 20;
-
 impl HeadLoss {
-    /// Rows per chunk for a vocabulary of `v`: a whole number of [`ROWS_PER_TASK`] (so that the
-    /// loss sums in the same row groups as [`CrossEntropy`]'s).
+    /// Rows per chunk for a vocabulary of `v` ([`crate::limits::lm_head_chunk_rows`], which the
+    /// planner counts too): a whole number of [`ROWS_PER_TASK`], so that the loss sums in the
+    /// same row groups as [`CrossEntropy`]'s.
     fn chunk_rows(v: usize) -> usize {
-        (HEAD_CHUNK_BYTES / (4 * v.max(1)))
-            .max(1)
-            .div_ceil(ROWS_PER_TASK)
-            * ROWS_PER_TASK
+        const _: () = assert!(ROWS_PER_TASK == 32);
+        crate::limits::lm_head_chunk_rows(v as u64) as usize
     }
 
     fn check(&self, n: usize, v: usize) -> Result<()> {

@@ -18,8 +18,8 @@
 //! 4 bytes an element.
 //!
 //! * A training forward of the embeddings or the head builds a candle graph that keeps every
-//!   intermediate tensor: the embeddings 2nc and the tokens; the head 2nc, the logits nV and the
-//!   targets. A block runs without a graph ([`crate::model::GptModel`]'s direct blocks) and keeps
+//!   intermediate tensor: the embeddings 2nc and the tokens; the head 2nc and the targets (its
+//!   loss runs over chunks of r = [`crate::limits::lm_head_chunk_rows`] rows and keeps no logits). A block runs without a graph ([`crate::model::GptModel`]'s direct blocks) and keeps
 //!   17nc: its input, ln_1, qkv 3nc, attention, the residual, ln_2, c_fc 4nc, GELU 4nc, and its
 //!   output.
 //! * Each forward copies the weights it reads into candle variables ([`crate::model::GptModel`]'s
@@ -31,8 +31,8 @@
 //!   plus the sum, alive together for a moment), the parameter gradients, and the kernels' scratch.
 //!   A block's backward holds a few gradients at a time: at its fullest the largest of 9nc+4c²
 //!   (GELU backward beside the output gradient) and 6nc+3P+3c² (attention backward), plus 4nc for
-//!   gemm's packing buffers; the head the largest of 4nV+Vc, nV+2nc+6Vc and nV+6nc+2Vc, plus
-//!   max(nc, Vc); the embeddings 7nc + 2·max(nc, Vc) + Tc.
+//!   gemm's packing buffers; the head the largest of rV+2nc+Vc (one chunk's logits, the input
+//!   gradient and the weight gradient), 2nc+6Vc and 6nc+2Vc, plus max(nc, Vc); the embeddings 7nc + 2·max(nc, Vc) + Tc.
 //! * A forward without a graph (activation checkpointing, or a stage-3 unit recomputed in backward)
 //!   peaks at its weight copies plus max(12nc, 8nc+2P) for a block, and keeps only its output, which
 //!   the engine holds as the next unit's input until that unit is recomputed.
@@ -175,19 +175,18 @@ fn units(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
             + 4 * nc,
         no_grad: (12 * nc).max(8 * nc + 2 * probs),
     };
+    // The loss runs over chunks of r rows: r·V logits (and in backward their gradient, in place)
+    // alive at a time, never n·V.
+    let rv = n.min(crate::limits::lm_head_chunk_rows(v)) * v;
     let head = UnitMemory {
-        graph: 2 * nc + n * v + n,
+        graph: 2 * nc + n,
         copies: 2 * c + vc,
-        backward: [
-            4 * n * v + vc,
-            n * v + 2 * nc + 6 * vc,
-            n * v + 6 * nc + 2 * vc,
-        ]
-        .into_iter()
-        .max()
-        .unwrap_or(0)
+        backward: [rv + 2 * nc + vc, 2 * nc + 6 * vc, 6 * nc + 2 * vc]
+            .into_iter()
+            .max()
+            .unwrap_or(0)
             + nc.max(vc),
-        no_grad: 2 * nc + n * v,
+        no_grad: 2 * nc + rv,
     };
     let mut out = vec![embeddings];
     out.extend(std::iter::repeat_n(block, shape.layers as usize));
