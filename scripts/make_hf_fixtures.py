@@ -9,10 +9,12 @@ weights through `transformers` (`save_pretrained`: config.json and model.safeten
 weights [in, out], the tied lm_head left out) to OUT/gpt2-tiny/, and OUT/gpt2-tiny-expected.json:
 fixed token batches and the losses `transformers` computes on them, in fp32, at step 0 and over
 10 steps of torch.optim.AdamW (no warmup, constant learning rate, every parameter decayed, as
-zerodp's AdamW decays every parameter). `cargo test --test hf_gpt2` reads both; it needs no Python.
+zerodp's AdamW decays every parameter); the same for a tiny Llama (grouped-query attention, 4
+query heads on 2 key/value heads, an untied head) in OUT/llama-tiny/. `cargo test --test hf_gpt2`
+and `--test hf_llama` read them; they need no Python.
 
 `check` loads EXPORT_DIR (what `zerodp ckpt export` wrote) with AutoModelForCausalLM and compares
-its logits on the fixture's tokens with a GPT-2 built here from FILE.safetensors (what
+its logits on the fixture's tokens with a GPT-2 or Llama built here from FILE.safetensors (what
 `zerodp ckpt consolidate` wrote from the same checkpoint, zerodp's own names and [out, in]
 layout), mapped by this script's own code rather than zerodp's. Prints the max relative
 difference and the loss on the step-0 batch; exits 1 above 1e-5.
@@ -174,8 +176,16 @@ def save_and_train(model, out_root, name):
 
 
 def from_consolidated(path, config):
-    """A GPT2LMHeadModel from zerodp's own names and layout, mapped independently of zerodp."""
+    """The export's model class from zerodp's own names and layout, mapped independently of
+    zerodp: GPT-2's Conv1D weights transposed and prefixed, Llama's names as they are."""
     state = load_file(path)
+    if config.model_type == "llama":
+        hf = {name: t.float() for name, t in state.items()}
+        if config.tie_word_embeddings:
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        model = LlamaForCausalLM(config).float().eval()
+        model.load_state_dict(hf, strict=True)
+        return model
     hf = {}
     for name, t in state.items():
         t = t.float()

@@ -212,3 +212,36 @@ fn a_preset_checkpoint_exports_with_its_head_count() {
     let (_, trained) = zerodp::checkpoint::read_params(&ckpt).unwrap();
     assert_eq!(hf::load_weights(&out, model.spec()).unwrap(), trained);
 }
+
+#[test]
+fn a_llama_directory_fine_tunes_and_exports() {
+    let s = setup();
+    let llama = s.dir.path().join("llama-tiny");
+    std::fs::create_dir(&llama).unwrap();
+    let fixture = fixture_dir().with_file_name("llama-tiny");
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(fixture.join(f), llama.join(f)).unwrap();
+    }
+    let ckpt = s.dir.path().join("ckpt");
+    ok(&train(
+        &s,
+        &[("--model-dir", &llama), ("--save-dir", &ckpt)],
+        "2",
+    ));
+    let out = s.dir.path().join("export");
+    ok(&zerodp(
+        &["ckpt", "export", "--dtype", "f16"],
+        &[&ckpt, &out],
+    ));
+    let config = HfConfig::read(&out.join("config.json")).unwrap();
+    assert_eq!(config.dtype(), Some("float16"));
+    let llama_config = config.llama.clone().expect("a Llama config");
+    let model = zerodp::model::Candle::new(zerodp::model::llama::Llama::new(llama_config).unwrap());
+    let exported = hf::load_weights(&out, model.spec()).unwrap();
+    let (_, trained) = zerodp::checkpoint::read_params(&ckpt).unwrap();
+    let rounded: Vec<Vec<f32>> = trained
+        .iter()
+        .map(|u| u.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect())
+        .collect();
+    assert_eq!(exported, rounded);
+}

@@ -255,7 +255,7 @@ fn configs_zerodp_cannot_compute_are_refused_by_name() {
         ("activation_function", "gelu".into()),
         ("layer_norm_epsilon", 1e-6.into()),
         ("n_inner", 100.into()),
-        ("model_type", "llama".into()),
+        ("model_type", "mistral".into()),
     ];
     for (field, value) in cases {
         let e = config_error(|m| {

@@ -169,3 +169,29 @@ fn llama_configs_zerodp_cannot_compute_are_refused_by_name() {
     json["rope_theta"] = 500000.0.into();
     assert_eq!(config_of(&json).unwrap().rope_theta, 500000.0);
 }
+
+#[test]
+fn export_loads_back_to_the_same_weights_and_loss() {
+    let exp = expected();
+    let (_, params) = train(Stage::Zero3, 2, 3);
+    let config = hf::HfConfig::read(&fixture_dir().join("config.json")).unwrap();
+    assert!(config.llama.is_some());
+    let (model, _) = load();
+    let out = tempfile::tempdir().unwrap();
+    hf::export(
+        out.path(),
+        &config,
+        model.spec(),
+        &params,
+        hf::ExportDtype::F32,
+        None,
+    )
+    .unwrap();
+    let written = read_json(&out.path().join("config.json"));
+    assert_eq!(written["model_type"], "llama");
+    assert_eq!(written["num_key_value_heads"], 2);
+    let back = hf::load_weights(out.path(), model.spec()).unwrap();
+    assert_eq!(back, params);
+    let b = batch(&exp, 0, 0, 4);
+    assert_eq!(loss(&model, &params, &b), loss(&model, &back, &b));
+}

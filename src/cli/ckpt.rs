@@ -14,7 +14,7 @@ pub enum CkptCommand {
     /// (loads with `train --init` and any safetensors reader), streaming one parameter at a time.
     Consolidate(ConsolidateArgs),
     /// Write a Hugging Face model directory (config.json, model.safetensors, the tokenizer files
-    /// of the model directory trained from) that `transformers` loads. GPT-2 only for now.
+    /// of the model directory trained from) that `transformers` loads (GPT-2, Llama).
     Export(super::hf_model::ExportArgs),
 }
 

@@ -1,6 +1,6 @@
 //! Hugging Face model directories on the command line: `train --model-dir DIR` (fine-tune from a
 //! directory's weights), `train --model-config FILE` (the model a config describes, from scratch)
-//! and `ckpt export CKPT OUT_DIR` (a directory `transformers` loads). GPT-2 only for now; the
+//! and `ckpt export CKPT OUT_DIR` (a directory `transformers` loads), for GPT-2 and Llama; the
 //! reading and writing is [`zerodp::model::hf`].
 //!
 //! A run from a config records it in every checkpoint it saves (the manifest's `config`, under
@@ -9,13 +9,17 @@
 //! from the directory the run started from.
 
 use anyhow::{bail, Context};
+use candle_core::Tensor;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zerodp::checkpoint::{load_manifest, read_params, Manifest, ModelDescription};
 use zerodp::model::hf::{self, ExportDtype, HfConfig};
-use zerodp::model::{CandleUnits, Gpt, GptConfig};
+use zerodp::model::llama::Llama;
+use zerodp::model::TokenBatch;
+use zerodp::model::{Candle, CandleSaved, CandleUnits, Gpt, GptConfig, GptModel, GptSaved};
 use zerodp::trainer::outputs::{check_outputs, NamedPath};
 use zerodp::zero::unit::ModelSpec;
+use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, UnitForward, UnitModel};
 
 /// The key of the resolved config recorded in checkpoints that holds the model's Hugging Face
 /// config and directory.
@@ -24,12 +28,12 @@ pub const CHECKPOINT_KEY: &str = "zerodp_hf_model";
 /// `train`'s model-directory flags.
 #[derive(clap::Args, Debug, Clone)]
 pub struct HfModelArgs {
-    /// Fine-tune a Hugging Face GPT-2 model directory (config.json; model.safetensors or a
-    /// sharded model.safetensors.index.json; F32/BF16/F16): the config is the model, the weights
-    /// the start. GPT-2 only for now.
+    /// Fine-tune a Hugging Face GPT-2 or Llama model directory (config.json; model.safetensors
+    /// or a sharded model.safetensors.index.json; F32/BF16/F16): the config is the model, the
+    /// weights the start.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["model_config", "init", "preset", "layers", "width", "heads", "context"])]
     pub model_dir: Option<PathBuf>,
-    /// Train the model a Hugging Face GPT-2 config.json describes, from the seeded
+    /// Train the model a Hugging Face GPT-2 or Llama config.json describes, from the seeded
     /// initialisation.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads", "context"])]
     pub model_config: Option<PathBuf>,
@@ -95,6 +99,112 @@ pub fn checkpoint_config(mut config: Value, model: Option<&HfModel>) -> Value {
     config
 }
 
+/// The model `train` trains: the GPT (presets, GPT-2 configs) or a Llama config's model, one
+/// [`UnitModel`] for the trainer either way.
+pub enum TrainModel {
+    Gpt(GptModel),
+    Llama(Candle<Llama>),
+}
+
+/// What a [`TrainModel`]'s forward keeps for backward.
+pub enum TrainSaved {
+    Gpt(GptSaved),
+    Llama(CandleSaved),
+}
+
+/// The model of `gpt` (a preset or a GPT-2 config), or of the Llama config `model` holds.
+pub fn build_model(gpt: &GptConfig, model: Option<&HfModel>) -> anyhow::Result<TrainModel> {
+    match model.and_then(|m| m.config.llama.clone()) {
+        Some(llama) => Ok(TrainModel::Llama(Candle::new(Llama::new(llama)?))),
+        None => Ok(TrainModel::Gpt(GptModel::new(gpt.clone())?)),
+    }
+}
+
+/// The units and parameters of the model `config` describes.
+fn spec_of(config: &HfConfig) -> anyhow::Result<ModelSpec> {
+    Ok(match &config.llama {
+        Some(l) => CandleUnits::spec(&Llama::new(l.clone())?).clone(),
+        None => CandleUnits::spec(&Gpt::new(config.gpt.clone())?).clone(),
+    })
+}
+
+fn mismatched(unit: usize) -> ModelError {
+    ModelError::Invalid(format!(
+        "backward of unit {unit} was given another model's saved state"
+    ))
+}
+
+impl UnitModel for TrainModel {
+    type Batch = TokenBatch;
+    type Act = Tensor;
+    type Saved = TrainSaved;
+
+    fn spec(&self) -> &ModelSpec {
+        match self {
+            TrainModel::Gpt(m) => m.spec(),
+            TrainModel::Llama(m) => m.spec(),
+        }
+    }
+
+    fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
+        batch.counts()
+    }
+
+    fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
+        match self {
+            TrainModel::Gpt(m) => m.init_params(unit, seed, out),
+            TrainModel::Llama(m) => m.init_params(unit, seed, out),
+        }
+    }
+
+    fn forward(
+        &self,
+        unit: usize,
+        params: &[&[f32]],
+        input: Option<&Tensor>,
+        batch: &TokenBatch,
+        mode: ForwardMode,
+    ) -> Result<UnitForward<Tensor, TrainSaved>, ModelError> {
+        Ok(match self {
+            TrainModel::Gpt(m) => {
+                let f = m.forward(unit, params, input, batch, mode)?;
+                UnitForward {
+                    output: f.output,
+                    loss: f.loss,
+                    saved: f.saved.map(TrainSaved::Gpt),
+                }
+            }
+            TrainModel::Llama(m) => {
+                let f = m.forward(unit, params, input, batch, mode)?;
+                UnitForward {
+                    output: f.output,
+                    loss: f.loss,
+                    saved: f.saved.map(TrainSaved::Llama),
+                }
+            }
+        })
+    }
+
+    fn backward(
+        &self,
+        unit: usize,
+        saved: TrainSaved,
+        grad_output: Option<&Tensor>,
+        loss_weight: f32,
+        grads: &mut [&mut [f32]],
+    ) -> Result<Option<Tensor>, ModelError> {
+        match (self, saved) {
+            (TrainModel::Gpt(m), TrainSaved::Gpt(s)) => {
+                m.backward(unit, s, grad_output, loss_weight, grads)
+            }
+            (TrainModel::Llama(m), TrainSaved::Llama(s)) => {
+                m.backward(unit, s, grad_output, loss_weight, grads)
+            }
+            _ => Err(mismatched(unit)),
+        }
+    }
+}
+
 /// `zerodp ckpt export`'s arguments.
 #[derive(clap::Args, Debug)]
 pub struct ExportArgs {
@@ -129,7 +239,7 @@ struct Source {
 pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
     let (manifest, _) = load_manifest(&a.dir)?;
     let source = export_source(&a, &manifest)?;
-    let spec = CandleUnits::spec(&Gpt::new(source.config.gpt.clone())?).clone();
+    let spec = spec_of(&source.config)?;
     if let Some(what) = manifest.model.difference(&ModelDescription::of(&spec)) {
         bail!(
             "checkpoint {} does not match the config's GPT-2 ({} layers, width {}, {} heads, \

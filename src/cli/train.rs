@@ -37,7 +37,7 @@ use std::time::Instant;
 use zerodp::checkpoint::{acquire_for_job, SaveDirLock};
 use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
-use zerodp::model::{load_safetensors, save_safetensors, GptConfig, GptModel};
+use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
 use zerodp::planner::TrainProcess;
 use zerodp::trainer::outputs::{check_outputs, prepare_save_dir, NamedPath};
 use zerodp::trainer::{
@@ -202,7 +202,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let resume = resume_from(&args)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
-    let model = GptModel::new(gpt.clone())?;
+    let model = super::hf_model::build_model(&gpt, hf.as_ref())?;
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();

@@ -1,4 +1,5 @@
-//! Hugging Face model directories in and out: GPT-2 (`GPT2LMHeadModel`) for now.
+//! Hugging Face model directories in and out: GPT-2 (`GPT2LMHeadModel`) onto zerodp's GPT, and
+//! Llama (`LlamaForCausalLM`) onto [`super::llama`] (whose names are Hugging Face's already).
 //!
 //! A directory holds `config.json` and `model.safetensors`, or a sharded
 //! `model.safetensors.index.json` whose `weight_map` names the shard of every tensor; weights may
@@ -27,6 +28,7 @@ use safetensors::SafeTensors;
 use serde_json::{Map, Value};
 
 use super::gpt::GptConfig;
+use super::llama::LlamaConfig;
 use crate::atomic_file::AtomicFile;
 use crate::zero::unit::ModelSpec;
 
@@ -115,12 +117,14 @@ pub enum HfError {
     },
 }
 
-/// A GPT-2 config read from a Hugging Face `config.json`: the GPT it describes, the original JSON
-/// (written back on export, so that fields zerodp does not use survive), and notes on fields that
-/// are read but do not change what zerodp computes (dropout).
+/// A config read from a Hugging Face `config.json`: the GPT-2 it describes (for a Llama, the GPT
+/// of the same sizes, which the planner and the pre-flight estimate from), the Llama where it is
+/// one, the original JSON (written back on export, so that fields zerodp does not use survive),
+/// and notes on fields that are read but do not change what zerodp computes (dropout).
 #[derive(Clone, Debug)]
 pub struct HfConfig {
     pub gpt: GptConfig,
+    pub llama: Option<LlamaConfig>,
     pub json: Value,
     pub notes: Vec<String>,
 }
@@ -228,6 +232,9 @@ impl HfConfig {
             });
         };
         let f = Fields { path, map };
+        if f.text("model_type") == Some("llama") {
+            return Self::llama(&json, path);
+        }
         check_model_type(&f)?;
         let gpt = sizes(&f)?;
         check_math(&f, gpt.width)?;
@@ -236,7 +243,31 @@ impl HfConfig {
             path: path.to_path_buf(),
             message: e.to_string(),
         })?;
-        Ok(HfConfig { gpt, json, notes })
+        Ok(HfConfig {
+            gpt,
+            llama: None,
+            json,
+            notes,
+        })
+    }
+
+    /// A `LlamaForCausalLM` config ([`LlamaConfig::from_hf_json`]).
+    fn llama(json: &Value, path: &Path) -> Result<HfConfig, HfError> {
+        let llama = LlamaConfig::from_hf_json(json, path)?;
+        let mut notes = Vec::new();
+        let dropout = json.get("attention_dropout").and_then(Value::as_f64);
+        if dropout.is_some_and(|p| p != 0.0) {
+            notes.push(format!(
+                "{}: attention_dropout is ignored: zerodp trains without dropout",
+                path.display()
+            ));
+        }
+        Ok(HfConfig {
+            gpt: llama.gpt_shape(),
+            llama: Some(llama),
+            json: json.clone(),
+            notes,
+        })
     }
 
     /// A config for a GPT zerodp built itself (a preset): GPT-2's fields with its sizes and no
@@ -262,6 +293,7 @@ impl HfConfig {
         });
         HfConfig {
             gpt: gpt.clone(),
+            llama: None,
             json,
             notes: Vec::new(),
         }
@@ -285,7 +317,7 @@ fn check_model_type(f: &Fields<'_>) -> Result<(), HfError> {
                 f.path,
                 "model_type",
                 &Value::from(other),
-                "zerodp reads GPT-2 (`gpt2`) model directories only for now",
+                "zerodp reads GPT-2 (`gpt2`) and Llama (`llama`) model directories",
             ))
         }
         None => {
@@ -747,7 +779,7 @@ pub fn export(
     dtype: ExportDtype,
     copy_from: Option<&Path>,
 ) -> Result<Exported, HfError> {
-    let weights = weight_bytes(out, spec, params, dtype)?;
+    let weights = weight_bytes(out, spec, params, dtype, config.llama.is_none())?;
     write_file(&out.join(WEIGHTS_FILE), &weights)?;
     let json = export_config(config, dtype);
     let text = serde_json::to_string_pretty(&json).map_err(|e| HfError::Format {
@@ -778,8 +810,11 @@ pub fn export(
 /// wrote (`dtype` where the original used transformers 5's key, `torch_dtype` otherwise or also).
 pub fn export_config(config: &HfConfig, dtype: ExportDtype) -> Value {
     let mut json = config.json.clone();
-    let g = &config.gpt;
-    if let Some(map) = json.as_object_mut() {
+    let Some(map) = json.as_object_mut() else {
+        return json;
+    };
+    if config.llama.is_none() {
+        let g = &config.gpt;
         map.insert(
             "architectures".into(),
             serde_json::json!(["GPT2LMHeadModel"]),
@@ -794,14 +829,14 @@ pub fn export_config(config: &HfConfig, dtype: ExportDtype) -> Value {
         ] {
             map.insert(k.into(), v.into());
         }
-        let keys = match (map.contains_key("dtype"), map.contains_key("torch_dtype")) {
-            (true, false) => &["dtype"][..],
-            (true, true) => &["dtype", "torch_dtype"][..],
-            _ => &["torch_dtype"][..],
-        };
-        for k in keys {
-            map.insert((*k).into(), dtype.torch_name().into());
-        }
+    }
+    let keys = match (map.contains_key("dtype"), map.contains_key("torch_dtype")) {
+        (true, false) => &["dtype"][..],
+        (true, true) => &["dtype", "torch_dtype"][..],
+        _ => &["torch_dtype"][..],
+    };
+    for k in keys {
+        map.insert((*k).into(), dtype.torch_name().into());
     }
     json
 }
@@ -813,6 +848,7 @@ fn weight_bytes(
     spec: &ModelSpec,
     params: &[Vec<f32>],
     dtype: ExportDtype,
+    gpt2: bool,
 ) -> Result<Vec<u8>, HfError> {
     let path = out.join(WEIGHTS_FILE);
     let bad = |message: String| HfError::Format {
@@ -838,7 +874,7 @@ fn weight_bytes(
         }
         for (p, off) in unit.params.iter().zip(unit.offsets()) {
             let values = &buf[off..off + p.numel()];
-            let (shape, data) = if is_conv1d(&p.name, &p.shape) {
+            let (shape, data) = if gpt2 && is_conv1d(&p.name, &p.shape) {
                 let (rows, cols) = (p.shape[0], p.shape[1]);
                 (
                     vec![cols, rows],
@@ -847,7 +883,13 @@ fn weight_bytes(
             } else {
                 (p.shape.clone(), dtype.bytes(values))
             };
-            tensors.push((format!("transformer.{}", p.name), shape, data));
+            // GPT-2's names carry the `transformer.` prefix; Llama's are zerodp's already.
+            let name = if gpt2 {
+                format!("transformer.{}", p.name)
+            } else {
+                p.name.clone()
+            };
+            tensors.push((name, shape, data));
         }
     }
     let views = tensors

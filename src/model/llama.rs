@@ -25,6 +25,7 @@ use serde_json::Value;
 
 use super::candle_unit::CandleUnits;
 use super::data::TokenBatch;
+use super::gpt::GptConfig;
 use super::hf::{field_err, unsupported, Fields, HfError};
 use super::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
@@ -73,6 +74,19 @@ impl LlamaConfig {
             return Err(unsupported(path, "head_dim", &c.head_dim.into(), why));
         }
         Ok(c)
+    }
+
+    /// The GPT of the same vocabulary, context, depth, width and heads: what the planner's and
+    /// the pre-flight's GPT-based estimates take for this model (the MLP and the head differ, so
+    /// they are estimates).
+    pub fn gpt_shape(&self) -> GptConfig {
+        GptConfig {
+            vocab_size: self.vocab_size,
+            context: self.context,
+            layers: self.layers,
+            heads: self.heads,
+            width: self.heads * self.head_dim,
+        }
     }
 
     /// Ψ: the number of parameters (a tied head counted once).
