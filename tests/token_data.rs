@@ -350,3 +350,24 @@ fn a_long_document_cut_into_pieces_keeps_python_s_ids() {
         );
     }
 }
+
+#[test]
+fn builders_started_together_build_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = copy(dir.path(), "tokenizer.json", "tokenizer.json");
+    let files = vec![copy(dir.path(), "d.txt", "d.txt")];
+    let statuses: Vec<CacheStatus> = std::thread::scope(|s| {
+        let builders: Vec<_> = (0..4)
+            .map(|_| s.spawn(|| TokenCorpus::build(&files, &tok, None, None).unwrap()))
+            .collect();
+        builders
+            .into_iter()
+            .map(|b| b.join().unwrap().status().clone())
+            .collect()
+    });
+    let built = statuses
+        .iter()
+        .filter(|s| matches!(s, CacheStatus::Built(_)))
+        .count();
+    assert_eq!(built, 1, "{statuses:?}");
+}

@@ -16,7 +16,9 @@
 //!   when the tokenizer's SHA-256, the EOS id, the field and every file's size and modification
 //!   time are the manifest's; otherwise it rebuilds them in place and says why. Both files are
 //!   written atomically, the manifest removed first and written last, so a run killed half way
-//!   leaves a cache that the next run rebuilds, never one that lies.
+//!   leaves a cache that the next run rebuilds, never one that lies. Processes that find the cache
+//!   stale at once (an MPI job's ranks) build it one at a time under a lock beside it
+//!   (`tokens-<key>.lock`): the first builds, the rest reuse.
 //! * [`super::DataLoader`] cuts the stream into `context + 1` windows exactly as it cuts the
 //!   byte corpus, so the data order stays a pure function of the seed and the step.
 
@@ -272,12 +274,14 @@ impl TokenCorpus {
             tokens: 0,
         };
         let (token_file, manifest_file) = cache_paths(files, &want, options.cache_dir.as_deref())?;
-        let status = match cached_manifest(&manifest_file, &token_file) {
-            Some(old) => match old.stale_reason(&want) {
-                None => return Self::open(token_file, old, CacheStatus::Reused),
-                Some(reason) => reason,
-            },
-            None => "no token file yet".to_string(),
+        if let Ok(old) = usable_cache(&manifest_file, &token_file, &want) {
+            return Self::open(token_file, old, CacheStatus::Reused);
+        }
+        // Another process may be building this very file: wait for it, then look again.
+        let _lock = build_lock(&token_file.with_extension("lock"), options.progress);
+        let status = match usable_cache(&manifest_file, &token_file, &want) {
+            Ok(old) => return Self::open(token_file, old, CacheStatus::Reused),
+            Err(reason) => reason,
         };
         let _ = std::fs::remove_file(&manifest_file);
         let manifest = write_tokens(&token_file, tokenizer, want, options)?;
@@ -425,6 +429,47 @@ fn cached_manifest(path: &Path, token_file: &Path) -> Option<Manifest> {
     let manifest: Manifest = serde_json::from_slice(&std::fs::read(path).ok()?).ok()?;
     let size = std::fs::metadata(token_file).ok()?.len();
     (size == manifest.tokens * 4).then_some(manifest)
+}
+
+/// The cached manifest when the token file it describes fits `want`, else why it does not.
+fn usable_cache(manifest: &Path, token_file: &Path, want: &Manifest) -> Result<Manifest, String> {
+    let Some(old) = cached_manifest(manifest, token_file) else {
+        return Err("no token file yet".to_string());
+    };
+    match old.stale_reason(want) {
+        None => Ok(old),
+        Some(reason) => Err(reason),
+    }
+}
+
+/// Serialises the builds of one token file between processes (the ranks of an MPI job on a host
+/// start together): the first builds, the others wait, then find it built and reuse it. The
+/// kernel drops the lock when its holder exits, so a killed build blocks nobody. Where the file
+/// system has no locks every process builds (the same bytes, each renamed into place whole).
+fn build_lock(path: &Path, progress: bool) -> Option<std::fs::File> {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .ok()?;
+    match file.try_lock() {
+        Ok(()) => return Some(file),
+        Err(std::fs::TryLockError::WouldBlock) => {}
+        Err(std::fs::TryLockError::Error(_)) => return None,
+    }
+    let spinner = match progress {
+        true => indicatif::ProgressBar::new_spinner(),
+        false => indicatif::ProgressBar::hidden(),
+    };
+    spinner.set_message(format!(
+        "waiting for another process building {}",
+        path.with_extension("u32").display()
+    ));
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    let locked = file.lock().is_ok();
+    spinner.finish_and_clear();
+    locked.then_some(file)
 }
 
 /// Documents are encoded in parallel in batches of about this many bytes of text.
