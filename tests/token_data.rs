@@ -221,6 +221,13 @@ fn bad_inputs_name_the_file_and_the_line() {
         let err = error_for(name, bytes, None).to_string();
         assert!(err.contains(name) && err.contains(want), "{name}: {err}");
     }
+    let err = error_for("j.jsonl", b"{\"text\": 1,,}\n", None).to_string();
+    assert!(
+        err.contains("j.jsonl: line 1: not JSON: ")
+            && err.contains("(column ")
+            && !err.contains(" at line "),
+        "the column inside the line, not serde's line count: {err}"
+    );
     let err = error_for("h.jsonl", b"\n  \n", None);
     assert!(matches!(err, DataError::EmptyFile { .. }), "{err}");
     let err = error_for("i.jsonl", b"{\"text\": \"ok\"}\n", Some("body")).to_string();

@@ -105,6 +105,14 @@ fn train_names_the_file_and_line_of_bad_data() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(stderr.contains("need a tokenizer"), "{stderr}");
+
+    let out = train(dir.path(), &["--data", "a.txt", "--text-field", "body"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--text-field needs a tokenizer"),
+        "{stderr}"
+    );
 }
 
 /// The tiny GPT-2 directory of the Hugging Face fixtures with `tokenizer` as its tokenizer.json.

@@ -22,9 +22,9 @@ pub struct DataArgs {
     /// A Hugging Face tokenizer.json [default with --model-dir: DIR/tokenizer.json].
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
-    /// The JSONL field holding each document's text.
-    #[arg(long, value_name = "NAME", default_value = "text")]
-    pub text_field: String,
+    /// The JSONL field holding each document's text [default: text].
+    #[arg(long, value_name = "NAME")]
+    pub text_field: Option<String>,
     /// The token put between documents [default: eos_token of tokenizer_config.json beside the
     /// tokenizer, else <|endoftext|>, <|end_of_text|>, </s> or <eos>, whichever it has].
     #[arg(long, value_name = "TOKEN")]
@@ -53,9 +53,7 @@ impl DataArgs {
         from_config: bool,
     ) -> anyhow::Result<(GptConfig, Option<TextTokenizer>)> {
         let Some(path) = self.tokenizer_path(model_dir) else {
-            if self.paths.len() > 1 {
-                bail!("several --data paths need a tokenizer (--tokenizer FILE or --model-dir DIR); without one the data is a single UTF-8 text file");
-            }
+            self.check_byte_corpus()?;
             return Ok((gpt, None));
         };
         let tokenizer = TextTokenizer::from_file(&path, self.eos_token.as_deref())?;
@@ -71,6 +69,23 @@ impl DataArgs {
             );
         }
         Ok((gpt, Some(tokenizer)))
+    }
+
+    /// Without a tokenizer the data is one UTF-8 file of bytes: refuses what only a tokenizer
+    /// would use.
+    fn check_byte_corpus(&self) -> anyhow::Result<()> {
+        if self.paths.len() > 1 {
+            bail!("several --data paths need a tokenizer (--tokenizer FILE or --model-dir DIR); without one the data is a single UTF-8 text file");
+        }
+        let flags = [
+            ("--text-field", self.text_field.is_some()),
+            ("--eos-token", self.eos_token.is_some()),
+            ("--data-cache", self.data_cache.is_some()),
+        ];
+        if let Some((flag, _)) = flags.iter().find(|(_, set)| *set) {
+            bail!("{flag} needs a tokenizer (--tokenizer FILE or --model-dir DIR with a tokenizer.json); without one the data's bytes are its tokens");
+        }
+        Ok(())
     }
 
     /// The `--data` paths (and the tokenizer) as inputs of the output-path checks.
@@ -127,7 +142,7 @@ impl DataArgs {
             check_exists(&paths[0], true)?;
         }
         let options = TokenDataOptions {
-            text_field: Some(self.text_field.clone()),
+            text_field: self.text_field.clone(),
             cache_dir: self.data_cache.clone(),
             progress: rank0 && progress,
             ..Default::default()

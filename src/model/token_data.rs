@@ -305,7 +305,22 @@ impl TokenCorpus {
             // Safety: the file is ours (written through a rename, never modified in place); a
             // rebuild replaces the name, and this mapping keeps the old inode alive.
             let map = unsafe { memmap2::Mmap::map(&f) };
-            Some(map.map_err(|e| cache_error(&token_file, "mapping", e))?)
+            let map = map.map_err(|e| cache_error(&token_file, "mapping", e))?;
+            // Checked again on the mapping itself (the name may have been replaced since), so
+            // that reading a window can never run past its end.
+            if map.len() as u64 != manifest.tokens * 4 {
+                let msg = format!(
+                    "holds {} bytes, not the manifest's {} tokens",
+                    map.len(),
+                    manifest.tokens
+                );
+                return Err(cache_error(
+                    &token_file,
+                    "mapping",
+                    std::io::Error::other(msg),
+                ));
+            }
+            Some(map)
         };
         let name = match manifest.files.as_slice() {
             [one] => one.path.display().to_string(),

@@ -218,8 +218,14 @@ fn field_of(path: &Path, line: usize, text: &str, field: &str) -> Result<String,
         line,
         msg,
     };
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| at(format!("not JSON: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        // serde_json counts lines inside this one; the column is what helps.
+        let what = e.to_string();
+        let what = what
+            .rsplit_once(" at line ")
+            .map_or(what.as_str(), |(w, _)| w);
+        at(format!("not JSON: {what} (column {})", e.column()))
+    })?;
     let serde_json::Value::Object(mut map) = value else {
         return Err(at(format!(
             "expected a JSON object with a \"{field}\" field, found {}",
