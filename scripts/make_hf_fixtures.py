@@ -133,10 +133,48 @@ def make(out_root):
     save_and_train(gpt2, out_root, "gpt2-tiny")
     llama = LlamaForCausalLM(tiny_llama_config()).float().eval()
     randomize_llama(llama, torch.Generator().manual_seed(SEED + 1))
-    save_and_train(llama, out_root, "llama-tiny")
+    save_and_train(llama, out_root, "llama-tiny", llama_variants(llama))
 
 
-def save_and_train(model, out_root, name):
+# Config changes of the Llama fixture checked at step 0 on its own weights: the rotary scalings
+# (original context 8 < the 16 tokens, so that llama3's ramp and its low band both apply) and a
+# tied head (lm_head.weight dropped from the file).
+LLAMA_VARIANTS = [
+    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+    {
+        "rope_parameters": {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+            "rope_theta": 10000.0,
+        }
+    },
+    {"tie_word_embeddings": True},
+]
+
+
+def llama_variants(model):
+    """Step-0 losses of the fixture's weights under each of LLAMA_VARIANTS (before training)."""
+    data = batches(model.config.vocab_size)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    out = []
+    for change in LLAMA_VARIANTS:
+        cfg = LlamaConfig(**{**model.config.to_dict(), **change})
+        variant = LlamaForCausalLM(cfg).float().eval()
+        drop = ["lm_head.weight"] if change.get("tie_word_embeddings") else []
+        variant.load_state_dict({k: v for k, v in state.items() if k not in drop}, strict=not drop)
+        if drop:
+            variant.tie_weights()
+            assert variant.lm_head.weight.data_ptr() == variant.model.embed_tokens.weight.data_ptr()
+        with torch.no_grad():
+            loss = loss_of(variant, data[0]).item()
+        out.append({"config": change, "drop": drop, "loss": loss})
+    return out
+
+
+def save_and_train(model, out_root, name, variants=None):
     model_dir = os.path.join(out_root, name)
     model.save_pretrained(model_dir, safe_serialization=True)
     extra = os.path.join(model_dir, "generation_config.json")
@@ -168,6 +206,7 @@ def save_and_train(model, out_root, name):
         "steps": data,
         "losses": losses,
         "loss_after_steps_on_batch_0": after,
+        "variants": variants or [],
         "torch": torch.__version__,
     }
     with open(os.path.join(out_root, f"{name}-expected.json"), "w") as f:

@@ -154,7 +154,7 @@ fn llama_configs_zerodp_cannot_compute_are_refused_by_name() {
         ("num_key_value_heads", 3.into()),
         (
             "rope_parameters",
-            serde_json::json!({"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}),
+            serde_json::json!({"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}),
         ),
     ];
     for (field, value) in cases {
@@ -194,4 +194,50 @@ fn export_loads_back_to_the_same_weights_and_loss() {
     assert_eq!(back, params);
     let b = batch(&exp, 0, 0, 4);
     assert_eq!(loss(&model, &params, &b), loss(&model, &back, &b));
+}
+
+/// The fixture's weights under a changed config (`variant["config"]` merged in, the tensors in
+/// `variant["drop"]` left out of the file), in a new directory.
+fn variant_dir(variant: &Value) -> (tempfile::TempDir, Value) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = read_json(&fixture_dir().join("config.json"));
+    for (k, v) in variant["config"].as_object().unwrap() {
+        config[k] = v.clone();
+    }
+    let drop: Vec<&str> = variant["drop"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    let bytes = std::fs::read(fixture_dir().join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept = file
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !drop.contains(&n.as_str()));
+    safetensors::serialize_to_file(kept, None, &dir.path().join("model.safetensors")).unwrap();
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+    (dir, config)
+}
+
+#[test]
+fn rope_scalings_and_a_tied_head_equal_transformers() {
+    let exp = expected();
+    let variants = exp["variants"].as_array().unwrap();
+    assert_eq!(variants.len(), 3);
+    for v in variants {
+        let (dir, config) = variant_dir(v);
+        let config = config_of(&config).unwrap();
+        let model = Candle::new(Llama::new(config).unwrap());
+        let weights = hf::load_weights(dir.path(), model.spec()).unwrap();
+        let got = loss(&model, &weights, &batch(&exp, 0, 0, 4));
+        let want = v["loss"].as_f64().unwrap();
+        eprintln!("{}: relative {:.2e}", v["config"], rel(got, want));
+        assert!(
+            rel(got, want) <= 1e-5,
+            "{}: zerodp {got}, transformers {want}",
+            v["config"]
+        );
+    }
 }

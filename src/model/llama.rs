@@ -44,6 +44,7 @@ pub struct LlamaConfig {
     pub context: usize,
     pub rms_eps: f64,
     pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
     pub tied: bool,
     /// Standard deviation of the seeded initialisation (`initializer_range`).
     pub init_std: f64,
@@ -51,7 +52,8 @@ pub struct LlamaConfig {
 
 impl LlamaConfig {
     /// Maps a `LlamaForCausalLM` config, with `LlamaConfig`'s defaults where a field is absent;
-    /// a value zerodp does not compute (rope scaling, biases, another activation) is refused by
+    /// a value zerodp does not compute (a rope scaling other than linear and llama3, biases,
+    /// another activation) is refused by
     /// name.
     pub fn from_hf_json(json: &Value, path: &Path) -> Result<LlamaConfig, HfError> {
         let Some(map) = json.as_object() else {
@@ -117,30 +119,112 @@ fn sizes(f: &Fields<'_>) -> Result<LlamaConfig, HfError> {
         context: f.size("max_position_embeddings", Some(2048))?,
         rms_eps: f.number("rms_norm_eps", 1e-6)?,
         rope_theta: rope_theta(f)?,
+        rope_scaling: rope_scaling(f)?,
         tied: f.flag("tie_word_embeddings", false)?,
         init_std: f.number("initializer_range", 0.02)?,
     })
 }
 
-/// `rope_theta`, top-level (transformers 4) or in `rope_parameters` (transformers 5); any
-/// scaling (`rope_scaling`, or a `rope_type` other than `default`) is refused by name.
+/// How the rotary frequencies are rescaled for a longer context (`rope_type`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// `default`: `theta^(-2k/d)`.
+    None,
+    /// `linear`: every frequency divided by `factor`.
+    Linear { factor: f64 },
+    /// `llama3`: low frequencies divided by `factor`, high ones kept, a smooth ramp between
+    /// (wavelengths against `original_max_position_embeddings` / the two frequency factors).
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_context: f64,
+    },
+}
+
+/// The rope block: `rope_parameters` (transformers 5) or `rope_scaling` (transformers 4).
+fn rope_block<'a>(f: &Fields<'a>) -> Option<(&'static str, &'a Value)> {
+    ["rope_parameters", "rope_scaling"]
+        .into_iter()
+        .find_map(|k| f.map.get(k).filter(|v| !v.is_null()).map(|v| (k, v)))
+}
+
+/// `rope_theta`, in `rope_parameters` (transformers 5) or top-level (transformers 4).
 fn rope_theta(f: &Fields<'_>) -> Result<f64, HfError> {
-    for field in ["rope_scaling", "rope_parameters"] {
-        let Some(block) = f.map.get(field).filter(|v| !v.is_null()) else {
-            continue;
-        };
-        let kind = block.get("rope_type").or_else(|| block.get("type"));
-        if kind.is_some_and(|k| k.as_str() != Some("default")) {
-            let why = "only unscaled rotary embeddings (rope_type default) are implemented";
-            return Err(unsupported(f.path, field, block, why));
-        }
-        if let Some(theta) = block.get("rope_theta") {
-            return theta
-                .as_f64()
-                .ok_or_else(|| field_err(f.path, "rope_parameters.rope_theta", "not a number"));
-        }
+    if let Some((field, theta)) = rope_block(f).and_then(|(k, b)| Some((k, b.get("rope_theta")?))) {
+        return theta
+            .as_f64()
+            .ok_or_else(|| field_err(f.path, &format!("{field}.rope_theta"), "not a number"));
     }
     f.number("rope_theta", 10000.0)
+}
+
+/// The scaling the rope block names; one zerodp does not compute (`dynamic`, `yarn`,
+/// `longrope`...) is refused by name.
+fn rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, HfError> {
+    let Some((field, block)) = rope_block(f) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = block.get("rope_type").or_else(|| block.get("type"));
+    let number = |key: &str| {
+        block
+            .get(key)
+            .and_then(Value::as_f64)
+            .filter(|x| *x > 0.0)
+            .ok_or_else(|| {
+                field_err(
+                    f.path,
+                    &format!("{field}.{key}"),
+                    "missing or not a positive number",
+                )
+            })
+    };
+    match kind.and_then(Value::as_str).unwrap_or("default") {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: number("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_context: number("original_max_position_embeddings")?,
+        }),
+        _ => {
+            let why = "the rotary scalings implemented are default, linear and llama3";
+            Err(unsupported(f.path, field, block, why))
+        }
+    }
+}
+
+impl RopeScaling {
+    /// The inverse frequencies `theta^(-2k/d)`, rescaled as transformers'
+    /// `ROPE_INIT_FUNCTIONS` rescale them (in f64; the tables are rounded to f32 once).
+    fn inv_freq(self, theta: f64, d: usize) -> Vec<f64> {
+        let base = (0..d / 2).map(|k| 1.0 / theta.powf((2 * k) as f64 / d as f64));
+        match self {
+            RopeScaling::None => base.collect(),
+            RopeScaling::Linear { factor } => base.map(|f| f / factor).collect(),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_context: old,
+            } => base
+                .map(|f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen > old / low {
+                        f / factor
+                    } else if wavelen < old / high {
+                        f
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect(),
+        }
+    }
 }
 
 /// The fields that change the math and have one implemented value.
@@ -261,8 +345,10 @@ impl Llama {
     /// `cos` and `sin` `[t, head_dim]` of positions `0..t` (frequencies repeated over both halves).
     fn rope_tables(&self, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let d = self.config.head_dim;
-        let inv: Vec<f32> = (0..d / 2)
-            .map(|k| (1.0 / self.config.rope_theta.powf((2 * k) as f64 / d as f64)) as f32)
+        let inv: Vec<f32> = (self.config.rope_scaling)
+            .inv_freq(self.config.rope_theta, d)
+            .into_iter()
+            .map(|f| f as f32)
             .collect();
         let mut angles = Vec::with_capacity(t * d);
         for pos in 0..t {
