@@ -758,17 +758,24 @@ mod tests {
         (y, d)
     }
 
+    /// Deterministic qkv rows and output gradients for `batch` sequences of `t` rows, and the
+    /// qkv width.
+    fn inputs(batch: usize, t: usize, heads: usize, hd: usize) -> (Vec<f32>, Vec<f32>, usize) {
+        let c3 = 3 * heads * hd;
+        let qkv = (0..batch * t * c3)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
+            .collect();
+        let dy = (0..batch * t * c3 / 3)
+            .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        (qkv, dy, c3)
+    }
+
     #[test]
     fn blocked_causal_attention_matches_the_definition() {
         // Odd and even lengths (uneven query blocks), one row, two sequences.
         for (batch, t, heads, hd) in [(2, 7, 2, 4), (1, 8, 1, 3), (1, 1, 2, 2), (2, 33, 3, 5)] {
-            let c3 = 3 * heads * hd;
-            let qkv: Vec<f32> = (0..batch * t * c3)
-                .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
-                .collect();
-            let dy: Vec<f32> = (0..batch * t * c3 / 3)
-                .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
-                .collect();
+            let (qkv, dy, c3) = inputs(batch, t, heads, hd);
             let attn = CausalAttention {
                 batch,
                 seq: t,
@@ -805,13 +812,7 @@ mod tests {
     #[test]
     fn head_groups_give_the_same_bits_as_one_thread() {
         let (batch, t, heads, hd) = (2, 19, 6, 8);
-        let c3 = 3 * heads * hd;
-        let qkv: Vec<f32> = (0..batch * t * c3)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.7)
-            .collect();
-        let dy: Vec<f32> = (0..batch * t * c3 / 3)
-            .map(|i| (i * 104_729 % 1000) as f32 / 500.0 - 1.0)
-            .collect();
+        let (qkv, dy, c3) = inputs(batch, t, heads, hd);
         let attn = CausalAttention {
             batch,
             seq: t,

@@ -1291,6 +1291,36 @@ impl CrossEntropy {
         let sum = row.iter().fold(lit::<T>(0.0), |a, &x| a + (x - max).exp());
         max + sum.ln()
     }
+
+    /// The summed loss of `logits` (rows of `v`) against `targets`: a partial sum per task of
+    /// [`ROWS_PER_TASK`] rows, the partials added in task order (the same value at every thread
+    /// count).
+    fn loss_sum<T: Real>(logits: &[T], targets: &[u32], v: usize) -> f64 {
+        let partials: Vec<f64> = logits
+            .par_chunks(v * ROWS_PER_TASK)
+            .zip(targets.par_chunks(ROWS_PER_TASK))
+            .map(|(rows, ts)| {
+                rows.chunks(v)
+                    .zip(ts)
+                    .map(|(row, &t)| (Self::lse(row) - row[t as usize]).to_f64())
+                    .sum::<f64>()
+            })
+            .collect();
+        partials.iter().sum()
+    }
+
+    /// The logits in `d` (rows of `v`) replaced by their gradient `(softmax - onehot) * scale`.
+    fn grad_in_place<T: Real>(d: &mut [T], targets: &[u32], v: usize, scale: T) {
+        d.par_chunks_mut(v * ROWS_PER_TASK)
+            .zip(targets.par_chunks(ROWS_PER_TASK))
+            .for_each(|(ds, ts)| {
+                for (dr, &t) in ds.chunks_mut(v).zip(ts) {
+                    let lse = Self::lse(dr);
+                    dr.iter_mut().for_each(|x| *x = (*x - lse).exp() * scale);
+                    dr[t as usize] -= scale;
+                }
+            });
+    }
 }
 
 impl CustomOp2 for CrossEntropy {
@@ -1314,20 +1344,7 @@ impl CustomOp2 for CrossEntropy {
             bail!("cross entropy: target {bad} outside the vocabulary of {v}");
         }
         by_dtype!(storage_dtype(s1), self.name(), |T| {
-            let logits = slice_of::<T>(s1, l1)?;
-            // Per task of rows a partial sum, the partials added in task order: the same value
-            // at every thread count.
-            let partials: Vec<f64> = logits
-                .par_chunks(v * ROWS_PER_TASK)
-                .zip(targets.par_chunks(ROWS_PER_TASK))
-                .map(|(rows, ts)| {
-                    rows.chunks(v)
-                        .zip(ts)
-                        .map(|(row, &tgt)| (Self::lse(row) - row[tgt as usize]).to_f64())
-                        .sum::<f64>()
-                })
-                .collect();
-            let total: f64 = partials.iter().sum();
+            let total = Self::loss_sum(slice_of::<T>(s1, l1)?, targets, v);
             Ok((
                 T::to_cpu_storage_owned(vec![T::from_f64(total / n as f64)]),
                 Shape::from(()),
@@ -1347,19 +1364,8 @@ impl CustomOp2 for CrossEntropy {
         let g = dloss.to_dtype(DType::F64)?.to_scalar::<f64>()? / n as f64;
         let d = by_dtype!(logits.dtype(), self.name(), |T| {
             with_slice::<T, _>(logits, |x| {
-                let mut d = vec![lit::<T>(0.0); x.len()];
-                d.par_chunks_mut(v * ROWS_PER_TASK)
-                    .zip(x.par_chunks(v * ROWS_PER_TASK))
-                    .zip(targets.par_chunks(ROWS_PER_TASK))
-                    .for_each(|((ds, xs), ts)| {
-                        for ((dr, xr), &tgt) in ds.chunks_mut(v).zip(xs.chunks(v)).zip(ts) {
-                            let lse = Self::lse(xr);
-                            for (d, &x) in dr.iter_mut().zip(xr) {
-                                *d = (x - lse).exp() * lit::<T>(g);
-                            }
-                            dr[tgt as usize] -= lit::<T>(g);
-                        }
-                    });
+                let mut d = x.to_vec();
+                Self::grad_in_place(&mut d, &targets, v, lit::<T>(g));
                 tensor(d, (n, v))
             })?
         });
@@ -1411,17 +1417,7 @@ impl HeadLoss {
         for (hs, ts) in h.chunks(rows * c).zip(self.targets.chunks(rows)) {
             let x = &mut logits[..ts.len() * v];
             Self::logits(hs, wte, (c, v), x);
-            let partials: Vec<f64> = x
-                .par_chunks(v * ROWS_PER_TASK)
-                .zip(ts.par_chunks(ROWS_PER_TASK))
-                .map(|(xs, ts)| {
-                    xs.chunks(v)
-                        .zip(ts)
-                        .map(|(row, &t)| (CrossEntropy::lse(row) - row[t as usize]).to_f64())
-                        .sum::<f64>()
-                })
-                .collect();
-            total += partials.iter().sum::<f64>();
+            total += CrossEntropy::loss_sum(x, ts, v);
         }
         total / self.targets.len().max(1) as f64
     }
@@ -1440,15 +1436,7 @@ impl HeadLoss {
         for ((hs, ts), dhs) in chunks.zip(dh.chunks_mut(rows * c)) {
             let d = &mut logits[..ts.len() * v];
             Self::logits(hs, wte, (c, v), d);
-            d.par_chunks_mut(v * ROWS_PER_TASK)
-                .zip(ts.par_chunks(ROWS_PER_TASK))
-                .for_each(|(ds, ts)| {
-                    for (dr, &t) in ds.chunks_mut(v).zip(ts) {
-                        let lse = CrossEntropy::lse(dr);
-                        dr.iter_mut().for_each(|x| *x = (*x - lse).exp() * scale);
-                        dr[t as usize] -= scale;
-                    }
-                });
+            CrossEntropy::grad_in_place(d, ts, v, scale);
             let r = ts.len();
             gemm_into((r, c, v), dhs, false, d, (v, 1), wte, (c, 1));
             gemm_into((v, c, r), &mut dwte, true, d, (1, v), hs, (c, 1));
