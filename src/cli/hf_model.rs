@@ -112,6 +112,16 @@ pub enum TrainSaved {
     Llama(CandleSaved),
 }
 
+impl TrainModel {
+    /// The architecture's name, for the run's banner.
+    pub fn arch(&self) -> &'static str {
+        match self {
+            TrainModel::Gpt(_) => "GPT",
+            TrainModel::Llama(_) => "Llama",
+        }
+    }
+}
+
 /// The model of `gpt` (a preset or a GPT-2 config), or of the Llama config `model` holds.
 pub fn build_model(gpt: &GptConfig, model: Option<&HfModel>) -> anyhow::Result<TrainModel> {
     match model.and_then(|m| m.config.llama.clone()) {
@@ -242,21 +252,22 @@ pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
     let spec = spec_of(&source.config)?;
     if let Some(what) = manifest.model.difference(&ModelDescription::of(&spec)) {
         bail!(
-            "checkpoint {} does not match the config's GPT-2 ({} layers, width {}, {} heads, \
+            "checkpoint {} does not match the config's {} ({} layers, width {}, {} heads, \
              vocabulary {}, context {}): {what}",
             a.dir.display(),
-            spec.units.len() - 2,
+            if source.config.llama.is_some() {
+                "Llama"
+            } else {
+                "GPT-2"
+            },
+            source.config.gpt.layers,
             source.config.gpt.width,
             source.config.gpt.heads,
             source.config.gpt.vocab_size,
             source.config.gpt.context
         );
     }
-    let dtype = match a.dtype.as_deref().or(source.config.dtype()) {
-        None => ExportDtype::F32,
-        Some(text) => ExportDtype::parse(text)
-            .with_context(|| format!("--dtype {text}: choose f32, bf16 or f16"))?,
-    };
+    let dtype = export_dtype(a.dtype.as_deref(), &source.config)?;
     check_export_paths(&a, source.tokenizer_dir.as_deref())?;
     let (_, params) = read_params(&a.dir)?;
     let done = hf::export(
@@ -279,6 +290,21 @@ pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
         }
     );
     Ok(0)
+}
+
+/// `--dtype`, else the config's own dtype where it is one zerodp writes, else f32.
+fn export_dtype(flag: Option<&str>, config: &HfConfig) -> anyhow::Result<ExportDtype> {
+    if let Some(text) = flag {
+        return ExportDtype::parse(text)
+            .with_context(|| format!("--dtype {text}: choose f32, bf16 or f16"));
+    }
+    match config.dtype() {
+        None => Ok(ExportDtype::F32),
+        Some(text) => Ok(ExportDtype::parse(text).unwrap_or_else(|| {
+            errln!("note: the config's dtype {text} is not f32, bf16 or f16: writing f32");
+            ExportDtype::F32
+        })),
+    }
 }
 
 /// The config and tokenizer directory: the flags', else what the checkpoint recorded, else a

@@ -304,9 +304,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         Resolved::InProcess { .. } => "",
     };
     eprintln_rank0(rank, format!(
-        "zerodp train: GPT {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
+        "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
          steps x {world}; corpus {} ({} windows)",
+        model.arch(),
         gpt.layers,
         gpt.width,
         gpt.heads,
