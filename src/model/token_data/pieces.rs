@@ -21,6 +21,16 @@ use super::TextTokenizer;
 /// Bytes of text on either side of a cut that must encode to the same ids cut and uncut.
 pub const CHECK_BYTES: usize = 256;
 
+/// Line ends checked in a row without a safe one before the rest of a document is encoded whole:
+/// a tokenizer that no cut fits (Llama 2's) fails every check, and each costs three encodes.
+const MAX_FAILED_CHECKS: usize = 32;
+
+/// A line end (`cut` just after a `\n`) with a non-space character on either side.
+fn plausible_cut(bytes: &[u8], cut: usize) -> bool {
+    let spaced = |b: u8| b.is_ascii_whitespace();
+    cut >= 2 && cut < bytes.len() && !spaced(bytes[cut - 2]) && !spaced(bytes[cut])
+}
+
 /// Id of the placeholder token used to find where a post-processor puts the text.
 const PLACEHOLDER: u32 = u32::MAX;
 
@@ -92,8 +102,13 @@ impl TextTokenizer {
         let mut cuts = Vec::new();
         let mut from = piece_bytes;
         while from < text.len() {
+            let mut checks = 0;
             let Some(cut) = (from..text.len())
-                .filter(|&c| bytes[c - 1] == b'\n')
+                .filter(|&c| bytes[c - 1] == b'\n' && plausible_cut(bytes, c))
+                .take_while(|_| {
+                    checks += 1;
+                    checks <= MAX_FAILED_CHECKS
+                })
                 .find(|&c| self.cut_is_safe(text, c))
             else {
                 break;
@@ -106,11 +121,6 @@ impl TextTokenizer {
 
     /// Whether cutting `text` at `cut` (just after a `\n`) leaves the ids as they are.
     fn cut_is_safe(&self, text: &str, cut: usize) -> bool {
-        let bytes = text.as_bytes();
-        let spaced = |b: u8| b.is_ascii_whitespace();
-        if cut < 2 || cut >= text.len() || spaced(bytes[cut - 2]) || spaced(bytes[cut]) {
-            return false;
-        }
         let mut lo = cut.saturating_sub(CHECK_BYTES);
         while !text.is_char_boundary(lo) {
             lo -= 1;
