@@ -245,3 +245,41 @@ fn a_llama_directory_fine_tunes_and_exports() {
         .collect();
     assert_eq!(exported, rounded);
 }
+
+#[test]
+fn the_runs_tokenizer_is_copied_into_the_export() {
+    let s = setup();
+    let tokenizer =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokens/tokenizer.json");
+    let ckpt = s.dir.path().join("ckpt");
+    let mut c = Command::new(env!("CARGO_BIN_EXE_zerodp"));
+    let run = c
+        .args([
+            "train",
+            "--model",
+            "tiny",
+            "--world-size",
+            "1",
+            "--no-progress",
+            "--steps",
+            "1",
+        ])
+        .arg("--config")
+        .arg(&s.config)
+        .arg("--data")
+        .arg(&s.text)
+        .arg("--tokenizer")
+        .arg(&tokenizer)
+        .arg("--save-dir")
+        .arg(&ckpt)
+        .output()
+        .unwrap();
+    ok(&run);
+    let out = s.dir.path().join("export");
+    let run = zerodp(&["ckpt", "export", "--heads", "2"], &[&ckpt, &out]);
+    ok(&run);
+    assert_eq!(
+        std::fs::read(out.join("tokenizer.json")).unwrap(),
+        std::fs::read(&tokenizer).unwrap()
+    );
+}

@@ -11,7 +11,9 @@
 use anyhow::{bail, Context};
 use candle_core::Tensor;
 use serde_json::Value;
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use zerodp::atomic_file::AtomicFile;
 use zerodp::checkpoint::{load_manifest, read_params, Manifest, ModelDescription};
 use zerodp::model::hf::{self, ExportDtype, HfConfig};
 use zerodp::model::llama::Llama;
@@ -22,7 +24,7 @@ use zerodp::zero::unit::ModelSpec;
 use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, UnitForward, UnitModel};
 
 /// The key of the resolved config recorded in checkpoints that holds the model's Hugging Face
-/// config and directory.
+/// config and directory and the `--tokenizer` file.
 pub const CHECKPOINT_KEY: &str = "zerodp_hf_model";
 
 /// `train`'s model-directory flags.
@@ -86,15 +88,26 @@ impl HfModel {
 
 /// The resolved config recorded in checkpoints, with the Hugging Face config and directory added
 /// under [`CHECKPOINT_KEY`] (so that `ckpt export` needs only the checkpoint).
-pub fn checkpoint_config(mut config: Value, model: Option<&HfModel>) -> Value {
-    let (Some(model), Some(map)) = (model, config.as_object_mut()) else {
+pub fn checkpoint_config(
+    mut config: Value,
+    model: Option<&HfModel>,
+    tokenizer: Option<&Path>,
+) -> Value {
+    let Some(map) = config.as_object_mut() else {
         return config;
     };
-    let dir = model.dir.as_deref().map(|d| {
-        let d = std::fs::canonicalize(d).unwrap_or_else(|_| d.to_path_buf());
-        Value::from(d.to_string_lossy().into_owned())
+    if model.is_none() && tokenizer.is_none() {
+        return config;
+    }
+    let absolute = |p: &Path| {
+        let p = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+        Value::from(p.to_string_lossy().into_owned())
+    };
+    let entry = serde_json::json!({
+        "config": model.map(|m| &m.config.json),
+        "model_dir": model.and_then(|m| m.dir.as_deref()).map(absolute),
+        "tokenizer": tokenizer.map(absolute),
     });
-    let entry = serde_json::json!({ "config": model.config.json, "model_dir": dir });
     map.insert(CHECKPOINT_KEY.into(), entry);
     config
 }
@@ -244,6 +257,8 @@ pub struct ExportArgs {
 struct Source {
     config: HfConfig,
     tokenizer_dir: Option<PathBuf>,
+    /// The `--tokenizer` file the run recorded, written as `tokenizer.json`.
+    tokenizer_file: Option<PathBuf>,
 }
 
 pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
@@ -268,9 +283,9 @@ pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
         );
     }
     let dtype = export_dtype(a.dtype.as_deref(), &source.config)?;
-    check_export_paths(&a, source.tokenizer_dir.as_deref())?;
+    check_export_paths(&a, &source)?;
     let (_, params) = read_params(&a.dir)?;
-    let done = hf::export(
+    let mut done = hf::export(
         &a.out,
         &source.config,
         &spec,
@@ -278,6 +293,7 @@ pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
         dtype,
         source.tokenizer_dir.as_deref(),
     )?;
+    copy_tokenizer(&source, &a.out, &mut done.copied)?;
     errln!(
         "wrote {}: config.json, model.safetensors ({} bytes, {}){}",
         a.out.display(),
@@ -310,31 +326,22 @@ fn export_dtype(flag: Option<&str>, config: &HfConfig) -> anyhow::Result<ExportD
 /// The config and tokenizer directory: the flags', else what the checkpoint recorded, else a
 /// GPT-2 config of the checkpoint's shapes with `--heads`.
 fn export_source(a: &ExportArgs, manifest: &Manifest) -> anyhow::Result<Source> {
-    if let Some(dir) = &a.model_dir {
-        let config = HfConfig::read(&dir.join(hf::CONFIG_FILE))?;
-        let tokenizer_dir = Some(dir.clone());
-        return Ok(Source {
-            config,
-            tokenizer_dir,
-        });
-    }
-    if let Some(file) = &a.model_config {
-        let config = HfConfig::read(file)?;
-        return Ok(Source {
-            config,
-            tokenizer_dir: None,
-        });
-    }
-    if let Some(entry) = manifest.config.get(CHECKPOINT_KEY) {
-        let where_ = a.dir.join("manifest.json");
-        let config = HfConfig::from_json(entry["config"].clone(), &where_)?;
-        let tokenizer_dir = entry["model_dir"].as_str().map(PathBuf::from);
-        return Ok(Source {
-            config,
-            tokenizer_dir: tokenizer_dir.filter(|d| d.is_dir()),
-        });
-    }
-    let Some(heads) = a.heads else {
+    let entry = manifest.config.get(CHECKPOINT_KEY);
+    let recorded = |key: &str| entry.and_then(|e| e[key].as_str()).map(PathBuf::from);
+    let recorded_config = entry.map(|e| &e["config"]).filter(|c| !c.is_null());
+    let (config, tokenizer_dir) = if let Some(dir) = &a.model_dir {
+        (
+            HfConfig::read(&dir.join(hf::CONFIG_FILE))?,
+            Some(dir.clone()),
+        )
+    } else if let Some(file) = &a.model_config {
+        (HfConfig::read(file)?, None)
+    } else if let Some(json) = recorded_config {
+        let config = HfConfig::from_json(json.clone(), &a.dir.join("manifest.json"))?;
+        (config, recorded("model_dir").filter(|d| d.is_dir()))
+    } else if let Some(heads) = a.heads {
+        (HfConfig::for_gpt(&gpt_of(manifest, heads)?), None)
+    } else {
         bail!(
             "checkpoint {} was not trained from a Hugging Face config: pass --model-config FILE \
              (a GPT-2 config.json of the same sizes), --model-dir DIR, or --heads N for a zerodp \
@@ -343,9 +350,37 @@ fn export_source(a: &ExportArgs, manifest: &Manifest) -> anyhow::Result<Source> 
         );
     };
     Ok(Source {
-        config: HfConfig::for_gpt(&gpt_of(manifest, heads)?),
-        tokenizer_dir: None,
+        config,
+        tokenizer_dir,
+        tokenizer_file: recorded("tokenizer").filter(|f| f.is_file()),
     })
+}
+
+/// Copies the run's `--tokenizer` file as `tokenizer.json` (with the `tokenizer_config.json` and
+/// `special_tokens_map.json` beside it), unless the model directory's were copied.
+fn copy_tokenizer(source: &Source, out: &Path, copied: &mut Vec<String>) -> anyhow::Result<()> {
+    let Some(file) = &source.tokenizer_file else {
+        return Ok(());
+    };
+    if copied.iter().any(|c| c == "tokenizer.json") {
+        return Ok(());
+    }
+    let beside =
+        ["tokenizer_config.json", "special_tokens_map.json"].map(|n| (file.with_file_name(n), n));
+    for (src, name) in [(file.clone(), "tokenizer.json")].into_iter().chain(beside) {
+        if !src.is_file() || copied.iter().any(|c| c == name) {
+            continue;
+        }
+        let bytes = std::fs::read(&src).with_context(|| format!("reading {}", src.display()))?;
+        let dst = out.join(name);
+        let mut f =
+            AtomicFile::create(&dst).with_context(|| format!("writing {}", dst.display()))?;
+        f.write_all(&bytes)
+            .and_then(|()| f.commit())
+            .with_context(|| format!("writing {}", dst.display()))?;
+        copied.push(name.to_string());
+    }
+    Ok(())
 }
 
 /// A GPT's sizes from a checkpoint's tensor shapes (`wte` `[V, C]`, `wpe` `[T, C]`, one unit per
@@ -372,7 +407,7 @@ fn gpt_of(manifest: &Manifest, heads: usize) -> anyhow::Result<GptConfig> {
 
 /// The export's files may not land in the checkpoint read, a model directory read, or any other
 /// checkpoint; `OUT_DIR` is checked as a path before it is created, then each file in it.
-fn check_export_paths(a: &ExportArgs, tokenizer_dir: Option<&Path>) -> anyhow::Result<()> {
+fn check_export_paths(a: &ExportArgs, source: &Source) -> anyhow::Result<()> {
     let mut inputs = vec![NamedPath {
         name: "checkpoint",
         path: &a.dir,
@@ -380,7 +415,8 @@ fn check_export_paths(a: &ExportArgs, tokenizer_dir: Option<&Path>) -> anyhow::R
     for (name, p) in [
         ("--model-dir", a.model_dir.as_deref()),
         ("--model-config", a.model_config.as_deref()),
-        ("the model directory", tokenizer_dir),
+        ("the model directory", source.tokenizer_dir.as_deref()),
+        ("the tokenizer", source.tokenizer_file.as_deref()),
     ] {
         if let Some(path) = p {
             inputs.push(NamedPath { name, path });

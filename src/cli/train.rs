@@ -283,7 +283,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             dir: dir.clone(),
             every: args.save_every,
             keep_last: args.keep_last,
-            config: super::hf_model::checkpoint_config(settings.to_json(), hf.as_ref()),
+            config: super::hf_model::checkpoint_config(
+                settings.to_json(),
+                hf.as_ref(),
+                args.data.tokenizer.as_deref(),
+            ),
         });
     }
     if let Some(r) = resume {
