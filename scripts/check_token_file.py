@@ -22,10 +22,12 @@ from tokenizers import Tokenizer
 def documents(files, field):
     for f in files:
         path = pathlib.Path(f["path"])
+        # Bytes decoded, not read_text: that would turn \r\n into \n, which zerodp keeps.
+        text = path.read_bytes().decode("utf-8")
         if f["format"] == "text":
-            yield path.read_text(encoding="utf-8")
+            yield text
             continue
-        for line in path.read_text(encoding="utf-8").split("\n"):
+        for line in text.split("\n"):
             if line.strip():
                 yield json.loads(line)[field]
 
