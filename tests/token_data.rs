@@ -162,6 +162,7 @@ fn an_explicit_cache_dir_and_a_directory_of_inputs() {
     copy(&data, "a.txt", "a.txt");
     copy(&data.join("sub"), "b.jsonl", "b.jsonl");
     std::fs::write(data.join("notes.bin"), [0xffu8, 0xfe]).unwrap();
+    std::os::unix::fs::symlink(&data, data.join("sub/loop")).unwrap();
     let tok = TextTokenizer::from_file(&Path::new(FIXTURES).join("tokenizer.json"), None).unwrap();
     let cache = dir.path().join("cache");
     let options = TokenDataOptions {
@@ -173,7 +174,7 @@ fn an_explicit_cache_dir_and_a_directory_of_inputs() {
     assert_eq!(
         corpus.to_vec(),
         ids_of(&expected()["gpt2_text_and_jsonl"]),
-        "a.txt then sub/b.jsonl, the .bin skipped"
+        "a.txt then sub/b.jsonl, the .bin and the link back up skipped"
     );
 }
 

@@ -6,7 +6,8 @@
 //!   `tokenizer(text)` does in `transformers` (so a Llama tokenizer puts `<s>` before each), and
 //!   the documents joined with the EOS id *between* them (none after the last; a document with
 //!   empty text is skipped). The tokenizer's truncation and padding are switched off: a document
-//!   is never cut or padded. Files follow each other in `--data` order.
+//!   is never truncated or padded (a long one is encoded in pieces, to the same ids: see
+//!   `pieces.rs`). Files follow each other in `--data` order.
 //! * The EOS token: the one given, else `eos_token` of a `tokenizer_config.json` beside the
 //!   tokenizer, else the first of `<|endoftext|>`, `<|end_of_text|>`, `</s>`, `<eos>` the
 //!   tokenizer knows.

@@ -4,7 +4,8 @@
 //!   `.jsonl`, `.ndjson` or `.json`, plain text otherwise. A directory contributes the files
 //!   under it (recursively, in path order) that end in `.txt`, `.text`, `.md`, `.jsonl`,
 //!   `.ndjson` or `.json`; names starting with a dot (the token cache among them) are skipped, so
-//!   that a directory never picks up a stray binary or its own cache.
+//!   that a directory never picks up a stray binary or its own cache, and linked directories are
+//!   not entered (a link to a parent would make the walk endless).
 //! * A text file is one document, its whole UTF-8 text. A JSONL line is one document, the string
 //!   in its text field; blank lines are skipped (a trailing newline is not a document).
 //! * Every failure names the file and the line: a non-UTF-8 byte, a line that is not a JSON
@@ -106,8 +107,12 @@ fn collect_dir(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {
         if hidden {
             continue;
         }
+        // A linked directory is not entered: a link back up would never end.
+        let linked = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink());
         if path.is_dir() {
-            collect_dir(&path, out)?;
+            if !linked {
+                collect_dir(&path, out)?;
+            }
         } else if path
             .extension()
             .and_then(|e| e.to_str())
