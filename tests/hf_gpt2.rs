@@ -333,6 +333,16 @@ fn files_that_do_not_match_the_config_are_refused_by_tensor() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("lm_head.weight"), "{e}");
+    // An empty (or truncated) file is named.
+    let broken = tempfile::tempdir().unwrap();
+    std::fs::write(broken.path().join("model.safetensors"), b"").unwrap();
+    let e = hf::load_weights(broken.path(), model.spec())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("safetensors file"),
+        "{e}"
+    );
     // No weights at all: both file names are said.
     let empty = tempfile::tempdir().unwrap();
     let e = hf::load_weights(empty.path(), model.spec())

@@ -588,10 +588,16 @@ fn read_file_into(
     buffers: &mut [Vec<f32>],
     found: &mut Found,
 ) -> Result<(), HfError> {
-    let bytes = std::fs::read(path).map_err(|source| HfError::Read {
+    let read_err = |source| HfError::Read {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let opened = std::fs::File::open(path).map_err(read_err)?;
+    // Mapped, not read: a shard of a large model is gigabytes, and only one tensor at a time is
+    // converted into the f32 buffers, so the file's bytes need not be held twice.
+    // SAFETY: the map is read-only and dropped before this function returns; a file changed
+    // under it by another process is the same hazard every safetensors reader accepts.
+    let bytes = unsafe { memmap2::Mmap::map(&opened) }.map_err(read_err)?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| HfError::Format {
         path: path.to_path_buf(),
         message: format!("not a valid safetensors file: {e}"),
