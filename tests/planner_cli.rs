@@ -344,8 +344,8 @@ fn a_param_nvme_recommendation_is_one_train_runs() {
 }
 
 /// `--model-config` plans a Hugging Face GPT-2 from its config.json alone (or the directory
-/// holding it): the same plan as the shape given by flags, and a config zerodp cannot run is
-/// refused naming the field.
+/// holding it): the same plan as the shape given by flags; a Llama with its exact parameters; a
+/// config zerodp cannot run is refused naming the field.
 #[test]
 fn plan_reads_a_hugging_face_config() {
     let dir = tempfile::tempdir().unwrap();
@@ -382,6 +382,12 @@ fn plan_reads_a_hugging_face_config() {
     assert_eq!(by_dir, by_flags);
     // GPT-2 small: 124,439,808 parameters, 2 bytes each in bf16 at stage 0.
     assert_eq!(by_file[0]["bytes_per_device"]["params"], 2 * 124_439_808u64);
+
+    // A Llama (GQA, untied head): its exact parameter count, 112,448 in the fixture's
+    // model.safetensors, 2 bytes each.
+    let llama = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-tiny");
+    let by_llama = plan(&["--model-config", llama]);
+    assert_eq!(by_llama[0]["bytes_per_device"]["params"], 2 * 112_448u64);
 
     std::fs::write(
         &config,

@@ -25,8 +25,8 @@ pub struct PlanFlags {
     /// Parameter count Ψ: 7.5e9, 70B, 350M.
     #[arg(long, value_name = "COUNT", conflicts_with_all = ["preset", "layers", "model_config"])]
     pub params: Option<String>,
-    /// A Hugging Face GPT-2 `config.json` (or the model directory holding it): the shape, from
-    /// the config file alone.
+    /// A Hugging Face GPT-2 or Llama `config.json` (or the model directory holding it): the model,
+    /// from the config file alone.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers"])]
     pub model_config: Option<std::path::PathBuf>,
     /// Elements of the largest unit (one stage-3 gather); estimated from Ψ when left out.
@@ -212,20 +212,37 @@ fn host_links(args: &PlanFlags) -> anyhow::Result<HostLinks> {
     Ok(h)
 }
 
-/// The GPT shape a Hugging Face config describes (`FILE`, or `DIR/config.json`).
-fn hf_shape(path: &std::path::Path) -> anyhow::Result<GptShape> {
+/// The model a Hugging Face config describes (`FILE`, or `DIR/config.json`): a GPT-2 exactly; a
+/// Llama with its exact parameters and units, its activations estimated as the GPT of the same
+/// widths (`LlamaConfig::gpt_shape`).
+fn hf_model_size(path: &std::path::Path) -> anyhow::Result<ModelSize> {
     let file = match path.is_dir() {
         true => path.join("config.json"),
         false => path.to_path_buf(),
     };
-    let g = zerodp::model::hf::HfConfig::read(&file)?.gpt;
-    Ok(GptShape {
+    let cfg = zerodp::model::hf::HfConfig::read(&file)?;
+    let shape = |g: &zerodp::model::GptConfig| GptShape {
         layers: g.layers as u64,
         width: g.width as u64,
         heads: g.heads as u64,
         vocab: g.vocab_size as u64,
         context: g.context as u64,
-    })
+    };
+    let Some(l) = &cfg.llama else {
+        return Ok(ModelSize::from_gpt(shape(&cfg.gpt))?);
+    };
+    let (c, q, kv) = (l.hidden, l.heads * l.head_dim, l.kv_heads * l.head_dim);
+    let block = (2 * c + 2 * c * q + 2 * c * kv + 3 * c * l.intermediate) as u64;
+    let embed = (l.vocab_size * c) as u64;
+    let head = c as u64 + if l.tied { 0 } else { embed };
+    let mut units = vec![embed];
+    units.extend(std::iter::repeat_n(block, l.layers));
+    units.push(head);
+    let mut size = ModelSize::from_gpt(shape(&l.gpt_shape()))?;
+    size.params = l.num_params() as u64;
+    size.largest_unit = units.iter().copied().max().unwrap_or(0);
+    size.unit_numels = units;
+    Ok(size)
 }
 
 /// Flags and config into the planner's input.
@@ -238,7 +255,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
             .transpose()?;
         ModelSize::from_count(parse_count(p, "--params")?, largest)?
     } else if let Some(path) = &args.model_config {
-        ModelSize::from_gpt(hf_shape(path)?)?
+        hf_model_size(path)?
     } else if let Some(name) = &args.preset {
         ModelSize::from_gpt(GptShape::preset(name)?)?
     } else if let (Some(layers), Some(width), Some(heads)) = (args.layers, args.width, args.heads) {
