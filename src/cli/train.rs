@@ -199,7 +199,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
         Resolved::Mpi { .. } => None,
     };
-    let resume = resume_from(&args)?;
+    let resume = resume_from(&args, launch_rank == 0)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let model = super::hf_model::build_model(&gpt, hf.as_ref())?;
@@ -571,8 +571,9 @@ fn resume_dir(args: &TrainArgs) -> Option<&Path> {
     }
 }
 
-/// The checkpoint to resume from: `--resume DIR`, or `--resume` alone with `--save-dir`.
-fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
+/// The checkpoint to resume from: `--resume DIR`, or `--resume` alone with `--save-dir`; said
+/// once per job (by the `lead` process: rank 0 under MPI).
+fn resume_from(args: &TrainArgs, lead: bool) -> anyhow::Result<Option<Resume>> {
     if args.resume.is_none() {
         return Ok(None);
     }
@@ -581,15 +582,17 @@ fn resume_from(args: &TrainArgs) -> anyhow::Result<Option<Resume>> {
     };
     let r = Resume::from_dir(dir)?;
     let m = &r.manifest;
-    errln!(
-        "resuming from {} at step {} (saved at world size {}, stage {}, {}; seed {})",
-        r.dir.display(),
-        m.step,
-        m.world_size,
-        m.stage,
-        m.precision,
-        m.seed
-    );
+    if lead {
+        errln!(
+            "resuming from {} at step {} (saved at world size {}, stage {}, {}; seed {})",
+            r.dir.display(),
+            m.step,
+            m.world_size,
+            m.stage,
+            m.precision,
+            m.seed
+        );
+    }
     if m.step >= args.steps {
         bail!(
             "the checkpoint is at step {} and --steps is {}: nothing to train (--steps counts \
