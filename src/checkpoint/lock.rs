@@ -197,10 +197,10 @@ fn claim(dir: &Path, path: PathBuf, file: File, flocked: bool) -> Result<Acquire
             });
         }
     }
-    let text = serde_json::to_vec(&me).expect("a lock record serialises");
-    let written = file
-        .set_len(0)
-        .and_then(|()| file.write_all_at(&text, 0))
+    let written = serde_json::to_vec(&me)
+        .map_err(std::io::Error::other)
+        .and_then(|text| file.set_len(0).map(|()| text))
+        .and_then(|text| file.write_all_at(&text, 0))
         .and_then(|()| file.sync_all());
     if let Err(source) = written {
         let _ = std::fs::remove_file(&path);

@@ -472,33 +472,11 @@ fn is_mask_buffer(name: &str) -> bool {
 
 /// A tensor's values as f32, from any float dtype a checkpoint uses.
 fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, HfError> {
-    let data = view.data();
-    let out = match view.dtype() {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        Dtype::F64 => data
-            .chunks_exact(8)
-            .map(|b| f64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as f32)
-            .collect(),
-        Dtype::BF16 => data
-            .chunks_exact(2)
-            .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => data
-            .chunks_exact(2)
-            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        other => {
-            return Err(HfError::Dtype {
-                path: path.to_path_buf(),
-                name: name.into(),
-                dtype: format!("{other:?}"),
-            })
-        }
-    };
-    Ok(out)
+    super::weights::widen_to_f32(view).ok_or_else(|| HfError::Dtype {
+        path: path.to_path_buf(),
+        name: name.into(),
+        dtype: format!("{:?}", view.dtype()),
+    })
 }
 
 /// The weight files of a model directory: `model.safetensors`, or every shard the index's

@@ -41,7 +41,8 @@
 //!         |vb| linear(8, 1, vb.pp("head")),
 //!         |l, h, b: &Rows| {
 //!             let y = Tensor::from_slice(&b.y, (b.n, 1), &Device::Cpu)?;
-//!             (l.forward(h.expect("Candle passes the hidden output"))? - y)?.sqr()?.mean_all()
+//!             let h = h.ok_or_else(|| candle_core::Error::Msg("the head needs the hidden output".into()))?;
+//!             (l.forward(h)? - y)?.sqr()?.mean_all()
 //!         },
 //!     )?;
 //! let names: Vec<&str> = units.spec().units[1].params.iter().map(|p| p.name.as_str()).collect();

@@ -73,9 +73,11 @@ pub enum WeightsError {
     },
 }
 
-fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, WeightsError> {
+/// A tensor's values as f32 from any float dtype a checkpoint uses; `None` for another dtype.
+/// The one widening of stored tensors: zerodp's own weight files and Hugging Face's.
+pub(crate) fn widen_to_f32(view: &TensorView<'_>) -> Option<Vec<f32>> {
     let data = view.data();
-    let out = match view.dtype() {
+    Some(match view.dtype() {
         Dtype::F32 => data
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -92,15 +94,16 @@ fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, We
             .chunks_exact(2)
             .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
-        other => {
-            return Err(WeightsError::Dtype {
-                path: path.to_path_buf(),
-                name: name.to_string(),
-                dtype: format!("{other:?}"),
-            })
-        }
-    };
-    Ok(out)
+        _ => return None,
+    })
+}
+
+fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, WeightsError> {
+    widen_to_f32(view).ok_or_else(|| WeightsError::Dtype {
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        dtype: format!("{:?}", view.dtype()),
+    })
 }
 
 /// Read `path` into one flat `f32` buffer per unit of `spec`.
