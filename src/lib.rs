@@ -19,6 +19,9 @@
 //! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
 //! * [`model`]: the candle helper that makes any candle model a unit model
 //!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
+//! * [`device`]: where a rank computes (`--device cpu|cuda|cuda:N`), which GPU a rank takes, and
+//!   a GPU's memory for the pre-flight and the planner. Depends on nothing (cudarc's driver API
+//!   under the `cuda` feature).
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //! * [`atomic_file`]: files written under a temporary name and renamed into place, so that a
@@ -37,6 +40,7 @@ pub mod atomic_file;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod device;
 pub mod limits;
 pub mod memory;
 pub mod model;

@@ -14,6 +14,7 @@ use super::train::ModelArgs;
 use anyhow::bail;
 use std::sync::Arc;
 use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
+use zerodp::config::{defaults, Precision};
 use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
@@ -77,6 +78,12 @@ pub struct BenchTrainArgs {
     /// `nvme` the swap file holds them so, half the disk traffic).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16"])]
     pub optimizer_states: String,
+    /// Parameters and gradients in `fp32` or `bf16` (fp32 master weights and Adam moments on the
+    /// owning shard, as the config's bf16 block): what the model computes in on a GPU.
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "bf16"])]
+    pub precision: String,
+    #[command(flatten)]
+    pub device: super::device_args::DeviceArgs,
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
@@ -149,7 +156,8 @@ pub struct BenchRow {
     pub gemm_flops_per_s: f64,
     /// Model FLOPs utilisation against that rate: `model_flops_per_s / gemm_flops_per_s`.
     pub mfu: f64,
-    /// The GEMM the model's f32 products ran on: `amx` or `gemm` (see `zerodp::model::GEMM_ENV`).
+    /// The GEMM the model's f32 products ran on: `amx` or `gemm` (see `zerodp::model::GEMM_ENV`),
+    /// or `cuda` on a GPU (`--device`), where `gemm_flops_per_s` and `mfu` are 0 (not measured).
     pub gemm_path: &'static str,
     /// NVMe offload: rank 0's swap-file bytes read and written per step, and their rate over the
     /// median step and over its optimizer phase (when the disk works), in GB/s.
@@ -191,7 +199,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     }
     let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
     let gpt = args.model.build("small")?;
-    let model = GptModel::new(gpt.clone())?;
+    let device = args.device.open(precision_of(&args))?;
+    if device.gpu.is_some() {
+        errln!("device: {}", device.describe());
+    }
+    let model = GptModel::on_device(gpt.clone(), device.dtype, device.device.clone())?;
     let data = random_windows(gpt.context)?;
     let mut samples: Vec<Samples> = Vec::new();
     for round in 0..args.rounds {
@@ -234,6 +246,12 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     let shape = (args.per_rank * gpt.context, gpt.width, 4 * gpt.width);
     let mut probed: Vec<(usize, usize, f64)> = Vec::new();
     for r in &mut rows {
+        r.model_flops_per_s = gpt.flops_per_token() * r.tokens_per_s;
+        if device.gpu.is_some() {
+            // The CPU's GEMM rate says nothing of a GPU run: no utilisation is claimed.
+            r.gemm_path = "cuda";
+            continue;
+        }
         let key = (r.world_size, r.rayon_threads_per_rank);
         let rate = match probed.iter().find(|p| (p.0, p.1) == key) {
             Some(p) => p.2,
@@ -243,7 +261,6 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 rate
             }
         };
-        r.model_flops_per_s = gpt.flops_per_token() * r.tokens_per_s;
         r.gemm_flops_per_s = rate;
         r.mfu = r.model_flops_per_s / rate;
     }
@@ -398,6 +415,14 @@ fn machine_gemm_rate(
     Ok(f64::from(total.get_f32(0)) * 1e9)
 }
 
+/// The run's precision (`--precision`, fp32 or bf16: fp16 needs a loss-scale config).
+fn precision_of(args: &BenchTrainArgs) -> Precision {
+    match args.precision.as_str() {
+        "bf16" => Precision::Bf16,
+        _ => Precision::Fp32,
+    }
+}
+
 /// Where the NVMe swap files go.
 fn nvme_dir(args: &BenchTrainArgs) -> std::path::PathBuf {
     args.nvme_path.clone().unwrap_or_else(std::env::temp_dir)
@@ -423,6 +448,11 @@ fn measure(
     if args.optimizer_states == "bf16" {
         cfg.optimizer_states_dtype = zerodp::comm::DType::BF16;
     }
+    let precision = precision_of(args);
+    cfg.param_dtype = zerodp::setup::dtype_of(precision);
+    cfg.comm_dtype = zerodp::setup::dtype_of(defaults::communication_data_type(precision));
+    cfg.grad_accum_dtype =
+        zerodp::setup::dtype_of(defaults::grad_accum_dtype(precision, stage.index()));
     cfg.offload_optimizer = match offload {
         Offload::None => OptimizerTier::Device,
         Offload::Cpu => OptimizerTier::Host,

@@ -135,11 +135,23 @@ impl TrainModel {
     }
 }
 
-/// The model of `gpt` (a preset or a GPT-2 config), or of the Llama config `model` holds.
-pub fn build_model(gpt: &GptConfig, model: Option<&HfModel>) -> anyhow::Result<TrainModel> {
+/// The model of `gpt` (a preset or a GPT-2 config), or of the Llama config `model` holds, on
+/// `device`.
+pub fn build_model(
+    gpt: &GptConfig,
+    model: Option<&HfModel>,
+    device: &super::device_args::OpenDevice,
+) -> anyhow::Result<TrainModel> {
+    let (on, dtype) = (device.device.clone(), device.dtype);
     match model.and_then(|m| m.config.llama.clone()) {
-        Some(llama) => Ok(TrainModel::Llama(Candle::new(Llama::new(llama)?))),
-        None => Ok(TrainModel::Gpt(GptModel::new(gpt.clone())?)),
+        Some(llama) => Ok(TrainModel::Llama(Candle::new(
+            Llama::new(llama)?.on_device(on, dtype)?,
+        ))),
+        None => Ok(TrainModel::Gpt(GptModel::on_device(
+            gpt.clone(),
+            dtype,
+            on,
+        )?)),
     }
 }
 

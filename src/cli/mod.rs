@@ -43,6 +43,7 @@ pub mod bench_train;
 pub mod ckpt;
 pub mod config;
 pub mod data_args;
+pub mod device_args;
 pub mod hf_model;
 pub mod launch;
 pub mod plan;
@@ -79,7 +80,8 @@ pub enum BenchCommand {
     /// nccl-tests-style bandwidth table of the collectives.
     Comm(bench_comm::BenchCommArgs),
     /// Training throughput (tokens/s) per stage and world size.
-    Train(bench_train::BenchTrainArgs),
+    // Boxed: its flags outweigh every other benchmark's.
+    Train(Box<bench_train::BenchTrainArgs>),
     /// CPU Adam step: parameters per second per shard size, thread count and state dtype, next
     /// to this machine's memory bandwidth.
     Adam(bench_adam::BenchAdamArgs),
@@ -100,7 +102,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Train(a) => train::run(*a),
         Command::Plan(a) => plan::run(a),
         Command::Bench(BenchCommand::Comm(a)) => bench_comm::run(a),
-        Command::Bench(BenchCommand::Train(a)) => bench_train::run(a),
+        Command::Bench(BenchCommand::Train(a)) => bench_train::run(*a),
         Command::Bench(BenchCommand::Adam(a)) => bench_adam::run(a),
         Command::Bench(BenchCommand::Ops(a)) => bench_ops::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),

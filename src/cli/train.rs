@@ -91,6 +91,8 @@ pub struct TrainArgs {
     pub checkpoint_activations: bool,
     #[command(flatten)]
     pub preflight: super::preflight::PreflightArgs,
+    #[command(flatten)]
+    pub device: super::device_args::DeviceArgs,
     /// No progress bar (log lines at steps_per_print only).
     #[arg(long)]
     pub no_progress: bool,
@@ -202,7 +204,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let resume = resume_from(&args, launch_rank == 0)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
-    let model = super::hf_model::build_model(&gpt, hf.as_ref())?;
+    let device = args.device.open(settings.precision)?;
+    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();
@@ -324,6 +327,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         data.source().name(),
         data.num_windows(),
     ));
+    if device.gpu.is_some() {
+        eprintln_rank0(rank, format!("device: {}", device.describe()));
+    }
     let progress = ProgressLog::new(
         args.steps,
         args.no_progress || rank != 0,

@@ -281,10 +281,31 @@ impl Gpt {
     /// or on composite candle ops (the reference the fused kernels are tested against).
     #[doc(hidden)]
     pub fn with_options(config: GptConfig, dtype: DType, fused: bool) -> Result<Self, ModelError> {
+        Self::build(config, dtype, fused, Device::Cpu)
+    }
+
+    /// A GPT on `device` computing in `dtype`: on the CPU as [`Self::with_options`]; on a GPU on
+    /// composite candle ops (the fused kernels are CPU code), in f32 or a 16-bit dtype.
+    pub fn on_device(config: GptConfig, dtype: DType, device: Device) -> Result<Self, ModelError> {
+        let fused = device.is_cpu();
+        Self::build(config, dtype, fused, device)
+    }
+
+    fn build(
+        config: GptConfig,
+        dtype: DType,
+        fused: bool,
+        device: Device,
+    ) -> Result<Self, ModelError> {
         config.validate()?;
-        if !matches!(dtype, DType::F32 | DType::F64) {
+        let allowed = match device {
+            Device::Cpu => matches!(dtype, DType::F32 | DType::F64),
+            _ => matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
+        };
+        if !allowed {
             return Err(ModelError::Invalid(format!(
-                "GPT compute dtype must be F32 or F64, got {dtype:?}"
+                "GPT compute dtype must be F32 or F64 on the CPU, F32, BF16 or F16 on a GPU; \
+                 got {dtype:?} on {device:?}"
             )));
         }
         let (v, t, c, l) = (
@@ -362,7 +383,7 @@ impl Gpt {
             inits,
             dtype,
             fused,
-            device: Device::Cpu,
+            device,
             masks: Mutex::new(HashMap::new()),
         })
     }
@@ -484,7 +505,11 @@ impl Gpt {
             };
             return h.contiguous()?.apply_op2(&wte.contiguous()?, op);
         }
-        let logits = self.lm_logits(h, wte)?;
+        // The softmax of a 16-bit run in f32, as PyTorch's autocast computes its cross-entropy.
+        let mut logits = self.lm_logits(h, wte)?;
+        if matches!(self.dtype, DType::BF16 | DType::F16) {
+            logits = logits.to_dtype(DType::F32)?;
+        }
         let targets = Tensor::from_slice(targets, targets.len(), &self.device)?;
         self.cross_entropy(&logits, &targets)
     }
@@ -728,6 +753,16 @@ impl GptModel {
         Ok(Self {
             inner: Candle::new(Gpt::with_options(config, dtype, fused)?),
             direct_blocks: fused && dtype == DType::F32,
+        })
+    }
+
+    /// A GPT on `device` (a GPU from [`super::candle_device`], or the CPU) computing in `dtype`
+    /// ([`super::compute_dtype`]): on a GPU every unit runs candle's graph on composite ops.
+    pub fn on_device(config: GptConfig, dtype: DType, device: Device) -> Result<Self, ModelError> {
+        let direct_blocks = device.is_cpu() && dtype == DType::F32;
+        Ok(Self {
+            inner: Candle::new(Gpt::on_device(config, dtype, device)?),
+            direct_blocks,
         })
     }
 

@@ -258,6 +258,8 @@ pub struct Llama {
     config: LlamaConfig,
     spec: ModelSpec,
     device: Device,
+    /// The compute dtype: f32 on the CPU, f32 or 16-bit on a GPU ([`super::compute_dtype`]).
+    dtype: DType,
 }
 
 impl Llama {
@@ -280,7 +282,25 @@ impl Llama {
             config,
             spec,
             device: Device::Cpu,
+            dtype: DType::F32,
         })
+    }
+
+    /// The same model computing on `device` in `dtype` (f32 on the CPU; f32, bf16 or f16 on a GPU).
+    pub fn on_device(mut self, device: Device, dtype: DType) -> Result<Self, ModelError> {
+        let allowed = match device {
+            Device::Cpu => dtype == DType::F32,
+            _ => matches!(dtype, DType::F32 | DType::BF16 | DType::F16),
+        };
+        if !allowed {
+            return Err(ModelError::Invalid(format!(
+                "Llama compute dtype must be F32 on the CPU, F32, BF16 or F16 on a GPU; got \
+                 {dtype:?} on {device:?}"
+            )));
+        }
+        self.device = device;
+        self.dtype = dtype;
+        Ok(self)
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -357,7 +377,10 @@ impl Llama {
             angles.extend_from_slice(&row);
         }
         let a = Tensor::from_vec(angles, (t, d), &self.device)?;
-        Ok((a.cos()?, a.sin()?))
+        Ok((
+            a.cos()?.to_dtype(self.dtype)?,
+            a.sin()?.to_dtype(self.dtype)?,
+        ))
     }
 
     /// `x * cos + rotate_half(x) * sin` for `x [b, heads, t, d]`.
@@ -414,7 +437,7 @@ impl Llama {
                 }
             })
             .collect();
-        Tensor::from_vec(data, (t, t), &self.device)
+        Tensor::from_vec(data, (t, t), &self.device)?.to_dtype(self.dtype)
     }
 
     /// A decoder layer: `x + attn(norm(x))`, then `+ down(silu(gate(h)) * up(h))`.
@@ -474,13 +497,18 @@ impl CandleUnits for Llama {
         }
         // The head: own norm, then its own lm_head or (tied) unit 0's embedding.
         let h = self.rms_norm(x, &p[0])?;
-        let logits = h.matmul(&p[1].t()?)?;
+        // The softmax of a 16-bit run in f32, as PyTorch's autocast computes its cross-entropy.
+        let logits = h.matmul(&p[1].t()?)?.to_dtype(DType::F32)?;
         let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
         candle_nn::loss::cross_entropy(&logits, &targets)
     }
 
     fn dtype(&self) -> DType {
-        DType::F32
+        self.dtype
+    }
+
+    fn device(&self) -> Device {
+        self.device.clone()
     }
 
     fn check_batch(&self, batch: &TokenBatch) -> Result<(), ModelError> {

@@ -1,0 +1,73 @@
+//! `--device`: where the ranks of `train` and `bench train` compute ([`zerodp::device`]).
+
+use candle_core::{DType, Device};
+use zerodp::config::Precision;
+use zerodp::device::{ComputeDevice, GpuInfo};
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct DeviceArgs {
+    /// Where each rank's units compute: cpu, cuda (the process's local rank's GPU) or cuda:N. On a
+    /// GPU the model's forward and backward run there (bf16/fp16 runs compute in 16 bits); the
+    /// shards, the collectives and the CPU Adam stay in host memory. Needs a build with the `cuda`
+    /// feature (README "GPUs").
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: ComputeDevice,
+    /// Let f32 matrix products on a GPU use TF32 tensor cores (as torch.backends.cuda.matmul.
+    /// allow_tf32): faster, with 10-bit mantissas in the products. Off by default, as in PyTorch.
+    #[arg(long)]
+    pub tf32: bool,
+}
+
+fn parse_device(s: &str) -> Result<ComputeDevice, String> {
+    s.parse()
+        .map_err(|e: zerodp::device::DeviceError| e.to_string())
+}
+
+/// The device a run computes on, opened.
+pub struct OpenDevice {
+    pub device: Device,
+    /// The dtype the units compute in there.
+    pub dtype: DType,
+    /// The GPU, when there is one.
+    pub gpu: Option<GpuInfo>,
+}
+
+impl OpenDevice {
+    /// One line for the run's banner: `cpu`, or the GPU's ordinal, name and memory.
+    pub fn describe(&self) -> String {
+        match &self.gpu {
+            None => "cpu".into(),
+            Some(g) => format!(
+                "cuda:{} ({}, compute {}.{}, {} free of {}), computing in {}",
+                g.ordinal,
+                g.name,
+                g.compute_capability.0,
+                g.compute_capability.1,
+                zerodp::planner::format_gb(g.free_bytes),
+                zerodp::planner::format_gb(g.total_bytes),
+                self.dtype.as_str()
+            ),
+        }
+    }
+}
+
+impl DeviceArgs {
+    /// Open the device for a run of `precision`: the GPU checked against the driver (a clear error
+    /// without one or without the `cuda` feature), TF32 set as asked.
+    pub fn open(&self, precision: Precision) -> anyhow::Result<OpenDevice> {
+        if self.tf32 && !self.device.is_cuda() {
+            anyhow::bail!("--tf32 applies to GPU matrix products; add --device cuda or drop it");
+        }
+        let gpu = zerodp::device::resolve(self.device)?;
+        let device = zerodp::model::candle_device(gpu.as_ref())?;
+        #[cfg(feature = "cuda")]
+        candle_core::cuda::set_gemm_reduced_precision_f32(self.tf32);
+        let half = match precision {
+            Precision::Fp32 => None,
+            Precision::Bf16 => Some(DType::BF16),
+            Precision::Fp16 => Some(DType::F16),
+        };
+        let dtype = zerodp::model::compute_dtype(&device, half);
+        Ok(OpenDevice { device, dtype, gpu })
+    }
+}

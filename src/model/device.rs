@@ -1,0 +1,49 @@
+//! The candle side of [`crate::device`]: the candle device a rank's units compute on, and the dtype
+//! they compute in there.
+//!
+//! On a GPU every candle model of this crate (the GPT on its composite ops, the Llama, a user's
+//! [`super::CandleUnits`] or [`super::VarUnits`]) runs as it does on the CPU: [`super::Candle`]
+//! makes each unit's parameters tensors on the model's device, candle's CUDA backend (cuBLAS and
+//! its kernels) runs forward and backward, and the gradients come back into the engine's flat host
+//! buffers. The engine, its shards, its communicator and the CPU Adam do not change.
+
+use candle_core::{DType, Device};
+
+use crate::device::GpuInfo;
+use crate::zero::unit::ModelError;
+
+/// The candle device of `gpu` (`None`: the CPU).
+pub fn candle_device(gpu: Option<&GpuInfo>) -> Result<Device, ModelError> {
+    match gpu {
+        None => Ok(Device::Cpu),
+        Some(g) => Device::new_cuda(g.ordinal).map_err(|e| {
+            ModelError::Invalid(format!(
+                "cuda:{} ({}): candle could not open the GPU: {e}",
+                g.ordinal, g.name
+            ))
+        }),
+    }
+}
+
+/// The dtype units compute in on `device` for a run whose parameters are `half` (bf16 or f16;
+/// `None` under fp32): the 16-bit dtype itself on a GPU (its tensor cores), f32 on the CPU, where
+/// candle's 16-bit compute is slow and the engine hands every unit its parameters widened to f32.
+pub fn compute_dtype(device: &Device, half: Option<DType>) -> DType {
+    match (device, half) {
+        (Device::Cpu, _) | (_, None) => DType::F32,
+        (_, Some(h)) => h,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_computes_in_f32_whatever_the_run_stores() {
+        for half in [None, Some(DType::BF16), Some(DType::F16)] {
+            assert_eq!(compute_dtype(&Device::Cpu, half), DType::F32);
+        }
+        assert!(candle_device(None).unwrap().is_cpu());
+    }
+}
