@@ -1,5 +1,6 @@
-"""PyTorch beside `zerodp train --model-config`: transformers' GPT2LMHeadModel (random init from a
-config.json), DDP over gloo, AdamW, one micro-batch of `--batch` x `--context` tokens per rank,
+"""PyTorch beside `zerodp train --model-config` and `zerodp bench train --model-config`: the
+transformers model a config.json describes (GPT2LMHeadModel, LlamaForCausalLM, ...; random init),
+DDP over gloo, AdamW, one micro-batch of `--batch` x `--context` tokens per rank,
 bf16 autocast (or fp32). Prints one JSON line (rank 0): tokens/s over the timed steps (global
 tokens / median step wall time) and the peak resident set of rank 0's process.
 
@@ -9,7 +10,7 @@ import argparse, json, os, resource, statistics, time
 
 import torch
 import torch.distributed as dist
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM
 
 p = argparse.ArgumentParser()
 p.add_argument("--config", required=True)
@@ -27,7 +28,9 @@ if world > 1:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if world > 1 else 0
 torch.manual_seed(0)
-model = GPT2LMHeadModel(GPT2Config.from_json_file(a.config))
+with open(a.config) as f:
+    fields = json.load(f)
+model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
 model.config.use_cache = False
 if world > 1:
     model = torch.nn.parallel.DistributedDataParallel(model)

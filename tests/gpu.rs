@@ -7,8 +7,9 @@
 
 use candle_core::DType;
 use zerodp::device::{ComputeDevice, GpuInfo};
-use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig, GptModel, TokenBatch};
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
+use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};
 
 const GLOBAL: usize = 8;
@@ -33,7 +34,7 @@ fn gpu_or_skip(test: &str) -> Option<GpuInfo> {
 }
 
 /// Rank 0's per-step losses of the tiny GPT on `model` (every rank checked to agree).
-fn losses(model: &GptModel, stage: Stage, world: usize) -> Vec<f32> {
+fn losses<M: UnitModel<Batch = TokenBatch>>(model: &M, stage: Stage, world: usize) -> Vec<f32> {
     let data = loader(GptConfig::tiny().context);
     let mut cfg = EngineConfig::new(stage, world);
     cfg.micro_batch = GLOBAL / world;
@@ -104,6 +105,23 @@ fn the_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
                 "{stage:?} world {world}: composite {got:?} vs fused {want:?}"
             );
         }
+    }
+}
+
+/// A GPU moves each unit's parameters in one copy and its gradients back in one (views of a flat
+/// tensor, gradients concatenated): on the CPU that path gives the per-tensor path's bits, tied
+/// weights included, at stage 0 and at stage 3 on two ranks.
+#[test]
+fn flat_transfers_give_the_per_tensor_bits() {
+    let gpt = || Gpt::with_options(GptConfig::tiny(), DType::F32, false).unwrap();
+    let per_tensor = Candle::new(gpt()).with_flat_transfers(false);
+    let flat = Candle::new(gpt()).with_flat_transfers(true);
+    for (stage, world) in [(Stage::Zero0, 1), (Stage::Zero3, 2)] {
+        assert_eq!(
+            losses(&flat, stage, world),
+            losses(&per_tensor, stage, world),
+            "{stage:?} world {world}"
+        );
     }
 }
 

@@ -241,3 +241,40 @@ fn rope_scalings_and_a_tied_head_equal_transformers() {
         );
     }
 }
+
+/// The fused CPU kernels (the default on the CPU) against the composite candle ops (what a GPU
+/// runs): the same loss and gradients, grouped-query attention with an untied head and a tied one
+/// with as many key/value heads as query heads.
+#[test]
+fn fused_kernels_equal_the_composite_ops() {
+    let exp = expected();
+    let base = read_json(&fixture_dir().join("config.json"));
+    let mut tied = base.clone();
+    tied["tie_word_embeddings"] = Value::from(true);
+    tied["num_key_value_heads"] = Value::from(4);
+    for json in [base, tied] {
+        let config = config_of(&json).unwrap();
+        let fused = Candle::new(Llama::new(config.clone()).unwrap());
+        let composite = Candle::new(Llama::new(config.clone()).unwrap().composite());
+        let weights: Vec<Vec<f32>> = (0..fused.spec().units.len())
+            .map(|u| {
+                let mut w = vec![0.0; fused.spec().units[u].numel()];
+                fused.init_params(u, 5, &mut w);
+                w
+            })
+            .collect();
+        let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
+        let b = batch(&exp, 0, 0, 4);
+        let (lf, gf) = fused.end_to_end(&slices, &b, 1.0).unwrap();
+        let (lc, gc) = composite.end_to_end(&slices, &b, 1.0).unwrap();
+        assert!(rel(lf, lc) <= 1e-6, "{config:?}: loss {lf} vs {lc}");
+        for (u, (f, c)) in gf.iter().zip(&gc).enumerate() {
+            let scale = c.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let worst = f.iter().zip(c).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                scale > 0.0 && worst <= 1e-4 * scale,
+                "unit {u} of {config:?}: gradients differ by {worst} (largest {scale})"
+            );
+        }
+    }
+}

@@ -10,12 +10,13 @@
 //! process count (`--world-sizes` is ignored), each step counts as its slowest rank's time (the
 //! ranks' times are max-reduced) and rank 0 prints.
 
+use super::hf_model::TrainModel;
 use super::train::ModelArgs;
 use anyhow::bail;
 use std::sync::Arc;
 use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::config::{defaults, Precision};
-use zerodp::model::{Corpus, DataLoader, GptModel, SplitMix64};
+use zerodp::model::{Corpus, DataLoader, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, PhaseTimes, Stage, StepReport};
@@ -24,6 +25,11 @@ use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, PhaseTimes, Stage, St
 pub struct BenchTrainArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    /// Benchmark the model a Hugging Face GPT-2 or Llama config.json describes (seeded weights)
+    /// instead of a GPT preset; `--context` sets its sequence length [default: the config's
+    /// max_position_embeddings or n_positions].
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads"])]
+    pub model_config: Option<std::path::PathBuf>,
     /// Stages to run, comma-separated.
     #[arg(long, value_delimiter = ',', default_values_t = vec![0u8, 1, 2, 3])]
     pub stages: Vec<u8>,
@@ -84,6 +90,10 @@ pub struct BenchTrainArgs {
     pub precision: String,
     #[command(flatten)]
     pub device: super::device_args::DeviceArgs,
+    /// Run the model on candle's composite ops rather than zerodp's fused CPU kernels (what a GPU
+    /// runs; on the CPU, the fused kernels' reference and the measure of what they gain).
+    #[arg(long)]
+    pub composite_ops: bool,
     /// `table` or `json`.
     #[arg(long, default_value = "table")]
     pub format: String,
@@ -198,12 +208,30 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         ));
     }
     let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
-    let gpt = args.model.build("small")?;
+    let hf = super::hf_model::HfModelArgs {
+        model_dir: None,
+        model_config: args.model_config.clone(),
+    }
+    .read()?;
+    let gpt = match &hf {
+        Some(m) => {
+            let mut gpt = m.config.gpt.clone();
+            gpt.context = args.model.context.unwrap_or(gpt.context);
+            gpt
+        }
+        None => args.model.build("small")?,
+    };
     let device = args.device.open(precision_of(&args))?;
     if device.gpu.is_some() {
         errln!("device: {}", device.describe());
     }
-    let model = GptModel::on_device(gpt.clone(), device.dtype, device.device.clone())?;
+    let mut model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
+    if args.composite_ops {
+        if device.gpu.is_some() {
+            bail!("--composite-ops is the CPU's reference: on a GPU every model runs on composite ops");
+        }
+        model = model.on_composite_ops()?;
+    }
     let data = random_windows(gpt.context)?;
     let mut samples: Vec<Samples> = Vec::new();
     for round in 0..args.rounds {
@@ -246,7 +274,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     let shape = (args.per_rank * gpt.context, gpt.width, 4 * gpt.width);
     let mut probed: Vec<(usize, usize, f64)> = Vec::new();
     for r in &mut rows {
-        r.model_flops_per_s = gpt.flops_per_token() * r.tokens_per_s;
+        r.model_flops_per_s = model.flops_per_token(&gpt) * r.tokens_per_s;
         if device.gpu.is_some() {
             // The CPU's GEMM rate says nothing of a GPU run: no utilisation is claimed.
             r.gemm_path = "cuda";
@@ -303,7 +331,11 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     if args.format == "json" {
         outln!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        print_table(&rows, &gpt, args.per_rank)?;
+        print_table(
+            &rows,
+            (model.arch(), &gpt),
+            (args.per_rank, &args.precision),
+        )?;
     }
     Ok(0)
 }
@@ -430,7 +462,7 @@ fn nvme_dir(args: &BenchTrainArgs) -> std::path::PathBuf {
 
 fn measure(
     args: &BenchTrainArgs,
-    model: &GptModel,
+    model: &TrainModel,
     data: &DataLoader,
     (stage, offload): (Stage, Offload),
     world: usize,
@@ -579,11 +611,11 @@ fn print_fastest_splits(rows: &[BenchRow]) -> anyhow::Result<()> {
 
 fn print_table(
     rows: &[BenchRow],
-    gpt: &zerodp::model::GptConfig,
-    per_rank: usize,
+    (arch, gpt): (&str, &zerodp::model::GptConfig),
+    (per_rank, precision): (usize, &str),
 ) -> anyhow::Result<()> {
     outln!(
-        "GPT {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, fp32, GEMM on {} ({}=gemm forces the gemm crate)",
+        "{arch} {} layers, width {}, {} heads, context {}, vocab {} ({} parameters), {} sequences per rank, {precision}, GEMM on {} ({}=gemm forces the gemm crate)",
         gpt.layers,
         gpt.width,
         gpt.heads,

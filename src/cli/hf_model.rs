@@ -126,6 +126,27 @@ pub enum TrainSaved {
 }
 
 impl TrainModel {
+    /// Model FLOPs of one training token (the PaLM convention, [`GptConfig::flops_per_token`]) at
+    /// the context of `gpt` (the GPT's config, or the Llama's GPT of the same widths).
+    pub fn flops_per_token(&self, gpt: &GptConfig) -> f64 {
+        match self {
+            TrainModel::Gpt(_) => gpt.flops_per_token(),
+            TrainModel::Llama(m) => m.units().config().flops_per_token(gpt.context),
+        }
+    }
+
+    /// The same model on candle's composite ops (CPU only: what a GPU runs, and the fused
+    /// kernels' reference in `bench train --composite-ops`).
+    pub fn on_composite_ops(self) -> anyhow::Result<TrainModel> {
+        Ok(match self {
+            TrainModel::Gpt(m) => {
+                let c = m.config().clone();
+                TrainModel::Gpt(GptModel::with_options(c, candle_core::DType::F32, false)?)
+            }
+            TrainModel::Llama(m) => TrainModel::Llama(Candle::new(m.into_units().composite())),
+        })
+    }
+
     /// The architecture's name, for the run's banner.
     pub fn arch(&self) -> &'static str {
         match self {

@@ -216,6 +216,11 @@ pub struct Candle<T> {
     units: T,
     dtype: DType,
     device: Device,
+    /// Move each parameter group to the device as one flat copy (views cut from it) and its
+    /// gradients back as one: one host-to-device and one device-to-host transfer per group and
+    /// call, where a GPU would otherwise pay a transfer's latency per tensor. On for every device
+    /// but the CPU, whose tensors are made from the slices directly.
+    flat_transfers: bool,
 }
 
 /// What a `Train` forward keeps for backward: the unit's parameter leaves (gradients are keyed by
@@ -244,8 +249,16 @@ impl<T: CandleUnits> Candle<T> {
         Candle {
             units,
             dtype,
+            flat_transfers: !device.is_cpu(),
             device,
         }
+    }
+
+    /// Flat transfers on or off whatever the device: tests run a GPU's path on the CPU with it.
+    #[doc(hidden)]
+    pub fn with_flat_transfers(mut self, on: bool) -> Self {
+        self.flat_transfers = on;
+        self
     }
 
     /// The wrapped model.
@@ -444,6 +457,32 @@ impl<T: CandleUnits> Candle<T> {
 }
 
 impl<T: CandleUnits> Candle<T> {
+    /// One parameter group on the device in the compute dtype: one transfer, one cast there.
+    fn flat_tensor(&self, data: &[f32]) -> candle_core::Result<Tensor> {
+        let t = Tensor::from_slice(data, data.len(), &self.device)?;
+        match self.dtype {
+            DType::F32 => Ok(t),
+            dtype => t.to_dtype(dtype),
+        }
+    }
+
+    /// The parameter at `offset` of `shape`, a view of its group's flat tensor: a leaf [`Var`]
+    /// when `train` (its gradient has the parameter's shape), a plain constant otherwise.
+    fn view_of(
+        flat: &Tensor,
+        offset: usize,
+        shape: &[usize],
+        train: bool,
+    ) -> candle_core::Result<Tensor> {
+        let numel = shape.iter().product();
+        let t = flat.narrow(0, offset, numel)?.reshape(shape)?;
+        if train {
+            Ok(Var::from_tensor(&t)?.into_inner())
+        } else {
+            Ok(t)
+        }
+    }
+
     /// [`CandleUnits::require_gradients`]: every own parameter of `saved`, and its input past the
     /// first unit, got a gradient in `store`; else an error naming the first that did not.
     fn check_reached(
@@ -554,6 +593,34 @@ fn add_into(t: &Tensor, out: &mut [f32]) -> candle_core::Result<()> {
     Ok(())
 }
 
+/// Add each `(parameter, gradient)` into its place in `grads`, one device-to-host transfer per
+/// parameter group: the group's gradients, flattened to f32 and concatenated on the device, come
+/// back as one vector.
+fn add_flat(found: &[(&SavedParam, &Tensor)], grads: &mut [&mut [f32]]) -> candle_core::Result<()> {
+    for (group, dst) in grads.iter_mut().enumerate() {
+        let parts: Vec<(usize, Tensor)> = (found.iter())
+            .filter(|(p, _)| p.group == group)
+            .map(|(p, g)| Ok((p.offset, g.flatten_all()?.to_dtype(DType::F32)?)))
+            .collect::<candle_core::Result<_>>()?;
+        if parts.is_empty() {
+            continue;
+        }
+        let joined = Tensor::cat(&parts.iter().map(|(_, t)| t).collect::<Vec<_>>(), 0)?;
+        let host = joined.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+        let mut at = 0;
+        for (offset, t) in &parts {
+            let n = t.elem_count();
+            let src = &host[at..at + n];
+            dst[*offset..*offset + n]
+                .iter_mut()
+                .zip(src)
+                .for_each(|(o, s)| *o += s);
+            at += n;
+        }
+    }
+    Ok(())
+}
+
 impl<T: CandleUnits> UnitModel for Candle<T> {
     type Batch = T::Batch;
     type Act = Tensor;
@@ -597,9 +664,19 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         let mut places = Vec::new();
         for (group, &owner) in std::iter::once(&unit).chain(&spec.uses).enumerate() {
             let owner = &units[owner];
+            let flat = match self.flat_transfers {
+                true => Some(self.flat_tensor(params[group]).map_err(&err)?),
+                false => None,
+            };
             for (p, offset) in owner.params.iter().zip(owner.offsets()) {
-                let data = &params[group][offset..offset + p.numel()];
-                tensors.push(self.param_tensor(data, &p.shape, train).map_err(&err)?);
+                let t = match &flat {
+                    Some(flat) => Self::view_of(flat, offset, &p.shape, train),
+                    None => {
+                        let data = &params[group][offset..offset + p.numel()];
+                        self.param_tensor(data, &p.shape, train)
+                    }
+                };
+                tensors.push(t.map_err(&err)?);
                 places.push((group, offset));
             }
         }
@@ -696,18 +773,24 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         if self.units.require_gradients() {
             self.check_reached(unit, &saved, &store)?;
         }
-        for p in &saved.params {
-            if let Some(g) = store.get(p.var.as_tensor()) {
+        let found: Vec<(&SavedParam, &Tensor)> = (saved.params.iter())
+            .filter_map(|p| store.get(p.var.as_tensor()).map(|g| (p, g)))
+            .collect();
+        for &(p, g) in &found {
+            let n = g.elem_count();
+            if grads[p.group].get(p.offset..p.offset + n).is_none() {
+                return Err(ModelError::Invalid(format!(
+                    "backward of unit {}: a gradient of {n} elements at offset {} does not fit parameter group {}",
+                    spec.name, p.offset, p.group
+                )));
+            }
+        }
+        if self.flat_transfers {
+            add_flat(&found, grads).map_err(&err)?;
+        } else {
+            for (p, g) in found {
                 let n = g.elem_count();
-                let dst = grads[p.group]
-                    .get_mut(p.offset..p.offset + n)
-                    .ok_or_else(|| {
-                        ModelError::Invalid(format!(
-                            "backward of unit {}: a gradient of {n} elements at offset {} does not fit parameter group {}",
-                            spec.name, p.offset, p.group
-                        ))
-                    })?;
-                add_into(g, dst).map_err(&err)?;
+                add_into(g, &mut grads[p.group][p.offset..p.offset + n]).map_err(&err)?;
             }
         }
         let grad_input = saved

@@ -1736,3 +1736,6 @@ mod tests {
         Ok(())
     }
 }
+
+mod llama;
+pub(crate) use llama::{MatMulT, RmsNorm, Rope, SwiGlu};

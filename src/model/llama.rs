@@ -11,14 +11,19 @@
 //! | 1..=L | `model.layers.{i}` | `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`, `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight` |
 //! | L+1 | `head` | `model.norm.weight`, and `lm_head.weight` `[V, C]` when untied (tied: `uses = [0]`) |
 //!
-//! The compute is composite candle ops in f32 (candle's autograd gives backward), written as
-//! `transformers`' `modeling_llama.py` computes: RMSNorm as `w * (x * rsqrt(mean(x²) + eps))`, the
-//! rotary embedding as `x * cos + rotate_half(x) * sin` with the frequencies repeated over both
-//! halves, each key/value head shared by `heads / kv_heads` consecutive query heads. WHY not the
-//! GPT's fused kernels: they implement LayerNorm, GELU and multi-head attention without rotation or
-//! grouping; this model is the reference a fused Llama path would be tested against.
+//! The math is `transformers`' `modeling_llama.py`: RMSNorm as `w * (x * rsqrt(mean(x²) + eps))`,
+//! the rotary embedding as `x * cos + rotate_half(x) * sin` with the frequencies repeated over both
+//! halves, each key/value head shared by `heads / kv_heads` consecutive query heads. On the CPU it
+//! runs on fused kernels with their backward on the rayon pool (`kernels::llama`: bias-free
+//! products on the GPT's GEMM paths, AMX included, RMSNorm, rotary embeddings, SwiGLU's gate; the
+//! GPT's causal attention on the rotated queries and the repeated keys and values; the GPT's
+//! chunked head loss, so that a large vocabulary's logits are never held whole). On a GPU, and as
+//! the reference the fused path is tested against ([`Llama::composite`]), it runs on composite
+//! candle ops with candle's autograd.
 
 use std::path::Path;
+
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
@@ -27,6 +32,7 @@ use super::candle_unit::CandleUnits;
 use super::data::TokenBatch;
 use super::gpt::GptConfig;
 use super::hf::{field_err, unsupported, Fields, HfError};
+use super::kernels;
 use super::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
 
@@ -51,6 +57,23 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
+    /// Model FLOPs of one training token at sequence length `t`, by the convention of
+    /// [`GptConfig::flops_per_token`]: 6 per weight of every product (per layer the q, k, v and o
+    /// projections and the three of SwiGLU; the head's `V x hidden`) plus attention's
+    /// `12 · layers · t · heads · head_dim`.
+    pub fn flops_per_token(&self, t: usize) -> f64 {
+        let (v, h, i) = (
+            self.vocab_size as f64,
+            self.hidden as f64,
+            self.intermediate as f64,
+        );
+        let q = (self.heads * self.head_dim) as f64;
+        let kv = (self.kv_heads * self.head_dim) as f64;
+        let l = self.layers as f64;
+        let products = l * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i) + v * h;
+        6.0 * products + 12.0 * l * t as f64 * q
+    }
+
     /// Maps a `LlamaForCausalLM` config, with `LlamaConfig`'s defaults where a field is absent;
     /// a value zerodp does not compute (a rope scaling other than linear and llama3, biases,
     /// another activation) is refused by
@@ -260,6 +283,10 @@ pub struct Llama {
     device: Device,
     /// The compute dtype: f32 on the CPU, f32 or 16-bit on a GPU ([`super::compute_dtype`]).
     dtype: DType,
+    /// On the fused CPU kernels ([`super::kernels`]: products, RMSNorm, rotary embeddings, SwiGLU,
+    /// the GPT's causal attention, the chunked head loss); else on composite candle ops (a GPU,
+    /// and the reference the fused path is tested against).
+    fused: bool,
 }
 
 impl Llama {
@@ -283,7 +310,16 @@ impl Llama {
             spec,
             device: Device::Cpu,
             dtype: DType::F32,
+            fused: true,
         })
+    }
+
+    /// The same model on composite candle ops (the reference the fused kernels are tested
+    /// against; what a GPU runs).
+    #[doc(hidden)]
+    pub fn composite(mut self) -> Self {
+        self.fused = false;
+        self
     }
 
     /// The same model computing on `device` in `dtype` (f32 on the CPU; f32, bf16 or f16 on a GPU).
@@ -298,6 +334,7 @@ impl Llama {
                  {dtype:?} on {device:?}"
             )));
         }
+        self.fused = device.is_cpu();
         self.device = device;
         self.dtype = dtype;
         Ok(self)
@@ -362,14 +399,78 @@ impl Llama {
         x.broadcast_mul(&inv)?.broadcast_mul(w)
     }
 
+    /// The rotary frequencies, in f32 as the tables are computed.
+    fn inv_freq(&self) -> Vec<f32> {
+        (self.config.rope_scaling)
+            .inv_freq(self.config.rope_theta, self.config.head_dim)
+            .into_iter()
+            .map(|f| f as f32)
+            .collect()
+    }
+
+    /// The fused rotary op for sequences of `t`: the same angles and cosines as
+    /// [`Self::rope_tables`], each frequency once.
+    fn rope_op(&self, t: usize) -> kernels::Rope {
+        let inv = self.inv_freq();
+        let angles: Vec<f32> = (0..t)
+            .flat_map(|pos| inv.iter().map(move |f| pos as f32 * f))
+            .collect();
+        kernels::Rope {
+            seq: t,
+            head_dim: self.config.head_dim,
+            cos: Arc::new(angles.iter().map(|a| a.cos()).collect()),
+            sin: Arc::new(angles.iter().map(|a| a.sin()).collect()),
+        }
+    }
+
+    /// `[b*t, nkv*d]` key or value rows repeated to `[b*t, nh*d]`: query head `j` reads kv head
+    /// `j / (nh / nkv)` (transformers' `repeat_kv`).
+    fn repeat_kv_rows(&self, x: Tensor) -> candle_core::Result<Tensor> {
+        let c = &self.config;
+        let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
+        if nh == nkv {
+            return Ok(x);
+        }
+        let n = x.dim(0)?;
+        x.reshape((n, nkv, 1, d))?
+            .broadcast_as((n, nkv, nh / nkv, d))?
+            .contiguous()?
+            .reshape((n, nh * d))
+    }
+
+    /// A decoder layer on the fused kernels: the same math as [`Self::block`].
+    fn block_fused(
+        &self,
+        x: &Tensor,
+        p: &[Tensor],
+        b: usize,
+        t: usize,
+    ) -> candle_core::Result<Tensor> {
+        let c = &self.config;
+        let norm = kernels::RmsNorm { eps: c.rms_eps };
+        let mm = |x: &Tensor, w: &Tensor| x.contiguous()?.apply_op2(w, kernels::MatMulT);
+        let x = x.contiguous()?;
+        let h = x.apply_op2(&p[0], norm)?;
+        let rope = self.rope_op(t);
+        let q = mm(&h, &p[1])?.apply_op1(rope.clone())?;
+        let k = self.repeat_kv_rows(mm(&h, &p[2])?.apply_op1(rope)?)?;
+        let v = self.repeat_kv_rows(mm(&h, &p[3])?)?;
+        let qkv = Tensor::cat(&[&q, &k, &v], 1)?;
+        let attention = kernels::CausalAttention {
+            batch: b,
+            seq: t,
+            heads: c.heads,
+        };
+        let x = (&x + mm(&qkv.apply_op1(attention)?, &p[4])?)?;
+        let h = x.apply_op2(&p[5], norm)?;
+        let gated = mm(&h, &p[6])?.apply_op2(&mm(&h, &p[7])?, kernels::SwiGlu)?;
+        &x + mm(&gated, &p[8])?
+    }
+
     /// `cos` and `sin` `[t, head_dim]` of positions `0..t` (frequencies repeated over both halves).
     fn rope_tables(&self, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let d = self.config.head_dim;
-        let inv: Vec<f32> = (self.config.rope_scaling)
-            .inv_freq(self.config.rope_theta, d)
-            .into_iter()
-            .map(|f| f as f32)
-            .collect();
+        let inv = self.inv_freq();
         let mut angles = Vec::with_capacity(t * d);
         for pos in 0..t {
             let row: Vec<f32> = inv.iter().map(|f| pos as f32 * f).collect();
@@ -493,7 +594,21 @@ impl CandleUnits for Llama {
         }
         let x = input.ok_or_else(|| candle_core::Error::Msg("no input activation".into()))?;
         if unit <= self.config.layers {
-            return self.block(x, p, b, t);
+            return match self.fused {
+                true => self.block_fused(x, p, b, t),
+                false => self.block(x, p, b, t),
+            };
+        }
+        if self.fused {
+            // The head's norm, then the loss over chunks of rows, never all the logits at once.
+            let norm = kernels::RmsNorm {
+                eps: self.config.rms_eps,
+            };
+            let h = x.contiguous()?.apply_op2(&p[0], norm)?;
+            let op = kernels::HeadLoss {
+                targets: batch.targets.clone(),
+            };
+            return h.apply_op2(&p[1].contiguous()?, op);
         }
         // The head: own norm, then its own lm_head or (tied) unit 0's embedding.
         let h = self.rms_norm(x, &p[0])?;
