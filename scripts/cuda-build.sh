@@ -6,6 +6,8 @@
 #   scripts/cuda-build.sh                 # zerodp, stripped, in target/cuda/zerodp
 #   scripts/cuda-build.sh --tests         # and the test binaries, in target/cuda/tests/
 #   scripts/cuda-build.sh --env           # only print the environment (eval it to run cargo yourself)
+#   scripts/cuda-build.sh --tests --pack DIR   # and xz copies of zerodp and the GPU tests in DIR,
+#                                              # for a GPU machine (scripts/gpu_check.sh unpacks them)
 #
 # What it does, and why (the facts are in ../shared/reference/cuda-build.md of the project):
 # 1. A Python virtual environment with NVIDIA's CUDA 13.0 wheels from PyPI: nvcc (candle's kernels
@@ -38,13 +40,17 @@ WHEELS=(
 )
 
 mode=build
-case "${1:-}" in
-    "") ;;
-    --tests) mode=tests ;;
-    --env) mode=env ;;
-    -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
-    *) echo "cuda-build.sh: unknown argument '$1' (use --tests, --env or nothing)" >&2; exit 2 ;;
-esac
+pack=""
+while (($#)); do
+    case "$1" in
+        --tests) mode=tests ;;
+        --env) mode=env ;;
+        --pack) pack="${2:?--pack needs a folder}"; shift ;;
+        -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+        *) echo "cuda-build.sh: unknown argument '$1' (use --tests, --env, --pack DIR or nothing)" >&2; exit 2 ;;
+    esac
+    shift
+done
 
 say() { echo "cuda-build: $*" >&2; }
 
@@ -127,4 +133,12 @@ for line in sys.stdin:
         subprocess.run(["strip", "-o", dst, exe], check=True)
         print(dst)
 ' "$TARGET_DIR/tests"
+fi
+if [[ -n "$pack" ]]; then
+    mkdir -p "$pack"
+    xz -T0 -6 -c "$TARGET_DIR/zerodp" >"$pack/zerodp.xz"
+    if [[ -x "$TARGET_DIR/tests/gpu" ]]; then
+        xz -T0 -6 -c "$TARGET_DIR/tests/gpu" >"$pack/gpu.xz"
+    fi
+    say "packed into $pack: $(ls "$pack" | tr '\n' ' ')"
 fi

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks of README "GPUs", as one script for a GPU machine without Rust: the parity tests
+# and the speed anchors beside PyTorch eager, in one run. Prepare on the build machine:
+#
+#   scripts/cuda-build.sh --tests --pack DIR     # DIR/zerodp.xz, DIR/gpu.xz (xz: 61 MB -> 8 MB each)
+#   cp -r ../shared/peers DIR/peers              # torch_gpt.py for the PyTorch side
+#   cp scripts/gpu_check.sh scripts/gpu_peer_bench.py DIR/
+#
+# then on the GPU machine: `bash DIR/gpu_check.sh DIR` (everything printed to stdout).
+set -uo pipefail
+DIR="$(cd "${1:-$(dirname "$0")}" && pwd)"
+export LD_LIBRARY_PATH="/usr/local/cuda-13.0/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+for f in zerodp gpu; do
+    if [[ -f "$DIR/$f.xz" && ! -x "$DIR/$f" ]]; then
+        python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$DIR/$f.xz" "$DIR/$f"
+        chmod +x "$DIR/$f"
+    fi
+done
+echo "== machine"; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
+echo "== parity (tests/gpu.rs)"
+(cd "$DIR" && timeout 300 ./gpu gpu_ --nocapture --test-threads 1 2>&1 | tail -40)
+bench() { # label, zerodp args...
+    local label="$1"; shift
+    echo "== $label: zerodp"
+    timeout 240 "$DIR/zerodp" bench train --device cuda --stages 0 --world-sizes 1 --warmup 3 --steps 10 --rounds 1 --format json "$@" 2>&1 |
+        grep -E '"tokens_per_s"|error|device' | head -5
+}
+peer() { # label, peer args...
+    local label="$1"; shift
+    echo "== $label: PyTorch eager"
+    timeout 240 python3 "$DIR/gpu_peer_bench.py" --peers "$DIR/peers" "$@" 2>&1 | tail -2
+}
+for round in 1 2; do
+    echo "=== round $round"
+    bench "25M fp32 8x128" --layers 8 --width 512 --heads 8 --context 128 --per-rank 8
+    peer "25M fp32 8x128" --layers 8 --width 512 --heads 8 --context 128 --batch 8 --dtype fp32
+    bench "12x768 bf16 64x128" --layers 12 --width 768 --heads 12 --context 128 --per-rank 64 --precision bf16
+    peer "12x768 bf16 64x128" --layers 12 --width 768 --heads 12 --context 128 --batch 64 --dtype bf16
+done
