@@ -240,7 +240,16 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 for &offload in &args.offload {
                     let stage = Stage::from_index(s)
                         .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-                    let got = measure(&args, &model, &data, (stage, offload), world, mpi.as_ref())?;
+                    // On a GPU at stages 0-2 the parameters stay there between steps.
+                    let resident = match device.gpu.is_some() && !stage.shards_params() {
+                        true => Some(
+                            super::hf_model::build_model(&gpt, hf.as_ref(), &device)?
+                                .keep_params_on_gpu(stage),
+                        ),
+                        false => None,
+                    };
+                    let on = resident.as_ref().unwrap_or(&model);
+                    let got = measure(&args, on, &data, (stage, offload), world, mpi.as_ref())?;
                     if args.format == "table" && rank == 0 {
                         let mut times = got.steps.clone();
                         times.sort_by(f64::total_cmp);

@@ -147,6 +147,22 @@ impl TrainModel {
         })
     }
 
+    /// Keep the parameters on a GPU between steps where every rank holds them all anyway (stages
+    /// 0-2; at stage 3 each unit's are copied there when it runs), see
+    /// [`Candle::with_resident_params`]. Nothing changes on the CPU.
+    pub fn keep_params_on_gpu(self, stage: zerodp::zero::Stage) -> TrainModel {
+        let on = !stage.shards_params();
+        match self {
+            TrainModel::Gpt(m) if !m.candle().device().is_cpu() => {
+                TrainModel::Gpt(m.with_resident_params(on))
+            }
+            TrainModel::Llama(m) if !m.device().is_cpu() => {
+                TrainModel::Llama(m.with_resident_params(on))
+            }
+            other => other,
+        }
+    }
+
     /// The architecture's name, for the run's banner.
     pub fn arch(&self) -> &'static str {
         match self {
@@ -239,6 +255,13 @@ impl UnitModel for TrainModel {
                 }
             }
         })
+    }
+
+    fn parameters_changed(&self) {
+        match self {
+            TrainModel::Gpt(m) => m.parameters_changed(),
+            TrainModel::Llama(m) => m.parameters_changed(),
+        }
     }
 
     fn backward(

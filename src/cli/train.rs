@@ -205,7 +205,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let device = args.device.open(settings.precision)?;
-    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
+    let stage = zerodp::zero::Stage::from_index(settings.zero_optimization.stage)
+        .unwrap_or(zerodp::zero::Stage::Zero3);
+    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_params_on_gpu(stage);
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let engine_cfg = trainer.engine_config_mut();

@@ -221,6 +221,10 @@ pub struct Candle<T> {
     /// call, where a GPU would otherwise pay a transfer's latency per tensor. On for every device
     /// but the CPU, whose tensors are made from the slices directly.
     flat_transfers: bool,
+    /// With flat transfers: each unit's flat parameters, kept on the device between calls until
+    /// [`UnitModel::parameters_changed`] (by owner unit; `None` when not kept). See
+    /// [`Candle::with_resident_params`].
+    resident: Option<std::sync::Mutex<Vec<Option<Tensor>>>>,
 }
 
 /// What a `Train` forward keeps for backward: the unit's parameter leaves (gradients are keyed by
@@ -251,7 +255,21 @@ impl<T: CandleUnits> Candle<T> {
             dtype,
             flat_transfers: !device.is_cpu(),
             device,
+            resident: None,
         }
+    }
+
+    /// Keep each unit's parameters on the device between calls, in the compute dtype, until the
+    /// engine says they changed (after each optimizer step): one copy to a GPU per unit and step
+    /// instead of one per unit and call (every micro-batch, and a stage-3 or checkpointed unit's
+    /// second forward). Costs the whole model's parameters in device memory, so `train` and
+    /// `bench train` turn it on at stages 0-2 on a GPU, where every rank holds every parameter
+    /// anyway, and leave it off at stage 3. Only with flat transfers (a device other than the
+    /// CPU, or [`Self::with_flat_transfers`]).
+    pub fn with_resident_params(mut self, on: bool) -> Self {
+        let units = self.units.spec().units.len();
+        self.resident = on.then(|| std::sync::Mutex::new(vec![None; units]));
+        self
     }
 
     /// Flat transfers on or off whatever the device: tests run a GPU's path on the CPU with it.
@@ -457,6 +475,25 @@ impl<T: CandleUnits> Candle<T> {
 }
 
 impl<T: CandleUnits> Candle<T> {
+    /// Unit `owner`'s flat parameters on the device: kept from an earlier call when resident
+    /// ([`Self::with_resident_params`]), else copied now.
+    fn group_tensor(&self, owner: usize, data: &[f32]) -> candle_core::Result<Tensor> {
+        let Some(resident) = &self.resident else {
+            return self.flat_tensor(data);
+        };
+        let mut kept = resident.lock().unwrap_or_else(|e| e.into_inner());
+        match kept.get(owner) {
+            Some(Some(t)) if t.elem_count() == data.len() => Ok(t.clone()),
+            _ => {
+                let t = self.flat_tensor(data)?;
+                if let Some(slot) = kept.get_mut(owner) {
+                    *slot = Some(t.clone());
+                }
+                Ok(t)
+            }
+        }
+    }
+
     /// One parameter group on the device in the compute dtype: one transfer, one cast there.
     fn flat_tensor(&self, data: &[f32]) -> candle_core::Result<Tensor> {
         let t = Tensor::from_slice(data, data.len(), &self.device)?;
@@ -662,10 +699,10 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
 
         let mut tensors = Vec::new();
         let mut places = Vec::new();
-        for (group, &owner) in std::iter::once(&unit).chain(&spec.uses).enumerate() {
-            let owner = &units[owner];
+        for (group, &owner_unit) in std::iter::once(&unit).chain(&spec.uses).enumerate() {
+            let owner = &units[owner_unit];
             let flat = match self.flat_transfers {
-                true => Some(self.flat_tensor(params[group]).map_err(&err)?),
+                true => Some(self.group_tensor(owner_unit, params[group]).map_err(&err)?),
                 false => None,
             };
             for (p, offset) in owner.params.iter().zip(owner.offsets()) {
@@ -723,6 +760,13 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
             loss,
             saved,
         })
+    }
+
+    fn parameters_changed(&self) {
+        if let Some(resident) = &self.resident {
+            let mut kept = resident.lock().unwrap_or_else(|e| e.into_inner());
+            kept.iter_mut().for_each(|t| *t = None);
+        }
     }
 
     fn backward(

@@ -766,6 +766,12 @@ impl GptModel {
         })
     }
 
+    /// Keep each unit's parameters on the device between steps ([`Candle::with_resident_params`]).
+    pub fn with_resident_params(mut self, on: bool) -> Self {
+        self.inner = self.inner.with_resident_params(on);
+        self
+    }
+
     /// As [`Self::new`], with the blocks through candle's graph (`direct_blocks` false) or on
     /// slices (true, the default): the reference the direct blocks are tested against.
     #[doc(hidden)]
@@ -863,6 +869,10 @@ impl UnitModel for GptModel {
             loss: None,
             saved: saved.map(|saved| GptSaved(SavedBy::Block { unit, saved })),
         })
+    }
+
+    fn parameters_changed(&self) {
+        self.inner.parameters_changed()
     }
 
     fn backward(

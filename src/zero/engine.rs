@@ -381,6 +381,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                     .copy_from(Slice::F32(values))
             }
         }
+        self.model.parameters_changed();
         Ok(())
     }
 
@@ -452,6 +453,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if !outcome.verdict.skipped {
             self.update(lr, outcome.grad_scale)?;
             self.gather_updated()?;
+            self.model.parameters_changed();
         }
         self.step += 1;
         Ok(self.report(outcome, lr, counts, start, &traffic_before))

@@ -46,6 +46,11 @@
 //! * The batch is a type of the model's choosing ([`UnitModel::Batch`]); the engine never looks
 //!   inside it, and asks [`UnitModel::batch_counts`] only for reports.
 //!
+//! * Between two calls of [`UnitModel::parameters_changed`] every call passes unit `u` the same
+//!   parameter values (the engine calls it after each optimizer step that updated them, and after
+//!   loading or restoring them), so a model may keep a copy of a unit's parameters between calls,
+//!   on a GPU for example, and drop it there.
+//!
 //! The engine owns every parameter and gradient as flat `f32` buffers, one per unit, laid out as the
 //! concatenation of the unit's [`ParamSpec`]s in order (row-major, no padding; the engine adds the
 //! padding it needs for sharding). A model never keeps parameters between calls: each call gets the
@@ -203,6 +208,13 @@ pub trait UnitModel: Send + Sync {
         batch: &Self::Batch,
         mode: ForwardMode,
     ) -> Result<UnitForward<Self::Act, Self::Saved>, ModelError>;
+
+    /// The parameters the next calls pass differ from those passed so far (an optimizer step
+    /// updated them, or they were loaded or restored): a model keeping copies of parameters
+    /// between calls (a GPU model keeping them on the device) drops them here. In-process ranks
+    /// share one model, so it is called once per rank, each time with the same new values about
+    /// to come from every rank. [default: nothing is kept]
+    fn parameters_changed(&self) {}
 
     /// Backward of unit `unit` from what its `Train` forward saved. `grad_output` is the gradient of
     /// the objective with respect to the unit's output (`None` for the last unit, whose objective is

@@ -149,7 +149,9 @@ impl<M: UnitModel> Engine<'_, M> {
             u.adam.step = c.adam_step;
         }
         self.policy.restore(&c.policy);
-        self.gather_updated()
+        self.gather_updated()?;
+        self.model.parameters_changed();
+        Ok(())
     }
 
     /// Without an fp32 master (fp32 training, or bf16 parameters that are their own master): the
