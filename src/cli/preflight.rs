@@ -391,6 +391,79 @@ fn address_space_limit() -> Option<u64> {
     (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
 }
 
+/// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
+/// the start. At stages 0-2 every unit's parameters stay on the GPU between steps in the compute
+/// dtype; at stage 3 the largest unit's parameters and gradients are there while it runs. Beside
+/// them one micro-step's activations, sized as the planner sizes the GPT's on the fused CPU
+/// kernels in the compute dtype (with the engine's recomputation): a lower bound, since the
+/// composite ops a GPU runs keep more. A run whose lower bound does not fit is refused before any
+/// work, naming what to change; otherwise the estimate is logged.
+pub fn check_gpu(
+    gpu: &zerodp::device::GpuInfo,
+    dtype_bytes: u64,
+    engine: &EngineConfig,
+    spec: &ModelSpec,
+    gpt: &GptConfig,
+) -> anyhow::Result<String> {
+    let (params, activations) = gpu_need(dtype_bytes, engine, spec, gpt);
+    let need = params + activations;
+    let kept = match engine.stage.shards_params() {
+        false => "the parameters, kept there at stages 0-2",
+        true => "the largest unit's parameters and gradients",
+    };
+    let summary = format!(
+        "cuda:{} ({}): at least {} ({} {kept}, {} activations of one micro-step) of {} free",
+        gpu.ordinal,
+        gpu.name,
+        format_gb(need),
+        format_gb(params),
+        format_gb(activations),
+        format_gb(gpu.free_bytes)
+    );
+    if need > gpu.free_bytes {
+        bail!(
+            "the run does not fit on the GPU: {summary}. Lower train_micro_batch_size_per_gpu, turn \
+             on activation checkpointing, train in bf16, or use ZeRO stage 3 (the parameters are \
+             then copied to the GPU unit by unit, not kept there)"
+        );
+    }
+    Ok(summary)
+}
+
+/// [`check_gpu`]'s lower bound in bytes: (parameters and gradients kept on the GPU,
+/// activations of one micro-step).
+fn gpu_need(
+    dtype_bytes: u64,
+    engine: &EngineConfig,
+    spec: &ModelSpec,
+    gpt: &GptConfig,
+) -> (u64, u64) {
+    let stage3 = engine.stage.shards_params();
+    let params = match stage3 {
+        false => spec.num_params() as u64 * dtype_bytes,
+        true => 2 * spec.largest_unit() as u64 * dtype_bytes,
+    };
+    let shape = GptShape {
+        layers: gpt.layers as u64,
+        width: gpt.width as u64,
+        heads: gpt.heads as u64,
+        vocab: gpt.vocab_size as u64,
+        context: gpt.context as u64,
+    };
+    let units = spec.units.len();
+    let recompute: Vec<bool> = (0..units)
+        .map(|u| u + 1 < units && (stage3 || engine.activation_checkpointing))
+        .collect();
+    let step = planner::gpt_step_memory(
+        &shape,
+        engine.micro_batch as u64,
+        gpt.context as u64,
+        &recompute,
+        &[],
+    );
+    (params, step.activations / 4 * dtype_bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -473,5 +546,42 @@ mod tests {
         if std::path::Path::new("/proc/meminfo").exists() {
             assert!(host_memory().unwrap().0 > 1 << 20);
         }
+    }
+
+    /// On a GPU the parameters kept there and one micro-step's activations must fit its free
+    /// memory: a GPU of 1 MB refuses the tiny GPT saying what to change, one of 80 GB takes it.
+    #[test]
+    fn a_run_that_cannot_fit_the_gpu_is_refused_before_any_work() {
+        let gpt = GptConfig::tiny();
+        let model = GptModel::new(gpt.clone()).unwrap();
+        let mut engine = EngineConfig::new(zerodp::zero::Stage::Zero2, 1);
+        engine.micro_batch = 8;
+        let gpu = |free: u64| zerodp::device::GpuInfo {
+            ordinal: 0,
+            name: "test GPU".into(),
+            compute_capability: (9, 0),
+            free_bytes: free,
+            total_bytes: free,
+        };
+        let fits = check_gpu(&gpu(80_000_000_000), 4, &engine, model.spec(), &gpt).unwrap();
+        assert!(fits.contains("kept there at stages 0-2"), "{fits}");
+        let err = check_gpu(&gpu(1_000_000), 4, &engine, model.spec(), &gpt)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not fit on the GPU"), "{err}");
+        assert!(err.contains("ZeRO stage 3"), "{err}");
+        // Stage 2 keeps every parameter (Ψ f32 values); stage 3 the largest unit's parameters
+        // and gradients, and recomputes: less of both. bf16 halves them.
+        let spec = model.spec();
+        let (params2, acts2) = gpu_need(4, &engine, spec, &gpt);
+        assert_eq!(params2, 4 * spec.num_params() as u64);
+        assert_eq!(gpu_need(2, &engine, spec, &gpt), (params2 / 2, acts2 / 2));
+        engine.stage = zerodp::zero::Stage::Zero3;
+        let (params3, acts3) = gpu_need(4, &engine, spec, &gpt);
+        assert_eq!(params3, 8 * spec.largest_unit() as u64);
+        assert!(
+            params3 < params2 && acts3 < acts2,
+            "{params3} {acts3} vs {params2} {acts2}"
+        );
     }
 }

@@ -236,6 +236,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         &gpt,
         process,
     )?;
+    let gpu_memory = match &device.gpu {
+        Some(g) => {
+            let bytes = device.dtype.size_in_bytes() as u64;
+            Some(super::preflight::check_gpu(
+                g,
+                bytes,
+                &engine_cfg,
+                model.spec(),
+                &gpt,
+            )?)
+        }
+        None => None,
+    };
     let data = args.data.loader(
         tokenizer.as_ref(),
         gpt.context,
@@ -329,8 +342,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         data.source().name(),
         data.num_windows(),
     ));
-    if device.gpu.is_some() {
+    if let Some(memory) = gpu_memory {
         eprintln_rank0(rank, format!("device: {}", device.describe()));
+        eprintln_rank0(rank, format!("GPU memory: {memory}"));
     }
     let progress = ProgressLog::new(
         args.steps,

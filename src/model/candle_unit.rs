@@ -569,9 +569,19 @@ impl<T> std::fmt::Debug for Candle<T> {
 }
 
 pub(super) fn compute_err(unit: &str) -> impl Fn(candle_core::Error) -> ModelError + '_ {
-    move |e| ModelError::Compute {
-        unit: unit.to_string(),
-        message: e.to_string(),
+    move |e| {
+        let mut message = e.to_string();
+        if message.contains("OUT_OF_MEMORY") {
+            message.push_str(
+                ": the GPU ran out of memory. Lower train_micro_batch_size_per_gpu, turn on \
+                 activation checkpointing, train in bf16, or use ZeRO stage 3 (parameters copied \
+                 to the GPU unit by unit instead of kept there)",
+            );
+        }
+        ModelError::Compute {
+            unit: unit.to_string(),
+            message,
+        }
     }
 }
 
