@@ -27,6 +27,7 @@
 //! 130 / 143, the lock released on the way out); a run whose loss ends non-finite or whose every
 //! step was skipped exits 1.
 
+use super::hf_model::TrainModel;
 use super::launch::Resolved;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -166,35 +167,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let (gpt, tokenizer) = args
         .data
         .fit_model(gpt, args.hf.model_dir.as_deref(), hf.is_some())?;
-    let ctx = ResolveContext {
-        world_size: world,
-        world_size_source: match backend {
-            Resolved::Mpi { .. } => "the MPI process count".into(),
-            Resolved::InProcess { .. } => "--world-size".into(),
-        },
-        hidden_size: Some(gpt.width),
-        total_steps: Some(args.steps as usize),
-        ..Default::default()
-    };
-    let loaded = config::load_file(&args.config, &ctx)?;
-    for w in &loaded.warnings {
-        errln!("warning: {w}");
-    }
-    let settings = loaded.settings;
+    let settings = load_settings(&args, backend, &gpt)?;
     // Outputs are checked before any work; under MPI with this rank's metrics file (the
     // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
-    let launch_rank = match backend {
-        Resolved::Mpi { .. } => zerodp::comm::detect_mpi_launch()
-            .and_then(|l| l.rank)
-            .unwrap_or(0),
-        Resolved::InProcess { .. } => 0,
-    };
-    let metrics_for = |rank: usize| {
-        args.metrics
-            .as_deref()
-            .map(|p| super::launch::per_rank_path(p, rank))
-    };
-    check_paths(&args, metrics_for(launch_rank).as_deref())?;
+    let launch_rank = launch_rank(backend);
+    check_paths(&args, metrics_path(&args, launch_rank).as_deref())?;
     // The run owns --save-dir from here until it returns (the lock is released on drop); under
     // MPI rank 0 takes it for the job once the ranks can agree, below.
     let mut save_dir_lock = match backend {
@@ -210,45 +187,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_params_on_gpu(stage);
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
-    let engine_cfg = trainer.engine_config_mut();
-    engine_cfg.activation_checkpointing |= args.checkpoint_activations;
-    if args.max_skipped_steps == 0 {
-        bail!("--max-skipped-steps must be at least 1 (1 stops at the first step with Inf/NaN gradients)");
-    }
-    engine_cfg.max_skipped_steps = args.max_skipped_steps;
-    if let Some(text) = &args.preflight.device_memory {
-        engine_cfg.device_budget = Some(zerodp::planner::parse_bytes(text, "--device-memory")?);
-    }
-    let engine_cfg = engine_cfg.clone();
-
-    // The corpus is read after the check; its size is planned from the file's (a missing file is
-    // reported when it is read).
-    let process = TrainProcess {
-        corpus_bytes: args.data.input_bytes(),
-        threads_per_rank: trainer.threads_per_rank() as u64,
-        checkpoint_staging: args.save_dir.is_some(),
-    };
-    super::preflight::check(
-        &args.preflight,
-        &settings,
-        &engine_cfg,
-        model.spec(),
-        &gpt,
-        process,
-    )?;
-    let gpu_memory = match &device.gpu {
-        Some(g) => {
-            let bytes = device.dtype.size_in_bytes() as u64;
-            Some(super::preflight::check_gpu(
-                g,
-                bytes,
-                &engine_cfg,
-                model.spec(),
-                &gpt,
-            )?)
-        }
-        None => None,
-    };
+    configure_engine(&mut trainer, &args)?;
+    let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device))?;
     let data = args.data.loader(
         tokenizer.as_ref(),
         gpt.context,
@@ -256,27 +196,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         launch_rank == 0,
         !args.no_progress,
     )?;
-    if let Some(p) = &args.init {
-        trainer = trainer.with_init(load_safetensors(p, model.spec())?);
-    }
-    if let Some(Some(weights)) = hf
-        .as_ref()
-        .map(|m| m.initial_weights(model.spec()))
-        .transpose()?
-    {
-        trainer = trainer.with_init(weights);
-    }
-
-    let mut comm_options = CommOptions::from_env()?;
-    if let Some(t) = args.timeout {
-        comm_options.timeout = super::timeout_flag(t)?;
-    }
-    // The config's comms_logger turns the per-collective trace on, but only when it says
-    // `enabled: true` (DeepSpeed turns it on whenever the block exists). ZERODP_DEBUG, read by
-    // from_env above, can only raise the level, never lower it.
-    if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
-        comm_options.trace = TraceLevel::Info;
-    }
+    trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
+    let comm_options = comm_options(&args, &settings)?;
     // Under MPI: this process's rank, with the communication thread running.
     let mut rank = 0;
     if let Resolved::Mpi { world } = backend {
@@ -287,30 +208,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
             .with_backend(Backend::Process(comm))
             .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
     }
-    let metrics_path = metrics_for(rank);
+    let metrics_path = metrics_path(&args, rank);
     if rank != launch_rank {
         check_paths(&args, metrics_path.as_deref())?;
     }
     let signals = Signals::register()?;
-    let mut trainer = trainer
+    let trainer = trainer
         .with_comm_options(comm_options)
-        .with_stop_flag(signals.flag.clone())
-        .keep_params(args.save.is_some());
-    if let Some(dir) = &args.save_dir {
-        trainer = trainer.with_checkpoints(CheckpointOptions {
-            dir: dir.clone(),
-            every: args.save_every,
-            keep_last: args.keep_last,
-            config: super::hf_model::checkpoint_config(
-                settings.to_json(),
-                hf.as_ref(),
-                args.data.tokenizer.as_deref(),
-            ),
-        });
-    }
-    if let Some(r) = resume {
-        trainer = trainer.with_resume(r);
-    }
+        .with_stop_flag(signals.flag.clone());
+    let trainer = with_outputs(trainer, &args, (&settings, hf.as_ref()), resume);
     let metrics = match &metrics_path {
         Some(p) => Some(
             MetricsFile::create(p)
@@ -318,33 +224,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         ),
         None => None,
     };
-    let num_params = model.spec().num_params();
-    let batch = settings.batch.clone();
-    let tokens_per_step = batch.train_batch_size * gpt.context;
-    let backend_note = match backend {
-        Resolved::Mpi { .. } => " (MPI: one rank per process)",
-        Resolved::InProcess { .. } => "",
-    };
-    eprintln_rank0(rank, format!(
-        "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
-         world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
-         steps x {world}; corpus {} ({} windows)",
-        model.arch(),
-        gpt.layers,
-        gpt.width,
-        gpt.heads,
-        gpt.context,
-        num_params,
-        engine_cfg.stage.index(),
-        batch.train_batch_size,
-        batch.micro_batch_per_gpu,
-        batch.gradient_accumulation_steps,
-        data.source().name(),
-        data.num_windows(),
-    ));
-    if let Some(memory) = gpu_memory {
-        eprintln_rank0(rank, format!("device: {}", device.describe()));
-        eprintln_rank0(rank, format!("GPU memory: {memory}"));
+    if rank == 0 {
+        print_banner(&trainer, (backend, &settings, &gpt), &data);
+        if let Some(memory) = gpu_memory {
+            errln!("device: {}", device.describe());
+            errln!("GPU memory: {memory}");
+        }
     }
     let progress = ProgressLog::new(
         args.steps,
@@ -364,52 +249,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     drop(save_dir_lock);
     let outcome = outcome?;
     progress.bar.finish_and_clear();
-    let elapsed = started.elapsed().as_secs_f64();
-    let steps_run = outcome.steps - outcome.start_step;
     if rank == 0 {
         report_saves(&outcome, args.save_dir.as_deref());
-    }
-    if let (0, Some(Some(last))) = (rank, outcome.last.first()) {
-        errln!(
-            "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
-             (peak {})",
-            last.step,
-            last.loss,
-            (steps_run as usize * tokens_per_step) as f64 / elapsed,
-            human_bytes(last.memory.total),
-            human_bytes(last.peak_bytes)
-        );
-    }
-    if let (0, Some(peak)) = (rank, peak_resident_bytes()) {
-        let in_process = match backend {
-            Resolved::Mpi { .. } => 1,
-            Resolved::InProcess { .. } => world,
-        };
-        errln!(
-            "process peak resident set: {} ({} per rank)",
-            human_bytes(peak),
-            human_bytes(peak / in_process as u64)
-        );
+        let tokens_per_step = settings.batch.train_batch_size * gpt.context;
+        report_end(&outcome, started, tokens_per_step, backend);
     }
     if let Some(code) = signals.exit_code() {
-        eprintln_rank0(
-            rank,
-            format!(
-                "interrupted by {} after {} of {} steps: every metrics line written is whole{}",
-                signals.name(),
-                outcome.steps,
-                args.steps,
-                match (&args.save_dir, &args.save) {
-                    (Some(_), _) => {
-                        "; the checkpoint of the last step is saved (resume with --resume)"
-                    }
-                    (None, Some(_)) => {
-                        "; nothing was saved (--save writes only at the end of a run)"
-                    }
-                    (None, None) => "",
-                }
-            ),
-        );
+        if rank == 0 {
+            report_interrupted(&signals, &outcome, &args);
+        }
         return Ok(code);
     }
     check_final(&outcome)?;
@@ -422,11 +270,214 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// Prints `line` on rank 0 only (under MPI every process would print it otherwise).
-fn eprintln_rank0(rank: usize, line: String) {
-    if rank == 0 {
-        errln!("{line}");
+/// The DeepSpeed config, resolved for this run's world size and model (its warnings printed).
+fn load_settings(
+    args: &TrainArgs,
+    backend: Resolved,
+    gpt: &GptConfig,
+) -> anyhow::Result<config::Settings> {
+    let ctx = ResolveContext {
+        world_size: backend.world(),
+        world_size_source: match backend {
+            Resolved::Mpi { .. } => "the MPI process count".into(),
+            Resolved::InProcess { .. } => "--world-size".into(),
+        },
+        hidden_size: Some(gpt.width),
+        total_steps: Some(args.steps as usize),
+        ..Default::default()
+    };
+    let loaded = config::load_file(&args.config, &ctx)?;
+    for w in &loaded.warnings {
+        errln!("warning: {w}");
     }
+    Ok(loaded.settings)
+}
+
+/// This process's rank as its launcher set it (0 in-process; under MPI read before MPI is up).
+fn launch_rank(backend: Resolved) -> usize {
+    match backend {
+        Resolved::Mpi { .. } => zerodp::comm::detect_mpi_launch()
+            .and_then(|l| l.rank)
+            .unwrap_or(0),
+        Resolved::InProcess { .. } => 0,
+    }
+}
+
+/// Rank `rank`'s metrics file: `--metrics` itself for rank 0, a file beside it for the others.
+fn metrics_path(args: &TrainArgs, rank: usize) -> Option<PathBuf> {
+    args.metrics
+        .as_deref()
+        .map(|p| super::launch::per_rank_path(p, rank))
+}
+
+/// The command line's additions to the config's engine: activation checkpointing, the skipped
+/// step limit and the memory budget.
+fn configure_engine(trainer: &mut Trainer<'_, TrainModel>, args: &TrainArgs) -> anyhow::Result<()> {
+    if args.max_skipped_steps == 0 {
+        bail!("--max-skipped-steps must be at least 1 (1 stops at the first step with Inf/NaN gradients)");
+    }
+    let engine_cfg = trainer.engine_config_mut();
+    engine_cfg.activation_checkpointing |= args.checkpoint_activations;
+    engine_cfg.max_skipped_steps = args.max_skipped_steps;
+    if let Some(text) = &args.preflight.device_memory {
+        engine_cfg.device_budget = Some(zerodp::planner::parse_bytes(text, "--device-memory")?);
+    }
+    Ok(())
+}
+
+/// The pre-flight checks, before any data is read: host memory for every run, GPU memory on a
+/// GPU (its estimate returned for the banner).
+fn preflight(
+    args: &TrainArgs,
+    settings: &config::Settings,
+    trainer: &Trainer<'_, TrainModel>,
+    (gpt, device): (&GptConfig, &super::device_args::OpenDevice),
+) -> anyhow::Result<Option<String>> {
+    let engine_cfg = trainer.engine_config();
+    let spec = trainer.model().spec();
+    // The corpus is read after the check; its size is planned from the file's (a missing file is
+    // reported when it is read).
+    let process = TrainProcess {
+        corpus_bytes: args.data.input_bytes(),
+        threads_per_rank: trainer.threads_per_rank() as u64,
+        checkpoint_staging: args.save_dir.is_some(),
+    };
+    super::preflight::check(&args.preflight, settings, engine_cfg, spec, gpt, process)?;
+    let Some(gpu) = &device.gpu else {
+        return Ok(None);
+    };
+    let bytes = device.dtype.size_in_bytes() as u64;
+    let memory = super::preflight::check_gpu(gpu, bytes, engine_cfg, spec, gpt)?;
+    Ok(Some(memory))
+}
+
+/// The run's starting weights: `--init`'s file, or a model directory's.
+fn with_initial_weights<'m>(
+    mut trainer: Trainer<'m, TrainModel>,
+    args: &TrainArgs,
+    hf: Option<&super::hf_model::HfModel>,
+) -> anyhow::Result<Trainer<'m, TrainModel>> {
+    let spec = trainer.model().spec().clone();
+    if let Some(p) = &args.init {
+        trainer = trainer.with_init(load_safetensors(p, &spec)?);
+    }
+    if let Some(Some(weights)) = hf.map(|m| m.initial_weights(&spec)).transpose()? {
+        trainer = trainer.with_init(weights);
+    }
+    Ok(trainer)
+}
+
+/// What the run writes and where it starts: the final weights kept for `--save`, checkpoints into
+/// `--save-dir` (with the config and the model's Hugging Face description), the resumed state.
+fn with_outputs<'m>(
+    trainer: Trainer<'m, TrainModel>,
+    args: &TrainArgs,
+    (settings, hf): (&config::Settings, Option<&super::hf_model::HfModel>),
+    resume: Option<Resume>,
+) -> Trainer<'m, TrainModel> {
+    let mut trainer = trainer.keep_params(args.save.is_some());
+    if let Some(dir) = &args.save_dir {
+        let tokenizer = args.data.tokenizer.as_deref();
+        trainer = trainer.with_checkpoints(CheckpointOptions {
+            dir: dir.clone(),
+            every: args.save_every,
+            keep_last: args.keep_last,
+            config: super::hf_model::checkpoint_config(settings.to_json(), hf, tokenizer),
+        });
+    }
+    match resume {
+        Some(r) => trainer.with_resume(r),
+        None => trainer,
+    }
+}
+
+/// The communicator's options: the environment's, `--timeout`, and the config's comms_logger.
+fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result<CommOptions> {
+    let mut comm_options = CommOptions::from_env()?;
+    if let Some(t) = args.timeout {
+        comm_options.timeout = super::timeout_flag(t)?;
+    }
+    // The config's comms_logger turns the per-collective trace on, but only when it says
+    // `enabled: true` (DeepSpeed turns it on whenever the block exists). ZERODP_DEBUG, read by
+    // from_env above, can only raise the level, never lower it.
+    if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
+        comm_options.trace = TraceLevel::Info;
+    }
+    Ok(comm_options)
+}
+
+/// The run's first line: the model, the stage, the world and the batch, the corpus.
+fn print_banner(
+    trainer: &Trainer<'_, TrainModel>,
+    (backend, settings, gpt): (Resolved, &config::Settings, &GptConfig),
+    data: &zerodp::model::DataLoader,
+) {
+    let world = backend.world();
+    let batch = &settings.batch;
+    let backend_note = match backend {
+        Resolved::Mpi { .. } => " (MPI: one rank per process)",
+        Resolved::InProcess { .. } => "",
+    };
+    errln!(
+        "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
+         world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
+         steps x {world}; corpus {} ({} windows)",
+        trainer.model().arch(),
+        gpt.layers,
+        gpt.width,
+        gpt.heads,
+        gpt.context,
+        trainer.model().spec().num_params(),
+        trainer.engine_config().stage.index(),
+        batch.train_batch_size,
+        batch.micro_batch_per_gpu,
+        batch.gradient_accumulation_steps,
+        data.source().name(),
+        data.num_windows(),
+    );
+}
+
+/// Rank 0's closing lines: steps, final loss, tokens/s and memory; the process's peak resident set.
+fn report_end(outcome: &TrainOutcome, started: Instant, tokens_per_step: usize, backend: Resolved) {
+    let elapsed = started.elapsed().as_secs_f64();
+    let steps_run = outcome.steps - outcome.start_step;
+    if let Some(Some(last)) = outcome.last.first() {
+        errln!(
+            "done: {} steps in {elapsed:.1} s, final loss {:.4}, {:.0} tokens/s overall, rank 0 holds {} \
+             (peak {})",
+            last.step,
+            last.loss,
+            (steps_run as usize * tokens_per_step) as f64 / elapsed,
+            human_bytes(last.memory.total),
+            human_bytes(last.peak_bytes)
+        );
+    }
+    if let Some(peak) = peak_resident_bytes() {
+        let in_process = match backend {
+            Resolved::Mpi { .. } => 1,
+            Resolved::InProcess { world } => world,
+        };
+        errln!(
+            "process peak resident set: {} ({} per rank)",
+            human_bytes(peak),
+            human_bytes(peak / in_process as u64)
+        );
+    }
+}
+
+/// Rank 0's line when a signal ended the run: where it stopped and what was saved.
+fn report_interrupted(signals: &Signals, outcome: &TrainOutcome, args: &TrainArgs) {
+    let saved = match (&args.save_dir, &args.save) {
+        (Some(_), _) => "; the checkpoint of the last step is saved (resume with --resume)",
+        (None, Some(_)) => "; nothing was saved (--save writes only at the end of a run)",
+        (None, None) => "",
+    };
+    errln!(
+        "interrupted by {} after {} of {} steps: every metrics line written is whole{saved}",
+        signals.name(),
+        outcome.steps,
+        args.steps,
+    );
 }
 
 /// Rank 0's progress bar and log lines: the step's loss, rate and memory on the bar, fp16 scale
