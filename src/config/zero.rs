@@ -297,7 +297,19 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     }
     let obj = r.object("zero_optimization", &m.node)?;
     r.deny_unknown(obj, ZERO_KEYS)?;
+    z.stage = stage(r, obj)?;
+    reduction_keys(r, obj, &mut z)?;
+    stage3_keys(r, obj, &mut z)?;
+    zeropp_and_other_keys(r, obj, &mut z)?;
+    newer_keys(r, obj)?;
+    offloads(r, obj, &mut z)?;
+    stage_warnings(r, obj, &z);
+    inert_keys(r, &z);
+    Ok(z)
+}
 
+/// `stage` (0-3), refusing the removed `legacy_stage1`.
+fn stage(r: &mut Reader<'_>, obj: Obj<'_>) -> Result<u8, ConfigError> {
     let spath = join(obj.path, "stage");
     let stage = r.read(&spath, obj.get("stage"), 0, None, HINT, |r, p, n| {
         let v = r.node_u64(p, n)?;
@@ -310,8 +322,6 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         }
         Ok(v as u8)
     })?;
-    z.stage = stage;
-
     if let Some(lm) = obj.get("legacy_stage1") {
         let p = join(obj.path, "legacy_stage1");
         if r.node_bool(&p, &lm.node)? {
@@ -322,10 +332,21 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
             });
         }
     }
+    Ok(stage)
+}
 
+/// Hugging Face's `"auto"` sizes are computed from the model's hidden size (`--hidden-size`).
+const HINT_HIDDEN: &str =
+    "pass --hidden-size so zerodp can compute it the way Hugging Face does, or write a number";
+
+/// The gradient reduction and partition keys of stages 1-3: buckets, overlap, sub-groups.
+fn reduction_keys(
+    r: &mut Reader<'_>,
+    obj: Obj<'_>,
+    z: &mut ZeroSettings,
+) -> Result<(), ConfigError> {
     let h = r.ctx.hidden_size.map(|h| h as u64);
-    let hint_h =
-        "pass --hidden-size so zerodp can compute it the way Hugging Face does, or write a number";
+    let stage = z.stage;
     z.contiguous_gradients = r.bool_or(obj, "contiguous_gradients", z.contiguous_gradients)?;
     z.reduce_scatter = r.bool_or(obj, "reduce_scatter", z.reduce_scatter)?;
     // 0 is DeepSpeed's "no bucket, each gradient reduced on its own" (Hugging Face's test
@@ -336,7 +357,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         obj.get("reduce_bucket_size"),
         z.reduce_bucket_size,
         h.map(|h| h.saturating_mul(h)),
-        hint_h,
+        HINT_HIDDEN,
         |r, p, n| r.node_u64(p, n),
     )?;
     z.use_multi_rank_bucket_allreduce = r.bool_or(
@@ -363,14 +384,20 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         r.bool_or(obj, "load_from_fp32_weights", z.load_from_fp32_weights)?;
     z.elastic_checkpoint = r.bool_or(obj, "elastic_checkpoint", z.elastic_checkpoint)?;
     z.sub_group_size = r.u64_or(obj, "sub_group_size", z.sub_group_size)?;
+    Ok(())
+}
 
+/// Stage 3's keys (prefixed `stage3_` or not): prefetch, persistence, live parameters, reuse,
+/// the 16-bit save.
+fn stage3_keys(r: &mut Reader<'_>, obj: Obj<'_>, z: &mut ZeroSettings) -> Result<(), ConfigError> {
+    let h = r.ctx.hidden_size.map(|h| h as u64);
     z.prefetch_bucket_size = u64_aliased(
         r,
         obj,
         "prefetch_bucket_size",
         z.prefetch_bucket_size,
         h.map(|h| (0.9 * h.saturating_mul(h) as f64) as u64),
-        hint_h,
+        HINT_HIDDEN,
     )?;
     z.param_persistence_threshold = u64_aliased(
         r,
@@ -378,7 +405,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
         "param_persistence_threshold",
         z.param_persistence_threshold,
         h.map(|h| h.saturating_mul(10)),
-        hint_h,
+        HINT_HIDDEN,
     )?;
     z.model_persistence_threshold = u64_aliased(
         r,
@@ -435,6 +462,15 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     } else if let Some(v) = gather_new {
         z.gather_16bit_weights_on_model_save = v;
     }
+    Ok(())
+}
+
+/// ZeRO++ (hpZ, quantized weights and gradients, LoCo), MiCS and the remaining flags.
+fn zeropp_and_other_keys(
+    r: &mut Reader<'_>,
+    obj: Obj<'_>,
+    z: &mut ZeroSettings,
+) -> Result<(), ConfigError> {
     z.ignore_unused_parameters =
         r.bool_or(obj, "ignore_unused_parameters", z.ignore_unused_parameters)?;
     z.round_robin_gradients = r.bool_or(obj, "round_robin_gradients", z.round_robin_gradients)?;
@@ -467,12 +503,7 @@ pub(crate) fn parse(r: &mut Reader<'_>, m: Option<&Member>) -> Result<ZeroSettin
     z.pipeline_loading_checkpoint = r.bool_or(obj, "pipeline_loading_checkpoint", false)?;
     z.override_module_apply = r.bool_or(obj, "override_module_apply", z.override_module_apply)?;
     z.log_trace_cache_warnings = r.bool_or(obj, "log_trace_cache_warnings", false)?;
-
-    newer_keys(r, obj)?;
-    offloads(r, obj, &mut z)?;
-    stage_warnings(r, obj, &z);
-    inert_keys(r, &z);
-    Ok(z)
+    Ok(())
 }
 
 /// Keys from DeepSpeed releases newer than the one our defaults follow: checked for type, then
