@@ -285,3 +285,85 @@ fn a_full_disk_during_a_save_fails_clearly_and_keeps_the_last_checkpoint() {
         "the failed save left {leftovers:?}; the run said:\n{err}"
     );
 }
+
+/// The run command of [`train`] with `data` as its corpus.
+fn train_on(s: &Setup, data: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args([
+            "train",
+            "--world-size",
+            "2",
+            "--model",
+            "tiny",
+            "--no-progress",
+        ])
+        .arg("--config")
+        .arg(&s.config)
+        .arg("--data")
+        .arg(data)
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Checkpoints record the data they were trained on (the SHA-256 of its token stream, each id as
+/// 4 little-endian bytes); resuming on the same text says nothing, on other text warns naming
+/// both, and trains on.
+#[test]
+fn checkpoints_record_their_data_and_a_resume_on_other_data_says_so() {
+    use sha2::{Digest, Sha256};
+    let s = setup();
+    let save = s.dir.path().join("ckpt");
+    let save_arg = save.to_str().unwrap();
+    let out = train_on(&s, &s.text, &["--steps", "2", "--save-dir", save_arg]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let latest = std::fs::read_to_string(save.join("latest")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(save.join(latest.trim()).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let text = std::fs::read(&s.text).unwrap();
+    let ids: Vec<u8> = text
+        .iter()
+        .flat_map(|&b| u32::from(b).to_le_bytes())
+        .collect();
+    let want: String = Sha256::digest(&ids)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let record = &manifest["config"]["zerodp_data"];
+    assert_eq!(record["sha256"], want.as_str(), "{record}");
+    assert_eq!(record["tokens"], text.len());
+
+    let same = train_on(
+        &s,
+        &s.text,
+        &["--steps", "3", "--save-dir", save_arg, "--resume"],
+    );
+    let err = String::from_utf8_lossy(&same.stderr);
+    assert!(same.status.success(), "{err}");
+    assert!(!err.contains("was trained on"), "{err}");
+
+    let other = s.dir.path().join("other.txt");
+    std::fs::write(
+        &other,
+        "a different text altogether, with other words. ".repeat(200),
+    )
+    .unwrap();
+    let moved = train_on(
+        &s,
+        &other,
+        &["--steps", "4", "--save-dir", save_arg, "--resume"],
+    );
+    let err = String::from_utf8_lossy(&moved.stderr);
+    assert!(moved.status.success(), "{err}");
+    assert!(
+        err.contains("was trained on") && err.contains("text.txt"),
+        "{err}"
+    );
+    assert!(err.contains("other.txt"), "{err}");
+}

@@ -197,6 +197,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         !args.no_progress,
     )?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
+    // What the checkpoints record of the data, and what a resumed run checks it against.
+    let data_record = (args.save_dir.is_some() || resume.is_some()).then(|| data_record(&data));
+    if let (Some(r), Some(record), 0) = (&resume, &data_record, launch_rank) {
+        check_resumed_data(r, record);
+    }
     let comm_options = comm_options(&args, &settings)?;
     // Under MPI: this process's rank, with the communication thread running.
     let mut rank = 0;
@@ -216,7 +221,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let trainer = trainer
         .with_comm_options(comm_options)
         .with_stop_flag(signals.flag.clone());
-    let trainer = with_outputs(trainer, &args, (&settings, hf.as_ref()), resume);
+    let trainer = with_outputs(
+        trainer,
+        &args,
+        (&settings, hf.as_ref(), data_record),
+        resume,
+    );
     let metrics = match &metrics_path {
         Some(p) => Some(
             MetricsFile::create(p)
@@ -372,23 +382,77 @@ fn with_initial_weights<'m>(
 fn with_outputs<'m>(
     trainer: Trainer<'m, TrainModel>,
     args: &TrainArgs,
-    (settings, hf): (&config::Settings, Option<&super::hf_model::HfModel>),
+    (settings, hf, data): (
+        &config::Settings,
+        Option<&super::hf_model::HfModel>,
+        Option<serde_json::Value>,
+    ),
     resume: Option<Resume>,
 ) -> Trainer<'m, TrainModel> {
     let mut trainer = trainer.keep_params(args.save.is_some());
     if let Some(dir) = &args.save_dir {
         let tokenizer = args.data.tokenizer.as_deref();
+        let mut config = super::hf_model::checkpoint_config(settings.to_json(), hf, tokenizer);
+        if let (Some(map), Some(data)) = (config.as_object_mut(), data) {
+            map.insert(DATA_KEY.into(), data);
+        }
         trainer = trainer.with_checkpoints(CheckpointOptions {
             dir: dir.clone(),
             every: args.save_every,
             keep_last: args.keep_last,
-            config: super::hf_model::checkpoint_config(settings.to_json(), hf, tokenizer),
+            config,
         });
     }
     match resume {
         Some(r) => trainer.with_resume(r),
         None => trainer,
     }
+}
+
+/// The key of the resolved config recorded in checkpoints that holds the data the run trained on
+/// ([`data_record`]).
+pub const DATA_KEY: &str = "zerodp_data";
+
+/// What checkpoints record of the data a run trains on: its name, size and vocabulary, the window
+/// length, and the SHA-256 of its token stream.
+fn data_record(data: &zerodp::model::DataLoader) -> serde_json::Value {
+    let source = data.source();
+    serde_json::json!({
+        "source": source.name(),
+        "tokens": source.len(),
+        "vocab_size": source.vocab_size(),
+        "context": data.context(),
+        "sha256": source.fingerprint(),
+    })
+}
+
+/// A resumed run on other tokens than its checkpoint recorded is allowed (fine-tuning on new
+/// data is a resume too) but said: the data order, a function of the seed and the step, then
+/// continues over other windows. Checkpoints from before the record say nothing.
+fn check_resumed_data(resume: &Resume, now: &serde_json::Value) {
+    let Some(saved) = resume.manifest.config.get(DATA_KEY) else {
+        return;
+    };
+    if saved.get("sha256") == now.get("sha256") && saved.get("context") == now.get("context") {
+        return;
+    }
+    let describe = |v: &serde_json::Value| {
+        format!(
+            "{} ({} tokens, windows of {}, sha256 {:.12})",
+            v["source"].as_str().unwrap_or("?"),
+            v["tokens"],
+            v["context"],
+            v["sha256"].as_str().unwrap_or("?")
+        )
+    };
+    errln!(
+        "warning: the checkpoint in {} was trained on {}; this run reads {}: training continues \
+         on these tokens from step {}, over other windows than the saved run would have seen",
+        resume.dir.display(),
+        describe(saved),
+        describe(now),
+        resume.manifest.step
+    );
 }
 
 /// The communicator's options: the environment's, `--timeout`, and the config's comms_logger.

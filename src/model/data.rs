@@ -206,6 +206,27 @@ impl TokenSource {
         }
     }
 
+    /// SHA-256 of the token stream, each id as 4 little-endian bytes (as `sha256sum` prints it):
+    /// the same for the same ids whether they came from bytes or a token file, on any machine.
+    /// Checkpoints record it, so that a resumed run can tell it was given other data.
+    pub fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        match self {
+            TokenSource::Bytes(c) => {
+                for chunk in c.tokens.chunks(1 << 16) {
+                    let wide: Vec<u8> = chunk
+                        .iter()
+                        .flat_map(|&b| u32::from(b).to_le_bytes())
+                        .collect();
+                    hash.update(&wide);
+                }
+            }
+            TokenSource::Ids(c) => hash.update(c.id_bytes()),
+        }
+        super::token_data::hex(&hash.finalize())
+    }
+
     /// Tokens `[start, start + len)` appended to `out`.
     fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         match self {

@@ -154,7 +154,7 @@ fn default_eos(path: &Path, tok: &tokenizers::Tokenizer) -> Result<String, DataE
         })
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
@@ -368,6 +368,11 @@ impl TokenCorpus {
 
     /// Tokens `[start, start + len)` appended to `out` (little-endian in the file, so the bytes
     /// are read one id at a time rather than cast in place).
+    /// The token file's bytes: every id as 4 little-endian bytes.
+    pub(super) fn id_bytes(&self) -> &[u8] {
+        self.map.as_deref().unwrap_or(&[])
+    }
+
     pub fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         let bytes = self.map.as_deref().unwrap_or(&[]);
         let window = &bytes[start * 4..(start + len) * 4];
