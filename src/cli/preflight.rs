@@ -584,4 +584,45 @@ mod tests {
             "{params3} {acts3} vs {params2} {acts2}"
         );
     }
+
+    /// On a GPU the activations and weight copies are the GPU's (checked by `check_gpu`), so
+    /// the host pre-flight counts everything else exactly as on the CPU and those as zero.
+    #[test]
+    fn a_gpu_run_plans_its_activations_on_the_gpu_not_the_host() {
+        let gpt = GptConfig::tiny();
+        let model = GptModel::new(gpt.clone()).unwrap();
+        let ctx = ResolveContext {
+            world_size: 1,
+            world_size_source: "test".into(),
+            ..Default::default()
+        };
+        let text = r#"{"train_batch_size": 8, "zero_optimization": {"stage": 2}}"#;
+        let settings = config::load_str(text, "ds.json", &ctx).unwrap().settings;
+        let engine = zerodp::setup::engine_config(&settings, 1, 0).unwrap();
+        let bytes = |compute_on_gpu: bool| {
+            let process = TrainProcess {
+                compute_on_gpu,
+                ..TrainProcess::default()
+            };
+            let input = plan_input(
+                &settings,
+                &engine,
+                model.spec(),
+                &gpt,
+                1 << 30,
+                1 << 34,
+                process,
+            );
+            let plan = planner::plan(&input).unwrap();
+            plan.options
+                .into_iter()
+                .find(|o| o.stage == 2 && o.offload_optimizer == Offload::None)
+                .unwrap()
+                .bytes_per_device
+        };
+        let (cpu, gpu) = (bytes(false), bytes(true));
+        assert!(cpu.activations > 0 && cpu.param_copies > 0, "{cpu:?}");
+        assert_eq!((gpu.activations, gpu.param_copies), (0, 0));
+        assert_eq!(gpu.total, cpu.total - cpu.activations - cpu.param_copies);
+    }
 }

@@ -351,6 +351,7 @@ fn preflight(
         corpus_bytes: args.data.input_bytes(),
         threads_per_rank: trainer.threads_per_rank() as u64,
         checkpoint_staging: args.save_dir.is_some(),
+        compute_on_gpu: device.gpu.is_some(),
     };
     super::preflight::check(&args.preflight, settings, engine_cfg, spec, gpt, process)?;
     let Some(gpu) = &device.gpu else {

@@ -372,6 +372,11 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
                 });
         }
     }
+    if input.process.is_some_and(|p| p.compute_on_gpu) {
+        // On a GPU, not in this process's memory.
+        bytes.activations = 0;
+        bytes.param_copies = 0;
+    }
     let activation_options = activation_options(input, choice.stage);
     if let (Some(p), Some(e)) = (&input.process, &engine) {
         let largest = e.layout.largest_padded() as u64;

@@ -87,6 +87,9 @@ pub struct TrainProcess {
     /// Whether the run saves checkpoints (`--save-dir`): each rank then holds a staging copy of
     /// its shard of the master weights and Adam's m and v for the whole run.
     pub checkpoint_staging: bool,
+    /// The units compute on a GPU (`--device cuda`): their activations and weight copies are in
+    /// its memory, not this process's (the GPU pre-flight checks them there).
+    pub compute_on_gpu: bool,
 }
 
 impl TrainProcess {
@@ -323,6 +326,7 @@ mod tests {
             corpus_bytes: 1_000_000,
             threads_per_rank: 1,
             checkpoint_staging: false,
+            compute_on_gpu: false,
         };
         let one = p.overhead_per_rank(1, 64, 1000);
         let four = p.overhead_per_rank(4, 64, 1000);
