@@ -45,7 +45,7 @@ while (($#)); do
     case "$1" in
         --tests) mode=tests ;;
         --env) mode=env ;;
-        --pack) pack="${2:?--pack needs a folder}"; shift ;;
+        --pack) pack="$(realpath -m "${2:?--pack needs a folder}")"; shift ;;
         -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
         *) echo "cuda-build.sh: unknown argument '$1' (use --tests, --env, --pack DIR or nothing)" >&2; exit 2 ;;
     esac
@@ -121,7 +121,7 @@ strip -o "$TARGET_DIR/zerodp" "$TARGET_DIR/release/zerodp"
 say "built $TARGET_DIR/zerodp ($(du -h "$TARGET_DIR/zerodp" | cut -f1)); it loads libcuda.so.1 and the CUDA 13.0 libraries of $RUNTIME_LIBS at run time"
 if [[ "$mode" == tests ]]; then
     mkdir -p "$TARGET_DIR/tests"
-    cargo test --release --features cuda --no-run --message-format=json 2>/dev/null |
+    cargo test --release --features cuda --no-run --message-format=json |
         "$PREFIX/venv/bin/python" -c '
 import json, shutil, subprocess, sys, os
 out = sys.argv[1]

@@ -169,6 +169,9 @@ pub struct BenchRow {
     /// The GEMM the model's f32 products ran on: `amx` or `gemm` (see `zerodp::model::GEMM_ENV`),
     /// or `cuda` on a GPU (`--device`), where `gemm_flops_per_s` and `mfu` are 0 (not measured).
     pub gemm_path: &'static str,
+    /// Where the units computed (`--device`): `cpu`, or the GPU's ordinal, name, compute
+    /// capability and memory, and the compute dtype.
+    pub device: String,
     /// NVMe offload: rank 0's swap-file bytes read and written per step, and their rate over the
     /// median step and over its optimizer phase (when the disk works), in GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -283,6 +286,7 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
     let shape = (args.per_rank * gpt.context, gpt.width, 4 * gpt.width);
     let mut probed: Vec<(usize, usize, f64)> = Vec::new();
     for r in &mut rows {
+        r.device = device.describe();
         r.model_flops_per_s = model.flops_per_token(&gpt) * r.tokens_per_s;
         if device.gpu.is_some() {
             // The CPU's GEMM rate says nothing of a GPU run: no utilisation is claimed.
@@ -425,6 +429,7 @@ impl Samples {
             model_flops_per_s: 0.0,
             gemm_flops_per_s: 0.0,
             gemm_path: zerodp::model::gemm_path(),
+            device: String::new(),
             mfu: 0.0,
             nvme,
             fastest_split: false,

@@ -393,26 +393,29 @@ fn address_space_limit() -> Option<u64> {
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
 /// the start. At stages 0-2 every unit's parameters stay on the GPU between steps in the compute
-/// dtype; at stage 3 the largest unit's parameters and gradients are there while it runs. Beside
-/// them one micro-step's activations, sized as the planner sizes the GPT's on the fused CPU
-/// kernels in the compute dtype (with the engine's recomputation): a lower bound, since the
-/// composite ops a GPU runs keep more. A run whose lower bound does not fit is refused before any
-/// work, naming what to change; otherwise the estimate is logged.
+/// dtype, once for all the ranks sharing it; at stage 3 each rank's largest unit's parameters and
+/// gradients are there while it runs. Beside them each rank's activations of one micro-step and
+/// the graph's copies of the weights, sized as the planner sizes the GPT's on the fused CPU kernels
+/// in the compute dtype (with the engine's recomputation): a lower bound, since the composite ops a
+/// GPU runs keep more. `ranks` is how many ranks share the GPU (in-process ranks all do). A run whose
+/// lower bound does not fit is refused before any work, naming what to change; otherwise the
+/// estimate is logged.
 pub fn check_gpu(
     gpu: &zerodp::device::GpuInfo,
-    dtype_bytes: u64,
+    (dtype_bytes, ranks): (u64, u64),
     engine: &EngineConfig,
     spec: &ModelSpec,
     gpt: &GptConfig,
 ) -> anyhow::Result<String> {
-    let (params, activations) = gpu_need(dtype_bytes, engine, spec, gpt);
+    let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
     let need = params + activations;
     let kept = match engine.stage.shards_params() {
         false => "the parameters, kept there at stages 0-2",
         true => "the largest unit's parameters and gradients",
     };
     let summary = format!(
-        "cuda:{} ({}): at least {} ({} {kept}, {} activations of one micro-step) of {} free",
+        "cuda:{} ({}): at least {} ({} {kept}, {} activations and weight copies of one \
+         micro-step) of {} free",
         gpu.ordinal,
         gpu.name,
         format_gb(need),
@@ -430,18 +433,19 @@ pub fn check_gpu(
     Ok(summary)
 }
 
-/// [`check_gpu`]'s lower bound in bytes: (parameters and gradients kept on the GPU,
-/// activations of one micro-step).
+/// [`check_gpu`]'s lower bound in bytes for `ranks` ranks sharing the GPU: (parameters and
+/// gradients kept on the GPU, activations and weight copies of one micro-step).
 fn gpu_need(
-    dtype_bytes: u64,
+    (dtype_bytes, ranks): (u64, u64),
     engine: &EngineConfig,
     spec: &ModelSpec,
     gpt: &GptConfig,
 ) -> (u64, u64) {
     let stage3 = engine.stage.shards_params();
+    let ranks = ranks.max(1);
     let params = match stage3 {
         false => spec.num_params() as u64 * dtype_bytes,
-        true => 2 * spec.largest_unit() as u64 * dtype_bytes,
+        true => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
     let shape = GptShape {
         layers: gpt.layers as u64,
@@ -461,7 +465,8 @@ fn gpu_need(
         &recompute,
         &[],
     );
-    (params, step.activations / 4 * dtype_bytes)
+    let step_bytes = (step.activations + step.param_copies) / 4 * dtype_bytes;
+    (params, ranks * step_bytes)
 }
 
 #[cfg(test)]
@@ -563,22 +568,31 @@ mod tests {
             free_bytes: free,
             total_bytes: free,
         };
-        let fits = check_gpu(&gpu(80_000_000_000), 4, &engine, model.spec(), &gpt).unwrap();
+        let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, model.spec(), &gpt).unwrap();
         assert!(fits.contains("kept there at stages 0-2"), "{fits}");
-        let err = check_gpu(&gpu(1_000_000), 4, &engine, model.spec(), &gpt)
+        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, model.spec(), &gpt)
             .unwrap_err()
             .to_string();
         assert!(err.contains("does not fit on the GPU"), "{err}");
         assert!(err.contains("ZeRO stage 3"), "{err}");
         // Stage 2 keeps every parameter (Ψ f32 values); stage 3 the largest unit's parameters
         // and gradients, and recomputes: less of both. bf16 halves them.
+        // Two ranks sharing the GPU share the kept parameters and each has its own step.
         let spec = model.spec();
-        let (params2, acts2) = gpu_need(4, &engine, spec, &gpt);
+        let (params2, acts2) = gpu_need((4, 1), &engine, spec, &gpt);
         assert_eq!(params2, 4 * spec.num_params() as u64);
-        assert_eq!(gpu_need(2, &engine, spec, &gpt), (params2 / 2, acts2 / 2));
+        assert_eq!(
+            gpu_need((2, 1), &engine, spec, &gpt),
+            (params2 / 2, acts2 / 2)
+        );
+        assert_eq!(gpu_need((4, 2), &engine, spec, &gpt), (params2, 2 * acts2));
         engine.stage = zerodp::zero::Stage::Zero3;
-        let (params3, acts3) = gpu_need(4, &engine, spec, &gpt);
+        let (params3, acts3) = gpu_need((4, 1), &engine, spec, &gpt);
         assert_eq!(params3, 8 * spec.largest_unit() as u64);
+        assert_eq!(
+            gpu_need((4, 2), &engine, spec, &gpt),
+            (2 * params3, 2 * acts3)
+        );
         assert!(
             params3 < params2 && acts3 < acts2,
             "{params3} {acts3} vs {params2} {acts2}"

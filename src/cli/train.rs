@@ -188,7 +188,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     configure_engine(&mut trainer, &args)?;
-    let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device))?;
+    let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;
     let data = args.data.loader(
         tokenizer.as_ref(),
         gpt.context,
@@ -198,8 +198,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     )?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
     // What the checkpoints record of the data, and what a resumed run checks it against.
-    let data_record = (args.save_dir.is_some() || resume.is_some()).then(|| data_record(&data));
-    if let (Some(r), Some(record), 0) = (&resume, &data_record, launch_rank) {
+    // Rank 0 alone writes the manifest and reports a resume, so it alone reads the whole stream.
+    let wants_record = launch_rank == 0 && (args.save_dir.is_some() || resume.is_some());
+    let data_record = wants_record.then(|| data_record(&data));
+    if let (Some(r), Some(record)) = (&resume, &data_record) {
         check_resumed_data(r, record);
     }
     let comm_options = comm_options(&args, &settings)?;
@@ -341,7 +343,7 @@ fn preflight(
     args: &TrainArgs,
     settings: &config::Settings,
     trainer: &Trainer<'_, TrainModel>,
-    (gpt, device): (&GptConfig, &super::device_args::OpenDevice),
+    (gpt, device, backend): (&GptConfig, &super::device_args::OpenDevice, Resolved),
 ) -> anyhow::Result<Option<String>> {
     let engine_cfg = trainer.engine_config();
     let spec = trainer.model().spec();
@@ -358,7 +360,12 @@ fn preflight(
         return Ok(None);
     };
     let bytes = device.dtype.size_in_bytes() as u64;
-    let memory = super::preflight::check_gpu(gpu, bytes, engine_cfg, spec, gpt)?;
+    // In-process ranks all compute on the one GPU; MPI ranks each on their local rank's.
+    let ranks = match backend {
+        Resolved::InProcess { world } => world as u64,
+        Resolved::Mpi { .. } => 1,
+    };
+    let memory = super::preflight::check_gpu(gpu, (bytes, ranks), engine_cfg, spec, gpt)?;
     Ok(Some(memory))
 }
 

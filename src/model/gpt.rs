@@ -308,6 +308,16 @@ impl Gpt {
                  got {dtype:?} on {device:?}"
             )));
         }
+        Self::build_any(config, dtype, fused, device)
+    }
+
+    /// [`Self::build`] without the dtype check (tests run a GPU's 16-bit ops on the CPU).
+    fn build_any(
+        config: GptConfig,
+        dtype: DType,
+        fused: bool,
+        device: Device,
+    ) -> Result<Self, ModelError> {
         let (v, t, c, l) = (
             config.vocab_size,
             config.context,
@@ -507,7 +517,7 @@ impl Gpt {
         }
         // The softmax of a 16-bit run in f32, as PyTorch's autocast computes its cross-entropy.
         let mut logits = self.lm_logits(h, wte)?;
-        if matches!(self.dtype, DType::BF16 | DType::F16) {
+        if self.is_half() {
             logits = logits.to_dtype(DType::F32)?;
         }
         let targets = Tensor::from_slice(targets, targets.len(), &self.device)?;
@@ -551,9 +561,19 @@ impl Gpt {
         if self.fused {
             x.contiguous()?
                 .apply_op3(weight, bias, kernels::LayerNorm { eps: LN_EPS })
+        } else if self.is_half() {
+            // Statistics in f32, as PyTorch's 16-bit norm kernels and autocast compute them.
+            let f32 = |t: &Tensor| t.to_dtype(DType::F32);
+            layer_norm_composite(&f32(x)?, &f32(weight)?, &f32(bias)?)?.to_dtype(self.dtype)
         } else {
             layer_norm_composite(x, weight, bias)
         }
+    }
+
+    /// Whether the model computes in a 16-bit dtype (on a GPU): norms, softmaxes and the loss
+    /// then run in f32.
+    fn is_half(&self) -> bool {
+        matches!(self.dtype, DType::BF16 | DType::F16)
     }
 
     #[doc(hidden)]
@@ -607,8 +627,16 @@ impl Gpt {
         let q = split(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
         let k = split(1)?;
         let v = split(2)?;
-        let att = q.matmul(&k.t()?)?.broadcast_add(&self.causal_mask(t)?)?;
-        let att = candle_nn::ops::softmax(&att, D::Minus1)?;
+        let scores = q.matmul(&k.t()?)?;
+        let att = if self.is_half() {
+            // The softmax in f32, as PyTorch's 16-bit softmax and autocast compute it.
+            let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
+            let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
+            candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(self.dtype)?
+        } else {
+            let scores = scores.broadcast_add(&self.causal_mask(t)?)?;
+            candle_nn::ops::softmax(&scores, D::Minus1)?
+        };
         att.matmul(&v)?
             .transpose(1, 2)?
             .contiguous()?
@@ -911,5 +939,60 @@ impl UnitModel for GptModel {
         gpt_block::backward(saved, grad_output, own)
             .map(Some)
             .map_err(compute_err(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// 4 sequences of 16 byte tokens, each target the next token.
+    fn byte_batch() -> TokenBatch {
+        let ids: Vec<u32> = (0..65u32).map(|i| (i * 37 + 11) % 256).collect();
+        let tokens = ids[..64].to_vec();
+        let targets = ids[1..].to_vec();
+        TokenBatch {
+            tokens,
+            targets,
+            batch_size: 4,
+            seq_len: 16,
+        }
+    }
+
+    /// A GPU's 16-bit composite ops, run on candle's CPU backend: every dtype meets (masks, norms
+    /// and softmax in f32, the loss in f32), and the loss and gradients follow the f32 model's.
+    #[test]
+    fn the_16_bit_composite_ops_agree_with_f32() {
+        let batch = byte_batch();
+        let f32_model =
+            Candle::new(Gpt::build_any(GptConfig::tiny(), DType::F32, false, Device::Cpu).unwrap());
+        let params: Vec<Vec<f32>> = (0..f32_model.units().spec().units.len())
+            .map(|u| {
+                let mut p = vec![0.0; f32_model.units().spec().units[u].numel()];
+                f32_model.units().init_params(u, 3, &mut p);
+                p
+            })
+            .collect();
+        let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+        let (want, want_grads) = f32_model.end_to_end(&slices, &batch, 1.0).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let half =
+                Candle::new(Gpt::build_any(GptConfig::tiny(), dtype, false, Device::Cpu).unwrap());
+            let (got, grads) = half.end_to_end(&slices, &batch, 1.0).unwrap();
+            assert!(
+                (got - want).abs() <= 2e-2 * want,
+                "{dtype:?}: loss {got} vs {want}"
+            );
+            for (g, w) in grads.iter().zip(&want_grads) {
+                let dot: f64 = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                let cosine = dot / (norm(g) * norm(w)).max(1e-30);
+                assert!(cosine > 0.98, "{dtype:?}: gradient cosine {cosine}");
+            }
+        }
     }
 }

@@ -393,10 +393,24 @@ fn llama_spec(c: &LlamaConfig) -> ModelSpec {
 
 impl Llama {
     /// `w * (x * rsqrt(mean(x²) + eps))` over the last dimension.
+    /// In a 16-bit run (a GPU) the statistics and the normalised rows in f32, rounded back before
+    /// the weight, as transformers' `LlamaRMSNorm` computes it.
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
-        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let x32 = match self.is_half() {
+            true => x.to_dtype(DType::F32)?,
+            false => x.clone(),
+        };
+        let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
         let inv = (ms + self.config.rms_eps)?.sqrt()?.recip()?;
-        x.broadcast_mul(&inv)?.broadcast_mul(w)
+        x32.broadcast_mul(&inv)?
+            .to_dtype(self.dtype)?
+            .broadcast_mul(w)
+    }
+
+    /// Whether the model computes in a 16-bit dtype (on a GPU): its norms, softmaxes and loss then
+    /// run in f32.
+    fn is_half(&self) -> bool {
+        matches!(self.dtype, DType::BF16 | DType::F16)
     }
 
     /// The rotary frequencies, in f32 as the tables are computed.
@@ -523,8 +537,14 @@ impl Llama {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let att =
-            candle_nn::ops::softmax(&scores.broadcast_add(&self.causal_mask(t)?)?, D::Minus1)?;
+        let att = if self.is_half() {
+            // The softmax in f32, as transformers computes it (`dtype=torch.float32`).
+            let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
+            let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
+            candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(self.dtype)?
+        } else {
+            candle_nn::ops::softmax(&scores.broadcast_add(&self.causal_mask(t)?)?, D::Minus1)?
+        };
         att.matmul(&v)?.transpose(1, 2)?.reshape((b * t, nh * d))
     }
 
@@ -654,5 +674,63 @@ impl CandleUnits for Llama {
 
     fn require_gradients(&self) -> bool {
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Candle;
+
+    /// A GPU's 16-bit composite ops, run on candle's CPU backend: every dtype meets (masks, rotary
+    /// tables, norms and softmax in f32, the loss in f32), and the loss and gradients follow the
+    /// f32 model's, with grouped-query attention and an untied head.
+    #[test]
+    fn the_16_bit_composite_ops_agree_with_f32() {
+        let json = serde_json::json!({
+            "model_type": "llama", "vocab_size": 300, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 32,
+            "tie_word_embeddings": false
+        });
+        let config = LlamaConfig::from_hf_json(&json, Path::new("config.json")).unwrap();
+        let f32_model = Candle::new(Llama::new(config.clone()).unwrap().composite());
+        let spec = f32_model.units().spec().clone();
+        let params: Vec<Vec<f32>> = (0..spec.units.len())
+            .map(|u| {
+                let mut p = vec![0.0; spec.units[u].numel()];
+                f32_model.units().init_params(u, 3, &mut p);
+                p
+            })
+            .collect();
+        let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
+        let ids: Vec<u32> = (0..65u32).map(|i| (i * 37 + 11) % 300).collect();
+        let batch = TokenBatch {
+            tokens: ids[..64].to_vec(),
+            targets: ids[1..].to_vec(),
+            batch_size: 4,
+            seq_len: 16,
+        };
+        let (want, want_grads) = f32_model.end_to_end(&slices, &batch, 1.0).unwrap();
+        for dtype in [DType::BF16, DType::F16] {
+            let mut half = Llama::new(config.clone()).unwrap().composite();
+            half.dtype = dtype;
+            let half = Candle::new(half);
+            let (got, grads) = half.end_to_end(&slices, &batch, 1.0).unwrap();
+            assert!(
+                (got - want).abs() <= 2e-2 * want,
+                "{dtype:?}: loss {got} vs {want}"
+            );
+            for (g, w) in grads.iter().zip(&want_grads) {
+                let dot: f64 = g
+                    .iter()
+                    .zip(w)
+                    .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                    .sum();
+                let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+                let cosine = dot / (norm(g) * norm(w)).max(1e-30);
+                assert!(cosine > 0.98, "{dtype:?}: gradient cosine {cosine}");
+            }
+        }
     }
 }

@@ -366,13 +366,13 @@ impl TokenCorpus {
         &self.status
     }
 
-    /// Tokens `[start, start + len)` appended to `out` (little-endian in the file, so the bytes
-    /// are read one id at a time rather than cast in place).
     /// The token file's bytes: every id as 4 little-endian bytes.
     pub(super) fn id_bytes(&self) -> &[u8] {
         self.map.as_deref().unwrap_or(&[])
     }
 
+    /// Tokens `[start, start + len)` appended to `out` (little-endian in the file, so the bytes
+    /// are read one id at a time rather than cast in place).
     pub fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         let bytes = self.map.as_deref().unwrap_or(&[]);
         let window = &bytes[start * 4..(start + len) * 4];

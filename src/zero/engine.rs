@@ -296,6 +296,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let widened = (0..plan.param_scratch_count)
             .map(|_| vec![0.0f32; plan.param_scratch_elems])
             .collect();
+        // A model reused from an earlier run may keep that run's parameters.
+        model.parameters_changed();
         Ok(Engine {
             model,
             comm,
