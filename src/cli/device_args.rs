@@ -23,6 +23,9 @@ fn parse_device(s: &str) -> Result<ComputeDevice, String> {
         .map_err(|e: zerodp::device::DeviceError| e.to_string())
 }
 
+/// Set to 0 to keep a bf16 run's products in f32 on a CPU with AVX512-BF16.
+pub const BF16_PRODUCTS_ENV: &str = "ZERODP_BF16_PRODUCTS";
+
 /// The device a run computes on, opened.
 pub struct OpenDevice {
     pub device: Device,
@@ -36,6 +39,9 @@ impl OpenDevice {
     /// One line for the run's banner: `cpu`, or the GPU's ordinal, name and memory.
     pub fn describe(&self) -> String {
         match &self.gpu {
+            None if zerodp::model::gemm_path() == "avx512-bf16" => {
+                "cpu, products with bf16 operands and f32 sums (AVX512-BF16)".into()
+            }
             None => "cpu".into(),
             Some(g) => format!(
                 "cuda:{} ({}, compute {}.{}, {} free of {}), computing in {}",
@@ -68,6 +74,10 @@ impl DeviceArgs {
             Precision::Fp16 => Some(DType::F16),
         };
         let dtype = zerodp::model::compute_dtype(&device, half);
+        // A bf16 run on a CPU with native bf16 dot products computes its products as PyTorch's
+        // bf16 autocast does: bf16 operands, f32 sums (ZERODP_BF16_PRODUCTS=0 keeps them f32).
+        let wanted = std::env::var(BF16_PRODUCTS_ENV).map_or(true, |v| v.trim() != "0");
+        zerodp::model::set_bf16_products(gpu.is_none() && precision == Precision::Bf16 && wanted);
         Ok(OpenDevice { device, dtype, gpu })
     }
 }

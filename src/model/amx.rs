@@ -69,7 +69,9 @@ pub fn enabled() -> bool {
 
 /// The name of the GEMM path products of `f32` run on: `amx` or `gemm`.
 pub fn path_name() -> &'static str {
-    if enabled() {
+    if super::bf16_gemm::enabled() {
+        "avx512-bf16"
+    } else if enabled() {
         "amx"
     } else {
         "gemm"

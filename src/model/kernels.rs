@@ -665,7 +665,7 @@ fn gemm_finished<T: Real>(
     (rhs, rhs_strides): Strided<'_, T>,
     finish: &Finish<'_, T>,
 ) -> Vec<T> {
-    if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
+    if T::DTYPE == DType::F32 && !super::bf16_gemm::enabled() && amx_takes((m, n, k)) {
         let fill = |dst: &mut [std::mem::MaybeUninit<T>]| {
             let operands = (
                 (bytemuck::cast_slice(lhs), lhs_strides),
@@ -888,6 +888,19 @@ unsafe fn gemm_raw<T: Real>(
     assert!(n <= dst_rs, "gemm destination rows overlap");
     assert!(k == 0 || lhs.len() > (m - 1) * lhs_rs + (k - 1) * lhs_cs);
     assert!(k == 0 || rhs.len() > (k - 1) * rhs_rs + (n - 1) * rhs_cs);
+    if T::DTYPE == DType::F32 && super::bf16_gemm::enabled() {
+        // SAFETY: as below; T is f32, and `enabled` implies the CPU has AVX512-BF16.
+        unsafe {
+            super::bf16_gemm::gemm(
+                (m, n, k),
+                (dst.cast::<f32>(), dst_rs),
+                accumulate,
+                (bytemuck::cast_slice(lhs), (lhs_rs, lhs_cs)),
+                (bytemuck::cast_slice(rhs), (rhs_rs, rhs_cs)),
+            )
+        };
+        return;
+    }
     if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
         // SAFETY: as below; T is f32 (same size and layout), and `enabled` checked AMX.
         unsafe {

@@ -5,6 +5,7 @@
 
 mod amx;
 mod attention;
+mod bf16_gemm;
 pub mod candle_unit;
 pub mod data;
 pub mod device;
@@ -21,6 +22,7 @@ pub mod var_units;
 pub mod weights;
 
 pub use amx::{path_name as gemm_path, GEMM_ENV};
+pub use bf16_gemm::{available as bf16_products_available, set_bf16_products};
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use data::{Corpus, DataError, DataLoader, TokenBatch, TokenSource, DEFAULT_CORPUS_PATH};
 pub use device::{candle_device, compute_dtype};
