@@ -238,6 +238,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
+        if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
+            errln!(
+                "products: bf16 operands, f32 sums (AVX512-BF16, as bf16 autocast; {}=0 keeps f32)",
+                super::device_args::BF16_PRODUCTS_ENV
+            );
+        }
         if let Some(memory) = gpu_memory {
             errln!("device: {}", device.describe());
             errln!("GPU memory: {memory}");

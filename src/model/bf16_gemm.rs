@@ -2,7 +2,8 @@
 //! computes on a CPU that has it, as PyTorch's bf16 autocast does.
 //!
 //! WHY: a bf16 run keeps 16-bit parameters and gradients but computed every product in f32, so a
-//! CPU with native bf16 dot products (AMD Zen 4 and later, Intel Cooper Lake and Sapphire Rapids)
+//! CPU with native bf16 dot products (AMD Zen 4 and later, Intel Cooper Lake; Sapphire Rapids too,
+//! where its AMX tiles keep the exact f32 path instead)
 //! gave PyTorch's autocast a lead zerodp did not take: one `VDPBF16PS` does two multiply-adds per
 //! lane, twice the f32 FMA's work per instruction.
 //!
@@ -40,9 +41,10 @@ pub fn available() -> bool {
 }
 
 /// Compute f32 products of this process with bf16 operands (`on`) or in f32; returns whether they
-/// now are bf16 (never without [`available`]).
+/// now are bf16: never without [`available`], nor where the f32 products run on AMX tiles (a
+/// Sapphire Rapids Xeon has both; its tiles' exact f32 path was measured, this one was not there).
 pub fn set_bf16_products(on: bool) -> bool {
-    let on = on && available();
+    let on = on && available() && !super::amx::enabled();
     ENABLED.store(on, Ordering::Relaxed);
     on
 }
