@@ -193,3 +193,71 @@ fn bench_ops_rejects_zero_threads_with_a_message() {
         "{err}"
     );
 }
+
+/// A bf16 run names where its products ran: bf16 operands with f32 sums on a CPU with
+/// AVX512-BF16 and no AMX, f32 otherwise or with ZERODP_BF16_PRODUCTS=0; a Llama config is
+/// benchmarked with its own FLOPs per token; every row says where it computed.
+#[test]
+fn bench_train_names_the_products_path_and_the_device() {
+    let args = |precision: &str| {
+        vec![
+            "bench".to_string(),
+            "train".into(),
+            "--model-config".into(),
+            concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/hf/llama-tiny/config.json"
+            )
+            .into(),
+            "--context".into(),
+            "16".into(),
+            "--world-sizes".into(),
+            "1".into(),
+            "--stages".into(),
+            "0".into(),
+            "--warmup".into(),
+            "1".into(),
+            "--steps".into(),
+            "1".into(),
+            "--per-rank".into(),
+            "2".into(),
+            "--precision".into(),
+            precision.into(),
+            "--format".into(),
+            "json".into(),
+        ]
+    };
+    let run = |precision: &str, env: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"));
+        c.args(args(precision));
+        if let Some(v) = env {
+            c.env("ZERODP_BF16_PRODUCTS", v);
+        }
+        let out = c.output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v[0].clone()
+    };
+    let f32_row = run("fp32", None);
+    assert_eq!(f32_row["device"], "cpu");
+    assert_ne!(f32_row["gemm_path"], "avx512-bf16");
+    let bf16 = run("bf16", None);
+    let expect_bf16 = zerodp::model::bf16_products_available() && f32_row["gemm_path"] != "amx";
+    assert_eq!(bf16["gemm_path"] == "avx512-bf16", expect_bf16, "{bf16}");
+    assert_ne!(run("bf16", Some("0"))["gemm_path"], "avx512-bf16");
+    // The Llama's own FLOPs (6 per weight of q, k, v, o, the three SwiGLU products and the untied
+    // head, plus attention's 12 L t q): 4 heads of 16 on 2 key/value heads, width 64, 128 wide MLP.
+    let (h, q, kv, i, v, l, t) = (64.0, 64.0, 32.0, 128.0, 300.0, 2.0, 16.0);
+    let per_token =
+        6.0 * (l * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i) + v * h) + 12.0 * l * t * q;
+    let got = f32_row["model_flops_per_s"].as_f64().unwrap();
+    let tokens_per_s = f32_row["tokens_per_s"].as_f64().unwrap();
+    assert!(
+        (got - per_token * tokens_per_s).abs() <= 1e-9 * got,
+        "{got} vs {per_token} per token"
+    );
+}
