@@ -34,6 +34,11 @@ fn setup() -> Setup {
 }
 
 fn train(s: &Setup, args: &[&str], paths: &[(&str, &Path)]) -> Command {
+    train_with_data(s, &s.text, args, paths)
+}
+
+/// [`train`] on `data` instead of the setup's text.
+fn train_with_data(s: &Setup, data: &Path, args: &[&str], paths: &[(&str, &Path)]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_zerodp"));
     c.args([
         "train",
@@ -46,7 +51,7 @@ fn train(s: &Setup, args: &[&str], paths: &[(&str, &Path)]) -> Command {
     .arg("--config")
     .arg(&s.config)
     .arg("--data")
-    .arg(&s.text)
+    .arg(data)
     .args(args);
     for (flag, p) in paths {
         c.arg(flag).arg(p);
@@ -286,24 +291,9 @@ fn a_full_disk_during_a_save_fails_clearly_and_keeps_the_last_checkpoint() {
     );
 }
 
-/// The run command of [`train`] with `data` as its corpus.
+/// [`train_with_data`], run to the end.
 fn train_on(s: &Setup, data: &Path, args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_zerodp"))
-        .args([
-            "train",
-            "--world-size",
-            "2",
-            "--model",
-            "tiny",
-            "--no-progress",
-        ])
-        .arg("--config")
-        .arg(&s.config)
-        .arg("--data")
-        .arg(data)
-        .args(args)
-        .output()
-        .unwrap()
+    train_with_data(s, data, args, &[]).output().unwrap()
 }
 
 /// Checkpoints record the data they were trained on (the SHA-256 of its token stream, each id as

@@ -23,6 +23,17 @@ fn loader(context: usize) -> DataLoader {
     DataLoader::new(Corpus::from_text("pangrams", &text), context, 3).unwrap()
 }
 
+/// Every step's loss of `got` within 1e-4 relative of `want`'s.
+fn assert_close(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (a, b) in got.iter().zip(want) {
+        assert!(
+            (a - b).abs() <= 1e-4 * b.abs(),
+            "{what}: {got:?} vs {want:?}"
+        );
+    }
+}
+
 /// The GPU to test on, or `None` after printing why there is none.
 fn gpu_or_skip(test: &str) -> Option<GpuInfo> {
     match zerodp::device::resolve(ComputeDevice::Cuda(None)) {
@@ -80,13 +91,11 @@ fn gpu_losses_equal_the_cpu_at_every_stage() {
         let got = losses(&on_gpu, stage, world);
         eprintln!("{stage:?} world {world}: cpu {want:?}\n  gpu {got:?}");
         assert!(want[0] > 4.0, "a byte model starts near ln 256: {want:?}");
-        for (a, b) in got.iter().zip(&want) {
-            assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{stage:?} world {world} on {}: {got:?} vs the CPU's {want:?}",
-                gpu.name
-            );
-        }
+        assert_close(
+            &got,
+            &want,
+            &format!("{stage:?} world {world} on {} (GPU) vs the CPU", gpu.name),
+        );
     }
 }
 
@@ -100,12 +109,11 @@ fn the_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     for (stage, world) in [(Stage::Zero0, 1), (Stage::Zero3, 2)] {
         let want = losses(&fused, stage, world);
         let got = losses(&composite, stage, world);
-        for (a, b) in got.iter().zip(&want) {
-            assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{stage:?} world {world}: composite {got:?} vs fused {want:?}"
-            );
-        }
+        assert_close(
+            &got,
+            &want,
+            &format!("{stage:?} world {world}: composite vs fused"),
+        );
     }
 }
 
@@ -173,12 +181,7 @@ fn gpu_resident_parameters_equal_the_cpu() {
         .with_resident_params(true);
     let want = losses(&cpu, Stage::Zero2, 2);
     let got = losses(&on_gpu, Stage::Zero2, 2);
-    for (a, b) in got.iter().zip(&want) {
-        assert!(
-            (a - b).abs() <= 1e-4 * b.abs(),
-            "{got:?} vs the CPU's {want:?}"
-        );
-    }
+    assert_close(&got, &want, "resident parameters on the GPU vs the CPU");
 }
 
 /// A Llama of 2 layers, width 64, 4 query heads on 2 key/value heads, an untied head.
@@ -200,12 +203,11 @@ fn the_llama_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     for (stage, world) in [(Stage::Zero0, 1), (Stage::Zero3, 2)] {
         let want = losses(&fused, stage, world);
         let got = losses(&composite, stage, world);
-        for (a, b) in got.iter().zip(&want) {
-            assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{stage:?} world {world}: composite {got:?} vs fused {want:?}"
-            );
-        }
+        assert_close(
+            &got,
+            &want,
+            &format!("{stage:?} world {world}: composite vs fused"),
+        );
     }
 }
 
@@ -229,12 +231,11 @@ fn gpu_llama_equals_the_cpu() {
         let want = losses(&cpu, stage, world);
         let got = losses(&on_gpu, stage, world);
         eprintln!("Llama {stage:?} world {world}: cpu {want:?}\n  gpu {got:?}");
-        for (a, b) in got.iter().zip(&want) {
-            assert!(
-                (a - b).abs() <= 1e-4 * b.abs(),
-                "{stage:?} world {world}: {got:?} vs the CPU's {want:?}"
-            );
-        }
+        assert_close(
+            &got,
+            &want,
+            &format!("Llama {stage:?} world {world}: GPU vs the CPU"),
+        );
     }
 }
 
