@@ -44,6 +44,9 @@ use rayon::prelude::*;
 
 use super::kernels::{Element, PAR_CHUNK, PAR_MIN_LEN, TILE};
 
+#[cfg(target_arch = "x86_64")]
+mod bf16_avx2;
+
 /// Adam/AdamW hyperparameters. Defaults are DeepSpeed's `DeepSpeedCPUAdam` defaults (which are
 /// PyTorch's, with AdamW mode on).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -367,6 +370,35 @@ fn adam_tile_for<S: StateElement, G: StateElement>(
     }
 }
 
+/// [`adam_tile_for`], or with `AVX2_STATES` (the AVX2 chunk variant only) bf16 moments on the
+/// AVX2 intrinsics of [`bf16_avx2`], which give the same bits.
+#[inline(always)]
+fn adam_tile_on<S: StateElement, G: StateElement, const AVX2_STATES: bool>(
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [S],
+    v: &mut [S],
+    c: &StepConsts,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if AVX2_STATES && is_bf16::<S>() {
+        let (m, v): (&mut [bf16], &mut [bf16]) =
+            (bytemuck::cast_slice_mut(m), bytemuck::cast_slice_mut(v));
+        // SAFETY: only `adam_chunk_avx2` sets AVX2_STATES, on a CPU checked to have AVX2; `G` is
+        // f32 or bf16 (`adam_chunk_body` widens f16 gradients first).
+        unsafe {
+            match (c.w1 < 0.5, c.adamw) {
+                (true, true) => bf16_avx2::tile::<G, true, true>(p, g, m, v, c),
+                (true, false) => bf16_avx2::tile::<G, true, false>(p, g, m, v, c),
+                (false, true) => bf16_avx2::tile::<G, false, true>(p, g, m, v, c),
+                (false, false) => bf16_avx2::tile::<G, false, false>(p, g, m, v, c),
+            }
+        }
+        return;
+    }
+    adam_tile_for::<S, G>(p, g, m, v, c)
+}
+
 /// `src` as `f32`: itself when it is `f32`, else widened into `buf` (same length).
 #[inline(always)]
 fn f32_view<'a, E: Element>(src: &'a [E], buf: &'a mut [f32]) -> &'a [f32] {
@@ -388,7 +420,7 @@ fn f32_view<'a, E: Element>(src: &'a [E], buf: &'a mut [f32]) -> &'a [f32] {
 /// `#[inline(always)]` widening and rounding of gradients and copy) are vectorised at that width
 /// too; f16 goes through `half`, which uses F16C where the CPU has it.
 #[inline(always)]
-fn adam_chunk_body<G: Element, S: StateElement, T: Element>(
+fn adam_chunk_body<G: Element, S: StateElement, T: Element, const AVX2_STATES: bool>(
     p: &mut [f32],
     g: &[G],
     m: &mut [S],
@@ -408,9 +440,10 @@ fn adam_chunk_body<G: Element, S: StateElement, T: Element>(
         let g = &g[range.clone()];
         if is_bf16::<G>() {
             // Widened in the update loop itself (a shift), not through the stack buffer.
-            adam_tile_for::<S, bf16>(p, bytemuck::cast_slice(g), m, v, c);
+            adam_tile_on::<S, bf16, AVX2_STATES>(p, bytemuck::cast_slice(g), m, v, c);
         } else {
-            adam_tile_for::<S, f32>(p, f32_view(g, &mut gbuf[..p.len()]), m, v, c);
+            let g = f32_view(g, &mut gbuf[..p.len()]);
+            adam_tile_on::<S, f32, AVX2_STATES>(p, g, m, v, c);
         }
         if let Some(out) = out.as_deref_mut() {
             narrow(p, &mut out[range]);
@@ -435,7 +468,18 @@ unsafe fn adam_chunk_avx2<G: Element, S: StateElement, T: Element>(
     stores: CopyStores,
 ) {
     // SAFETY: the caller checked AVX2.
-    unsafe { chunk_streaming(p, g, m, v, out, c, stores, super::stream::narrow_bf16_avx2) }
+    unsafe {
+        chunk_streaming::<G, S, T, true>(
+            p,
+            g,
+            m,
+            v,
+            out,
+            c,
+            stores,
+            super::stream::narrow_bf16_avx2,
+        )
+    }
 }
 
 /// [`adam_chunk_body`] compiled with AVX-512F.
@@ -456,7 +500,7 @@ unsafe fn adam_chunk_avx512<G: Element, S: StateElement, T: Element>(
 ) {
     // SAFETY: the caller checked AVX-512F.
     unsafe {
-        chunk_streaming(
+        chunk_streaming::<G, S, T, false>(
             p,
             g,
             m,
@@ -478,7 +522,7 @@ unsafe fn adam_chunk_avx512<G: Element, S: StateElement, T: Element>(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn chunk_streaming<G: Element, S: StateElement, T: Element>(
+unsafe fn chunk_streaming<G: Element, S: StateElement, T: Element, const AVX2_STATES: bool>(
     p: &mut [f32],
     g: &[G],
     m: &mut [S],
@@ -492,11 +536,11 @@ unsafe fn chunk_streaming<G: Element, S: StateElement, T: Element>(
         // SAFETY: the caller's CPU runs `stream`.
         let narrow =
             |src: &[f32], dst: &mut [T]| unsafe { stream(src, bytemuck::cast_slice_mut(dst)) };
-        adam_chunk_body(p, g, m, v, out, c, narrow);
+        adam_chunk_body::<G, S, T, AVX2_STATES>(p, g, m, v, out, c, narrow);
         // SAFETY: SSE, part of x86-64.
         unsafe { std::arch::x86_64::_mm_sfence() };
     } else {
-        adam_chunk_body(p, g, m, v, out, c, T::narrow)
+        adam_chunk_body::<G, S, T, AVX2_STATES>(p, g, m, v, out, c, T::narrow)
     }
 }
 
@@ -520,7 +564,7 @@ fn adam_chunk<G: Element, S: StateElement, T: Element>(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         AdamIsa::Avx2 => unsafe { adam_chunk_avx2(p, g, m, v, out, c, stores) },
-        _ => adam_chunk_body(p, g, m, v, out, c, T::narrow),
+        _ => adam_chunk_body::<G, S, T, false>(p, g, m, v, out, c, T::narrow),
     }
 }
 

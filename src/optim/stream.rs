@@ -78,7 +78,8 @@ pub(crate) unsafe fn narrow_bf16_avx512(src: &[f32], dst: &mut [u16]) {
 /// Eight lanes of the rounding, AVX2: the 32-bit results, each below 2^16.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn round_bf16_x8(x: __m256) -> __m256i {
+#[inline]
+pub(crate) fn round_bf16_x8(x: __m256) -> __m256i {
     let b = _mm256_castps_si256(x);
     let hi = _mm256_srli_epi32::<16>(b);
     let lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
