@@ -261,3 +261,63 @@ fn bench_train_names_the_products_path_and_the_device() {
         "{got} vs {per_token} per token"
     );
 }
+
+/// Several `--threads` measure each count and add the scaling table: per op its time at each
+/// count, the speedup, a serial fraction in [0, 1] that agrees with the speedup (Karp-Flatt) and
+/// an Amdahl projection to `--project-threads` between the serial part and the fewest threads'
+/// time; the step's phases follow the ops.
+#[test]
+fn bench_ops_scaling_table_over_thread_counts() {
+    let v = zerodp_json(&[
+        "bench",
+        "ops",
+        "--model",
+        "tiny",
+        "--per-rank",
+        "2",
+        "--reps",
+        "1",
+        "--steps",
+        "1",
+        "--threads",
+        "1,2",
+        "--project-threads",
+        "8",
+        "--format",
+        "json",
+    ]);
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["threads"], 1);
+    assert_eq!(runs[1]["threads"], 2);
+    let s = &v["scaling"];
+    assert_eq!(s["project_threads"], 8);
+    let rows = s["rows"].as_array().unwrap();
+    let n_ops = runs[0]["ops"].as_array().unwrap().len();
+    assert_eq!(rows.len(), n_ops + 4, "every op, then the step's phases");
+    assert_eq!(rows[n_ops + 3]["op"], "step (measured)");
+    for (i, r) in rows.iter().enumerate() {
+        let ms: Vec<f64> = r["ms"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_f64().unwrap())
+            .collect();
+        if i < n_ops {
+            assert_eq!(ms[0], runs[0]["ops"][i]["step_ms"].as_f64().unwrap());
+            assert_eq!(ms[1], runs[1]["ops"][i]["step_ms"].as_f64().unwrap());
+        }
+        let speedup = r["speedup"].as_f64().unwrap();
+        assert!((speedup - ms[0] / ms[1]).abs() <= 1e-9 * speedup, "{r}");
+        let e = r["serial_fraction"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&e), "{r}");
+        if speedup > 1.0 && speedup < 2.0 {
+            // Karp-Flatt from 1 to 2 threads: e = 2 / S - 1.
+            assert!((e - (2.0 / speedup - 1.0)).abs() < 1e-9, "{r}");
+        }
+        let projected = r["projected_ms"].as_f64().unwrap();
+        let expected = ms[0] * (e + (1.0 - e) / 8.0);
+        assert!((projected - expected).abs() <= 1e-9 * expected, "{r}");
+        assert!(projected <= ms[0] * (1.0 + 1e-12) && projected >= e * ms[0] * (1.0 - 1e-12));
+    }
+}

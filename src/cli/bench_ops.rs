@@ -22,9 +22,14 @@ pub struct BenchOpsArgs {
     /// Sequences per rank (the rows of every op are these times the context).
     #[arg(long, default_value_t = 8)]
     pub per_rank: usize,
-    /// Compute threads of the rank (its rayon pool).
-    #[arg(long, default_value_t = 1)]
-    pub threads: usize,
+    /// Compute threads of the rank (its rayon pool); several (`1,2`) measure each and add the
+    /// scaling table: each op's speedup, its serial fraction and its time projected to
+    /// `--project-threads`.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub threads: Vec<usize>,
+    /// With several `--threads`: the thread count the scaling table projects each op to.
+    #[arg(long, default_value_t = 16)]
+    pub project_threads: usize,
     /// Timed calls per op and direction (the median is reported; the caches are evicted before
     /// each), after one warm-up call.
     #[arg(long, default_value_t = 5)]
@@ -53,9 +58,11 @@ pub struct OpRow {
     pub step_ms: f64,
 }
 
-/// The whole report (`--format json`).
+/// The whole report of one thread count (`--format json`).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct OpsReport {
+    /// The rank's compute threads.
+    pub threads: usize,
     pub ops: Vec<OpRow>,
     /// Sum of the rows' `step_ms`.
     pub ops_ms: f64,
@@ -87,31 +94,65 @@ pub fn run(args: BenchOpsArgs) -> anyhow::Result<i32> {
     if args.format != "table" && args.format != "json" {
         anyhow::bail!("--format must be table or json, got {}", args.format);
     }
-    if args.per_rank == 0 || args.threads == 0 || args.reps == 0 || args.steps == 0 {
-        anyhow::bail!("--per-rank, --threads, --reps and --steps must be at least 1");
+    if args.per_rank == 0 || args.reps == 0 || args.steps == 0 || args.project_threads == 0 {
+        anyhow::bail!("--per-rank, --reps, --steps and --project-threads must be at least 1");
+    }
+    if args.threads.is_empty() || args.threads.contains(&0) {
+        anyhow::bail!("--threads must be one or more counts of at least 1, e.g. 1 or 1,2");
     }
     let gpt = args.model.build("small")?;
+    let reports = args
+        .threads
+        .iter()
+        .map(|&threads| measure_report(&gpt, &args, threads))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    if let [report] = reports.as_slice() {
+        match args.format.as_str() {
+            "json" => outln!("{}", serde_json::to_string_pretty(report)?),
+            _ => print_table(report, &gpt, &args)?,
+        }
+        return Ok(0);
+    }
+    let scaling = super::op_scaling::scaling(&reports, args.project_threads);
+    match args.format.as_str() {
+        "json" => {
+            let all = serde_json::json!({ "runs": reports, "scaling": scaling });
+            outln!("{}", serde_json::to_string_pretty(&all)?)
+        }
+        _ => {
+            for report in &reports {
+                print_table(report, &gpt, &args)?;
+                outln!("");
+            }
+            super::op_scaling::print(&scaling)?;
+        }
+    }
+    Ok(0)
+}
+
+/// Every op and the model's step on `threads` threads.
+fn measure_report(
+    gpt: &GptConfig,
+    args: &BenchOpsArgs,
+    threads: usize,
+) -> anyhow::Result<OpsReport> {
     let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(args.threads)
+        .num_threads(threads)
         .build()
         .context("could not start the benchmark's thread pool")?;
-    let ops = pool.install(|| measure_ops(&gpt, &args))?;
-    let (step_ms, step_phases) = measure_step(&gpt, &args)?;
+    let ops = pool.install(|| measure_ops(gpt, args))?;
+    let (step_ms, step_phases) = measure_step(gpt, args, threads)?;
     let rows = args.per_rank * gpt.context;
-    let gemm = zerodp::model::gemm_flops_per_s((rows, gpt.width, 4 * gpt.width), args.threads, 1.0);
-    let report = OpsReport {
+    let gemm = zerodp::model::gemm_flops_per_s((rows, gpt.width, 4 * gpt.width), threads, 1.0);
+    Ok(OpsReport {
+        threads,
         ops_ms: ops.iter().map(|o| o.step_ms).sum(),
         ops,
         step_ms,
         step_phases,
         gemm_flops_per_s: gemm,
         model_flops_per_step: gpt.flops_per_token() * rows as f64,
-    };
-    match args.format.as_str() {
-        "json" => outln!("{}", serde_json::to_string_pretty(&report)?),
-        _ => print_table(&report, &gpt, &args)?,
-    }
-    Ok(0)
+    })
 }
 
 fn var(shape: &[usize], seed: u64, scale: f64) -> candle_core::Result<Var> {
@@ -281,10 +322,11 @@ fn measure_ops(gpt: &GptConfig, args: &BenchOpsArgs) -> anyhow::Result<Vec<OpRow
     Ok(rows)
 }
 
-/// The model's real step: one rank, stage 0, fp32, `--threads` threads; median step and phases.
+/// The model's real step: one rank, stage 0, fp32, `threads` threads; median step and phases.
 fn measure_step(
     gpt: &GptConfig,
     args: &BenchOpsArgs,
+    threads: usize,
 ) -> anyhow::Result<(f64, zerodp::zero::PhaseTimes)> {
     let model = GptModel::new(gpt.clone())?;
     let data = super::bench_train::random_windows(gpt.context)?;
@@ -292,7 +334,7 @@ fn measure_step(
     cfg.micro_batch = args.per_rank;
     let trainer = Trainer::new(&model, cfg)
         .with_schedule(LrSchedule::Constant(1e-4))
-        .with_threads_per_rank(args.threads);
+        .with_threads_per_rank(threads);
     let log = ReportLog::new();
     trainer.run(&data, 2 + args.steps as u64, &[&log])?;
     let reports = log.into_reports().into_iter().next().unwrap_or_default();
@@ -313,7 +355,7 @@ fn print_table(r: &OpsReport, gpt: &GptConfig, args: &BenchOpsArgs) -> anyhow::R
         gpt.vocab_size,
         args.per_rank,
         args.per_rank * gpt.context,
-        args.threads,
+        r.threads,
         args.reps
     );
     outln!(
@@ -367,7 +409,7 @@ fn print_table(r: &OpsReport, gpt: &GptConfig, args: &BenchOpsArgs) -> anyhow::R
         gpt.width,
         gpt.width,
         4 * gpt.width,
-        args.threads,
+        r.threads,
         r.gemm_flops_per_s / 1e9,
         achieved / r.gemm_flops_per_s * 100.0
     );

@@ -46,6 +46,7 @@ pub mod data_args;
 pub mod device_args;
 pub mod hf_model;
 pub mod launch;
+pub mod op_scaling;
 pub mod plan;
 pub mod preflight;
 pub mod train;
