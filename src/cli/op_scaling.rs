@@ -55,6 +55,9 @@ pub fn projected_ms(ms: f64, e: f64, a: usize, p: usize) -> f64 {
     ms * (e + (1.0 - e) * a as f64 / p as f64)
 }
 
+/// Milliseconds of one phase of a report's measured step.
+type PhaseOf = fn(&OpsReport) -> f64;
+
 fn row(op: String, ms: Vec<f64>, threads: &[usize], project: usize) -> ScalingRow {
     let (first, last) = (ms[0], ms[ms.len() - 1]);
     let (a, b) = (threads[0], threads[threads.len() - 1]);
@@ -84,7 +87,7 @@ pub fn scaling(reports: &[OpsReport], project_threads: usize) -> Scaling {
             row(op.op.clone(), ms, &threads, project_threads)
         })
         .collect();
-    let phases: [(&str, fn(&OpsReport) -> f64); 4] = [
+    let phases: [(&str, PhaseOf); 4] = [
         ("step: forward", |r| r.step_phases.forward * 1e3),
         ("step: backward", |r| r.step_phases.backward * 1e3),
         ("step: optimizer", |r| r.step_phases.optimizer * 1e3),
