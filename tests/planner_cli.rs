@@ -402,3 +402,47 @@ fn plan_reads_a_hugging_face_config() {
         "{err}"
     );
 }
+
+/// `--device-memory gpu` plans for the memory free on this process's GPU: where there is none
+/// (no `cuda` build, no driver) it says so, naming the flag and the size to give instead; on a
+/// GPU machine the plan's device memory is the GPU's free memory.
+#[test]
+fn device_memory_gpu_reads_this_process_gpu_or_says_why_not() {
+    let (code, out, err) = zerodp(&[
+        "--params",
+        "1e9",
+        "--devices",
+        "1",
+        "--device-memory",
+        "gpu",
+        "--format",
+        "json",
+    ]);
+    let gpu = zerodp::device::resolve(zerodp::device::ComputeDevice::Cuda(None));
+    match gpu {
+        Ok(Some(gpu)) => {
+            assert_eq!(code, 0, "{err}");
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            // Each option's margin is the device memory less what the option needs.
+            let first = &v[0];
+            let planned = (first["device_margin_bytes"].as_i64().unwrap()
+                + first["bytes_per_device"]["total"].as_i64().unwrap())
+                as u64;
+            // Free memory moves a little between two reads (other processes, the context).
+            let diff = planned.abs_diff(gpu.free_bytes);
+            assert!(
+                diff <= gpu.total_bytes / 20,
+                "{planned} vs {}",
+                gpu.free_bytes
+            );
+        }
+        _ => {
+            assert_eq!(code, 1, "{err}");
+            assert!(
+                err.contains("--device-memory gpu") && err.contains("80GiB"),
+                "{err}"
+            );
+            assert!(!err.contains("panicked"), "{err}");
+        }
+    }
+}

@@ -60,7 +60,8 @@ pub struct PlanFlags {
     /// Devices per node (default 8, or all devices when they fit one node).
     #[arg(long)]
     pub devices_per_node: Option<u64>,
-    /// Memory per device: 80GiB, 80GB, 40GiB.
+    /// Memory per device: 80GiB, 80GB, 40GiB; or `gpu`, the memory free now on this process's
+    /// GPU (the local rank's, as `train --device cuda` picks it; needs a `cuda` build).
     #[arg(long, default_value = "80GiB")]
     pub device_memory: String,
     /// Host memory per node (default 2TiB, a DGX H100).
@@ -185,6 +186,26 @@ fn check_chart_path(args: &PlanFlags) -> anyhow::Result<()> {
 
 /// The offload rates: the defaults, each replaced by its flag; `--host-adam-rate measure` times
 /// zerodp's CPU Adam here.
+/// `--device-memory`: a size, or `gpu` for the memory free on this process's GPU now.
+fn device_memory(arg: &str) -> anyhow::Result<u64> {
+    if !arg.eq_ignore_ascii_case("gpu") {
+        return Ok(parse_bytes(arg, "--device-memory")?);
+    }
+    let why = "--device-memory gpu reads the free memory of this process's GPU; give a size \
+               instead (80GiB) to plan for another machine";
+    let gpu = zerodp::device::resolve(zerodp::device::ComputeDevice::Cuda(None))
+        .context(why)?
+        .context(why)?;
+    errln!(
+        "--device-memory gpu: cuda:{} ({}) has {} free of {}",
+        gpu.ordinal,
+        gpu.name,
+        format_gb(gpu.free_bytes),
+        format_gb(gpu.total_bytes)
+    );
+    Ok(gpu.free_bytes)
+}
+
 fn host_links(args: &PlanFlags) -> anyhow::Result<HostLinks> {
     let mut h = HostLinks::default();
     if let Some(b) = &args.host_link_bandwidth {
@@ -321,7 +342,7 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
     let cluster = Cluster {
         nodes,
         devices_per_node,
-        device_memory: parse_bytes(&args.device_memory, "--device-memory")?,
+        device_memory: device_memory(&args.device_memory)?,
         host_memory: parse_bytes(&args.host_memory, "--host-memory")?,
         intra,
         inter,
