@@ -17,10 +17,9 @@ fn zerodp_json(args: &[&str]) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
-#[test]
-fn bench_ops_times_every_op_of_the_step_with_its_flops() {
-    // tiny: 2 layers, width 32, 2 heads, vocab 256; context 16, 2 sequences = 32 rows.
-    let v = zerodp_json(&[
+/// `bench ops` on the tiny GPT, 2 sequences per rank, one timed call and step, JSON, plus `extra`.
+fn tiny_ops_json(extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
         "bench",
         "ops",
         "--model",
@@ -33,7 +32,15 @@ fn bench_ops_times_every_op_of_the_step_with_its_flops() {
         "1",
         "--format",
         "json",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    zerodp_json(&args)
+}
+
+#[test]
+fn bench_ops_times_every_op_of_the_step_with_its_flops() {
+    // tiny: 2 layers, width 32, 2 heads, vocab 256; context 16, 2 sequences = 32 rows.
+    let v = tiny_ops_json(&[]);
     let ops = v["ops"].as_array().unwrap();
     let (n, c, l, vocab, t) = (32.0, 32.0, 2.0, 256.0, 16.0);
     let find = |name: &str| {
@@ -268,24 +275,7 @@ fn bench_train_names_the_products_path_and_the_device() {
 /// time; the step's phases follow the ops.
 #[test]
 fn bench_ops_scaling_table_over_thread_counts() {
-    let v = zerodp_json(&[
-        "bench",
-        "ops",
-        "--model",
-        "tiny",
-        "--per-rank",
-        "2",
-        "--reps",
-        "1",
-        "--steps",
-        "1",
-        "--threads",
-        "1,2",
-        "--project-threads",
-        "8",
-        "--format",
-        "json",
-    ]);
+    let v = tiny_ops_json(&["--threads", "1,2", "--project-threads", "8"]);
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0]["threads"], 1);
