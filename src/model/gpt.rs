@@ -78,7 +78,7 @@ use super::candle_unit::{compute_err, Candle, CandleSaved, CandleUnits};
 use super::data::TokenBatch;
 use super::gpt_block::{self, BlockSaved, BlockShape};
 use super::kernels;
-use super::rng::{mix_seed, SplitMix64};
+use super::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };
@@ -714,9 +714,7 @@ impl CandleUnits for Gpt {
                 Init::Zeros => dst.fill(0.0),
                 Init::Ones => dst.fill(1.0),
                 Init::Normal(std) => {
-                    let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64, k as u64]));
-                    dst.iter_mut()
-                        .for_each(|x| *x = (rng.normal() * std) as f32);
+                    fill_normal(dst, mix_seed(&[seed, unit as u64, k as u64]), std);
                 }
             }
         }

@@ -33,7 +33,7 @@ use super::data::TokenBatch;
 use super::gpt::GptConfig;
 use super::hf::{field_err, unsupported, Fields, HfError};
 use super::kernels;
-use super::rng::{mix_seed, SplitMix64};
+use super::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
 
 /// A Llama's sizes and the constants of its math.
@@ -588,9 +588,8 @@ impl CandleUnits for Llama {
                 dst.fill(1.0);
                 continue;
             }
-            let mut rng = SplitMix64::new(mix_seed(&[seed, unit as u64, k as u64]));
-            dst.iter_mut()
-                .for_each(|x| *x = (rng.normal() * self.config.init_std) as f32);
+            let stream = mix_seed(&[seed, unit as u64, k as u64]);
+            fill_normal(dst, stream, self.config.init_std);
         }
     }
 

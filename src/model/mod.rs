@@ -29,7 +29,7 @@ pub use device::{candle_device, compute_dtype};
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
 pub use heap::keep_freed_buffers;
 pub use kernels::gemm_flops_per_s;
-pub use rng::{mix_seed, SplitMix64};
+pub use rng::{fill_normal, mix_seed, SplitMix64};
 pub use token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
 pub use var_units::{init_values, VarUnits};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};
