@@ -111,80 +111,53 @@ fn pairs_of_run(out: &mut [u32], run: &[f32]) {
 
 /// `B [k, n]` as panels of [`NR`] columns, each `kp` pairs of rows: `out[(q * kp + p) * NR + j]`
 /// holds `B[2p][q NR + j]` in its low half and `B[2p + 1][q NR + j]` in its high half (zero past
-/// the matrix). Contiguous columns (an activation) and contiguous k (a weight used transposed)
-/// are packed by vectorised runs; other strides element by element.
+/// the matrix).
 fn pack_b((b, (rs, cs)): Operand<'_>, k: usize, n: usize) -> Vec<u32> {
-    let kp = k.div_ceil(2);
-    let panels = n.div_ceil(NR);
-    let mut out = vec![0u32; panels * kp * NR];
-    out.par_chunks_mut(kp * NR)
-        .enumerate()
-        .for_each(|(q, panel)| {
-            let cols = NR.min(n - q * NR);
-            if cs == 1 {
-                for (p, lanes) in panel.chunks_mut(NR).enumerate() {
-                    let lo = &b[2 * p * rs + q * NR..][..cols];
-                    let hi = (2 * p + 1 < k).then(|| &b[(2 * p + 1) * rs + q * NR..][..cols]);
-                    pairs_of_rows(&mut lanes[..cols], lo, hi);
-                }
-            } else if rs == 1 {
-                let mut column = vec![0u32; kp];
-                for j in 0..cols {
-                    pairs_of_run(&mut column, &b[(q * NR + j) * cs..][..k]);
-                    for (p, &v) in column.iter().enumerate() {
-                        panel[p * NR + j] = v;
-                    }
-                }
-            } else {
-                for (p, lanes) in panel.chunks_mut(NR).enumerate() {
-                    for (j, v) in lanes.iter_mut().take(cols).enumerate() {
-                        let col = (q * NR + j) * cs;
-                        let hi = match 2 * p + 1 < k {
-                            true => b[(2 * p + 1) * rs + col],
-                            false => 0.0,
-                        };
-                        *v = pair(b[2 * p * rs + col], hi);
-                    }
-                }
-            }
-        });
-    out
+    pack_pairs::<NR>((b, (rs, cs)), k, n)
 }
 
 /// `A [m, k]` as blocks of [`MR`] rows, each `kp` pairs of columns: `out[(i * kp + p) * MR + r]`
-/// holds `A[i MR + r][2p]` low and `A[i MR + r][2p + 1]` high (zero past the matrix), packed as
-/// [`pack_b`] packs.
+/// holds `A[i MR + r][2p]` low and `A[i MR + r][2p + 1]` high (zero past the matrix): the
+/// packing of `A^T [k, m]` as [`pack_b`] packs, in groups of [`MR`].
 fn pack_a((a, (rs, cs)): Operand<'_>, m: usize, k: usize) -> Vec<u32> {
+    pack_pairs::<MR>((a, (cs, rs)), k, m)
+}
+
+/// `X [k, n]` (element `(t, j)` at `t * ks + j * js`) in groups of `W` columns, each `kp` pairs of
+/// rows: `out[(q * kp + p) * W + j]` holds `X[2p][q W + j]` low and `X[2p + 1][q W + j]` high (zero
+/// past the matrix). Contiguous columns (an activation) and contiguous k (a weight used
+/// transposed) are packed by vectorised runs; other strides element by element.
+fn pack_pairs<const W: usize>((x, (ks, js)): Operand<'_>, k: usize, n: usize) -> Vec<u32> {
     let kp = k.div_ceil(2);
-    let blocks = m.div_ceil(MR);
-    let mut out = vec![0u32; blocks * kp * MR];
-    out.par_chunks_mut(kp * MR)
+    let groups = n.div_ceil(W);
+    let mut out = vec![0u32; groups * kp * W];
+    out.par_chunks_mut(kp * W)
         .enumerate()
-        .for_each(|(i, block)| {
-            let rows = MR.min(m - i * MR);
-            if rs == 1 {
-                for (p, lanes) in block.chunks_mut(MR).enumerate() {
-                    let lo = &a[2 * p * cs + i * MR..][..rows];
-                    let hi = (2 * p + 1 < k).then(|| &a[(2 * p + 1) * cs + i * MR..][..rows]);
-                    pairs_of_rows(&mut lanes[..rows], lo, hi);
+        .for_each(|(q, group)| {
+            let cols = W.min(n - q * W);
+            if js == 1 {
+                for (p, lanes) in group.chunks_mut(W).enumerate() {
+                    let lo = &x[2 * p * ks + q * W..][..cols];
+                    let hi = (2 * p + 1 < k).then(|| &x[(2 * p + 1) * ks + q * W..][..cols]);
+                    pairs_of_rows(&mut lanes[..cols], lo, hi);
                 }
-            } else if cs == 1 {
-                let mut row = vec![0u32; kp];
-                for r in 0..rows {
-                    pairs_of_run(&mut row, &a[(i * MR + r) * rs..][..k]);
-                    for (p, &v) in row.iter().enumerate() {
-                        block[p * MR + r] = v;
+            } else if ks == 1 {
+                let mut column = vec![0u32; kp];
+                for j in 0..cols {
+                    pairs_of_run(&mut column, &x[(q * W + j) * js..][..k]);
+                    for (p, &v) in column.iter().enumerate() {
+                        group[p * W + j] = v;
                     }
                 }
             } else {
-                for (p, lanes) in block.chunks_mut(MR).enumerate() {
-                    for (r, v) in lanes.iter_mut().take(rows).enumerate() {
-                        let row = (i * MR + r) * rs;
+                for (p, lanes) in group.chunks_mut(W).enumerate() {
+                    for (j, v) in lanes.iter_mut().take(cols).enumerate() {
+                        let col = (q * W + j) * js;
                         let hi = match 2 * p + 1 < k {
-                            true => a[row + (2 * p + 1) * cs],
+                            true => x[(2 * p + 1) * ks + col],
                             false => 0.0,
                         };
-                        *v = pair(a[row + 2 * p * cs], hi);
+                        *v = pair(x[2 * p * ks + col], hi);
                     }
                 }
             }
@@ -306,9 +279,33 @@ unsafe fn tile(
     }
 }
 
+/// [`tile`] in scalar code, for targets without AVX512-BF16. Never called there today (`available`
+/// is false, so products stay f32), but a caller that got here anyway gets the same sums of bf16
+/// pairs rather than a panic.
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn tile(_: &[u32], _: &[u32], _: usize, _: (*mut f32, usize), _: (usize, usize), _: bool) {
-    unreachable!("bf16 products need x86-64 with AVX512-BF16 (`available` is false elsewhere)")
+unsafe fn tile(
+    block: &[u32],
+    panel: &[u32],
+    kp: usize,
+    (dst, ldd): (*mut f32, usize),
+    (rows, cols): (usize, usize),
+    accumulate: bool,
+) {
+    let widen = |bits: u32| f32::from_bits(bits << 16);
+    for r in 0..rows {
+        for c in 0..cols {
+            let mut sum = 0.0f32;
+            for p in 0..kp {
+                let (a, b) = (block[p * MR + r], panel[p * NR + c]);
+                sum += widen(a & 0xFFFF) * widen(b & 0xFFFF) + widen(a >> 16) * widen(b >> 16);
+            }
+            // SAFETY: row r < rows and column c < cols are inside the tile (the caller's bounds).
+            unsafe {
+                let at = dst.add(r * ldd + c);
+                *at = if accumulate { *at + sum } else { sum };
+            }
+        }
+    }
 }
 
 #[cfg(test)]
