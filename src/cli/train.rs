@@ -353,6 +353,12 @@ fn preflight(
 ) -> anyhow::Result<Option<String>> {
     let engine_cfg = trainer.engine_config();
     let spec = trainer.model().spec();
+    // In-process ranks share this process (and compute on its one GPU); MPI ranks each have their
+    // own process (and their local rank's GPU).
+    let ranks_in_process = match backend {
+        Resolved::InProcess { world } => world as u64,
+        Resolved::Mpi { .. } => 1,
+    };
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).
     let process = TrainProcess {
@@ -360,18 +366,17 @@ fn preflight(
         threads_per_rank: trainer.threads_per_rank() as u64,
         checkpoint_staging: args.save_dir.is_some(),
         compute_on_gpu: device.gpu.is_some(),
+        resident_now: proc_status_bytes("VmRSS:"),
+        f32_gemm: zerodp::model::gemm_path() == "gemm",
+        ranks_in_process,
     };
     super::preflight::check(&args.preflight, settings, engine_cfg, spec, gpt, process)?;
     let Some(gpu) = &device.gpu else {
         return Ok(None);
     };
     let bytes = device.dtype.size_in_bytes() as u64;
-    // In-process ranks all compute on the one GPU; MPI ranks each on their local rank's.
-    let ranks = match backend {
-        Resolved::InProcess { world } => world as u64,
-        Resolved::Mpi { .. } => 1,
-    };
-    let memory = super::preflight::check_gpu(gpu, (bytes, ranks), engine_cfg, spec, gpt)?;
+    let memory =
+        super::preflight::check_gpu(gpu, (bytes, ranks_in_process), engine_cfg, spec, gpt)?;
     Ok(Some(memory))
 }
 
@@ -878,8 +883,13 @@ fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {
 
 /// The process's peak resident set (`VmHWM` in /proc/self/status), where the system reports it.
 fn peak_resident_bytes() -> Option<u64> {
+    proc_status_bytes("VmHWM:")
+}
+
+/// A size in kB from /proc/self/status (`VmHWM:`, `VmRSS:`), where the system reports it.
+fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    let kb = status.lines().find_map(|l| l.strip_prefix(field))?;
     let kb = kb.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
     Some(kb * 1024)
 }

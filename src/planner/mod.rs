@@ -38,8 +38,8 @@ pub use memory::{
 };
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use process::{
-    allocator_retention, gpt_step_memory, GptStepMemory, TrainProcess, POOL_THREAD_BYTES,
-    PROCESS_BASE_BYTES, RANK_THREADS_BYTES, RETENTION_CAP_BYTES, RETENTION_PER_LARGEST_UNIT,
+    gpt_step_memory, GptStepMemory, TrainProcess, POOL_THREAD_BYTES, PROCESS_BASE_BYTES,
+    PROCESS_GROWTH_BYTES,
 };
 pub use recommend::{recommend, Recommendation};
 pub use size::{
@@ -379,8 +379,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
     }
     let activation_options = activation_options(input, choice.stage);
     if let (Some(p), Some(e)) = (&input.process, &engine) {
-        let largest = e.layout.largest_padded() as u64;
-        bytes.overhead = p.overhead_per_rank(n, input.seq_len, largest);
+        bytes.overhead = p.overhead_per_rank(n, input.seq_len);
         if p.checkpoint_staging {
             let shard = e.layout.shard_numel() as u64;
             bytes.overhead += process::checkpoint_staging_bytes(shard);

@@ -43,38 +43,37 @@
 //!
 //! # The process
 //! Ranks are threads of one process: the process holds every rank's share plus, once, the binary and
-//! its libraries, the training text with its window order (4 bytes a window per cached epoch, two
-//! epochs), and per thread (each rank's thread, its communication thread and its rayon pool) a stack,
-//! a malloc arena and, for the pool threads, gemm's per-thread packing slab. The allocator keeps
-//! freed memory for reuse rather than returning it at once; that retention cannot be counted from
-//! the code and is planned from measurements (see [`allocator_retention`]).
+//! its libraries (the resident set read at the pre-flight, [`TrainProcess::resident_now`]), what it
+//! touches once training starts ([`PROCESS_GROWTH_BYTES`]: code, stacks, the malloc arena's retained
+//! free blocks), the training text with its window order (4 bytes a window per cached epoch, two
+//! epochs), and per pool thread gemm's packing memory where the products run on it
+//! ([`POOL_THREAD_BYTES`]). The two constants cannot be counted from the code and are fitted to
+//! `scripts/preflight_rss.sh`'s measurements.
 
 use super::model::GptShape;
 
 /// Bytes of an f32, the dtype zerodp's GPT computes in.
 const F32: u64 = 4;
 
-/// The process outside the ranks: the binary's resident pages and shared libraries, the main
-/// thread, the parsed config and the model description, and what the runtime allocates once when
-/// the ranks start. Fitted to the peak resident sets of the `scripts/preflight_rss.sh` grid: about
-/// 9.5 MB with its 1 MB corpus, which is counted apart.
-pub const PROCESS_BASE_BYTES: u64 = 8_300_000;
+/// The process outside the ranks, where its resident set cannot be read when the plan is made
+/// (`zerodp plan`, systems without `/proc`): the binary's resident pages and shared libraries, the
+/// main thread, the parsed config, the model description, what the runtime allocates once the
+/// ranks start, and what the one malloc arena keeps of freed blocks. The resident set of a release
+/// binary at the pre-flight (about 8.4 MB) plus [`PROCESS_GROWTH_BYTES`].
+pub const PROCESS_BASE_BYTES: u64 = 12_400_000;
 
-/// Per thread of a rank's compute pool: a touched stack, a malloc arena, and the pages gemm touches
-/// of its per-thread packing slab (an L2 cache's size, allocated but mostly untouched at these
-/// matrix sizes: the grid shows about this much per pool thread).
-pub const POOL_THREAD_BYTES: u64 = 300_000;
+/// What the process adds to its resident set at the pre-flight once training starts, beyond its
+/// ranks' share: the code pages of the step first touched then, the ranks' and communication
+/// threads' stacks, and the arena's retained free blocks (the heap keeps freed blocks of up to 32
+/// MiB for reuse and is never trimmed: [`crate::model::keep_freed_buffers`]). Fitted to the
+/// `scripts/preflight_rss.sh` grid (a 2-core AMD EPYC, Zen 4, release binary).
+pub const PROCESS_GROWTH_BYTES: u64 = 4_000_000;
 
-/// Per rank, for its own thread and its communication thread (no gemm): stacks and arenas.
-pub const RANK_THREADS_BYTES: u64 = 200_000;
-
-/// The allocator's retention per rank is planned as this many times the f32 bytes of the largest
-/// unit's weights (the size of the blocks candle allocates and frees every step), up to
-/// [`RETENTION_CAP_BYTES`].
-pub const RETENTION_PER_LARGEST_UNIT: f64 = 1.8;
-
-/// See [`RETENTION_PER_LARGEST_UNIT`].
-pub const RETENTION_CAP_BYTES: u64 = 16_000_000;
+/// Per thread of a rank's compute pool when its products run on the gemm crate's f32 kernels:
+/// gemm's per-thread packing slab (an L2 cache's size, allocated once per thread) and its packed
+/// panels. Nothing when the products run on zerodp's bf16 or AMX kernels, which pack into the
+/// step's own buffers. Fitted to the same grid: about 1 MB per pool thread on a 1 MiB-L2 CPU.
+pub const POOL_THREAD_BYTES: u64 = 1_000_000;
 
 /// The `zerodp train` process a plan is for: what it holds beyond its ranks' model states, buffers
 /// and activations.
@@ -90,20 +89,38 @@ pub struct TrainProcess {
     /// The units compute on a GPU (`--device cuda`): their activations and weight copies are in
     /// its memory, not this process's (the GPU pre-flight checks them there).
     pub compute_on_gpu: bool,
+    /// The process's resident set when the plan is made (`VmRSS`), where the system reports it:
+    /// the binary, its libraries and what is allocated so far, measured rather than estimated
+    /// (a test build's binary is larger than a release build's; [`PROCESS_BASE_BYTES`] otherwise).
+    pub resident_now: Option<u64>,
+    /// The model's products run on the gemm crate's f32 kernels, with their per-thread packing
+    /// memory ([`POOL_THREAD_BYTES`]); false for bf16 runs on AVX512-BF16 and products on AMX.
+    pub f32_gemm: bool,
+    /// The ranks that are threads of this process and share its base: 0 for every rank of the
+    /// world (the in-process backend); 1 under MPI, where each process holds its own.
+    pub ranks_in_process: u64,
 }
 
 impl TrainProcess {
-    /// Bytes of the process overhead per rank for `world` ranks of a model whose largest unit has
-    /// `largest_unit` elements and whose windows are `context + 1` tokens: the process-wide part
-    /// (base, corpus and window orders) shared out over the ranks, plus each rank's threads and
-    /// allocator retention.
-    pub fn overhead_per_rank(&self, world: u64, context: u64, largest_unit: u64) -> u64 {
-        let world = world.max(1);
+    /// Bytes of the process overhead per rank for `world` ranks whose windows are `context + 1`
+    /// tokens: the process-wide part (the process itself, the corpus and its window orders)
+    /// shared out over the ranks in the process, plus each rank's pool threads.
+    pub fn overhead_per_rank(&self, world: u64, context: u64) -> u64 {
+        let sharing = match self.ranks_in_process {
+            0 => world.max(1),
+            n => n,
+        };
         let windows = self.corpus_bytes / (context + 1).max(1);
         let data = self.corpus_bytes + 2 * 4 * windows;
-        let shared = PROCESS_BASE_BYTES + data;
-        let threads = RANK_THREADS_BYTES + self.threads_per_rank.max(1) * POOL_THREAD_BYTES;
-        shared.div_ceil(world) + threads + allocator_retention(largest_unit)
+        let process = match self.resident_now {
+            Some(now) => now + PROCESS_GROWTH_BYTES,
+            None => PROCESS_BASE_BYTES,
+        };
+        let pool = match self.f32_gemm {
+            true => self.threads_per_rank.max(1) * POOL_THREAD_BYTES,
+            false => 0,
+        };
+        (process + data).div_ceil(sharing) + pool
     }
 }
 
@@ -111,17 +128,6 @@ impl TrainProcess {
 /// plus the page that starts the file image (`crate::checkpoint`).
 pub fn checkpoint_staging_bytes(shard: u64) -> u64 {
     3 * F32 * shard + 2 * 4096
-}
-
-/// Memory the allocator holds per rank beyond what is live (freed blocks kept for reuse,
-/// fragmentation between the per-thread arenas). Not countable from the code: the grid measured
-/// about 1 MB per rank for `demo` (largest unit 0.8 MB of f32), 2-8 MB for `small` (3.2 MB) and
-/// 0-14 MB for the 25M-parameter GPT (12.6 MB), more in fp32 than in bf16 and varying from run to
-/// run; it is planned at the high end, as [`RETENTION_PER_LARGEST_UNIT`] f32 copies of the largest
-/// unit's weights, at most [`RETENTION_CAP_BYTES`].
-pub fn allocator_retention(largest_unit: u64) -> u64 {
-    ((largest_unit * F32) as f64 * RETENTION_PER_LARGEST_UNIT).min(RETENTION_CAP_BYTES as f64)
-        as u64
 }
 
 /// What zerodp's GPT holds beyond the engine's ledger at the fullest moment of a micro-step, in
@@ -324,14 +330,41 @@ mod tests {
     fn process_overhead_shares_the_process_and_counts_each_rank() {
         let p = TrainProcess {
             corpus_bytes: 1_000_000,
-            threads_per_rank: 1,
-            checkpoint_staging: false,
-            compute_on_gpu: false,
+            threads_per_rank: 2,
+            f32_gemm: true,
+            ..TrainProcess::default()
         };
-        let one = p.overhead_per_rank(1, 64, 1000);
-        let four = p.overhead_per_rank(4, 64, 1000);
-        assert!(four < one);
-        // Four ranks together hold more than one: their threads and retention.
-        assert!(4 * four > one);
+        // The corpus, two epochs of window orders (4 bytes a window) and the estimated process.
+        let shared = 1_000_000 + 8 * (1_000_000 / 65) + PROCESS_BASE_BYTES;
+        assert_eq!(p.overhead_per_rank(1, 64), shared + 2 * POOL_THREAD_BYTES);
+        assert_eq!(
+            p.overhead_per_rank(4, 64),
+            shared.div_ceil(4) + 2 * POOL_THREAD_BYTES
+        );
+        // A resident set read at the pre-flight replaces the estimate of the process.
+        let measured = TrainProcess {
+            resident_now: Some(20_000_000),
+            ..p
+        };
+        let shared = shared - PROCESS_BASE_BYTES + 20_000_000 + PROCESS_GROWTH_BYTES;
+        assert_eq!(
+            measured.overhead_per_rank(1, 64),
+            shared + 2 * POOL_THREAD_BYTES
+        );
+        // Under MPI every process holds its own.
+        let mpi = TrainProcess {
+            ranks_in_process: 1,
+            ..p
+        };
+        assert_eq!(mpi.overhead_per_rank(4, 64), p.overhead_per_rank(1, 64));
+        // Products on zerodp's own kernels hold no gemm packing memory.
+        let bf16 = TrainProcess {
+            f32_gemm: false,
+            ..p
+        };
+        assert_eq!(
+            p.overhead_per_rank(2, 64) - bf16.overhead_per_rank(2, 64),
+            2 * POOL_THREAD_BYTES
+        );
     }
 }

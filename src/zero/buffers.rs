@@ -18,7 +18,8 @@
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
 //!   [`units_in_flight`] more, in reduce-scatters still in flight.
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
-//!   unit a visit reads, each the size of the largest padded unit. Stages 0-1 with 16-bit gradients
+//!   place in a visit's reads (the unit, then the units it uses), each the size of the largest unit
+//!   read at that place. Stages 0-1 with 16-bit gradients
 //!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
 //!   kept 16-bit gradients when complete).
 //! * Stage 3: the gathered-parameter budget, `max(working set, min(max_live_parameters, Ψ))`
@@ -68,10 +69,8 @@ pub struct BufferPlan {
     /// Dtype of the gathered parameters.
     pub param_dtype: DType,
     /// Mixed precision: elements of each f32 scratch 16-bit parameters are widened into before
-    /// the model runs (the largest padded unit).
-    pub param_scratch_elems: usize,
-    /// How many of them (the most units one visit reads).
-    pub param_scratch_count: usize,
+    /// the model runs, one per place in a visit's reads ([`param_scratch`]).
+    pub param_scratch: Vec<usize>,
 }
 
 impl BufferPlan {
@@ -84,7 +83,7 @@ impl BufferPlan {
     /// mixed precision, the widened parameters.
     pub fn scratch_bytes(&self) -> u64 {
         ((self.grad_scratch_elems * self.grad_scratch_count
-            + self.param_scratch_elems * self.param_scratch_count)
+            + self.param_scratch.iter().sum::<usize>())
             * 4) as u64
     }
     /// Bytes of the communication buckets and the scratch (the `buffers` kind).
@@ -316,21 +315,31 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         kept_graph_elems,
         persistent,
         param_dtype: cfg.param_dtype,
-        // 16-bit parameters are widened into f32 for the model: one scratch per unit a visit reads.
-        param_scratch_elems: if cfg.is_mixed() {
-            layout.largest_padded()
+        param_scratch: if cfg.is_mixed() {
+            param_scratch(spec, &layout)
         } else {
-            0
-        },
-        param_scratch_count: if cfg.is_mixed() {
-            (0..n)
-                .map(|u| schedule::needs_of(spec, u).len())
-                .max()
-                .unwrap_or(0)
-        } else {
-            0
+            Vec::new()
         },
     }
+}
+
+/// Mixed precision: the f32 scratch 16-bit parameters are widened into for the model, one per
+/// place in a visit's reads (the unit itself, then the units it uses), each as large as the
+/// largest unit read at that place. Sized per place rather than all as the largest unit: a GPT's
+/// head reads the token embedding second, and a second scratch of a block's size would be
+/// allocated, counted and never touched.
+fn param_scratch(spec: &ModelSpec, layout: &FlatLayout) -> Vec<usize> {
+    let mut slots: Vec<usize> = Vec::new();
+    for u in 0..spec.units.len() {
+        for (i, k) in schedule::needs_of(spec, u).into_iter().enumerate() {
+            let numel = layout.units[k].numel;
+            match slots.get_mut(i) {
+                Some(slot) => *slot = (*slot).max(numel),
+                None => slots.push(numel),
+            }
+        }
+    }
+    slots
 }
 
 #[cfg(test)]
@@ -354,6 +363,20 @@ mod tests {
                 unit(2, 8, vec![0]),
             ],
         }
+    }
+
+    #[test]
+    fn widened_parameters_get_one_scratch_per_read_place_sized_by_what_is_read_there() {
+        let mut cfg = EngineConfig::new(Stage::Zero1, 2);
+        assert!(
+            plan(&spec(), &cfg).param_scratch.is_empty(),
+            "fp32 reads its own"
+        );
+        cfg.param_dtype = DType::BF16;
+        let p = plan(&spec(), &cfg);
+        // First place: the largest unit (128); second: unit 0 (64), read by unit 2 only.
+        assert_eq!(p.param_scratch, vec![128, 64]);
+        assert_eq!(p.scratch_bytes(), (128 + 64) * 4);
     }
 
     #[test]

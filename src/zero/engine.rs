@@ -293,8 +293,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params, comm.rank())?;
         let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref(), &state);
         let buckets = Buckets::new(&plan, cfg.world_size, cfg.overlap_comm);
-        let widened = (0..plan.param_scratch_count)
-            .map(|_| vec![0.0f32; plan.param_scratch_elems])
+        let widened = plan
+            .param_scratch
+            .iter()
+            .map(|&elems| vec![0.0f32; elems])
             .collect();
         // A model reused from an earlier run may keep that run's parameters.
         model.parameters_changed();
