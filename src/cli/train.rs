@@ -366,7 +366,6 @@ fn preflight(
         threads_per_rank: trainer.threads_per_rank() as u64,
         checkpoint_staging: args.save_dir.is_some(),
         compute_on_gpu: device.gpu.is_some(),
-        resident_now: proc_status_bytes("VmRSS:"),
         f32_gemm: zerodp::model::gemm_path() == "gemm",
         ranks_in_process,
     };
@@ -883,13 +882,8 @@ fn progress_bar(steps: u64, hidden: bool) -> ProgressBar {
 
 /// The process's peak resident set (`VmHWM` in /proc/self/status), where the system reports it.
 fn peak_resident_bytes() -> Option<u64> {
-    proc_status_bytes("VmHWM:")
-}
-
-/// A size in kB from /proc/self/status (`VmHWM:`, `VmRSS:`), where the system reports it.
-fn proc_status_bytes(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kb = status.lines().find_map(|l| l.strip_prefix(field))?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
     let kb = kb.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
     Some(kb * 1024)
 }

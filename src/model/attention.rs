@@ -18,7 +18,9 @@
 use rayon::prelude::*;
 use std::ops::Range;
 
-use super::kernels::{even_split, lane_dot, lane_max, lane_sum, lit, written, Real, Width};
+#[cfg(target_arch = "x86_64")]
+use super::kernels::Width;
+use super::kernels::{even_split, lane_dot, lane_max, lane_sum, lit, written, Real};
 use candle_core::{bail, Result};
 
 /// Rows of a register tile.
@@ -90,8 +92,11 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
     // (those checks cost as much as the multiply-adds). The panels and strides come from
     // `CausalAttention::width`'s checked shapes, so this holds; were it not to, the bounds-checked
     // loop below would run instead of the unchecked one.
-    let last = (R - 1) * a.row + (ks.end - 1) * a.col;
-    let in_bounds = last < a.data.len() && (ks.end - 1) * ldb + NR <= b.len();
+    #[cfg(target_arch = "x86_64")]
+    let in_bounds = {
+        let last = (R - 1) * a.row + (ks.end - 1) * a.col;
+        last < a.data.len() && (ks.end - 1) * ldb + NR <= b.len()
+    };
     #[cfg(target_arch = "x86_64")]
     if AVX512 && in_bounds && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
         let a32 = Strided {

@@ -145,6 +145,7 @@ pub(super) fn wide<R>(f: impl FnOnce() -> R) -> R {
 
 /// The widest build of the kernels this CPU runs: the one choice behind [`wide`] and the
 /// attention's per-width functions.
+#[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Width {
     /// AVX-512F with FMA.
@@ -155,17 +156,15 @@ pub(super) enum Width {
     Baseline,
 }
 
+#[cfg(target_arch = "x86_64")]
 impl Width {
     pub(super) fn of_cpu() -> Width {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let fma = std::arch::is_x86_feature_detected!("fma");
-            if std::arch::is_x86_feature_detected!("avx512f") && fma {
-                return Width::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2") && fma {
-                return Width::Avx2;
-            }
+        let fma = std::arch::is_x86_feature_detected!("fma");
+        if std::arch::is_x86_feature_detected!("avx512f") && fma {
+            return Width::Avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && fma {
+            return Width::Avx2;
         }
         Width::Baseline
     }
@@ -665,6 +664,7 @@ fn gemm_finished<T: Real>(
     (rhs, rhs_strides): Strided<'_, T>,
     finish: &Finish<'_, T>,
 ) -> Vec<T> {
+    #[cfg(target_arch = "x86_64")]
     if T::DTYPE == DType::F32 && !super::bf16_gemm::enabled() && amx_takes((m, n, k)) {
         let fill = |dst: &mut [std::mem::MaybeUninit<T>]| {
             let operands = (
@@ -695,6 +695,7 @@ fn gemm_finished<T: Real>(
 }
 
 /// The threads an AMX product runs on under `parallelism`.
+#[cfg(target_arch = "x86_64")]
 fn amx_threads(parallelism: gemm::Parallelism) -> usize {
     match parallelism {
         gemm::Parallelism::Rayon(t) => t,
@@ -703,6 +704,7 @@ fn amx_threads(parallelism: gemm::Parallelism) -> usize {
 }
 
 /// Whether `gemm_raw` sends an f32 product of these dimensions to AMX.
+#[cfg(target_arch = "x86_64")]
 fn amx_takes(dims: (usize, usize, usize)) -> bool {
     super::amx::enabled() && super::amx::worth_it(dims)
 }
@@ -725,6 +727,7 @@ pub(super) enum Finish<'a, T> {
 impl<'a, T: Real> Finish<'a, T> {
     /// The same finish on f32 slices, for the AMX path; only called when T is f32 (the cast
     /// checks it).
+    #[cfg(target_arch = "x86_64")]
     fn as_f32(&self) -> Finish<'a, f32> {
         match *self {
             Self::Bias(b) => Finish::Bias(bytemuck::cast_slice(b)),
@@ -901,6 +904,7 @@ unsafe fn gemm_raw<T: Real>(
         };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
     if T::DTYPE == DType::F32 && amx_takes((m, n, k)) {
         // SAFETY: as below; T is f32 (same size and layout), and `enabled` checked AMX.
         unsafe {

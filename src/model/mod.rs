@@ -3,6 +3,10 @@
 //! [`crate::zero::unit`]), units built by closures from a `candle_nn::VarBuilder` on it
 //! ([`var_units`]: [`VarUnits`]), a GPT reference model on it, and data loading.
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+#[cfg(not(target_arch = "x86_64"))]
+#[path = "amx_off.rs"]
 mod amx;
 mod attention;
 mod bf16_gemm;

@@ -547,6 +547,7 @@ unsafe fn chunk_streaming<G: Element, S: StateElement, T: Element, const AVX2_ST
 /// One chunk on the path `isa`, which the caller has checked is available.
 #[inline]
 #[allow(clippy::too_many_arguments)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
 fn adam_chunk<G: Element, S: StateElement, T: Element>(
     isa: AdamIsa,
     p: &mut [f32],

@@ -12,9 +12,9 @@
 //! quietened, denormals kept (AVX-512 BF16's `vcvtneps2bf16` would flush them, so it is not used).
 
 #[cfg(target_arch = "x86_64")]
-use std::arch::x86_64::*;
-
 use crate::comm::kernels::f32_to_bf16_bits;
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
 
 /// Alignment of one streaming store of 16 bf16 values.
 #[cfg(target_arch = "x86_64")]
@@ -34,6 +34,7 @@ fn unaligned_head(dst: &[u16]) -> usize {
 }
 
 /// Scalar rounding of a head or tail.
+#[cfg(target_arch = "x86_64")]
 fn narrow_scalar(src: &[f32], dst: &mut [u16]) {
     for (d, &x) in dst.iter_mut().zip(src) {
         *d = f32_to_bf16_bits(x);

@@ -39,7 +39,6 @@ pub use memory::{
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use process::{
     gpt_step_memory, GptStepMemory, TrainProcess, POOL_THREAD_BYTES, PROCESS_BASE_BYTES,
-    PROCESS_GROWTH_BYTES,
 };
 pub use recommend::{recommend, Recommendation};
 pub use size::{

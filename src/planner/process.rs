@@ -43,9 +43,8 @@
 //!
 //! # The process
 //! Ranks are threads of one process: the process holds every rank's share plus, once, the binary and
-//! its libraries (the resident set read at the pre-flight, [`TrainProcess::resident_now`]), what it
-//! touches once training starts ([`PROCESS_GROWTH_BYTES`]: code, stacks, the malloc arena's retained
-//! free blocks), the training text with its window order (4 bytes a window per cached epoch, two
+//! its libraries and what it touches once training starts ([`PROCESS_BASE_BYTES`]: code, stacks,
+//! the malloc arena's retained free blocks), the training text with its window order (4 bytes a window per cached epoch, two
 //! epochs), and per pool thread gemm's packing memory where the products run on it
 //! ([`POOL_THREAD_BYTES`]). The two constants cannot be counted from the code and are fitted to
 //! `scripts/preflight_rss.sh`'s measurements.
@@ -55,19 +54,15 @@ use super::model::GptShape;
 /// Bytes of an f32, the dtype zerodp's GPT computes in.
 const F32: u64 = 4;
 
-/// The process outside the ranks, where its resident set cannot be read when the plan is made
-/// (`zerodp plan`, systems without `/proc`): the binary's resident pages and shared libraries, the
-/// main thread, the parsed config, the model description, what the runtime allocates once the
-/// ranks start, and what the one malloc arena keeps of freed blocks. The resident set of a release
-/// binary at the pre-flight (about 8.4 MB) plus [`PROCESS_GROWTH_BYTES`].
+/// The process outside the ranks: the binary's resident pages and shared libraries (about 8.4 MB
+/// of a release build at the pre-flight; a test build's are larger), the main thread, the parsed
+/// config and the model description, and what the process adds once training starts: the code
+/// pages of the step, the ranks' and communication threads' stacks, and the free blocks the one
+/// malloc arena keeps (freed blocks of up to 32 MiB stay for reuse and the heap is never trimmed:
+/// [`crate::model::keep_freed_buffers`]). Fitted to the `scripts/preflight_rss.sh` grid (a 2-core
+/// AMD EPYC, Zen 4, release binary). A constant rather than the resident set read at the check, so
+/// that the same run is planned the same every time.
 pub const PROCESS_BASE_BYTES: u64 = 12_400_000;
-
-/// What the process adds to its resident set at the pre-flight once training starts, beyond its
-/// ranks' share: the code pages of the step first touched then, the ranks' and communication
-/// threads' stacks, and the arena's retained free blocks (the heap keeps freed blocks of up to 32
-/// MiB for reuse and is never trimmed: [`crate::model::keep_freed_buffers`]). Fitted to the
-/// `scripts/preflight_rss.sh` grid (a 2-core AMD EPYC, Zen 4, release binary).
-pub const PROCESS_GROWTH_BYTES: u64 = 4_000_000;
 
 /// Per thread of a rank's compute pool when its products run on the gemm crate's f32 kernels:
 /// gemm's per-thread packing slab (an L2 cache's size, allocated once per thread) and its packed
@@ -89,10 +84,6 @@ pub struct TrainProcess {
     /// The units compute on a GPU (`--device cuda`): their activations and weight copies are in
     /// its memory, not this process's (the GPU pre-flight checks them there).
     pub compute_on_gpu: bool,
-    /// The process's resident set when the plan is made (`VmRSS`), where the system reports it:
-    /// the binary, its libraries and what is allocated so far, measured rather than estimated
-    /// (a test build's binary is larger than a release build's; [`PROCESS_BASE_BYTES`] otherwise).
-    pub resident_now: Option<u64>,
     /// The model's products run on the gemm crate's f32 kernels, with their per-thread packing
     /// memory ([`POOL_THREAD_BYTES`]); false for bf16 runs on AVX512-BF16 and products on AMX.
     pub f32_gemm: bool,
@@ -112,15 +103,11 @@ impl TrainProcess {
         };
         let windows = self.corpus_bytes / (context + 1).max(1);
         let data = self.corpus_bytes + 2 * 4 * windows;
-        let process = match self.resident_now {
-            Some(now) => now + PROCESS_GROWTH_BYTES,
-            None => PROCESS_BASE_BYTES,
-        };
         let pool = match self.f32_gemm {
             true => self.threads_per_rank.max(1) * POOL_THREAD_BYTES,
             false => 0,
         };
-        (process + data).div_ceil(sharing) + pool
+        (PROCESS_BASE_BYTES + data).div_ceil(sharing) + pool
     }
 }
 
@@ -340,16 +327,6 @@ mod tests {
         assert_eq!(
             p.overhead_per_rank(4, 64),
             shared.div_ceil(4) + 2 * POOL_THREAD_BYTES
-        );
-        // A resident set read at the pre-flight replaces the estimate of the process.
-        let measured = TrainProcess {
-            resident_now: Some(20_000_000),
-            ..p
-        };
-        let shared = shared - PROCESS_BASE_BYTES + 20_000_000 + PROCESS_GROWTH_BYTES;
-        assert_eq!(
-            measured.overhead_per_rank(1, 64),
-            shared + 2 * POOL_THREAD_BYTES
         );
         // Under MPI every process holds its own.
         let mpi = TrainProcess {

@@ -1,0 +1,16 @@
+//! Off x86-64 there are no AMX tiles: every f32 product runs on the gemm crate. The same face as
+//! the x86-64 module (`amx.rs`), so that the rest of the crate asks one question everywhere.
+
+/// The environment variable that forces the `gemm` crate on x86-64 (`ZERODP_GEMM=gemm`); here it
+/// is always the gemm crate.
+pub const GEMM_ENV: &str = "ZERODP_GEMM";
+
+/// Whether products go through AMX: never off x86-64.
+pub fn enabled() -> bool {
+    false
+}
+
+/// The name of the GEMM path products of `f32` run on.
+pub fn path_name() -> &'static str {
+    "gemm"
+}
