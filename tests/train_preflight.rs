@@ -40,10 +40,10 @@ fn train(dir: &Path, stage: u8, extra: &[&str]) -> Output {
 }
 
 /// A capacity between what stages 1 and 0 need per rank, read from refusals at 1 KB. The tiny GPT
-/// (~34K parameters) on 2 ranks with 1000-element buckets: stage 0 needs about 5.92 MB per rank on
-/// a 2-core machine (547 KB of model states, no buckets since it reduces in place, 459 KB of
-/// activations, 170 KB of candle's weight copies and 4.74 MB of process overhead, which grows with
-/// the threads per rank), stage 1 about 5.80 MB.
+/// (~34K parameters) on 2 ranks with 1000-element buckets: stage 0 needs about 8.3 MB per rank on
+/// a 2-core machine (547 KB of model states, no buckets since it reduces in place, 394 KB of
+/// activations, 170 KB of candle's weight copies and 7.2 MB of process overhead, the same in
+/// both stages), stage 1 about 140 KB less (Adam's m and v sharded).
 fn between_stages_1_and_0(dir: &Path) -> String {
     let needs = |stage| {
         let out = train(dir, stage, &["--device-memory", "1KB"]);
