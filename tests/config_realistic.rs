@@ -1132,3 +1132,51 @@ fn hugging_face_tests_zero3_takes_a_zero_bucket_as_deepspeed_does() {
     assert!(!has_warning(&l, "reduce_bucket_size"), "{:?}", l.warnings);
     assert_eq!(l.to_json()["zero_optimization"]["reduce_bucket_size"], 0);
 }
+
+/// Step counts DeepSpeed divides by are refused at 0 with the key's position; a OneCycle without
+/// its learning rates, and a `last_batch_iteration` zerodp does not honour, are said.
+#[test]
+fn scheduler_step_counts_and_required_rates_are_checked_where_they_are_written() {
+    for (kind, key) in [
+        ("WarmupLR", "warmup_num_steps"),
+        ("OneCycle", "cycle_first_step_size"),
+        ("LRRangeTest", "lr_range_test_step_size"),
+    ] {
+        let rates = match kind {
+            "OneCycle" => r#""cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "#,
+            _ => "",
+        };
+        let text = format!(
+            "{{\"train_batch_size\": 8,\n \"scheduler\": {{\"type\": \"{kind}\", \"params\": \
+             {{{rates}\"{key}\": 0}}}}}}"
+        );
+        let e = err(&text, &ctx(1));
+        assert!(matches!(e, ConfigError::OutOfRange { .. }), "{e}");
+        let column = text.lines().nth(1).unwrap().find("0}").unwrap() + 1;
+        let msg = at(&e, &format!("scheduler.params.{key}"), 2, column);
+        assert!(msg.contains("at least 1"), "{msg}");
+    }
+    let e = err(
+        r#"{"train_batch_size": 8, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4}}}"#,
+        &ctx(1),
+    );
+    assert!(
+        e.to_string().contains("missing key \"cycle_max_lr\""),
+        "{e}"
+    );
+    let l = ok(
+        r#"{"train_batch_size": 8, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+            "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 7}}}"#,
+        &ctx(1),
+    );
+    assert!(has_warning(&l, "last_batch_iteration 7 is ignored"));
+    assert!(has_warning(&l, "warmup rises to the optimizer's lr 0.0003"));
+    assert!(matches!(
+        l.settings.scheduler,
+        Some(SchedulerSettings::WarmupLR {
+            warmup_max_lr: None,
+            warmup_num_steps: 1000,
+            ..
+        })
+    ));
+}

@@ -51,6 +51,7 @@ mod error;
 mod json;
 mod parse;
 mod reader;
+mod scheduler;
 mod settings;
 mod zero;
 
