@@ -1180,3 +1180,64 @@ fn scheduler_step_counts_and_required_rates_are_checked_where_they_are_written()
         })
     ));
 }
+
+/// The precision and optimizer blocks' refusals and warnings, each for its own reason.
+#[test]
+fn precision_and_optimizer_mistakes_are_refused_or_said() {
+    let e = err(
+        "{\"train_batch_size\": 8,\n \"fp16\": {\"enabled\": true},\n \"bf16\": {\"enabled\": true}}",
+        &ctx(1),
+    );
+    let msg = at(&e, "bf16.enabled", 3, 11);
+    assert!(msg.contains("both enabled"), "{msg}");
+    let e = err(
+        r#"{"train_batch_size": 8, "bf16": {"enabled": true}, "bfloat16": {"enabled": true}}"#,
+        &ctx(1),
+    );
+    assert!(matches!(e, ConfigError::DeprecatedConflict { .. }), "{e}");
+    let e = err(
+        r#"{"train_batch_size": 8, "fp16": {"enabled": true, "initial_scale_power": 65}}"#,
+        &ctx(1),
+    );
+    assert!(e.to_string().contains("keep it <= 64"), "{e}");
+    let l = ok(
+        r#"{"train_batch_size": 8, "fp16": {"enabled": true, "fp16_master_weights_and_grads": true}}"#,
+        &ctx(1),
+    );
+    assert!(has_warning(&l, "only acts at stage 2"));
+
+    let adam = |params: &str| {
+        format!(
+            "{{\"train_batch_size\": 8,\n \"optimizer\": {{\"type\": \"Adam\", \"params\": {{{params}}}}}}}"
+        )
+    };
+    let e = err(&adam(r#""amsgrad": true"#), &ctx(1));
+    assert!(e.to_string().contains("amsgrad"), "{e}");
+    let text = adam(r#""betas": [0.9, 1.5]"#);
+    let e = err(&text, &ctx(1));
+    let column = text.lines().nth(1).unwrap().find("1.5").unwrap() + 1;
+    let msg = at(&e, "optimizer.params.betas[1]", 2, column);
+    assert!(msg.contains("must be in [0, 1)"), "{msg}");
+    let l = ok(&adam(r#""weight_decay": 0.1"#), &ctx(1));
+    assert!(has_warning(&l, "classic L2 weight decay"));
+    assert!(l.settings.optimizer.as_ref().is_some_and(|o| o.adam_w_mode));
+    let l = ok(
+        &adam(r#""weight_decay": 0.1, "adam_w_mode": false"#),
+        &ctx(1),
+    );
+    assert!(l.warnings.is_empty(), "{:?}", l.warnings);
+    assert!(l
+        .settings
+        .optimizer
+        .as_ref()
+        .is_some_and(|o| !o.adam_w_mode));
+    let l = ok(
+        &adam(r#""adam_w_mode": false"#).replace("\"Adam\"", "\"AdamW\""),
+        &ctx(1),
+    );
+    assert!(has_warning(
+        &l,
+        "adam_w_mode is false but the type is AdamW"
+    ));
+    assert!(l.settings.optimizer.as_ref().is_some_and(|o| o.adam_w_mode));
+}
