@@ -138,145 +138,17 @@ pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings
     let tb = read_key(r, root, TB, ctx.train_batch_size, "--train-batch-size")?;
     let mb = read_key(r, root, MB, ctx.micro_batch, "--micro-batch")?;
     let gas = read_key(r, root, GAS, None, "")?;
-    let mismatch =
-        |at: &Where, detail: String, suggestions: Vec<Option<String>>| ConfigError::BatchMismatch {
-            at: at.clone(),
-            detail,
-            world_size: ctx.world_size.max(1),
-            world_size_source: ctx.world_size_source.clone(),
-            suggestions: suggestions.into_iter().flatten().collect(),
-        };
     let wide = |v: Option<u64>| v.map(u128::from);
-    let (t, m, g) = match (wide(tb.value), wide(mb.value), wide(gas.value)) {
-        (Some(t), Some(m), Some(g)) => {
-            if t != m * g * w {
-                return Err(mismatch(
-                    &tb.at,
-                    format!(
-                        "{TB} {t} must equal {MB} {m} x {GAS} {g} x world size {w} = {}",
-                        m * g * w
-                    ),
-                    vec![
-                        list(TB, &[m * g * w], ""),
-                        (t % (m * w) == 0).then(|| format!("{GAS} {}", t / (m * w))),
-                        (t % (g * w) == 0).then(|| format!("{MB} {}", t / (g * w))),
-                        (t % (m * g) == 0).then(|| format!("world size {}", t / (m * g))),
-                    ],
-                ));
-            }
-            (t, m, g)
-        }
-        (Some(t), Some(m), None) => {
-            if t % (m * w) != 0 {
-                return Err(mismatch(
-                    &tb.at,
-                    format!(
-                        "{TB} {t} must equal {MB} {m} x {GAS} x world size {w}, but {t} is not a \
-                         multiple of {m} x {w} = {}, so {GAS} would be {:.2}",
-                        m * w,
-                        t as f64 / (m * w) as f64
-                    ),
-                    vec![
-                        list(TB, &multiples_near(t, m * w), ""),
-                        (t % w == 0)
-                            .then(|| list(MB, &divisors_near(t / w, m), ""))
-                            .flatten(),
-                        (t % m == 0)
-                            .then(|| list("world size", &divisors_near(t / m, w), ""))
-                            .flatten(),
-                    ],
-                ));
-            }
-            (t, m, t / (m * w))
-        }
-        (Some(t), None, Some(g)) => {
-            if t % (g * w) != 0 {
-                return Err(mismatch(
-                    &tb.at,
-                    format!(
-                        "{TB} {t} must equal {MB} x {GAS} {g} x world size {w}, but {t} is not a \
-                         multiple of {g} x {w} = {}, so {MB} would be {:.2}",
-                        g * w,
-                        t as f64 / (g * w) as f64
-                    ),
-                    vec![
-                        list(TB, &multiples_near(t, g * w), ""),
-                        (t % w == 0)
-                            .then(|| list(GAS, &divisors_near(t / w, g), ""))
-                            .flatten(),
-                        (t % g == 0)
-                            .then(|| list("world size", &divisors_near(t / g, w), ""))
-                            .flatten(),
-                    ],
-                ));
-            }
-            (t, t / (g * w), g)
-        }
-        (None, Some(m), Some(g)) => (m * g * w, m, g),
-        (Some(t), None, None) => {
-            if t % w != 0 {
-                return Err(mismatch(
-                    &tb.at,
-                    format!(
-                        "{TB} {t} must equal {MB} x {GAS} 1 x world size {w}, but {t} is not a \
-                         multiple of {w}"
-                    ),
-                    vec![
-                        list(TB, &multiples_near(t, w), ""),
-                        list("world size", &divisors_near(t, w), ""),
-                    ],
-                ));
-            }
-            (t, t / w, 1)
-        }
-        (None, Some(m), None) => (m * w, m, 1),
-        (None, None, _) => {
-            let any_auto = tb.auto || mb.auto;
-            if any_auto && ctx.check_mode {
-                for (k, key) in [(&tb, TB), (&mb, MB), (&gas, GAS)] {
-                    if k.auto || k.value.is_none() {
-                        r.unresolved.push(key.to_string());
-                    }
-                }
-                r.warn(format!(
-                    "{TB} / {MB}: \"auto\" is unresolved; pass --train-batch-size or \
-                     --micro-batch to resolve the batch sizes"
-                ));
-                return Ok(BatchSettings {
-                    train_batch_size: 0,
-                    micro_batch_per_gpu: 0,
-                    gradient_accumulation_steps: gas.value.unwrap_or(0) as usize,
-                    world_size: ctx.world_size.max(1),
-                });
-            }
-            let (at, hint) = if any_auto {
-                (
-                    if tb.auto { tb.at } else { mb.at },
-                    "\"auto\" batch sizes need --train-batch-size or --micro-batch on the command \
-                     line",
-                )
-            } else {
-                (
-                    Where {
-                        path: String::new(),
-                        location: None,
-                    },
-                    "give train_batch_size or train_micro_batch_size_per_gpu (or both)",
-                )
-            };
-            if any_auto {
-                return Err(ConfigError::UnresolvedAuto {
-                    at,
-                    hint: hint.into(),
-                });
-            }
-            return Err(ConfigError::Missing {
-                at,
-                key: format!("{TB} / {MB}"),
-                hint: hint.into(),
-            });
-        }
+    let Some(solved) = solve(wide(tb.value), wide(mb.value), wide(gas.value), w) else {
+        return no_batch_size(r, [&tb, &mb, &gas]);
     };
+    let (t, m, g) = solved.map_err(|e| ConfigError::BatchMismatch {
+        at: tb.at.clone(),
+        detail: e.detail,
+        world_size: ctx.world_size.max(1),
+        world_size_source: ctx.world_size_source.clone(),
+        suggestions: e.suggestions.into_iter().flatten().collect(),
+    })?;
     if gas.auto {
         r.warn(format!(
             "{GAS}: \"auto\" resolved to {g} from {TB} {t}, {MB} {m} and world size {w}"
@@ -297,6 +169,149 @@ pub(crate) fn resolve(r: &mut Reader<'_>, root: Obj<'_>) -> Result<BatchSettings
     })
 }
 
+/// Why the given batch sizes do not multiply out, and the nearest values that would.
+#[derive(Debug)]
+struct Mismatch {
+    detail: String,
+    suggestions: Vec<Option<String>>,
+}
+
+/// DeepSpeed's batch rule `t = m x g x w` with the missing sizes derived (g defaults to 1):
+/// `(t, m, g)`, a mismatch, or `None` when neither `t` nor `m` is given.
+fn solve(
+    t: Option<u128>,
+    m: Option<u128>,
+    g: Option<u128>,
+    w: u128,
+) -> Option<Result<(u128, u128, u128), Mismatch>> {
+    let mismatch = |detail: String, suggestions| {
+        Some(Err(Mismatch {
+            detail,
+            suggestions,
+        }))
+    };
+    Some(Ok(match (t, m, g) {
+        (Some(t), Some(m), Some(g)) if t != m * g * w => {
+            return mismatch(
+                format!(
+                    "{TB} {t} must equal {MB} {m} x {GAS} {g} x world size {w} = {}",
+                    m * g * w
+                ),
+                vec![
+                    list(TB, &[m * g * w], ""),
+                    (t % (m * w) == 0).then(|| format!("{GAS} {}", t / (m * w))),
+                    (t % (g * w) == 0).then(|| format!("{MB} {}", t / (g * w))),
+                    (t % (m * g) == 0).then(|| format!("world size {}", t / (m * g))),
+                ],
+            )
+        }
+        (Some(t), Some(m), Some(g)) => (t, m, g),
+        (Some(t), Some(m), None) if t % (m * w) != 0 => {
+            return mismatch(
+                format!(
+                    "{TB} {t} must equal {MB} {m} x {GAS} x world size {w}, but {t} is not a \
+                     multiple of {m} x {w} = {}, so {GAS} would be {:.2}",
+                    m * w,
+                    t as f64 / (m * w) as f64
+                ),
+                vec![
+                    list(TB, &multiples_near(t, m * w), ""),
+                    (t % w == 0)
+                        .then(|| list(MB, &divisors_near(t / w, m), ""))
+                        .flatten(),
+                    (t % m == 0)
+                        .then(|| list("world size", &divisors_near(t / m, w), ""))
+                        .flatten(),
+                ],
+            )
+        }
+        (Some(t), Some(m), None) => (t, m, t / (m * w)),
+        (Some(t), None, Some(g)) if t % (g * w) != 0 => {
+            return mismatch(
+                format!(
+                    "{TB} {t} must equal {MB} x {GAS} {g} x world size {w}, but {t} is not a \
+                     multiple of {g} x {w} = {}, so {MB} would be {:.2}",
+                    g * w,
+                    t as f64 / (g * w) as f64
+                ),
+                vec![
+                    list(TB, &multiples_near(t, g * w), ""),
+                    (t % w == 0)
+                        .then(|| list(GAS, &divisors_near(t / w, g), ""))
+                        .flatten(),
+                    (t % g == 0)
+                        .then(|| list("world size", &divisors_near(t / g, w), ""))
+                        .flatten(),
+                ],
+            )
+        }
+        (Some(t), None, Some(g)) => (t, t / (g * w), g),
+        (None, Some(m), Some(g)) => (m * g * w, m, g),
+        (Some(t), None, None) if t % w != 0 => {
+            return mismatch(
+                format!(
+                    "{TB} {t} must equal {MB} x {GAS} 1 x world size {w}, but {t} is not a \
+                     multiple of {w}"
+                ),
+                vec![
+                    list(TB, &multiples_near(t, w), ""),
+                    list("world size", &divisors_near(t, w), ""),
+                ],
+            )
+        }
+        (Some(t), None, None) => (t, t / w, 1),
+        (None, Some(m), None) => (m * w, m, 1),
+        (None, None, _) => return None,
+    }))
+}
+
+/// Neither `train_batch_size` nor `train_micro_batch_size_per_gpu` has a value: under `zerodp
+/// config check` an unresolved `"auto"` is reported and the sizes left 0; otherwise an error that
+/// says which to give.
+fn no_batch_size(
+    r: &mut Reader<'_>,
+    [tb, mb, gas]: [&Key; 3],
+) -> Result<BatchSettings, ConfigError> {
+    let any_auto = tb.auto || mb.auto;
+    if any_auto && r.ctx.check_mode {
+        for (k, key) in [(tb, TB), (mb, MB), (gas, GAS)] {
+            if k.auto || k.value.is_none() {
+                r.unresolved.push(key.to_string());
+            }
+        }
+        r.warn(format!(
+            "{TB} / {MB}: \"auto\" is unresolved; pass --train-batch-size or \
+             --micro-batch to resolve the batch sizes"
+        ));
+        return Ok(BatchSettings {
+            train_batch_size: 0,
+            micro_batch_per_gpu: 0,
+            gradient_accumulation_steps: gas.value.unwrap_or(0) as usize,
+            world_size: r.ctx.world_size.max(1),
+        });
+    }
+    if any_auto {
+        return Err(ConfigError::UnresolvedAuto {
+            at: if tb.auto {
+                tb.at.clone()
+            } else {
+                mb.at.clone()
+            },
+            hint: "\"auto\" batch sizes need --train-batch-size or --micro-batch on the command \
+                   line"
+                .into(),
+        });
+    }
+    Err(ConfigError::Missing {
+        at: Where {
+            path: String::new(),
+            location: None,
+        },
+        key: format!("{TB} / {MB}"),
+        hint: "give train_batch_size or train_micro_batch_size_per_gpu (or both)".into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,5 +322,38 @@ mod tests {
         assert_eq!(multiples_near(3, 4), vec![4]);
         assert_eq!(divisors_near(16, 3), vec![2, 4]);
         assert_eq!(divisors_near(16, 16), vec![16]);
+    }
+
+    #[test]
+    fn the_missing_sizes_are_derived_from_t_equals_m_g_w() {
+        let ok = |t, m, g, w| solve(t, m, g, w).map(|r| r.ok());
+        // train_batch_size 32 on 4 ranks: micro-batch 4 gives 2 accumulation steps.
+        assert_eq!(ok(Some(32), Some(4), None, 4), Some(Some((32, 4, 2))));
+        assert_eq!(ok(Some(32), None, Some(2), 4), Some(Some((32, 4, 2))));
+        assert_eq!(ok(None, Some(4), Some(2), 4), Some(Some((32, 4, 2))));
+        assert_eq!(ok(None, Some(4), None, 4), Some(Some((16, 4, 1))));
+        assert_eq!(ok(Some(32), None, None, 4), Some(Some((32, 8, 1))));
+        assert_eq!(ok(Some(32), Some(4), Some(2), 4), Some(Some((32, 4, 2))));
+        // Neither the total nor the micro-batch: nothing to derive from.
+        assert!(solve(None, None, Some(2), 4).is_none());
+    }
+
+    #[test]
+    fn sizes_that_do_not_multiply_out_say_why_and_what_would() {
+        let e = solve(Some(30), Some(4), None, 4).unwrap().unwrap_err();
+        assert!(e.detail.contains("not a multiple of 4 x 4 = 16"), "{e:?}");
+        let s: Vec<String> = e.suggestions.into_iter().flatten().collect();
+        assert!(
+            s.iter().any(|x| x.starts_with(TB) && x.contains("16")),
+            "{s:?}"
+        );
+        let e = solve(Some(32), Some(4), Some(4), 4).unwrap().unwrap_err();
+        assert!(e.detail.contains("= 64"), "{e:?}");
+        let s: Vec<String> = e.suggestions.into_iter().flatten().collect();
+        assert!(s.contains(&format!("{GAS} 2")), "{s:?}");
+        assert!(s.contains(&format!("{MB} 2")), "{s:?}");
+        assert!(s.contains(&"world size 2".to_string()), "{s:?}");
+        assert!(solve(Some(30), None, None, 4).unwrap().is_err());
+        assert!(solve(Some(30), None, Some(2), 4).unwrap().is_err());
     }
 }
