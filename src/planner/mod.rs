@@ -335,55 +335,13 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         bytes.model_states = bytes.model_states - bytes.grads + grads;
         bytes.grads = grads;
     }
-    let buffers = match &engine {
-        Some(e) => e.buffer_bytes(),
-        None => {
-            let run = run_settings(input, choice.stage);
-            engine_buffer_bytes(
-                choice.stage,
-                input.precision,
-                &input.model,
-                &settings,
-                ReductionDtypes {
-                    grad_accum: crate::setup::dtype_of(run.grad_accum_dtype),
-                    comm: crate::setup::dtype_of(run.communication_data_type),
-                },
-            )
-        }
-    };
+    let buffers = engine_buffers(input, choice.stage, engine.as_ref(), &settings);
     bytes.reduce_buckets = buffers.reduce_buckets;
     bytes.scratch_buffers = buffers.scratch_buffers;
     bytes.gather_pool = buffers.gather_pool;
     bytes.persistent_params = buffers.persistent_params;
-    match (&engine, input.model.shape) {
-        // zerodp's own GPT on the engine: what its graphs and backward hold, in f32.
-        (Some(e), Some(shape)) => {
-            let m = e.gpt_step_memory(&shape, input.seq_len);
-            bytes.activations = m.activations;
-            bytes.param_copies = m.param_copies;
-        }
-        (_, shape) => {
-            bytes.activations = shape
-                .map(|s| activation_bytes(&s, input.micro_batch, input.seq_len, input.precision))
-                .map_or(0, |a| match input.activation_checkpointing {
-                    true => a.checkpointed,
-                    false => a.full,
-                });
-        }
-    }
-    if input.process.is_some_and(|p| p.compute_on_gpu) {
-        // On a GPU, not in this process's memory.
-        bytes.activations = 0;
-        bytes.param_copies = 0;
-    }
-    let activation_options = activation_options(input, choice.stage);
-    if let (Some(p), Some(e)) = (&input.process, &engine) {
-        bytes.overhead = p.overhead_per_rank(n, input.seq_len);
-        if p.checkpoint_staging {
-            let shard = e.layout.shard_numel() as u64;
-            bytes.overhead += process::checkpoint_staging_bytes(shard);
-        }
-    }
+    (bytes.activations, bytes.param_copies) = model_bytes(input, engine.as_ref());
+    bytes.overhead = process_bytes(input, engine.as_ref(), n);
     bytes.total = bytes.model_states
         + bytes.reduce_buckets
         + bytes.scratch_buffers
@@ -392,6 +350,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         + bytes.activations
         + bytes.param_copies
         + bytes.overhead;
+    let activation_options = activation_options(input, choice.stage);
     let per_node = off_per_device.times(c.devices_per_node);
     let device_margin = c.device_memory as i64 - bytes.total as i64;
     let host_margin = c.host_memory as i64 - per_node.host as i64;
@@ -411,14 +370,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         .fold(0u64, |sum, t| sum.saturating_add(t.bytes_per_device));
     let comm_s: f64 = colls.iter().map(|t| t.predicted_s).sum();
     let swapped = shard.saturating_sub(resident);
-    let mut offload = offload_traffic(choice, input.precision, psi, swapped, input.grad_accum, c);
-    if share < 1.0 {
-        let rest = offload_traffic(kept, input.precision, psi, swapped, input.grad_accum, c);
-        let mix = |a, b| mix_bytes(a, b, share);
-        offload.host_link_bytes = mix(offload.host_link_bytes, rest.host_link_bytes);
-        offload.nvme_bytes_per_node = mix(offload.nvme_bytes_per_node, rest.nvme_bytes_per_node);
-        offload.predicted_s = offload.predicted_s * share + rest.predicted_s * (1.0 - share);
-    }
+    let offload = offload_per_step(input, (choice, kept, share), psi, swapped);
     let compute_s = compute_seconds(input);
     PlanOption {
         label: match share < 1.0 {
@@ -449,6 +401,88 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         predicted_step_s: compute_s + comm_s + offload.predicted_s,
         recommended: false,
     }
+}
+
+/// The engine's buffers: counted from its layout where the model's units are known, else
+/// estimated from the model's size and the buffer settings.
+fn engine_buffers(
+    input: &PlanInput,
+    stage: u8,
+    engine: Option<&EngineRun>,
+    settings: &BufferSettings,
+) -> EngineBuffers {
+    if let Some(e) = engine {
+        return e.buffer_bytes();
+    }
+    let run = run_settings(input, stage);
+    engine_buffer_bytes(
+        stage,
+        input.precision,
+        &input.model,
+        settings,
+        ReductionDtypes {
+            grad_accum: crate::setup::dtype_of(run.grad_accum_dtype),
+            comm: crate::setup::dtype_of(run.communication_data_type),
+        },
+    )
+}
+
+/// What the model holds beyond the engine's ledger, `(activations, weight copies)`: for zerodp's
+/// own GPT on the engine what its graphs and backward hold (in f32), else the generic estimate of
+/// the activations; nothing in this process when the model computes on a GPU.
+fn model_bytes(input: &PlanInput, engine: Option<&EngineRun>) -> (u64, u64) {
+    if input.process.is_some_and(|p| p.compute_on_gpu) {
+        return (0, 0);
+    }
+    match (engine, input.model.shape) {
+        (Some(e), Some(shape)) => {
+            let m = e.gpt_step_memory(&shape, input.seq_len);
+            (m.activations, m.param_copies)
+        }
+        (_, shape) => {
+            let activations = shape
+                .map(|s| activation_bytes(&s, input.micro_batch, input.seq_len, input.precision))
+                .map_or(0, |a| match input.activation_checkpointing {
+                    true => a.checkpointed,
+                    false => a.full,
+                });
+            (activations, 0)
+        }
+    }
+}
+
+/// A `zerodp train` process's overhead per rank of `world` (its share of the process, its
+/// threads, a checkpoint's staging buffer); 0 for a plan of no particular process.
+fn process_bytes(input: &PlanInput, engine: Option<&EngineRun>, world: u64) -> u64 {
+    let (Some(p), Some(e)) = (&input.process, engine) else {
+        return 0;
+    };
+    let staging = match p.checkpoint_staging {
+        true => process::checkpoint_staging_bytes(e.layout.shard_numel() as u64),
+        false => 0,
+    };
+    p.overhead_per_rank(world, input.seq_len) + staging
+}
+
+/// Offload traffic per step; with `offload_ratio` < 1 (`share`) a mix of `choice`'s and the
+/// traffic of `kept` (the same stage without optimizer offload).
+fn offload_per_step(
+    input: &PlanInput,
+    (choice, kept, share): (ZeroChoice, ZeroChoice, f64),
+    psi: u64,
+    swapped: u64,
+) -> OffloadTraffic {
+    let c = &input.cluster;
+    let (precision, accum) = (input.precision, input.grad_accum);
+    let mut offload = offload_traffic(choice, precision, psi, swapped, accum, c);
+    if share < 1.0 {
+        let rest = offload_traffic(kept, precision, psi, swapped, accum, c);
+        let mix = |a, b| mix_bytes(a, b, share);
+        offload.host_link_bytes = mix(offload.host_link_bytes, rest.host_link_bytes);
+        offload.nvme_bytes_per_node = mix(offload.nvme_bytes_per_node, rest.nvme_bytes_per_node);
+        offload.predicted_s = offload.predicted_s * share + rest.predicted_s * (1.0 - share);
+    }
+    offload
 }
 
 /// The activation-dependent bytes per device with and without activation checkpointing (`None`
