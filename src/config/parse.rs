@@ -55,6 +55,47 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
     )?;
     let steps_per_print = r.opt_u64(root, "steps_per_print")?;
     let wall_clock_breakdown = r.bool_or(root, "wall_clock_breakdown", false)?;
+    let (communication_data_type, grad_accum_dtype) =
+        reduction_dtypes(r, root, (precision, zero.stage), &bf16)?;
+    let comms_logger = comms_logger(r, root)?;
+    let checkpoint = checkpoint(r, root)?;
+    let activation_checkpointing = activation_checkpointing(r, root)?;
+    let zerodp = zerodp_block(r, root)?;
+
+    warn_on_what_does_not_act(
+        r,
+        (&fp16, &bf16, &checkpoint, &activation_checkpointing),
+        (precision, zero.stage),
+    );
+    Ok(Settings {
+        zero_optimization: zero,
+        batch,
+        precision,
+        fp16,
+        bf16,
+        optimizer,
+        scheduler,
+        gradient_clipping,
+        steps_per_print,
+        wall_clock_breakdown,
+        communication_data_type,
+        grad_accum_dtype,
+        comms_logger,
+        checkpoint,
+        activation_checkpointing,
+        zerodp,
+        unresolved: std::mem::take(&mut r.unresolved),
+    })
+}
+
+/// `communication_data_type` and the gradient accumulation dtype (`data_types.grad_accum_dtype`,
+/// or `bf16.bf16_master_weights_and_grads`, or DeepSpeed's default for the precision and stage).
+fn reduction_dtypes(
+    r: &mut Reader<'_>,
+    root: Obj<'_>,
+    (precision, stage): (Precision, u8),
+    bf16: &Bf16Settings,
+) -> Result<(Precision, Precision), ConfigError> {
     let communication_data_type = r
         .read(
             "communication_data_type",
@@ -68,7 +109,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
             },
         )?
         .unwrap_or(super::defaults::communication_data_type(precision));
-    let mut grad_accum_dtype = super::defaults::grad_accum_dtype(precision, zero.stage);
+    let mut grad_accum_dtype = super::defaults::grad_accum_dtype(precision, stage);
     if precision == Precision::Bf16 && bf16.bf16_master_weights_and_grads {
         // "and grads": bf16 gradients at every stage (stage 0 would accumulate in fp32 otherwise);
         // data_types.grad_accum_dtype still decides when given.
@@ -101,12 +142,22 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
             grad_accum_dtype = v;
         }
     }
-    let comms_logger = comms_logger(r, root)?;
-    let checkpoint = checkpoint(r, root)?;
-    let activation_checkpointing = activation_checkpointing(r, root)?;
-    let zerodp = zerodp_block(r, root)?;
+    Ok((communication_data_type, grad_accum_dtype))
+}
 
-    if fp16.enabled && fp16.is_dynamic() && !fp16.dynamic_args_given && zero.stage >= 1 {
+/// Warnings for settings that act other than a DeepSpeed user may expect, or not at all, and the
+/// list of keys zerodp ignores.
+fn warn_on_what_does_not_act(
+    r: &mut Reader<'_>,
+    (fp16, bf16, checkpoint, ac): (
+        &Fp16Settings,
+        &Bf16Settings,
+        &CheckpointSettings,
+        &ActivationCheckpointingSettings,
+    ),
+    (precision, stage): (Precision, u8),
+) {
+    if fp16.enabled && fp16.is_dynamic() && !fp16.dynamic_args_given && stage >= 1 {
         r.warn(
             "fp16: none of initial_scale_power, loss_scale_window, hysteresis, \
              consecutive_hysteresis, min_loss_scale is given; DeepSpeed's ZeRO optimizers would \
@@ -114,7 +165,7 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
              2^16 and hysteresis 2 (write the keys to make the choice explicit)",
         );
     }
-    inert_keys(r, &fp16, &bf16, &checkpoint, &activation_checkpointing);
+    inert_keys(r, fp16, bf16, checkpoint, ac);
     if bf16.bf16_master_weights_and_grads && precision != Precision::Bf16 {
         r.warn(
             "bf16.bf16_master_weights_and_grads has no effect unless the bf16 block is enabled \
@@ -128,25 +179,6 @@ pub(crate) fn settings(r: &mut Reader<'_>, root: &Node) -> Result<Settings, Conf
              nothing here): {list}"
         ));
     }
-    Ok(Settings {
-        zero_optimization: zero,
-        batch,
-        precision,
-        fp16,
-        bf16,
-        optimizer,
-        scheduler,
-        gradient_clipping,
-        steps_per_print,
-        wall_clock_breakdown,
-        communication_data_type,
-        grad_accum_dtype,
-        comms_logger,
-        checkpoint,
-        activation_checkpointing,
-        zerodp,
-        unresolved: std::mem::take(&mut r.unresolved),
-    })
 }
 
 /// A dtype name, case-insensitive, `torch.` prefix allowed; `allowed` lists the spellings the
