@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use zerodp::config::{self, Loaded, Precision, ResolveContext};
+use zerodp::config::{self, Loaded, Precision, ResolveContext, Settings};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -67,19 +67,46 @@ pub fn run(args: CheckArgs) -> anyhow::Result<i32> {
 /// The resolved settings as aligned `key  value` lines, then the warnings.
 pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
     let s = &loaded.settings;
-    let z = &s.zero_optimization;
-    let un = |path: &str, v: String| {
-        let alt = path.replace("stage3_", "");
-        if s.unresolved
-            .iter()
-            .any(|u| u == path || u.replace("stage3_", "") == alt)
-        {
-            "auto (unresolved)".to_string()
-        } else {
-            v
+    let mut rows = batch_and_zero_rows(s, world_size_source);
+    if s.zero_optimization.stage == 3 {
+        rows.extend(stage3_rows(s));
+    }
+    rows.extend(training_rows(s));
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (k, v) in rows {
+        out.push_str(&format!("{k:width$}  {v}\n"));
+    }
+    if loaded.warnings.is_empty() {
+        out.push_str("\nno warnings\n");
+    } else {
+        out.push_str(&format!("\n{} warning(s):\n", loaded.warnings.len()));
+        for w in &loaded.warnings {
+            out.push_str(&format!("  - {w}\n"));
         }
-    };
-    let mut rows: Vec<(String, String)> = vec![
+    }
+    out
+}
+
+/// `v`, or "auto (unresolved)" where the key at `path` was left `"auto"` (a stage-3 key under
+/// either of its names).
+fn unresolved_or(s: &Settings, path: &str, v: String) -> String {
+    let alt = path.replace("stage3_", "");
+    if s.unresolved
+        .iter()
+        .any(|u| u == path || u.replace("stage3_", "") == alt)
+    {
+        "auto (unresolved)".to_string()
+    } else {
+        v
+    }
+}
+
+/// The stage, precision, batch sizes, world size, offload and reduction rows.
+fn batch_and_zero_rows(s: &Settings, world_size_source: &str) -> Vec<(String, String)> {
+    let z = &s.zero_optimization;
+    let un = |path: &str, v: String| unresolved_or(s, path, v);
+    vec![
         ("zero stage".into(), z.stage.to_string()),
         (
             "precision".into(),
@@ -141,32 +168,44 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
             "contiguous_gradients".into(),
             z.contiguous_gradients.to_string(),
         ),
-    ];
-    if z.stage == 3 {
-        rows.push((
+    ]
+}
+
+/// Stage 3's gathering rows.
+fn stage3_rows(s: &Settings) -> Vec<(String, String)> {
+    let z = &s.zero_optimization;
+    let un = |path: &str, v: String| unresolved_or(s, path, v);
+    vec![
+        (
             "prefetch_bucket_size".into(),
             un(
                 "zero_optimization.stage3_prefetch_bucket_size",
                 z.prefetch_bucket_size.to_string(),
             ),
-        ));
-        rows.push((
+        ),
+        (
             "param_persistence_threshold".into(),
             un(
                 "zero_optimization.stage3_param_persistence_threshold",
                 z.param_persistence_threshold.to_string(),
             ),
-        ));
-        rows.push((
+        ),
+        (
             "max_live_parameters".into(),
             z.max_live_parameters.to_string(),
-        ));
-        rows.push((
+        ),
+        (
             "max_reuse_distance".into(),
             z.max_reuse_distance.to_string(),
-        ));
-        rows.push(("sub_group_size".into(), z.sub_group_size.to_string()));
-    }
+        ),
+        ("sub_group_size".into(), z.sub_group_size.to_string()),
+    ]
+}
+
+/// The loss scale (fp16), optimizer, scheduler, clipping, dtypes and logging rows.
+fn training_rows(s: &Settings) -> Vec<(String, String)> {
+    let un = |path: &str, v: String| unresolved_or(s, path, v);
+    let mut rows = Vec::new();
     if s.precision == Precision::Fp16 {
         let f = &s.fp16;
         let scale = if f.is_dynamic() {
@@ -223,20 +262,7 @@ pub fn table(loaded: &Loaded, world_size_source: &str) -> String {
         s.steps_per_print.map_or("never".into(), |v| v.to_string()),
     ));
     rows.push(("comms_logger".into(), s.comms_logger.enabled.to_string()));
-    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    let mut out = String::new();
-    for (k, v) in rows {
-        out.push_str(&format!("{k:width$}  {v}\n"));
-    }
-    if loaded.warnings.is_empty() {
-        out.push_str("\nno warnings\n");
-    } else {
-        out.push_str(&format!("\n{} warning(s):\n", loaded.warnings.len()));
-        for w in &loaded.warnings {
-            out.push_str(&format!("  - {w}\n"));
-        }
-    }
-    out
+    rows
 }
 
 /// The `reduce_bucket_size` row: the elements, and what 0 means (DeepSpeed accepts it).
