@@ -367,6 +367,7 @@ fn preflight(
         checkpoint_staging: args.save_dir.is_some(),
         compute_on_gpu: device.gpu.is_some(),
         f32_gemm: zerodp::model::gemm_path() == "gemm",
+        cuda_build: cfg!(feature = "cuda"),
         ranks_in_process,
     };
     super::preflight::check(&args.preflight, settings, engine_cfg, spec, gpt, process)?;

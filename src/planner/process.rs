@@ -64,6 +64,13 @@ const F32: u64 = 4;
 /// that the same run is planned the same every time.
 pub const PROCESS_BASE_BYTES: u64 = 12_400_000;
 
+/// What a build with the `cuda` feature holds beyond [`PROCESS_BASE_BYTES`] before any GPU work: the
+/// CUDA 13.0 libraries it links (cudart, cuBLAS and cuBLASLt, cuRAND) are loaded and relocated at
+/// start, GPU or not. Measured as the peak resident set of the same CPU run of the `demo` model with
+/// and without the feature (194 MiB against 39 MiB, NVIDIA's PyPI wheels of the libraries). On a
+/// GPU the driver and the CUDA context add host memory of their own, not counted here.
+pub const CUDA_LIBRARIES_BYTES: u64 = 163_000_000;
+
 /// Per thread of a rank's compute pool when its products run on the gemm crate's f32 kernels:
 /// gemm's per-thread packing slab (an L2 cache's size, allocated once per thread) and its packed
 /// panels. Nothing when the products run on zerodp's bf16 or AMX kernels, which pack into the
@@ -87,6 +94,9 @@ pub struct TrainProcess {
     /// The model's products run on the gemm crate's f32 kernels, with their per-thread packing
     /// memory ([`POOL_THREAD_BYTES`]); false for bf16 runs on AVX512-BF16 and products on AMX.
     pub f32_gemm: bool,
+    /// The binary was built with the `cuda` feature and holds the CUDA libraries
+    /// ([`CUDA_LIBRARIES_BYTES`]).
+    pub cuda_build: bool,
     /// The ranks that are threads of this process and share its base: 0 for every rank of the
     /// world (the in-process backend); 1 under MPI, where each process holds its own.
     pub ranks_in_process: u64,
@@ -107,7 +117,11 @@ impl TrainProcess {
             true => self.threads_per_rank.max(1) * POOL_THREAD_BYTES,
             false => 0,
         };
-        (PROCESS_BASE_BYTES + data).div_ceil(sharing) + pool
+        let libraries = match self.cuda_build {
+            true => CUDA_LIBRARIES_BYTES,
+            false => 0,
+        };
+        (PROCESS_BASE_BYTES + libraries + data).div_ceil(sharing) + pool
     }
 }
 
@@ -334,6 +348,15 @@ mod tests {
             ..p
         };
         assert_eq!(mpi.overhead_per_rank(4, 64), p.overhead_per_rank(1, 64));
+        // A cuda build holds the CUDA libraries, shared like the rest of the process.
+        let cuda = TrainProcess {
+            cuda_build: true,
+            ..p
+        };
+        assert_eq!(
+            cuda.overhead_per_rank(1, 64),
+            p.overhead_per_rank(1, 64) + CUDA_LIBRARIES_BYTES
+        );
         // Products on zerodp's own kernels hold no gemm packing memory.
         let bf16 = TrainProcess {
             f32_gemm: false,
