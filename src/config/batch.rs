@@ -207,43 +207,11 @@ fn solve(
         }
         (Some(t), Some(m), Some(g)) => (t, m, g),
         (Some(t), Some(m), None) if t % (m * w) != 0 => {
-            return mismatch(
-                format!(
-                    "{TB} {t} must equal {MB} {m} x {GAS} x world size {w}, but {t} is not a \
-                     multiple of {m} x {w} = {}, so {GAS} would be {:.2}",
-                    m * w,
-                    t as f64 / (m * w) as f64
-                ),
-                vec![
-                    list(TB, &multiples_near(t, m * w), ""),
-                    (t % w == 0)
-                        .then(|| list(MB, &divisors_near(t / w, m), ""))
-                        .flatten(),
-                    (t % m == 0)
-                        .then(|| list("world size", &divisors_near(t / m, w), ""))
-                        .flatten(),
-                ],
-            )
+            return Some(Err(indivisible(t, (MB, m), w)))
         }
         (Some(t), Some(m), None) => (t, m, t / (m * w)),
         (Some(t), None, Some(g)) if t % (g * w) != 0 => {
-            return mismatch(
-                format!(
-                    "{TB} {t} must equal {MB} x {GAS} {g} x world size {w}, but {t} is not a \
-                     multiple of {g} x {w} = {}, so {MB} would be {:.2}",
-                    g * w,
-                    t as f64 / (g * w) as f64
-                ),
-                vec![
-                    list(TB, &multiples_near(t, g * w), ""),
-                    (t % w == 0)
-                        .then(|| list(GAS, &divisors_near(t / w, g), ""))
-                        .flatten(),
-                    (t % g == 0)
-                        .then(|| list("world size", &divisors_near(t / g, w), ""))
-                        .flatten(),
-                ],
-            )
+            return Some(Err(indivisible(t, (GAS, g), w)))
         }
         (Some(t), None, Some(g)) => (t, t / (g * w), g),
         (None, Some(m), Some(g)) => (m * g * w, m, g),
@@ -263,6 +231,33 @@ fn solve(
         (None, Some(m), None) => (m * w, m, 1),
         (None, None, _) => return None,
     }))
+}
+
+/// `t` is not a multiple of `k x w`, where `k` is the given one of the micro-batch and the
+/// accumulation steps (`key`), so the other would not be whole: the nearest totals, values of `key`
+/// and world sizes that would be.
+fn indivisible(t: u128, (key, k): (&str, u128), w: u128) -> Mismatch {
+    let (other, sizes) = match key {
+        MB => (GAS, format!("{MB} {k} x {GAS}")),
+        _ => (MB, format!("{MB} x {GAS} {k}")),
+    };
+    Mismatch {
+        detail: format!(
+            "{TB} {t} must equal {sizes} x world size {w}, but {t} is not a multiple of {k} x {w} \
+             = {}, so {other} would be {:.2}",
+            k * w,
+            t as f64 / (k * w) as f64
+        ),
+        suggestions: vec![
+            list(TB, &multiples_near(t, k * w), ""),
+            (t % w == 0)
+                .then(|| list(key, &divisors_near(t / w, k), ""))
+                .flatten(),
+            (t % k == 0)
+                .then(|| list("world size", &divisors_near(t / k, w), ""))
+                .flatten(),
+        ],
+    }
 }
 
 /// Neither `train_batch_size` nor `train_micro_batch_size_per_gpu` has a value: under `zerodp

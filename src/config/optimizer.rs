@@ -70,8 +70,8 @@ pub(super) fn optimizer(r: &mut Reader<'_>, m: &Member) -> Result<OptimizerSetti
         HINT,
         betas,
     )?;
-    s.eps = nonneg(r, p, "eps", s.eps)?;
-    s.weight_decay = nonneg(r, p, "weight_decay", s.weight_decay)?;
+    s.eps = r.nonneg_f64_or(p, "eps", s.eps)?;
+    s.weight_decay = r.nonneg_f64_or(p, "weight_decay", s.weight_decay)?;
     let mode = r.read(
         "optimizer.params.adam_w_mode",
         p.get("adam_w_mode"),
@@ -118,14 +118,6 @@ fn kind(r: &Reader<'_>, o: Obj<'_>, m: &Member) -> Result<OptimizerKind, ConfigE
             hint: "zerodp implements \"Adam\" and \"AdamW\"".into(),
         }),
     }
-}
-
-/// A non-negative number at `optimizer.params.<key>`, `default` when absent.
-fn nonneg(r: &mut Reader<'_>, p: Obj<'_>, key: &str, default: f64) -> Result<f64, ConfigError> {
-    let path = format!("optimizer.params.{key}");
-    r.read(&path, p.get(key), default, None, HINT, |r, p, n| {
-        r.nonneg_f64(p, n)
-    })
 }
 
 /// `betas`: two numbers in [0, 1).

@@ -88,10 +88,7 @@ fn fp16_block<'n>(
     r.collect_unknown(o, FP16_KEYS);
     let en = enabled(r, o)?;
     fp16.auto_cast = r.bool_or(o, "auto_cast", false)?;
-    let lpath = "fp16.loss_scale";
-    fp16.loss_scale = r.read(lpath, o.get("loss_scale"), 0.0, None, HINT, |r, p, n| {
-        r.nonneg_f64(p, n)
-    })?;
+    fp16.loss_scale = r.nonneg_f64_or(o, "loss_scale", 0.0)?;
     let ipath = "fp16.initial_scale_power";
     fp16.initial_scale_power = r.read(
         ipath,
@@ -113,15 +110,7 @@ fn fp16_block<'n>(
     fp16.loss_scale_window = r.u64_or(o, "loss_scale_window", 1000)?;
     fp16.hysteresis = r.u64_or(o, "hysteresis", 2)?;
     fp16.consecutive_hysteresis = r.bool_or(o, "consecutive_hysteresis", false)?;
-    let mpath = "fp16.min_loss_scale";
-    fp16.min_loss_scale = r.read(
-        mpath,
-        o.get("min_loss_scale"),
-        1.0,
-        None,
-        HINT,
-        |r, p, n| r.nonneg_f64(p, n),
-    )?;
+    fp16.min_loss_scale = r.nonneg_f64_or(o, "min_loss_scale", 1.0)?;
     fp16.fp16_master_weights_and_grads = r.bool_or(o, "fp16_master_weights_and_grads", false)?;
     fp16.dynamic_args_given = FP16_DYNAMIC_KEYS.iter().any(|k| o.has(k));
     Ok((fp16, en))

@@ -253,6 +253,19 @@ impl<'s> Reader<'s> {
         })
     }
 
+    /// `obj.key` as a non-negative number, `default` when absent.
+    pub fn nonneg_f64_or(
+        &mut self,
+        obj: Obj<'_>,
+        key: &str,
+        default: f64,
+    ) -> Result<f64, ConfigError> {
+        let path = join(obj.path, key);
+        self.read(&path, obj.get(key), default, None, HINT, |r, p, n| {
+            r.nonneg_f64(p, n)
+        })
+    }
+
     /// A non-negative number (learning rates, ratios, clip norms).
     pub fn nonneg_f64(&self, path: &str, node: &Node) -> Result<f64, ConfigError> {
         let v = self.node_f64(path, node)?;
