@@ -238,16 +238,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
-        if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
-            errln!(
-                "products: bf16 operands, f32 sums (AVX512-BF16, as bf16 autocast; {}=0 keeps f32)",
-                super::device_args::BF16_PRODUCTS_ENV
-            );
-        }
-        if let Some(memory) = gpu_memory {
-            errln!("device: {}", device.describe());
-            errln!("GPU memory: {memory}");
-        }
+        print_compute(&device, gpu_memory.as_deref());
     }
     let progress = ProgressLog::new(
         args.steps,
@@ -279,13 +270,40 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         return Ok(code);
     }
     check_final(&outcome)?;
-    // Every rank holds the same parameters (gathering them is collective); rank 0 writes them.
-    if let (0, Some(path), Some(params)) = (rank, &args.save, &outcome.params) {
+    if rank == 0 {
+        save_final_weights(&args, &model, &outcome)?;
+    }
+    Ok(0)
+}
+
+/// Rank 0's lines on where the products run: bf16 products on a CPU with AVX512-BF16, the GPU and
+/// its planned memory on a GPU.
+fn print_compute(device: &super::device_args::OpenDevice, gpu_memory: Option<&str>) {
+    if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
+        errln!(
+            "products: bf16 operands, f32 sums (AVX512-BF16, as bf16 autocast; {}=0 keeps f32)",
+            super::device_args::BF16_PRODUCTS_ENV
+        );
+    }
+    if let Some(memory) = gpu_memory {
+        errln!("device: {}", device.describe());
+        errln!("GPU memory: {memory}");
+    }
+}
+
+/// `--save`: the final weights as safetensors. Every rank holds the same parameters (gathering
+/// them is collective); rank 0 writes them.
+fn save_final_weights(
+    args: &TrainArgs,
+    model: &TrainModel,
+    outcome: &TrainOutcome,
+) -> anyhow::Result<()> {
+    if let (Some(path), Some(params)) = (&args.save, &outcome.params) {
         let slices: Vec<&[f32]> = params.iter().map(Vec::as_slice).collect();
         save_safetensors(path, model.spec(), &slices)?;
         errln!("saved weights to {}", path.display());
     }
-    Ok(0)
+    Ok(())
 }
 
 /// The DeepSpeed config, resolved for this run's world size and model (its warnings printed).
