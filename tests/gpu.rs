@@ -189,6 +189,24 @@ fn gpu_resident_parameters_equal_the_cpu() {
     assert_close(&got, &want, "resident parameters on the GPU vs the CPU");
 }
 
+/// What `train` runs on one GPU without offload: the device tier there (parameters, gradients and
+/// Adam's state on the GPU, Adam as GPU ops). The CPU's losses to 1e-4 relative over 10 steps.
+#[test]
+fn gpu_device_tier_equals_the_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_device_tier_equals_the_cpu") else {
+        return;
+    };
+    let device = zerodp::model::candle_device(Some(&gpu)).unwrap();
+    let cpu = GptModel::new(GptConfig::tiny()).unwrap();
+    let on_gpu = GptModel::on_device(GptConfig::tiny(), DType::F32, device)
+        .unwrap()
+        .with_device_tier(true);
+    let want = losses(&cpu, Stage::Zero0, 1);
+    let got = losses(&on_gpu, Stage::Zero0, 1);
+    eprintln!("device tier: cpu {want:?}\n  gpu {got:?}");
+    assert_close(&got, &want, "the device tier on the GPU vs the CPU");
+}
+
 /// A Llama of 2 layers, width 64, 4 query heads on 2 key/value heads, an untied head.
 fn llama_tiny() -> LlamaConfig {
     let json = serde_json::json!({

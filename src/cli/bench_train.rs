@@ -243,16 +243,18 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
                 for &offload in &args.offload {
                     let stage = Stage::from_index(s)
                         .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-                    // On a GPU at stages 0-2 the parameters stay there between steps.
-                    let resident = match device.gpu.is_some() && !stage.shards_params() {
+                    let cfg = case_config(&args, (stage, offload), world)?;
+                    // On a GPU the parameters (and where it applies the whole device tier) stay
+                    // there between steps.
+                    let on_gpu = match device.gpu.is_some() {
                         true => Some(
                             super::hf_model::build_model(&gpt, hf.as_ref(), &device)?
-                                .keep_params_on_gpu(stage),
+                                .keep_on_gpu(&cfg),
                         ),
                         false => None,
                     };
-                    let on = resident.as_ref().unwrap_or(&model);
-                    let got = measure(&args, on, &data, (stage, offload), world, mpi.as_ref())?;
+                    let on = on_gpu.as_ref().unwrap_or(&model);
+                    let got = measure(&args, on, &data, (cfg, offload), mpi.as_ref())?;
                     if args.format == "table" && rank == 0 {
                         let mut times = got.steps.clone();
                         times.sort_by(f64::total_cmp);
@@ -474,14 +476,12 @@ fn nvme_dir(args: &BenchTrainArgs) -> std::path::PathBuf {
     args.nvme_path.clone().unwrap_or_else(std::env::temp_dir)
 }
 
-fn measure(
+/// The engine configuration of one measured case.
+fn case_config(
     args: &BenchTrainArgs,
-    model: &TrainModel,
-    data: &DataLoader,
     (stage, offload): (Stage, Offload),
     world: usize,
-    mpi: Option<&MpiRank>,
-) -> anyhow::Result<Samples> {
+) -> anyhow::Result<EngineConfig> {
     if world == 0 {
         bail!("world sizes must be at least 1");
     }
@@ -521,6 +521,17 @@ fn measure(
             max_in_cpu: 0,
         };
     }
+    Ok(cfg)
+}
+
+fn measure(
+    args: &BenchTrainArgs,
+    model: &TrainModel,
+    data: &DataLoader,
+    (cfg, offload): (EngineConfig, Offload),
+    mpi: Option<&MpiRank>,
+) -> anyhow::Result<Samples> {
+    let (stage, world) = (cfg.stage, cfg.world_size);
     let mut trainer = Trainer::new(model, cfg)
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);

@@ -147,17 +147,21 @@ impl TrainModel {
         })
     }
 
-    /// Keep the parameters on a GPU between steps where every rank holds them all anyway (stages
-    /// 0-2; at stage 3 each unit's are copied there when it runs), see
-    /// [`Candle::with_resident_params`]. Nothing changes on the CPU.
-    pub fn keep_params_on_gpu(self, stage: zerodp::zero::Stage) -> TrainModel {
-        let on = !stage.shards_params();
+    /// On a GPU, keep there what the run allows: the whole device tier (parameters, fp32 master,
+    /// gradients, Adam's moments, and Adam itself; [`Candle::with_device_tier`]) where
+    /// [`zerodp::zero::device_tier::refusal`] finds nothing against it, else the parameters
+    /// between steps where every rank holds them all anyway (stages 0-2,
+    /// [`Candle::with_resident_params`]; at stage 3 each unit's are copied there when it runs).
+    /// Nothing changes on the CPU.
+    pub fn keep_on_gpu(self, cfg: &zerodp::zero::EngineConfig) -> TrainModel {
+        let tier = zerodp::zero::device_tier::refusal(cfg).is_none();
+        let resident = !tier && !cfg.stage.shards_params();
         match self {
             TrainModel::Gpt(m) if !m.candle().device().is_cpu() => {
-                TrainModel::Gpt(m.with_resident_params(on))
+                TrainModel::Gpt(m.with_resident_params(resident).with_device_tier(tier))
             }
             TrainModel::Llama(m) if !m.device().is_cpu() => {
-                TrainModel::Llama(m.with_resident_params(on))
+                TrainModel::Llama(m.with_resident_params(resident).with_device_tier(tier))
             }
             other => other,
         }

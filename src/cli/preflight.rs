@@ -16,7 +16,7 @@ use zerodp::planner::{
     HostLinks, Link, ModelSize, Offload, PlanInput, PlanOption, TrainProcess,
 };
 use zerodp::zero::unit::ModelSpec;
-use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier};
+use zerodp::zero::{device_tier, EngineConfig, OptimizerTier, ParamTier};
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct PreflightArgs {
@@ -392,7 +392,8 @@ fn address_space_limit() -> Option<u64> {
 }
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
-/// the start. At stages 0-2 every unit's parameters stay on the GPU between steps in the compute
+/// the start. With the device tier there ([`device_tier::refusal`]: one rank, no offload) the
+/// parameters, the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every unit's parameters stay on the GPU between steps in the compute
 /// dtype, once for all the ranks sharing it; at stage 3 each rank's largest unit's parameters and
 /// gradients are there while it runs. Beside them each rank's activations of one micro-step and
 /// the graph's copies of the weights, sized as the planner sizes the GPT's on the fused CPU kernels
@@ -409,9 +410,10 @@ pub fn check_gpu(
 ) -> anyhow::Result<String> {
     let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
     let need = params + activations;
-    let kept = match engine.stage.shards_params() {
-        false => "the parameters, kept there at stages 0-2",
-        true => "the largest unit's parameters and gradients",
+    let kept = match (device_tier::refusal(engine), engine.stage.shards_params()) {
+        (None, _) => "the parameters, fp32 master, gradients and Adam's moments, kept there",
+        (Some(_), false) => "the parameters, kept there at stages 0-2",
+        (Some(_), true) => "the largest unit's parameters and gradients",
     };
     let summary = format!(
         "cuda:{} ({}): at least {} ({} {kept}, {} activations and weight copies of one \
@@ -424,10 +426,15 @@ pub fn check_gpu(
         format_gb(gpu.free_bytes)
     );
     if need > gpu.free_bytes {
+        let offload = match device_tier::refusal(engine) {
+            None => "set offload_optimizer to cpu (the master and Adam's moments in host memory), ",
+            Some(_) => "",
+        };
         bail!(
-            "the run does not fit on the GPU: {summary}. Lower train_micro_batch_size_per_gpu, turn \
-             on activation checkpointing, train in bf16, or use ZeRO stage 3 (the parameters are \
-             then copied to the GPU unit by unit, not kept there)"
+            "the run does not fit on the GPU: {summary}. {offload}Lower \
+             train_micro_batch_size_per_gpu, turn on activation checkpointing, train in bf16, or \
+             use ZeRO stage 3 (the parameters are then copied to the GPU unit by unit, not kept \
+             there)"
         );
     }
     Ok(summary)
@@ -443,9 +450,13 @@ fn gpu_need(
 ) -> (u64, u64) {
     let stage3 = engine.stage.shards_params();
     let ranks = ranks.max(1);
-    let params = match stage3 {
-        false => spec.num_params() as u64 * dtype_bytes,
-        true => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,
+    let numel = spec.num_params() as u64;
+    let params = match (device_tier::refusal(engine), stage3) {
+        (None, _) => {
+            device_tier::tier_bytes(numel, dtype_bytes, engine.grad_accum_dtype.size() as u64)
+        }
+        (Some(_), false) => numel * dtype_bytes,
+        (Some(_), true) => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
     let shape = GptShape {
         layers: gpt.layers as u64,
@@ -553,8 +564,9 @@ mod tests {
         }
     }
 
-    /// On a GPU the parameters kept there and one micro-step's activations must fit its free
-    /// memory: a GPU of 1 MB refuses the tiny GPT saying what to change, one of 80 GB takes it.
+    /// On a GPU what is kept there (the device tier, or the parameters under offload) and one
+    /// micro-step's activations must fit its free memory: a GPU of 1 MB refuses the tiny GPT
+    /// saying what to change, one of 80 GB takes it.
     #[test]
     fn a_run_that_cannot_fit_the_gpu_is_refused_before_any_work() {
         let gpt = GptConfig::tiny();
@@ -568,6 +580,21 @@ mod tests {
             free_bytes: free,
             total_bytes: free,
         };
+        // One rank without offload: the device tier is on the GPU, 16 bytes a parameter in fp32.
+        let spec = model.spec();
+        let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, spec, &gpt).unwrap();
+        assert!(fits.contains("Adam's moments, kept there"), "{fits}");
+        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, spec, &gpt).unwrap_err();
+        assert!(
+            err.to_string().contains("offload_optimizer to cpu"),
+            "{err}"
+        );
+        assert_eq!(
+            gpu_need((4, 1), &engine, spec, &gpt).0,
+            16 * spec.num_params() as u64
+        );
+        // With the optimizer offloaded only the parameters stay on the GPU.
+        engine.offload_optimizer = OptimizerTier::Host;
         let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, model.spec(), &gpt).unwrap();
         assert!(fits.contains("kept there at stages 0-2"), "{fits}");
         let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, model.spec(), &gpt)
@@ -578,7 +605,6 @@ mod tests {
         // Stage 2 keeps every parameter (Ψ f32 values); stage 3 the largest unit's parameters
         // and gradients, and recomputes: less of both. bf16 halves them.
         // Two ranks sharing the GPU share the kept parameters and each has its own step.
-        let spec = model.spec();
         let (params2, acts2) = gpu_need((4, 1), &engine, spec, &gpt);
         assert_eq!(params2, 4 * spec.num_params() as u64);
         assert_eq!(

@@ -182,9 +182,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let device = args.device.open(settings.precision)?;
-    let stage = zerodp::zero::Stage::from_index(settings.zero_optimization.stage)
-        .unwrap_or(zerodp::zero::Stage::Zero3);
-    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_params_on_gpu(stage);
+    let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
+        .with_context(|| format!("config {}", args.config.display()))?;
+    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_on_gpu(&engine_cfg);
     let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     configure_engine(&mut trainer, &args)?;
@@ -238,7 +238,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
-        print_compute(&device, gpu_memory.as_deref());
+        print_compute(&device, gpu_memory.as_deref(), &engine_cfg);
     }
     let progress = ProgressLog::new(
         args.steps,
@@ -278,7 +278,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
 
 /// Rank 0's lines on where the products run: bf16 products on a CPU with AVX512-BF16, the GPU and
 /// its planned memory on a GPU.
-fn print_compute(device: &super::device_args::OpenDevice, gpu_memory: Option<&str>) {
+fn print_compute(
+    device: &super::device_args::OpenDevice,
+    gpu_memory: Option<&str>,
+    engine_cfg: &zerodp::zero::EngineConfig,
+) {
     if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
         errln!(
             "products: bf16 operands, f32 sums (AVX512-BF16, as bf16 autocast; {}=0 keeps f32)",
@@ -288,6 +292,12 @@ fn print_compute(device: &super::device_args::OpenDevice, gpu_memory: Option<&st
     if let Some(memory) = gpu_memory {
         errln!("device: {}", device.describe());
         errln!("GPU memory: {memory}");
+        match zerodp::zero::device_tier::refusal(engine_cfg) {
+            None => errln!(
+                "optimizer: Adam on the GPU (parameters, gradients and Adam's state stay there)"
+            ),
+            Some(why) => errln!("optimizer: Adam on the CPU, in host memory ({why})"),
+        }
     }
 }
 

@@ -225,6 +225,8 @@ pub struct Candle<T> {
     /// [`UnitModel::parameters_changed`] (by owner unit; `None` when not kept). See
     /// [`Candle::with_resident_params`].
     resident: Option<std::sync::Mutex<Vec<Option<Tensor>>>>,
+    /// The engine's device tier in the device's memory ([`Self::with_device_tier`]).
+    tier: Option<super::candle_tier::CandleTier>,
 }
 
 /// What a `Train` forward keeps for backward: the unit's parameter leaves (gradients are keyed by
@@ -256,7 +258,27 @@ impl<T: CandleUnits> Candle<T> {
             flat_transfers: !device.is_cpu(),
             device,
             resident: None,
+            tier: None,
         }
+    }
+
+    /// Hold the engine's device tier in the device's memory ([`crate::zero::device_tier`]): each
+    /// unit's parameters, fp32 master, gradient and Adam's moments stay on the device, backward
+    /// accumulates into them there and the engine's Adam runs there, so that a step moves no
+    /// parameter or gradient between host and device. Costs 16 bytes a parameter of device memory
+    /// (18 in bf16 or fp16). The engine refuses it where the run needs its state in host memory
+    /// ([`crate::zero::device_tier::refusal`]: more than one rank, offload, stage 3). `train` and
+    /// `bench train` turn it on on a GPU where it applies.
+    pub fn with_device_tier(mut self, on: bool) -> Self {
+        let units = self.units.spec().units.len();
+        let tier = super::candle_tier::CandleTier::new(self.device.clone(), self.dtype, units);
+        self.tier = on.then_some(tier);
+        self
+    }
+
+    /// The device tier, once the engine has filled it (the model computes from it then).
+    fn loaded_tier(&self) -> Option<&super::candle_tier::CandleTier> {
+        self.tier.as_ref().filter(|t| t.is_loaded())
     }
 
     /// Keep each unit's parameters on the device between calls, in the compute dtype, until the
@@ -478,6 +500,9 @@ impl<T: CandleUnits> Candle<T> {
     /// Unit `owner`'s flat parameters on the device: kept from an earlier call when resident
     /// ([`Self::with_resident_params`]), else copied now.
     fn group_tensor(&self, owner: usize, data: &[f32]) -> candle_core::Result<Tensor> {
+        if let Some(params) = self.loaded_tier().and_then(|t| t.params(owner)) {
+            return Ok(params);
+        }
         let Some(resident) = &self.resident else {
             return self.flat_tensor(data);
         };
@@ -668,6 +693,54 @@ fn add_flat(found: &[(&SavedParam, &Tensor)], grads: &mut [&mut [f32]]) -> candl
     Ok(())
 }
 
+/// Add one backward's gradients into the device tier, each parameter group into its owner unit's.
+fn add_to_tier(
+    tier: &super::candle_tier::CandleTier,
+    unit: usize,
+    spec: &UnitSpec,
+    found: &[(&SavedParam, &Tensor)],
+) -> Result<(), ModelError> {
+    let owners = std::iter::once(unit).chain(spec.uses.iter().copied());
+    for (group, owner) in owners.enumerate() {
+        let parts: Vec<(usize, &Tensor)> = (found.iter())
+            .filter(|(p, _)| p.group == group)
+            .map(|(p, g)| (p.offset, *g))
+            .collect();
+        tier.add_grads(owner, &parts)?;
+    }
+    Ok(())
+}
+
+impl<T: CandleUnits> Candle<T> {
+    /// Add one backward's gradients into the engine's host slices `grads` (one flat transfer per
+    /// group from a device), after checking that each fits its place.
+    fn add_to_host(
+        &self,
+        spec: &UnitSpec,
+        found: &[(&SavedParam, &Tensor)],
+        grads: &mut [&mut [f32]],
+    ) -> Result<(), ModelError> {
+        let err = compute_err(&spec.name);
+        for &(p, g) in found {
+            let n = g.elem_count();
+            if grads[p.group].get(p.offset..p.offset + n).is_none() {
+                return Err(ModelError::Invalid(format!(
+                    "backward of unit {}: a gradient of {n} elements at offset {} does not fit parameter group {}",
+                    spec.name, p.offset, p.group
+                )));
+            }
+        }
+        if self.flat_transfers {
+            return add_flat(found, grads).map_err(&err);
+        }
+        for &(p, g) in found {
+            let n = g.elem_count();
+            add_into(g, &mut grads[p.group][p.offset..p.offset + n]).map_err(&err)?;
+        }
+        Ok(())
+    }
+}
+
 impl<T: CandleUnits> UnitModel for Candle<T> {
     type Batch = T::Batch;
     type Act = Tensor;
@@ -711,7 +784,7 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         let mut places = Vec::new();
         for (group, &owner_unit) in std::iter::once(&unit).chain(&spec.uses).enumerate() {
             let owner = &units[owner_unit];
-            let flat = match self.flat_transfers {
+            let flat = match self.flat_transfers || self.loaded_tier().is_some() {
                 true => Some(self.group_tensor(owner_unit, params[group]).map_err(&err)?),
                 false => None,
             };
@@ -772,6 +845,12 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         })
     }
 
+    fn device_tier(&self) -> Option<&dyn crate::zero::DeviceTier> {
+        self.tier
+            .as_ref()
+            .map(|t| t as &dyn crate::zero::DeviceTier)
+    }
+
     fn parameters_changed(&self) {
         if let Some(resident) = &self.resident {
             let mut kept = resident.lock().unwrap_or_else(|e| e.into_inner());
@@ -794,8 +873,11 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
                 spec.name, saved.unit
             )));
         }
-        let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
-        self.check_groups(spec, &lengths)?;
+        let tier = self.loaded_tier();
+        if tier.is_none() {
+            let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+            self.check_groups(spec, &lengths)?;
+        }
         let err = compute_err(&spec.name);
         let last = unit + 1 == self.units.spec().units.len();
         let objective = if last {
@@ -830,22 +912,9 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         let found: Vec<(&SavedParam, &Tensor)> = (saved.params.iter())
             .filter_map(|p| store.get(p.var.as_tensor()).map(|g| (p, g)))
             .collect();
-        for &(p, g) in &found {
-            let n = g.elem_count();
-            if grads[p.group].get(p.offset..p.offset + n).is_none() {
-                return Err(ModelError::Invalid(format!(
-                    "backward of unit {}: a gradient of {n} elements at offset {} does not fit parameter group {}",
-                    spec.name, p.offset, p.group
-                )));
-            }
-        }
-        if self.flat_transfers {
-            add_flat(&found, grads).map_err(&err)?;
-        } else {
-            for (p, g) in found {
-                let n = g.elem_count();
-                add_into(g, &mut grads[p.group][p.offset..p.offset + n]).map_err(&err)?;
-            }
+        match tier {
+            Some(tier) => add_to_tier(tier, unit, spec, &found)?,
+            None => self.add_to_host(spec, &found, grads)?,
         }
         let grad_input = saved
             .input

@@ -35,6 +35,15 @@ pub fn compute_dtype(device: &Device, half: Option<DType>) -> DType {
     }
 }
 
+/// The candle dtype of the engine's element type `dtype`.
+pub fn candle_dtype(dtype: crate::comm::DType) -> DType {
+    match dtype {
+        crate::comm::DType::F32 => DType::F32,
+        crate::comm::DType::BF16 => DType::BF16,
+        crate::comm::DType::F16 => DType::F16,
+    }
+}
+
 /// Whether `dtype` is a 16-bit float: a model computing in one (on a GPU) keeps its norms,
 /// softmaxes and loss in f32, as PyTorch does.
 pub(crate) fn is_16_bit(dtype: DType) -> bool {

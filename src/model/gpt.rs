@@ -792,6 +792,15 @@ impl GptModel {
         self
     }
 
+    /// Hold the engine's device tier in the device's memory ([`Candle::with_device_tier`]). The
+    /// blocks then run through candle's graph on the tier's parameters (on the CPU too, where
+    /// they would otherwise run on slices, [`super::gpt_block`]).
+    pub fn with_device_tier(mut self, on: bool) -> Self {
+        self.inner = self.inner.with_device_tier(on);
+        self.direct_blocks &= !on;
+        self
+    }
+
     /// As [`Self::new`], with the blocks through candle's graph (`direct_blocks` false) or on
     /// slices (true, the default): the reference the direct blocks are tested against.
     #[doc(hidden)]
@@ -893,6 +902,10 @@ impl UnitModel for GptModel {
 
     fn parameters_changed(&self) {
         self.inner.parameters_changed()
+    }
+
+    fn device_tier(&self) -> Option<&dyn crate::zero::DeviceTier> {
+        self.inner.device_tier()
     }
 
     fn backward(

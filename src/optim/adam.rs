@@ -85,30 +85,33 @@ impl Default for AdamParams {
     }
 }
 
-/// The `f32` constants of one step, derived once from [`AdamParams`] and the step number.
-#[derive(Debug, Clone, Copy)]
-struct StepConsts {
-    grad_scale: f32,
+/// The `f32` constants of one step, derived once from [`AdamParams`] and the step number: the one
+/// place the formula's scalars are computed, for this CPU kernel and for a device tier's Adam
+/// ([`crate::zero::DeviceTier`]), which applies the same per-element formula with them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepConsts {
+    pub grad_scale: f32,
     /// AdamW (decoupled decay, `decay` applies) or classic Adam (`l2` applies).
-    adamw: bool,
+    pub adamw: bool,
     /// Classic-Adam L2 coefficient (0 in AdamW mode).
-    l2: f32,
+    pub l2: f32,
     /// AdamW multiplier `1 - lr * wd` (1 in classic-Adam mode).
-    decay: f32,
+    pub decay: f32,
     /// `1 - beta1`, the lerp weight.
-    w1: f32,
-    beta2: f32,
-    one_minus_beta2: f32,
-    bc2_sqrt: f32,
-    /// `1 / bc2_sqrt`, for 16-bit moments (see [`adam_tile`]).
-    inv_bc2_sqrt: f32,
-    eps: f32,
+    pub w1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bc2_sqrt: f32,
+    /// `1 / bc2_sqrt`, for 16-bit moments (the CPU kernel multiplies by it there).
+    pub inv_bc2_sqrt: f32,
+    pub eps: f32,
     /// `-lr / bc1`.
-    neg_step_size: f32,
+    pub neg_step_size: f32,
 }
 
 impl StepConsts {
-    fn new(hp: &AdamParams, step: u64, grad_scale: f32) -> Self {
+    /// The constants of update number `step` (from 1) with gradients multiplied by `grad_scale`.
+    pub fn new(hp: &AdamParams, step: u64, grad_scale: f32) -> Self {
         assert!(step >= 1, "adam step numbers start at 1 (got {step})");
         let (bc1, bc2) = if hp.bias_correction {
             // powf on f64 is exact enough for any realistic step count and matches Python's `**`.

@@ -76,7 +76,7 @@ impl RankCheckpoints {
     /// run, or a stop).
     pub fn after_step<M: UnitModel>(
         &mut self,
-        engine: &Engine<'_, M>,
+        engine: &mut Engine<'_, M>,
         comm: &dyn Communicator,
         done: u64,
         last: bool,
@@ -86,6 +86,8 @@ impl RankCheckpoints {
         };
         let due = self.every.is_some_and(|n| n > 0 && done % n == 0);
         if due || last {
+            // A device tier in GPU memory: its state comes back to the host buffers first.
+            engine.sync_host()?;
             self.timings.extend(w.start(engine, comm)?);
         } else {
             self.timings.extend(w.finish(comm)?);

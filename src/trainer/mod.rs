@@ -509,7 +509,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             last = Some(report);
             stopped = step + 1 < steps && self.stop_agreed(comm)?;
             let end = stopped || step + 1 == steps;
-            saves.after_step(&engine, comm, step + 1, end)?;
+            saves.after_step(&mut engine, comm, step + 1, end)?;
             if stopped {
                 break;
             }

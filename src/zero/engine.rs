@@ -43,6 +43,7 @@ pub use snapshot::{EngineCounters, UnitOptimizerState};
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use super::device_tier::{self, DeviceTier, UnitValues};
 use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
@@ -57,6 +58,7 @@ use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, 
 use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::offload::OffloadError;
+use crate::optim::adam::StepConsts;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -87,6 +89,12 @@ pub enum EngineError {
         got: usize,
         expected: usize,
     },
+    /// The optimizer state was read while the newest values were in the device tier's memory.
+    #[error(
+        "the engine's host copy of the optimizer state is behind the device's: call \
+         Engine::sync_host before reading it"
+    )]
+    HostBehind,
     #[error("unit {unit} ({name}): given {got} parameter values, the unit has {expected}")]
     ParamLength {
         unit: usize,
@@ -202,6 +210,13 @@ pub struct Engine<'a, M: UnitModel> {
     /// The two floats of the step's all-reduce (loss, squared norm), reused every step.
     scalars: Vec<f32>,
     phases: PhaseTimes,
+    /// The model's device memory holding the device tier ([`device_tier`]), when it offers one.
+    device: Option<&'a dyn DeviceTier>,
+    /// The host buffers hold values the device tier does not have yet (at start, after a load
+    /// or a restore): uploaded before the next step.
+    device_behind: bool,
+    /// The device tier holds values the host buffers do not have yet (after a step there).
+    host_behind: bool,
 }
 
 /// What the engine keeps about one unit besides its flat buffers.
@@ -271,6 +286,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let layout = FlatLayout::new(&spec, cfg.world_size, comm.rank());
         let plan = plan(&spec, &cfg);
         let precision = cfg.precision_name();
+        let device = model.device_tier();
+        if let Some(why) = device.and_then(|_| device_tier::refusal(&cfg)) {
+            return Err(EngineError::Config(format!(
+                "the model keeps the device tier in its device's memory, which this run cannot: \
+                 {why}. Build the model without it (Candle::with_device_tier(false))"
+            )));
+        }
         let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision)?;
 
         let (params, masters) = init_params(model, &cfg, &layout);
@@ -317,6 +339,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             scalars: vec![0.0; 2],
             phases: PhaseTimes::default(),
             cfg,
+            device,
+            device_behind: true,
+            host_behind: false,
         })
     }
 
@@ -344,6 +369,52 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.step
     }
 
+    /// Whether the device tier is in the model's device memory ([`device_tier`]).
+    pub fn device_tier_on_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// Bring the host buffers up to the device tier's values (the master, the moments and the
+    /// parameters rounded from the master), when the model holds the tier and a step changed it.
+    /// A checkpoint calls it before reading the optimizer state; a no-op otherwise.
+    pub fn sync_host(&mut self) -> Result<(), EngineError> {
+        let Some(device) = self.device.filter(|_| self.host_behind) else {
+            return Ok(());
+        };
+        for u in 0..self.layout.num_units() {
+            let v = device.download(u)?;
+            let values = (&v.master[..], &v.exp_avg[..], &v.exp_avg_sq[..]);
+            self.write_host(u, 0..self.layout.units[u].numel, values)?;
+        }
+        self.host_behind = false;
+        Ok(())
+    }
+
+    /// Copy the host buffers into the model's device tier, when they changed since it last had
+    /// them (the start, a load, a restore).
+    fn upload_if_behind(&mut self) -> Result<(), EngineError> {
+        let Some(device) = self.device.filter(|_| self.device_behind) else {
+            return Ok(());
+        };
+        for u in 0..self.layout.num_units() {
+            let numel = self.layout.units[u].numel;
+            let us = &self.units[u];
+            let master = match &us.master {
+                Some(m) => m[..numel].to_vec(),
+                None => as_f32(self.state.params(u), 0..numel).into_owned(),
+            };
+            let (m, v) = us.adam.f32_range(0..numel);
+            let values = UnitValues {
+                master,
+                exp_avg: m.into_owned(),
+                exp_avg_sq: v.into_owned(),
+            };
+            device.upload(u, &values, device_tier::TierDtypes::of(&self.cfg))?;
+        }
+        self.device_behind = false;
+        Ok(())
+    }
+
     /// Replace unit `unit`'s parameters (unpadded, `UnitSpec` order) on this rank. Every rank must
     /// pass the same values (for example read from the same `--init` file).
     pub fn load_unit_params(&mut self, unit: usize, values: &[f32]) -> Result<(), EngineError> {
@@ -356,6 +427,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 got: values.len(),
             });
         }
+        self.sync_host()?;
+        self.device_behind = true;
         let us = &mut self.units[unit];
         if let Some(m) = &mut us.master {
             let part = &us.updated;
@@ -393,6 +466,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// A collective at stage 3, and at stages 1-3 under mixed precision (every rank must call it);
     /// a copy otherwise.
     pub fn full_params(&mut self) -> Result<Vec<Vec<f32>>, EngineError> {
+        self.sync_host()?;
         let mut out = Vec::with_capacity(self.layout.num_units());
         let sharded_master = self.cfg.stage.shards_optimizer();
         let gather = |shard: Buffer, padded: usize| -> Result<Vec<f32>, EngineError> {
@@ -439,7 +513,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let traffic_before = self.comm.traffic();
         self.phases = PhaseTimes::default();
         let loss_scale = self.policy.loss_scale();
-        self.zero_grads();
+        self.upload_if_behind()?;
+        self.zero_grads()?;
         let mut loss_sum = 0.0f64;
         let mut counts = BatchCounts::default();
         for (micro, batch) in micro_batches.iter().enumerate() {
@@ -456,20 +531,26 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.phases.comm += t.elapsed().as_secs_f64();
         if !outcome.verdict.skipped {
             self.update(lr, outcome.grad_scale)?;
-            self.gather_updated()?;
-            self.model.parameters_changed();
+            if self.device.is_none() {
+                self.gather_updated()?;
+                self.model.parameters_changed();
+            }
         }
         self.step += 1;
         Ok(self.report(outcome, lr, counts, start, &traffic_before))
     }
 
-    /// Start a step: zero the kept gradients and set the buckets to the stage's reduction.
-    fn zero_grads(&mut self) {
+    /// Start a step: zero the kept gradients (in the device tier, when the model holds it) and set
+    /// the buckets to the stage's reduction.
+    fn zero_grads(&mut self) -> Result<(), EngineError> {
         self.buckets.set_mode(match self.cfg.stage {
             Stage::Zero0 => BucketMode::AllReduce,
             Stage::Zero1 => BucketMode::ReduceScatterStore,
             Stage::Zero2 | Stage::Zero3 => BucketMode::ReduceScatterAccumulate,
         });
+        if let Some(device) = self.device {
+            return Ok(device.zero_grads()?);
+        }
         match &mut self.state.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
@@ -481,6 +562,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             StageState::ShardedGrads { grad_shards, .. }
             | StageState::ShardedParams { grad_shards, .. } => grad_shards.fill_zero(),
         }
+        Ok(())
     }
 
     /// Forward of micro-batch `micro`, unit by unit: returns its loss and what each unit left
@@ -546,12 +628,19 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let saved = self.saved_for_backward(u, stashed, batch)?;
             self.provide_grads(u);
             let t = Instant::now();
-            let mut grads = grad_slices(&mut self.state.grads, &self.units[u].reads, &self.layout);
+            // With the device tier on the model's device, backward adds into its gradients.
+            let mut grads = match self.device {
+                Some(_) => Vec::new(),
+                None => grad_slices(&mut self.state.grads, &self.units[u].reads, &self.layout),
+            };
             grad = model.backward(u, saved, grad.as_ref(), weight, &mut grads)?;
             self.phases.backward += t.elapsed().as_secs_f64();
             let kept = (self.units[u].kept_graph * 4) as u64;
             self.ledger.free(MemoryKind::Gather, kept);
             self.release(pos);
+            if self.device.is_some() {
+                continue;
+            }
             let t = Instant::now();
             for i in 0..self.units[u].complete_after.len() {
                 self.grad_complete(self.units[u].complete_after[i], reduce)?;
@@ -603,7 +692,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// Transient gradients: give every unit that unit `unit`'s backward writes into a zeroed f32
     /// buffer, unless it holds one already (a tied unit, from an earlier user's backward).
     fn provide_grads(&mut self, unit: usize) {
-        if !self.state.stage.transient_grads() {
+        if !self.state.stage.transient_grads() || self.device.is_some() {
             return;
         }
         for &k in &self.units[unit].reads {
@@ -652,7 +741,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// After micro-step `micro`'s backward: launch the last reduction bucket, if the micro-step
     /// reduces, and wait for all of them.
     fn finish_reduction(&mut self, micro: usize) -> Result<(), CommError> {
-        if self.reduces_at(micro) {
+        if self.reduces_at(micro) && self.device.is_none() {
             let t = Instant::now();
             self.buckets
                 .flush(self.comm, &mut self.state, &self.layout)?;
@@ -674,9 +763,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// all-reduce. The squared norm also carries the overflow verdict: a sum with an Inf/NaN term
     /// is Inf/NaN, so every rank sees a non-finite total exactly when some rank's shard held one.
     fn global_norm_and_loss(&mut self, loss_sum: f64) -> Result<GlobalNorm, EngineError> {
-        let unit_sq: Vec<f64> = (0..self.layout.num_units())
-            .map(|u| self.reduced_grad(u).sum_of_squares())
-            .collect();
+        let unit_sq: Vec<f64> = match self.device {
+            Some(device) => device.grad_squares()?,
+            None => (0..self.layout.num_units())
+                .map(|u| self.reduced_grad(u).sum_of_squares())
+                .collect(),
+        };
         // Stage 0: every rank holds the whole averaged gradient, its norm needs no communication.
         let local = self.cfg.stage == Stage::Zero0;
         let local_sq = if local { 0.0 } else { unit_sq.iter().sum() };
@@ -781,6 +873,14 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
+        if let Some(device) = self.device {
+            let step = self.units.first().map_or(0, |u| u.adam.step) + 1;
+            device.adam(&StepConsts::new(&hp, step, grad_scale))?;
+            self.units.iter_mut().for_each(|u| u.adam.step = step);
+            self.host_behind = true;
+            self.phases.optimizer += t.elapsed().as_secs_f64();
+            return Ok(());
+        }
         // Adam overwrites 16-bit parameters whole from the fp32 master (it reads them otherwise).
         let overwritten = self.cfg.keeps_fp32_master();
         let mut parts =
@@ -887,7 +987,8 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// Mixed precision: widen the 16-bit parameters unit `unit` reads into the f32 scratch the
     /// model reads them from (nothing to do in fp32).
     fn widen_params(&mut self, unit: usize) {
-        if !self.cfg.is_mixed() {
+        // The device tier's model reads its parameters from the tier.
+        if !self.cfg.is_mixed() || self.device.is_some() {
             return;
         }
         for (i, &k) in self.units[unit].reads.iter().enumerate() {

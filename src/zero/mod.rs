@@ -10,6 +10,8 @@
 //!   post-step all-gather (stages 1-2).
 //! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
 //! * [`shards`]: where a stage-3 rank keeps its parameter shards: memory or an NVMe swap file.
+//! * [`device_tier`]: the device tier held in a model's device memory (a GPU's), and when a run
+//!   can use it.
 //! * [`engine`]: one rank's [`Engine`] and its [`StepReport`].
 //! * [`loss_scaler`]: fp16 loss scaling and the Inf/NaN guard.
 //! * [`precision`]: dtype-tagged flat storage (f32, bf16, f16) and the per-step overflow policy.
@@ -17,6 +19,7 @@
 pub mod buckets;
 pub mod buffers;
 pub mod config;
+pub mod device_tier;
 pub mod engine;
 pub mod flat;
 pub mod gather;
@@ -28,6 +31,7 @@ pub mod state;
 pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+pub use device_tier::{DeviceTier, TierDtypes, UnitValues};
 pub use engine::{
     check_device_budget, device_peak, moment_stream_bytes, offloaded_share, param_staging_bytes,
     resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes,

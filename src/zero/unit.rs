@@ -216,6 +216,14 @@ pub trait UnitModel: Send + Sync {
     /// to come from every rank. [default: nothing is kept]
     fn parameters_changed(&self) {}
 
+    /// The device tier in this model's device memory, when the model holds it there
+    /// ([`crate::zero::device_tier`]): the engine then keeps parameters, gradients and Adam's
+    /// state in it, and `forward` and `backward` read and add to the tier instead of `params` and
+    /// `grads` (which the engine passes empty, or stale, while it does). [default: none]
+    fn device_tier(&self) -> Option<&dyn crate::zero::DeviceTier> {
+        None
+    }
+
     /// Backward of unit `unit` from what its `Train` forward saved. `grad_output` is the gradient of
     /// the objective with respect to the unit's output (`None` for the last unit, whose objective is
     /// `loss * loss_weight`). Adds (`+=`) the parameter gradients into `grads` and returns the

@@ -56,6 +56,9 @@ impl<M: UnitModel> Engine<'_, M> {
     /// Unit `unit`'s optimizer state over [`Engine::saved_range`]. Fails only when the NVMe
     /// swap file cannot be read.
     pub fn optimizer_state(&self, unit: usize) -> Result<UnitOptimizerState<'_>, EngineError> {
+        if self.host_behind {
+            return Err(EngineError::HostBehind);
+        }
         let range = self.saved_range(unit);
         let us = &self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
@@ -115,6 +118,19 @@ impl<M: UnitModel> Engine<'_, M> {
                 });
             }
         }
+        self.sync_host()?;
+        self.device_behind = true;
+        self.write_host(unit, range, (master, exp_avg, exp_avg_sq))
+    }
+
+    /// Write unit `unit`'s master, moments and the parameters they determine over `range` (of its
+    /// flat elements, inside [`Engine::restored_range`]) into the host buffers.
+    pub(super) fn write_host(
+        &mut self,
+        unit: usize,
+        range: Range<usize>,
+        (master, exp_avg, exp_avg_sq): (&[f32], &[f32], &[f32]),
+    ) -> Result<(), EngineError> {
         let us = &mut self.units[unit];
         let local = range.start - us.updated.start..range.end - us.updated.start;
         match self.nvme.as_mut().filter(|_| us.swapped) {
@@ -149,6 +165,7 @@ impl<M: UnitModel> Engine<'_, M> {
             u.adam.step = c.adam_step;
         }
         self.policy.restore(&c.policy);
+        self.device_behind = true;
         self.gather_updated()?;
         self.model.parameters_changed();
         Ok(())

@@ -1,0 +1,258 @@
+//! The engine's device tier in a candle device's memory ([`crate::zero::device_tier`]): each
+//! unit's parameters in the compute dtype, its fp32 master (a second tensor only when the compute
+//! dtype is not f32), its gradient (in the engine's gradient dtype) and Adam's f32 moments, as flat tensors on the model's
+//! device, and the engine's arithmetic on them as candle ops: gradient accumulation, the squared
+//! sums, and Adam with the CPU kernel's constants ([`StepConsts`]) and formula. On a GPU a step
+//! then moves no parameter or gradient between host and device. The same code runs on candle's
+//! CPU backend, where the tests compare it with the engine's own host tier.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::optim::adam::StepConsts;
+use crate::zero::device_tier::{tier_bytes, DeviceTier, TierDtypes, UnitValues};
+use crate::zero::unit::ModelError;
+
+use super::candle_unit::compute_err;
+
+/// One unit's state in the tier: flat tensors of the unit's length.
+struct TierUnit {
+    /// The parameters in the compute dtype (the master itself in f32).
+    params: Tensor,
+    /// The dtype the engine stores the parameters in: the master is rounded to it.
+    stored: DType,
+    /// The fp32 master.
+    master: Tensor,
+    /// The gradient, in the engine's gradient dtype.
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+}
+
+/// The device tier of a [`super::Candle`] model: one slot per unit, filled by the engine's
+/// first upload.
+pub(super) struct CandleTier {
+    device: Device,
+    dtype: DType,
+    units: Mutex<Vec<Option<TierUnit>>>,
+}
+
+impl CandleTier {
+    pub(super) fn new(device: Device, dtype: DType, units: usize) -> Self {
+        let slots = (0..units).map(|_| None).collect();
+        CandleTier {
+            device,
+            dtype,
+            units: Mutex::new(slots),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Option<TierUnit>>> {
+        self.units.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The parameters of `master`: rounded to the dtype the engine stores them in, then in the
+    /// compute dtype (no copy where both are f32).
+    fn rounded(&self, master: &Tensor, stored: DType) -> candle_core::Result<Tensor> {
+        let t = match stored {
+            DType::F32 => master.clone(),
+            dtype => master.to_dtype(dtype)?,
+        };
+        match t.dtype() == self.dtype {
+            true => Ok(t),
+            false => t.to_dtype(self.dtype),
+        }
+    }
+
+    /// Unit `unit`'s parameters in the compute dtype, once the engine has uploaded them.
+    pub(super) fn params(&self, unit: usize) -> Option<Tensor> {
+        self.lock().get(unit)?.as_ref().map(|u| u.params.clone())
+    }
+
+    /// Whether the engine has uploaded the tier (the model then reads and writes it).
+    pub(super) fn is_loaded(&self) -> bool {
+        self.lock().iter().all(Option::is_some)
+    }
+
+    /// Add one backward's gradient parts of unit `owner` (element offset, flat tensor of any
+    /// float dtype) into its gradient; elements no part covers get nothing.
+    pub(super) fn add_grads(
+        &self,
+        owner: usize,
+        parts: &[(usize, &Tensor)],
+    ) -> Result<(), ModelError> {
+        let err = compute_err("device tier");
+        let mut units = self.lock();
+        let unit = units
+            .get_mut(owner)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| missing(owner))?;
+        let numel = unit.grad.elem_count();
+        let mut sorted: Vec<(usize, &Tensor)> = parts.to_vec();
+        sorted.sort_by_key(|(offset, _)| *offset);
+        let mut pieces = Vec::with_capacity(2 * sorted.len() + 1);
+        let mut at = 0;
+        for (offset, t) in sorted {
+            let n = t.elem_count();
+            if offset < at || offset + n > numel {
+                return Err(ModelError::Invalid(format!(
+                    "a gradient of {n} elements at offset {offset} does not fit unit {owner} \
+                     ({numel} elements) beside the others"
+                )));
+            }
+            if offset > at {
+                pieces.push(Tensor::zeros(offset - at, DType::F32, &self.device).map_err(&err)?);
+            }
+            pieces.push(
+                t.flatten_all()
+                    .and_then(|t| t.to_dtype(DType::F32))
+                    .map_err(&err)?,
+            );
+            at = offset + n;
+        }
+        if at < numel {
+            pieces.push(Tensor::zeros(numel - at, DType::F32, &self.device).map_err(&err)?);
+        }
+        let full = Tensor::cat(&pieces, 0).map_err(&err)?;
+        // Added in f32 and rounded once to the gradient's dtype, as the host tier accumulates.
+        let dtype = unit.grad.dtype();
+        unit.grad = (unit.grad.to_dtype(DType::F32))
+            .and_then(|g| g + full)
+            .and_then(|g| g.to_dtype(dtype))
+            .map_err(&err)?;
+        Ok(())
+    }
+}
+
+fn missing(unit: usize) -> ModelError {
+    ModelError::Invalid(format!(
+        "unit {unit} is not in the device tier: the engine uploads it before the first step"
+    ))
+}
+
+/// One Adam/AdamW update of a unit's master and moments, the formula of
+/// [`crate::optim::adam`] with its constants, on the unit's device.
+fn adam_unit(u: &TierUnit, c: &StepConsts) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+    let g = u
+        .grad
+        .to_dtype(DType::F32)?
+        .affine(f64::from(c.grad_scale), 0.0)?;
+    let (g, decayed) = match c.adamw {
+        true => (g, u.master.affine(f64::from(c.decay), 0.0)?),
+        false => (
+            (g + u.master.affine(f64::from(c.l2), 0.0)?)?,
+            u.master.clone(),
+        ),
+    };
+    let m = (&u.exp_avg + (&g - &u.exp_avg)?.affine(f64::from(c.w1), 0.0)?)?;
+    let v = (u.exp_avg_sq.affine(f64::from(c.beta2), 0.0)?
+        + (g.affine(f64::from(c.one_minus_beta2), 0.0)? * &g)?)?;
+    let denom = v
+        .sqrt()?
+        .affine(1.0 / f64::from(c.bc2_sqrt), f64::from(c.eps))?;
+    let master = (decayed + (m.affine(f64::from(c.neg_step_size), 0.0)? / denom)?)?;
+    Ok((master, m, v))
+}
+
+impl DeviceTier for CandleTier {
+    fn upload(
+        &self,
+        unit: usize,
+        values: &UnitValues,
+        dtypes: TierDtypes,
+    ) -> Result<(), ModelError> {
+        let err = compute_err("device tier");
+        let n = values.master.len();
+        if values.exp_avg.len() != n || values.exp_avg_sq.len() != n {
+            return Err(ModelError::Invalid(format!(
+                "device tier upload of unit {unit}: master {n}, moments {} and {} elements",
+                values.exp_avg.len(),
+                values.exp_avg_sq.len()
+            )));
+        }
+        let put = |v: &[f32]| Tensor::from_slice(v, n, &self.device).map_err(&err);
+        let master = put(&values.master)?;
+        let stored = super::candle_dtype(dtypes.params);
+        let grad_dtype = super::candle_dtype(dtypes.grads);
+        let state = TierUnit {
+            params: self.rounded(&master, stored).map_err(&err)?,
+            stored,
+            grad: Tensor::zeros(n, grad_dtype, &self.device).map_err(&err)?,
+            exp_avg: put(&values.exp_avg)?,
+            exp_avg_sq: put(&values.exp_avg_sq)?,
+            master,
+        };
+        let mut units = self.lock();
+        let slot = units.get_mut(unit).ok_or_else(|| missing(unit))?;
+        *slot = Some(state);
+        Ok(())
+    }
+
+    fn download(&self, unit: usize) -> Result<UnitValues, ModelError> {
+        let err = compute_err("device tier");
+        let units = self.lock();
+        let u = units
+            .get(unit)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| missing(unit))?;
+        let host = |t: &Tensor| t.to_vec1::<f32>().map_err(&err);
+        Ok(UnitValues {
+            master: host(&u.master)?,
+            exp_avg: host(&u.exp_avg)?,
+            exp_avg_sq: host(&u.exp_avg_sq)?,
+        })
+    }
+
+    fn zero_grads(&self) -> Result<(), ModelError> {
+        let err = compute_err("device tier");
+        for u in self.lock().iter_mut().flatten() {
+            u.grad = u.grad.zeros_like().map_err(&err)?;
+        }
+        Ok(())
+    }
+
+    fn grad_squares(&self) -> Result<Vec<f64>, ModelError> {
+        let err = compute_err("device tier");
+        let units = self.lock();
+        // In f64, as the host tier sums; all units' sums come back in one transfer.
+        let sums = (units.iter().enumerate())
+            .map(|(i, u)| {
+                let u = u.as_ref().ok_or_else(|| missing(i))?;
+                (u.grad.to_dtype(DType::F64))
+                    .and_then(|g| g.sqr())
+                    .and_then(|g| g.sum_all())
+                    .map_err(&err)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if sums.is_empty() {
+            return Ok(Vec::new());
+        }
+        (Tensor::stack(&sums, 0))
+            .and_then(|s| s.to_vec1::<f64>())
+            .map_err(&err)
+    }
+
+    fn adam(&self, consts: &StepConsts) -> Result<(), ModelError> {
+        let mut units = self.lock();
+        for (i, slot) in units.iter_mut().enumerate() {
+            let u = slot.as_mut().ok_or_else(|| missing(i))?;
+            let err = compute_err("device tier");
+            let (master, m, v) = adam_unit(u, consts).map_err(&err)?;
+            u.params = self.rounded(&master, u.stored).map_err(&err)?;
+            (u.master, u.exp_avg, u.exp_avg_sq) = (master, m, v);
+        }
+        Ok(())
+    }
+
+    fn bytes(&self) -> u64 {
+        let units = self.lock();
+        let compute = self.dtype.size_in_bytes() as u64;
+        (units.iter().flatten())
+            .map(|u| {
+                let grad = u.grad.dtype().size_in_bytes() as u64;
+                tier_bytes(u.master.elem_count() as u64, compute, grad)
+            })
+            .sum()
+    }
+}

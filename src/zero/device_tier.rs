@@ -1,0 +1,155 @@
+//! The device tier in a compute device's own memory: a model whose units compute on a GPU may hold
+//! there what the engine would otherwise hold in host memory for the device tier (each unit's
+//! parameters in the compute dtype, the fp32 master, the gradients and Adam's moments) and do the
+//! engine's arithmetic on it there: accumulate gradients, their squared sums (the norm, clipping
+//! and the Inf/NaN verdict) and the Adam step. Then a step moves no parameter or gradient between
+//! host and device; only the loss and one squared sum per unit come back.
+//!
+//! The engine keeps its schedule (micro-steps, the loss scaler, clipping, skipped steps, the step
+//! counters) and its host buffers, which become the tier's mirror: written from the device
+//! ([`crate::zero::Engine::sync_host`]) before a checkpoint or an export reads them, and copied to
+//! the device after a load or a restore wrote them. This module knows no tensor library: the
+//! model implements [`DeviceTier`] (the candle models do, [`crate::model::Candle::with_device_tier`]).
+//!
+//! It applies where no collective needs the gradients or the parameters in host memory and Adam
+//! updates every element in the device tier: one rank, no offload, f32 moments, and an fp32
+//! master (fp32 training or mixed precision with one) — [`refusal`] says why not otherwise.
+
+use super::config::{EngineConfig, OptimizerTier, ParamTier};
+use super::unit::ModelError;
+use crate::comm::DType;
+use crate::optim::adam::StepConsts;
+
+/// One unit's fp32 state as the engine's host mirror holds it (unpadded, the whole unit).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UnitValues {
+    /// The fp32 master weights (the parameters themselves in fp32 training).
+    pub master: Vec<f32>,
+    /// Adam's first moment.
+    pub exp_avg: Vec<f32>,
+    /// Adam's second moment.
+    pub exp_avg_sq: Vec<f32>,
+}
+
+/// The element types the engine keeps, which the tier keeps too so that it computes what the host
+/// tier would: parameters rounded to `params` after every update, gradients accumulated in
+/// `grads` (an fp16 gradient overflows to Inf as the host tier's does, and the step is skipped).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TierDtypes {
+    pub params: DType,
+    pub grads: DType,
+}
+
+impl TierDtypes {
+    pub fn of(cfg: &EngineConfig) -> Self {
+        TierDtypes {
+            params: cfg.param_dtype,
+            grads: cfg.grad_accum_dtype,
+        }
+    }
+}
+
+/// A model's device memory holding the engine's device tier. Between [`DeviceTier::upload`] and
+/// the next upload the model computes from the tier's parameters (the `params` slices the engine
+/// passes are not read) and its backward adds into the tier's gradients (not into `grads`).
+pub trait DeviceTier: Send + Sync {
+    /// Set unit `unit`'s master, moments and parameters from the host mirror; zero its gradient.
+    /// The parameters are the master rounded to `dtypes.params` (to nearest even, as the engine
+    /// stores them), in the compute dtype; every Adam step rounds them so again.
+    fn upload(
+        &self,
+        unit: usize,
+        values: &UnitValues,
+        dtypes: TierDtypes,
+    ) -> Result<(), ModelError>;
+
+    /// Unit `unit`'s master and moments, read back into host memory.
+    fn download(&self, unit: usize) -> Result<UnitValues, ModelError>;
+
+    /// Zero every unit's gradient (the start of a step).
+    fn zero_grads(&self) -> Result<(), ModelError>;
+
+    /// The sum of the squares of each unit's gradient, in unit order (Inf/NaN if any element is).
+    fn grad_squares(&self) -> Result<Vec<f64>, ModelError>;
+
+    /// One Adam/AdamW update of every unit with the step's constants (the formula of
+    /// [`crate::optim::adam`]), then the compute-dtype parameters from the new master.
+    fn adam(&self, consts: &StepConsts) -> Result<(), ModelError>;
+
+    /// Bytes the tier holds in device memory now.
+    fn bytes(&self) -> u64;
+}
+
+/// Why `cfg` cannot keep its device tier in a compute device's memory, or `None` when it can.
+/// The one place of this rule: the engine refuses a model's tier with it, the CLI asks it before
+/// offering one.
+pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
+    if cfg.world_size != 1 {
+        return Some(
+            "more than one rank: the gradients are reduced and the parameters gathered through \
+             host memory",
+        );
+    }
+    if cfg.offload_optimizer != OptimizerTier::Device {
+        return Some("offload_optimizer puts the master and Adam's moments in host memory or NVMe");
+    }
+    if cfg.offload_param != ParamTier::Device || cfg.stage.shards_params() {
+        return Some("stage 3 keeps parameter shards in host memory between gathers");
+    }
+    if cfg.is_mixed() && !cfg.keeps_fp32_master() {
+        return Some("bf16 parameters that are their own master are updated on the CPU");
+    }
+    if cfg.optimizer_states_dtype != DType::F32 {
+        return Some("bf16 Adam moments are updated on the CPU");
+    }
+    None
+}
+
+/// Bytes a device tier holds for `numel` parameters computing in elements of `compute_bytes`
+/// with gradients of `grad_bytes`: the parameters, an fp32 master unless they are f32, the
+/// gradients and the two f32 moments.
+pub fn tier_bytes(numel: u64, compute_bytes: u64, grad_bytes: u64) -> u64 {
+    let master = if compute_bytes == 4 { 0 } else { 4 };
+    numel * (compute_bytes + master + grad_bytes + 8)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zero::Stage;
+
+    #[test]
+    fn one_rank_without_offload_keeps_its_tier_on_the_device() {
+        for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+            assert_eq!(refusal(&EngineConfig::new(stage, 1)), None);
+            let bf16 = EngineConfig::new(stage, 1).with_precision(DType::BF16);
+            assert_eq!(refusal(&bf16), None);
+        }
+    }
+
+    #[test]
+    fn what_needs_host_memory_is_refused_with_its_reason() {
+        let two = EngineConfig::new(Stage::Zero0, 2);
+        assert!(refusal(&two).unwrap().contains("more than one rank"));
+        let mut host = EngineConfig::new(Stage::Zero2, 1);
+        host.offload_optimizer = OptimizerTier::Host;
+        assert!(refusal(&host).unwrap().contains("offload_optimizer"));
+        assert!(refusal(&EngineConfig::new(Stage::Zero3, 1))
+            .unwrap()
+            .contains("stage 3"));
+        let mut own_master = EngineConfig::new(Stage::Zero0, 1).with_precision(DType::BF16);
+        own_master.bf16_master_weights = true;
+        assert!(refusal(&own_master).unwrap().contains("own master"));
+        let mut moments = EngineConfig::new(Stage::Zero0, 1).with_precision(DType::BF16);
+        moments.optimizer_states_dtype = DType::BF16;
+        assert!(refusal(&moments).unwrap().contains("moments"));
+    }
+
+    #[test]
+    fn the_tier_holds_sixteen_bytes_a_parameter_in_fp32_and_sixteen_in_bf16() {
+        assert_eq!(tier_bytes(1000, 4, 4), 16_000);
+        // bf16 parameters and gradients, the fp32 master and moments: ZeRO's 16 bytes.
+        assert_eq!(tier_bytes(1000, 2, 2), 16_000);
+        assert_eq!(tier_bytes(1000, 2, 4), 18_000);
+    }
+}

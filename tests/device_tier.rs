@@ -1,0 +1,209 @@
+//! The device tier in a model's device memory (`Candle::with_device_tier`, what `train --device
+//! cuda` runs on one GPU without offload): parameters, gradients and Adam's state stay on the
+//! model's device and the engine's arithmetic runs there. On candle's CPU backend the same code
+//! trains as the engine's host tier, resumes bit for bit from its checkpoints, and is refused
+//! where a run needs its state in host memory.
+
+use std::path::Path;
+
+use candle_core::DType;
+use zerodp::comm::run_ranks;
+use zerodp::config::{load_str, ResolveContext, Settings};
+use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig};
+use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
+use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
+
+const GLOBAL: usize = 8;
+
+fn loader() -> DataLoader {
+    let text = "the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
+        .repeat(40);
+    DataLoader::new(
+        Corpus::from_text("pangrams", &text),
+        GptConfig::tiny().context,
+        3,
+    )
+    .unwrap()
+}
+
+/// The tiny GPT on candle's composite ops (what a GPU runs), the device tier on or off.
+fn gpt(tier: bool) -> Candle<Gpt> {
+    let units = Gpt::with_options(GptConfig::tiny(), DType::F32, false).unwrap();
+    Candle::new(units)
+        .with_flat_transfers(true)
+        .with_device_tier(tier)
+}
+
+/// One rank, two micro-batches a step, AdamW with weight decay, a warmup, clipping at 1.
+fn settings(stage: u8, precision: &str) -> Settings {
+    let text = format!(
+        r#"{{ "train_batch_size": {GLOBAL}, "gradient_accumulation_steps": 2,
+             "optimizer": {{ "type": "AdamW", "params": {{ "lr": 0.003, "weight_decay": 0.01 }} }},
+             "scheduler": {{ "type": "WarmupLR", "params": {{ "warmup_num_steps": 4,
+                             "warmup_max_lr": 0.003 }} }},
+             "gradient_clipping": 1.0,
+             "zero_optimization": {{ "stage": {stage} }} {precision} }}"#
+    );
+    let ctx = ResolveContext {
+        world_size: 1,
+        ..Default::default()
+    };
+    load_str(&text, "<test>", &ctx).unwrap().settings
+}
+
+const BF16: &str = r#", "bf16": { "enabled": true }"#;
+// fp16 from 2^24: the first steps overflow and are skipped while the scale comes down.
+const FP16: &str = r#", "fp16": { "enabled": true, "initial_scale_power": 24, "hysteresis": 1 }"#;
+
+struct Run {
+    losses: Vec<f32>,
+    skipped: Vec<bool>,
+    params: Vec<Vec<f32>>,
+}
+
+/// Train `model` to step `steps`, saving into `save` at the end and resuming from `resume`.
+fn run(
+    model: &Candle<Gpt>,
+    s: &Settings,
+    steps: u64,
+    save: Option<&Path>,
+    resume: Option<&Path>,
+) -> Run {
+    let mut t = Trainer::from_settings(model, s, 1, 5)
+        .unwrap()
+        .keep_params(true);
+    if let Some(dir) = save {
+        t = t.with_checkpoints(CheckpointOptions {
+            dir: dir.to_path_buf(),
+            every: None,
+            keep_last: None,
+            config: s.to_json(),
+        });
+    }
+    if let Some(dir) = resume {
+        t = t.with_resume(Resume::from_dir(dir).unwrap());
+    }
+    let log = ReportLog::new();
+    let out = t.run(&loader(), steps, &[&log]).unwrap();
+    let reports = log.into_reports().remove(0);
+    Run {
+        losses: reports.iter().map(|r| r.loss).collect(),
+        skipped: reports.iter().map(|r| r.skipped).collect(),
+        params: out.params.expect("kept"),
+    }
+}
+
+/// Every loss of `got` within `tol` relative of `want`'s, and every parameter within `tol`
+/// absolute.
+fn assert_follows(got: &Run, want: &Run, tol: f32, what: &str) {
+    assert_eq!(got.skipped, want.skipped, "{what}: skipped steps");
+    for (a, b) in got.losses.iter().zip(&want.losses) {
+        assert!(
+            (a - b).abs() <= tol * b.abs(),
+            "{what}: {:?} vs {:?}",
+            got.losses,
+            want.losses
+        );
+    }
+    for (g, w) in got.params.iter().zip(&want.params) {
+        let worst = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(worst <= tol, "{what}: a parameter differs by {worst}");
+    }
+}
+
+/// The same run with the tier on the model's device and in the engine's host buffers: the
+/// same losses, skipped steps (fp16 gradients overflow in both) and parameters, up to the
+/// rounding of the candle ops' order (f32 to 1e-5; bf16 and fp16 to 2e-3, where one such
+/// difference can flip a 16-bit rounding), at stages 0-2.
+#[test]
+fn the_device_tier_trains_as_the_host_tier() {
+    let (host, device) = (gpt(false), gpt(true));
+    for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (FP16, 2e-3)] {
+        for stage in 0..=2u8 {
+            let s = settings(stage, precision);
+            let want = run(&host, &s, 8, None, None);
+            let got = run(&device, &s, 8, None, None);
+            let what = format!("stage {stage} {precision}");
+            match precision == FP16 {
+                true => assert!(want.skipped[0], "{what}: 2^24 overflows at first"),
+                false => assert!(want.losses[7] < want.losses[0], "{what}: {:?}", want.losses),
+            }
+            assert_follows(&got, &want, tol, &what);
+        }
+    }
+}
+
+/// A checkpoint of a device-tier run holds the tier's state (the engine brings it back to host
+/// memory first), and a resumed run continues bit for bit.
+#[test]
+fn a_device_tier_run_resumes_bit_for_bit() {
+    let model = gpt(true);
+    for precision in ["", BF16] {
+        let s = settings(0, precision);
+        let straight = run(&model, &s, 6, None, None);
+        let dir = tempfile::tempdir().unwrap();
+        run(&model, &s, 3, Some(dir.path()), None);
+        let resumed = run(&model, &s, 6, None, Some(dir.path()));
+        assert_eq!(resumed.losses, straight.losses[3..], "{precision}");
+        assert_eq!(resumed.params, straight.params, "{precision}");
+    }
+}
+
+/// A model holding the tier is refused, with the reason, by a run that needs its state in host
+/// memory.
+#[test]
+fn the_engine_refuses_the_tier_where_the_run_needs_host_memory() {
+    let model = gpt(true);
+    for (stage, world, why) in [
+        (Stage::Zero0, 2, "more than one rank"),
+        (Stage::Zero3, 1, "stage 3"),
+    ] {
+        let e = run_ranks(world, Default::default(), |comm, _| {
+            let cfg = EngineConfig::new(stage, world);
+            Ok::<_, EngineError>(
+                Engine::new(&model, &*comm, cfg)
+                    .err()
+                    .map(|e| e.to_string()),
+            )
+        })
+        .unwrap();
+        let e = e[0].clone().expect("refused");
+        assert!(e.contains(why) && e.contains("with_device_tier"), "{e}");
+    }
+}
+
+/// After a step on the device the host buffers are behind: the optimizer state is refused until
+/// `sync_host` brings it back, and then it is what the step made.
+#[test]
+fn the_host_copy_is_read_only_after_a_sync() {
+    let model = gpt(true);
+    run_ranks(1, Default::default(), |comm, _| {
+        let mut cfg = EngineConfig::new(Stage::Zero0, 1);
+        cfg.micro_batch = GLOBAL;
+        let mut engine = Engine::new(&model, &*comm, cfg)?;
+        let before = engine.optimizer_state(1)?.master.into_owned();
+        let batch = loader().micro_batch(0, GLOBAL, 1, 0, GLOBAL, 0).unwrap();
+        engine.train_step(&[batch], 1e-3)?;
+        assert!(matches!(
+            engine.optimizer_state(1),
+            Err(EngineError::HostBehind)
+        ));
+        engine.sync_host()?;
+        let state = engine.optimizer_state(1)?;
+        let moved = (state.master.iter().zip(&before))
+            .filter(|(a, b)| a != b)
+            .count();
+        assert!(
+            moved > before.len() / 2,
+            "{moved} of {} moved",
+            before.len()
+        );
+        assert!(state.exp_avg_sq.iter().any(|&v| v > 0.0));
+        Ok::<_, EngineError>(())
+    })
+    .unwrap();
+}
