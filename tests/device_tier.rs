@@ -52,6 +52,8 @@ fn settings(stage: u8, precision: &str) -> Settings {
 }
 
 const BF16: &str = r#", "bf16": { "enabled": true }"#;
+const BF16_MOMENTS: &str =
+    r#", "bf16": { "enabled": true }, "zerodp": { "optimizer_states_dtype": "bf16" }"#;
 // fp16 from 2^24: the first steps overflow and are skipped while the scale comes down.
 const FP16: &str = r#", "fp16": { "enabled": true, "initial_scale_power": 24, "hysteresis": 1 }"#;
 
@@ -122,7 +124,7 @@ fn assert_follows(got: &Run, want: &Run, tol: f32, what: &str) {
 #[test]
 fn the_device_tier_trains_as_the_host_tier() {
     let (host, device) = (gpt(false), gpt(true));
-    for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (FP16, 2e-3)] {
+    for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (BF16_MOMENTS, 2e-3), (FP16, 2e-3)] {
         for stage in 0..=2u8 {
             let s = settings(stage, precision);
             let want = run(&host, &s, 8, None, None);
@@ -142,7 +144,7 @@ fn the_device_tier_trains_as_the_host_tier() {
 #[test]
 fn a_device_tier_run_resumes_bit_for_bit() {
     let model = gpt(true);
-    for precision in ["", BF16] {
+    for precision in ["", BF16, BF16_MOMENTS] {
         let s = settings(0, precision);
         let straight = run(&model, &s, 6, None, None);
         let dir = tempfile::tempdir().unwrap();

@@ -82,6 +82,13 @@ fn train_writes_one_metrics_line_per_step_and_rank() {
             }
             assert!(l["sent_bytes"]["reduce_scatter"].as_u64().unwrap() > 0);
             assert!(l["tokens_per_s"].as_f64().unwrap() > 0.0);
+            // The phases are parts of the step: each measured, together within its time.
+            let phases: f64 = ["forward", "recompute", "backward", "comm", "optimizer"]
+                .iter()
+                .map(|k| l["phase_s"][k].as_f64().unwrap())
+                .sum();
+            assert!(l["phase_s"]["optimizer"].as_f64().unwrap() > 0.0);
+            assert!(phases <= l["step_time_s"].as_f64().unwrap() * 1.001);
             assert!(l["grad_norm"].as_f64().unwrap() > 0.0);
             assert!((l["lr"].as_f64().unwrap() - 3e-3).abs() < 1e-9);
         }

@@ -351,29 +351,7 @@ fn run_size(
 }
 
 pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
-    let resolved = super::launch::resolve(args.backend, args.world_size)?;
-    let mpi = matches!(resolved, super::launch::Resolved::Mpi { .. });
-    let n = match resolved {
-        super::launch::Resolved::Mpi { world } => world,
-        super::launch::Resolved::InProcess { .. } => args.world_size.unwrap_or(2),
-    };
-    if n == 0 {
-        bail!("--world-size must be at least 1");
-    }
-    if args.raw_mpi && !mpi {
-        bail!("--raw-mpi times MPI's own collectives: run under mpirun (or with --backend mpi)");
-    }
-    if args.raw_mpi && args.dtype != DTypeChoice::F32 {
-        bail!("--raw-mpi measures f32 only (MPI has no bf16/f16 type)");
-    }
-    if args.iters == 0 {
-        bail!("--iters must be at least 1");
-    }
-    // The times of every round are kept: bound the rounds before allocating for them.
-    const MAX_ROUNDS: usize = 1_000_000;
-    if args.iters > MAX_ROUNDS || args.warmup > MAX_ROUNDS {
-        bail!("--iters and --warmup take at most {MAX_ROUNDS} rounds each");
-    }
+    let (n, mpi) = world_of(&args)?;
     let dtype = args.dtype.dtype();
     let sizes = parse_sizes(&args.sizes)?;
     for &s in &sizes {
@@ -442,51 +420,25 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     };
     let memcpy = memcpy_gbps(memcpy_bytes, threads, one, all);
 
-    let mut results: Vec<BenchResult> = cases
-        .iter()
-        .enumerate()
+    let mut results: Vec<BenchResult> = (cases.iter().enumerate())
         .map(|(c, case)| {
-            let (op, bytes) = (case.kind, case.bytes);
             // An iteration lasts as long as its slowest rank.
             let slowest: Vec<f64> = (0..args.iters)
                 .map(|i| per_rank.iter().map(|r| r[c][i]).fold(0.0, f64::max))
                 .collect();
-            let time_s = median(slowest);
-            let (algbw, busbw) = bandwidths(op, n, bytes as u64, Duration::from_secs_f64(time_s));
-            BenchResult {
-                op,
-                in_place: case.in_place,
-                raw_mpi: false,
-                world_size: n,
-                bytes,
-                count: bytes / dtype.size(),
-                dtype,
-                time_s,
-                algbw_gbps: algbw,
-                busbw_gbps: busbw,
-            }
+            result_of(case, (n, dtype), false, slowest)
         })
         .collect();
     for (case, times) in raw {
-        let time_s = median(times);
-        let (algbw, busbw) = bandwidths(
-            case.kind,
-            n,
-            case.bytes as u64,
-            Duration::from_secs_f64(time_s),
-        );
-        results.push(BenchResult {
-            op: case.kind,
-            in_place: false,
-            raw_mpi: true,
-            world_size: n,
-            bytes: case.bytes,
-            count: case.bytes / dtype.size(),
-            dtype,
-            time_s,
-            algbw_gbps: algbw,
-            busbw_gbps: busbw,
-        });
+        results.push(result_of(
+            &Case {
+                in_place: false,
+                ..case
+            },
+            (n, dtype),
+            true,
+            times,
+        ));
     }
 
     match args.format {
@@ -500,6 +452,59 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         Format::Table => print_table(&args, &header, n, dtype, &memcpy, &results)?,
     }
     Ok(0)
+}
+
+/// The world size and whether it runs under MPI, after the flags' own checks.
+fn world_of(args: &BenchCommArgs) -> anyhow::Result<(usize, bool)> {
+    let resolved = super::launch::resolve(args.backend, args.world_size)?;
+    let mpi = matches!(resolved, super::launch::Resolved::Mpi { .. });
+    let n = match resolved {
+        super::launch::Resolved::Mpi { world } => world,
+        super::launch::Resolved::InProcess { .. } => args.world_size.unwrap_or(2),
+    };
+    if n == 0 {
+        bail!("--world-size must be at least 1");
+    }
+    if args.raw_mpi && !mpi {
+        bail!("--raw-mpi times MPI's own collectives: run under mpirun (or with --backend mpi)");
+    }
+    if args.raw_mpi && args.dtype != DTypeChoice::F32 {
+        bail!("--raw-mpi measures f32 only (MPI has no bf16/f16 type)");
+    }
+    if args.iters == 0 {
+        bail!("--iters must be at least 1");
+    }
+    // The times of every round are kept: bound the rounds before allocating for them.
+    const MAX_ROUNDS: usize = 1_000_000;
+    if args.iters > MAX_ROUNDS || args.warmup > MAX_ROUNDS {
+        bail!("--iters and --warmup take at most {MAX_ROUNDS} rounds each");
+    }
+    Ok((n, mpi))
+}
+
+/// One case's result from its iterations' times (the median) on `n` ranks of `dtype` elements;
+/// `raw_mpi` for MPI's own collective.
+fn result_of(
+    case: &Case,
+    (n, dtype): (usize, DType),
+    raw_mpi: bool,
+    times: Vec<f64>,
+) -> BenchResult {
+    let time_s = median(times);
+    let duration = Duration::from_secs_f64(time_s);
+    let (algbw, busbw) = bandwidths(case.kind, n, case.bytes as u64, duration);
+    BenchResult {
+        op: case.kind,
+        in_place: case.in_place,
+        raw_mpi,
+        world_size: n,
+        bytes: case.bytes,
+        count: case.bytes / dtype.size(),
+        dtype,
+        time_s,
+        algbw_gbps: algbw,
+        busbw_gbps: busbw,
+    }
 }
 
 /// Bytes this machine can still give without swapping (`MemAvailable` in /proc/meminfo), when

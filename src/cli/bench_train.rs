@@ -16,7 +16,7 @@ use anyhow::bail;
 use std::sync::Arc;
 use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
 use zerodp::config::{defaults, Precision};
-use zerodp::model::{Corpus, DataLoader, SplitMix64};
+use zerodp::model::{Corpus, DataLoader, GptConfig, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, PhaseTimes, Stage, StepReport};
@@ -169,6 +169,9 @@ pub struct BenchRow {
     /// The GEMM the model's f32 products ran on: `amx` or `gemm` (see `zerodp::model::GEMM_ENV`),
     /// or `cuda` on a GPU (`--device`), where `gemm_flops_per_s` and `mfu` are 0 (not measured).
     pub gemm_path: &'static str,
+    /// Where the Adam step ran: `cpu` (the CPU Adam on host memory), or `gpu` (the device tier in
+    /// the GPU's memory: one rank without offload, `zerodp::zero::device_tier`).
+    pub adam_on: &'static str,
     /// Where the units computed (`--device`): `cpu`, or the GPU's ordinal, name, compute
     /// capability and memory, and the compute dtype.
     pub device: String,
@@ -194,67 +197,139 @@ pub struct NvmeRates {
 }
 
 pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
+    check_args(&args)?;
+    let (world_sizes, mpi) = ranks(&args)?;
+    let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
+    let bench = BenchModel::open(&args)?;
+    let data = random_windows(bench.gpt.context)?;
+    let samples = measure_all(&args, &bench, &data, &world_sizes, mpi.as_ref())?;
+    let disk = match args.offload.iter().any(|o| o.uses_nvme()) && rank == 0 {
+        true => Some(zerodp::offload::sequential_speed(
+            &nvme_dir(&args),
+            1 << 30,
+        )?),
+        false => None,
+    };
+    let num_params = bench.model.spec().num_params();
+    let mut rows: Vec<BenchRow> = samples
+        .iter()
+        .map(|x| x.row(num_params, data.context(), disk))
+        .collect();
+    fill_rates(&args, &bench, &mut rows, mpi.as_ref())?;
+    if rank != 0 {
+        return Ok(0);
+    }
+    mark_fastest_splits(&mut rows);
+    if args.format == "json" {
+        outln!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        rows.iter().for_each(print_phases);
+        print_table(
+            &rows,
+            (bench.model.arch(), &bench.gpt),
+            (args.per_rank, &args.precision),
+        )?;
+    }
+    Ok(0)
+}
+
+/// The arguments' own checks, before any work.
+fn check_args(args: &BenchTrainArgs) -> anyhow::Result<()> {
     if args.format != "table" && args.format != "json" {
         bail!("--format must be table or json, got {}", args.format);
     }
     if args.steps == 0 || args.per_rank == 0 || args.rounds == 0 {
         bail!("--steps, --per-rank and --rounds must be at least 1");
     }
-    let mut world_sizes = args.world_sizes.clone();
-    let mut mpi: Option<MpiRank> = None;
-    if let super::launch::Resolved::Mpi { world } = super::launch::resolve(args.backend, None)? {
-        let (comm, topo) = super::launch::start_mpi(CommOptions::from_env()?, world)?;
-        world_sizes = vec![world];
-        mpi = Some((
-            comm,
-            super::launch::threads_for_local_ranks(topo.local_size),
-        ));
-    }
-    let rank = mpi.as_ref().map_or(0, |(c, _)| c.rank());
-    let hf = super::hf_model::HfModelArgs {
-        model_dir: None,
-        model_config: args.model_config.clone(),
-    }
-    .read()?;
-    let gpt = match &hf {
-        Some(m) => {
-            let mut gpt = m.config.gpt.clone();
-            gpt.context = args.model.context.unwrap_or(gpt.context);
-            gpt
+    Ok(())
+}
+
+/// The world sizes to measure and, under MPI, this process's rank: MPI measures its own world.
+fn ranks(args: &BenchTrainArgs) -> anyhow::Result<(Vec<usize>, Option<MpiRank>)> {
+    match super::launch::resolve(args.backend, None)? {
+        super::launch::Resolved::Mpi { world } => {
+            let (comm, topo) = super::launch::start_mpi(CommOptions::from_env()?, world)?;
+            let threads = super::launch::threads_for_local_ranks(topo.local_size);
+            Ok((vec![world], Some((comm, threads))))
         }
-        None => args.model.build("small")?,
-    };
-    let device = args.device.open(precision_of(&args))?;
-    if device.gpu.is_some() {
-        errln!("device: {}", device.describe());
+        super::launch::Resolved::InProcess { .. } => Ok((args.world_sizes.clone(), None)),
     }
-    let mut model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
-    if args.composite_ops {
+}
+
+/// The benchmarked model, where it computes, and what builds it again (a GPU case builds its own).
+struct BenchModel {
+    gpt: GptConfig,
+    hf: Option<super::hf_model::HfModel>,
+    device: super::device_args::OpenDevice,
+    model: TrainModel,
+}
+
+impl BenchModel {
+    /// The model of `--model-config` or the GPT preset, on `--device`.
+    fn open(args: &BenchTrainArgs) -> anyhow::Result<Self> {
+        let hf = super::hf_model::HfModelArgs {
+            model_dir: None,
+            model_config: args.model_config.clone(),
+        }
+        .read()?;
+        let gpt = match &hf {
+            Some(m) => {
+                let mut gpt = m.config.gpt.clone();
+                gpt.context = args.model.context.unwrap_or(gpt.context);
+                gpt
+            }
+            None => args.model.build("small")?,
+        };
+        let device = args.device.open(precision_of(args))?;
         if device.gpu.is_some() {
-            bail!("--composite-ops is the CPU's reference: on a GPU every model runs on composite ops");
+            errln!("device: {}", device.describe());
         }
-        model = model.on_composite_ops()?;
+        let mut model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
+        if args.composite_ops {
+            if device.gpu.is_some() {
+                bail!("--composite-ops is the CPU's reference: on a GPU every model runs on composite ops");
+            }
+            model = model.on_composite_ops()?;
+        }
+        Ok(BenchModel {
+            gpt,
+            hf,
+            device,
+            model,
+        })
     }
-    let data = random_windows(gpt.context)?;
+
+    /// The model case `cfg` runs: on a GPU a fresh one keeping there what `cfg` allows (the
+    /// parameters between steps, or the whole device tier); on the CPU the one model.
+    fn for_case(&self, cfg: &EngineConfig) -> anyhow::Result<Option<TrainModel>> {
+        if self.device.gpu.is_none() {
+            return Ok(None);
+        }
+        let model = super::hf_model::build_model(&self.gpt, self.hf.as_ref(), &self.device)?;
+        Ok(Some(model.keep_on_gpu(cfg)))
+    }
+}
+
+/// Every round of every world size, stage and offload, merged per case.
+fn measure_all(
+    args: &BenchTrainArgs,
+    bench: &BenchModel,
+    data: &DataLoader,
+    world_sizes: &[usize],
+    mpi: Option<&MpiRank>,
+) -> anyhow::Result<Vec<Samples>> {
+    let rank = mpi.map_or(0, |(c, _)| c.rank());
     let mut samples: Vec<Samples> = Vec::new();
     for round in 0..args.rounds {
-        for &world in &world_sizes {
+        for &world in world_sizes {
             for &s in &args.stages {
                 for &offload in &args.offload {
                     let stage = Stage::from_index(s)
                         .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
-                    let cfg = case_config(&args, (stage, offload), world)?;
-                    // On a GPU the parameters (and where it applies the whole device tier) stay
-                    // there between steps.
-                    let on_gpu = match device.gpu.is_some() {
-                        true => Some(
-                            super::hf_model::build_model(&gpt, hf.as_ref(), &device)?
-                                .keep_on_gpu(&cfg),
-                        ),
-                        false => None,
-                    };
-                    let on = on_gpu.as_ref().unwrap_or(&model);
-                    let got = measure(&args, on, &data, (cfg, offload), mpi.as_ref())?;
+                    let cfg = case_config(args, (stage, offload), world)?;
+                    let own = bench.for_case(&cfg)?;
+                    let on = own.as_ref().unwrap_or(&bench.model);
+                    let got = measure(args, on, data, (cfg, offload), mpi)?;
                     if args.format == "table" && rank == 0 {
                         let mut times = got.steps.clone();
                         times.sort_by(f64::total_cmp);
@@ -274,32 +349,38 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    let disk = match args.offload.iter().any(|o| o.uses_nvme()) && rank == 0 {
-        true => Some(zerodp::offload::sequential_speed(
-            &nvme_dir(&args),
-            1 << 30,
-        )?),
-        false => None,
-    };
-    let mut rows: Vec<BenchRow> = samples
-        .iter()
-        .map(|x| x.row(model.spec().num_params(), data.context(), disk))
-        .collect();
+    Ok(samples)
+}
+
+/// Each row's device, model FLOP rate and, on the CPU, the machine's GEMM rate and the MFU
+/// against it (probed once per split of ranks and threads); on a GPU where Adam ran.
+fn fill_rates(
+    args: &BenchTrainArgs,
+    bench: &BenchModel,
+    rows: &mut [BenchRow],
+    mpi: Option<&MpiRank>,
+) -> anyhow::Result<()> {
+    let gpt = &bench.gpt;
     let shape = (args.per_rank * gpt.context, gpt.width, 4 * gpt.width);
     let mut probed: Vec<(usize, usize, f64)> = Vec::new();
-    for r in &mut rows {
-        r.device = device.describe();
-        r.model_flops_per_s = model.flops_per_token(&gpt) * r.tokens_per_s;
-        if device.gpu.is_some() {
+    for r in rows {
+        r.device = bench.device.describe();
+        r.model_flops_per_s = bench.model.flops_per_token(gpt) * r.tokens_per_s;
+        if bench.device.gpu.is_some() {
             // The CPU's GEMM rate says nothing of a GPU run: no utilisation is claimed.
             r.gemm_path = "cuda";
+            let stage = Stage::from_index(r.stage).unwrap_or(Stage::Zero3);
+            let cfg = case_config(args, (stage, r.offload), r.world_size)?;
+            if zerodp::zero::device_tier::refusal(&cfg).is_none() {
+                r.adam_on = "gpu";
+            }
             continue;
         }
         let key = (r.world_size, r.rayon_threads_per_rank);
         let rate = match probed.iter().find(|p| (p.0, p.1) == key) {
             Some(p) => p.2,
             None => {
-                let rate = machine_gemm_rate(shape, key, mpi.as_ref())?;
+                let rate = machine_gemm_rate(shape, key, mpi)?;
                 probed.push((key.0, key.1, rate));
                 rate
             }
@@ -307,52 +388,40 @@ pub fn run(args: BenchTrainArgs) -> anyhow::Result<i32> {
         r.gemm_flops_per_s = rate;
         r.mfu = r.model_flops_per_s / rate;
     }
-    if rank != 0 {
-        return Ok(0);
+    Ok(())
+}
+
+/// The table format's line per row: tokens/s, the median step and rank 0's phases (and NVMe's
+/// rates).
+fn print_phases(r: &BenchRow) {
+    let p = &r.phases;
+    errln!(
+        "stage {} offload {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: \
+         forward {:.1}, recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
+        r.stage,
+        r.offload,
+        r.world_size,
+        r.tokens_per_s,
+        r.median_step_s * 1e3,
+        p.forward * 1e3,
+        p.recompute * 1e3,
+        p.backward * 1e3,
+        p.comm * 1e3,
+        p.optimizer * 1e3
+    );
+    if let Some(n) = &r.nvme {
+        errln!(
+            "  nvme: {:.1} MB read + {:.1} MB written per step on rank 0, {:.2} GB/s over \
+             the step, {:.2} GB/s over the optimizer phase; the disk: {:.2} GB/s write, \
+             {:.2} GB/s read (sequential, direct I/O, same run)",
+            n.read_bytes_per_step as f64 / 1e6,
+            n.written_bytes_per_step as f64 / 1e6,
+            n.gbps_over_step,
+            n.gbps_over_optimizer,
+            n.disk_write_gbps,
+            n.disk_read_gbps
+        );
     }
-    mark_fastest_splits(&mut rows);
-    if args.format == "table" {
-        for r in &rows {
-            let p = &r.phases;
-            errln!(
-                "stage {} offload {} world {}: {:.0} tokens/s, median step {:.1} ms (rank 0: \
-                 forward {:.1}, recompute {:.1}, backward {:.1}, comm {:.1}, optimizer {:.1} ms)",
-                r.stage,
-                r.offload,
-                r.world_size,
-                r.tokens_per_s,
-                r.median_step_s * 1e3,
-                p.forward * 1e3,
-                p.recompute * 1e3,
-                p.backward * 1e3,
-                p.comm * 1e3,
-                p.optimizer * 1e3
-            );
-            if let Some(n) = &r.nvme {
-                errln!(
-                    "  nvme: {:.1} MB read + {:.1} MB written per step on rank 0, {:.2} GB/s over \
-                     the step, {:.2} GB/s over the optimizer phase; the disk: {:.2} GB/s write, \
-                     {:.2} GB/s read (sequential, direct I/O, same run)",
-                    n.read_bytes_per_step as f64 / 1e6,
-                    n.written_bytes_per_step as f64 / 1e6,
-                    n.gbps_over_step,
-                    n.gbps_over_optimizer,
-                    n.disk_write_gbps,
-                    n.disk_read_gbps
-                );
-            }
-        }
-    }
-    if args.format == "json" {
-        outln!("{}", serde_json::to_string_pretty(&rows)?);
-    } else {
-        print_table(
-            &rows,
-            (model.arch(), &gpt),
-            (args.per_rank, &args.precision),
-        )?;
-    }
-    Ok(0)
 }
 
 /// The benchmarks' data: 4096 windows of `context + 1` seeded random ASCII bytes (throughput
@@ -431,6 +500,7 @@ impl Samples {
             model_flops_per_s: 0.0,
             gemm_flops_per_s: 0.0,
             gemm_path: zerodp::model::gemm_path(),
+            adam_on: "cpu",
             device: String::new(),
             mfu: 0.0,
             nvme,

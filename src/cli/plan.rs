@@ -458,11 +458,21 @@ fn layout(args: &PlanFlags) -> anyhow::Result<(u64, u64)> {
     Ok((n, g))
 }
 
-/// The human-readable report.
+/// The human-readable report: what is planned, the options' table, their traffic, the
+/// recommendation and the notes.
 pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
+    let mut out = String::new();
+    describe_input(&mut out, input, plan);
+    options_table(&mut out, plan);
+    traffic_lines(&mut out, plan);
+    recommendation(&mut out, plan);
+    out
+}
+
+/// The model, the cluster and the step planned for.
+fn describe_input(out: &mut String, input: &PlanInput, plan: &Plan) {
     let c = &input.cluster;
     let m = &input.model;
-    let mut out = String::new();
     out.push_str(&format!(
         "model: {:.4e} params ({}), largest unit {:.3e} elements{}\n",
         m.params as f64,
@@ -496,6 +506,10 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
         plan.tokens_per_step_per_device,
         if input.activation_checkpointing { "on" } else { "off" }
     ));
+}
+
+/// One row per option, columns aligned.
+fn options_table(out: &mut String, plan: &Plan) {
     let header = [
         "option",
         "params",
@@ -537,6 +551,10 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
     for r in rows {
         out.push_str(&line(r));
     }
+}
+
+/// Each option's collectives per step (the offload rows move the same).
+fn traffic_lines(out: &mut String, plan: &Plan) {
     out.push_str("\ntraffic per device per step (offload rows move the same collectives):\n");
     for o in plan
         .options
@@ -563,6 +581,10 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
             .collect();
         out.push_str(&format!("  {}: {}\n", o.label, parts.join("; ")));
     }
+}
+
+/// The recommendation with its reasons and config advice, and the plan's notes.
+fn recommendation(out: &mut String, plan: &Plan) {
     out.push('\n');
     let rec = &plan.recommendation;
     match &rec.label {
@@ -582,7 +604,6 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
     for n in &plan.notes {
         out.push_str(&format!("  - {n}\n"));
     }
-    out
 }
 
 fn collective_name(c: Collective) -> &'static str {

@@ -452,9 +452,7 @@ fn gpu_need(
     let ranks = ranks.max(1);
     let numel = spec.num_params() as u64;
     let params = match (device_tier::refusal(engine), stage3) {
-        (None, _) => {
-            device_tier::tier_bytes(numel, dtype_bytes, engine.grad_accum_dtype.size() as u64)
-        }
+        (None, _) => device_tier::TierDtypes::of(engine).bytes(numel, dtype_bytes),
         (Some(_), false) => numel * dtype_bytes,
         (Some(_), true) => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,
     };

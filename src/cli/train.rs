@@ -205,16 +205,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         check_resumed_data(r, record);
     }
     let comm_options = comm_options(&args, &settings)?;
-    // Under MPI: this process's rank, with the communication thread running.
-    let mut rank = 0;
-    if let Resolved::Mpi { world } = backend {
-        let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
-        rank = comm.rank();
-        save_dir_lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
-        trainer = trainer
-            .with_backend(Backend::Process(comm))
-            .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
-    }
+    let rank;
+    (rank, trainer, save_dir_lock) = join_mpi(
+        trainer,
+        (&args, backend),
+        comm_options.clone(),
+        save_dir_lock,
+    )?;
     let metrics_path = metrics_path(&args, rank);
     if rank != launch_rank {
         check_paths(&args, metrics_path.as_deref())?;
@@ -263,15 +260,47 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         let tokens_per_step = settings.batch.train_batch_size * gpt.context;
         report_end(&outcome, started, tokens_per_step, backend);
     }
+    finish(&args, (&model, &outcome), rank, &signals)
+}
+
+/// Under MPI: start the communication thread, this process's rank, and rank 0's lock on
+/// --save-dir for the job (taken once the ranks can agree); in-process runs keep `lock` and are
+/// rank 0.
+fn join_mpi<'m>(
+    trainer: Trainer<'m, TrainModel>,
+    (args, backend): (&TrainArgs, Resolved),
+    comm_options: CommOptions,
+    lock: Option<SaveDirLock>,
+) -> anyhow::Result<(usize, Trainer<'m, TrainModel>, Option<SaveDirLock>)> {
+    let Resolved::Mpi { world } = backend else {
+        return Ok((0, trainer, lock));
+    };
+    let (comm, topo) = super::launch::start_mpi(comm_options, world)?;
+    let rank = comm.rank();
+    let lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
+    let trainer = trainer
+        .with_backend(Backend::Process(comm))
+        .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
+    Ok((rank, trainer, lock))
+}
+
+/// The end of a run that returned: a signal's exit code (after saying what was saved), else the
+/// final checks and `--save`'s weights.
+fn finish(
+    args: &TrainArgs,
+    (model, outcome): (&TrainModel, &TrainOutcome),
+    rank: usize,
+    signals: &Signals,
+) -> anyhow::Result<i32> {
     if let Some(code) = signals.exit_code() {
         if rank == 0 {
-            report_interrupted(&signals, &outcome, &args);
+            report_interrupted(signals, outcome, args);
         }
         return Ok(code);
     }
-    check_final(&outcome)?;
+    check_final(outcome)?;
     if rank == 0 {
-        save_final_weights(&args, &model, &outcome)?;
+        save_final_weights(args, model, outcome)?;
     }
     Ok(0)
 }

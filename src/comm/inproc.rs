@@ -386,7 +386,6 @@ impl Exec<'_> {
     }
 
     fn execute(&mut self, call: Call) -> Completion {
-        let world = self.world;
         let n = self.world.size;
         let r = self.meeting.rank;
         match call {
@@ -394,92 +393,14 @@ impl Exec<'_> {
                 self.arrive(None)?;
                 Ok(vec![])
             }
-            Call::AllReduce(mut buf, op) => {
-                let len = buf.len();
-                let esz = buf.dtype().size();
-                let dtype = buf.dtype();
-                if n == 1 {
-                    // The reduction of one buffer is itself (Avg divides by 1, Max of one value).
-                    self.arrive(None)?;
-                    return Ok(vec![buf]);
-                }
-                let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(expose(addr, addr)))?;
-                let departure = Departure::new(world, r);
-                // Rank r alone owns shard r of every buffer until the final meeting: it reduces
-                // shard r of all ranks block by block and writes the result back into shard r of
-                // every rank's buffer (each block read before it is overwritten). One pass, one
-                // read and one write of each byte, no second phase and no staging copy.
-                let mine = shard_range(len, n, r);
-                let sc = &mut *self.scratch;
-                sc.addrs.clear();
-                sc.addrs
-                    .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
-                // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
-                // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
-                // and lives until the final meeting.
-                unsafe { reduce_into(dtype, op, &sc.addrs, &sc.addrs, mine.len(), Store::Cached) };
-                departure.finish_written_by_peers(&self.meeting)?;
-                Ok(vec![buf])
-            }
-            Call::ReduceScatter(input, mut output, op) => {
-                let len = input.len();
-                let esz = input.dtype().size();
-                let mine = shard_range(len, n, r);
-                let dst = [buffer_addr_mut(&mut output)];
-                self.arrive(Some(expose(buffer_addr(&input), dst[0])))?;
-                let departure = Departure::new(world, r);
-                self.scratch.addrs.clear();
-                self.scratch.addrs.extend(
-                    self.scratch
-                        .peers
-                        .iter()
-                        .map(|p| p.input + mine.start * esz),
-                );
-                let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
-                    Store::Streaming
-                } else {
-                    Store::Cached
-                };
-                // SAFETY: inputs are only read until the final meeting; the output is private.
-                unsafe {
-                    reduce_into(
-                        input.dtype(),
-                        op,
-                        &self.scratch.addrs,
-                        &dst,
-                        mine.len(),
-                        store,
-                    )
-                };
-                drop(departure);
-                Ok(vec![input, output])
-            }
+            Call::AllReduce(buf, op) => self.all_reduce(buf, op),
+            Call::ReduceScatter(input, output, op) => self.reduce_scatter(input, output, op),
             Call::AllGather(input, mut output) => {
                 let out = buffer_addr_mut(&mut output);
                 self.push_gather(buffer_addr(&input), out, output.len(), output.dtype())?;
                 Ok(vec![input, output])
             }
-            Call::ReduceScatterInPlace(mut buf, op) => {
-                let len = buf.len();
-                let esz = buf.dtype().size();
-                let dtype = buf.dtype();
-                let mine = shard_range(len, n, r);
-                let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(expose(addr, addr + mine.start * esz)))?;
-                let departure = Departure::new(world, r);
-                let sc = &mut *self.scratch;
-                sc.addrs.clear();
-                sc.addrs
-                    .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
-                let dst = [addr + mine.start * esz];
-                // SAFETY: until the final meeting, shard r of every buffer is read by rank r only
-                // and written by nobody else (peers write only their own shard of their own
-                // buffer); the destination is exactly this rank's source, which the kernel allows.
-                unsafe { reduce_into(dtype, op, &sc.addrs, &dst, mine.len(), Store::Cached) };
-                drop(departure);
-                Ok(vec![buf])
-            }
+            Call::ReduceScatterInPlace(buf, op) => self.reduce_scatter_in_place(buf, op),
             Call::AllGatherInPlace(mut buf) => {
                 let (len, esz) = (buf.len(), buf.dtype().size());
                 let addr = buffer_addr_mut(&mut buf);
@@ -487,19 +408,120 @@ impl Exec<'_> {
                 self.push_gather(addr + mine.start * esz, addr, len, buf.dtype())?;
                 Ok(vec![buf])
             }
-            Call::Broadcast(mut buf, root) => {
-                let bytes = buf.bytes();
-                let addr = buffer_addr_mut(&mut buf);
-                self.arrive(Some(expose(addr, addr)))?;
-                let departure = Departure::new(world, r);
-                if r != root {
-                    // SAFETY: the root's buffer is only read until the final meeting.
-                    unsafe { copy_bytes(self.scratch.peers[root].input, addr, bytes) };
-                }
-                drop(departure);
-                Ok(vec![buf])
-            }
+            Call::Broadcast(buf, root) => self.broadcast(buf, root),
         }
+    }
+
+    /// All-reduce in place: rank r reduces shard r of every rank's buffer into all of them.
+    fn all_reduce(&mut self, mut buf: Buffer, op: ReduceOp) -> Completion {
+        let world = self.world;
+        let n = self.world.size;
+        let r = self.meeting.rank;
+        let len = buf.len();
+        let esz = buf.dtype().size();
+        let dtype = buf.dtype();
+        if n == 1 {
+            // The reduction of one buffer is itself (Avg divides by 1, Max of one value).
+            self.arrive(None)?;
+            return Ok(vec![buf]);
+        }
+        let addr = buffer_addr_mut(&mut buf);
+        self.arrive(Some(expose(addr, addr)))?;
+        let departure = Departure::new(world, r);
+        // Rank r alone owns shard r of every buffer until the final meeting: it reduces
+        // shard r of all ranks block by block and writes the result back into shard r of
+        // every rank's buffer (each block read before it is overwritten). One pass, one
+        // read and one write of each byte, no second phase and no staging copy.
+        let mine = shard_range(len, n, r);
+        let sc = &mut *self.scratch;
+        sc.addrs.clear();
+        sc.addrs
+            .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+        // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
+        // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
+        // and lives until the final meeting.
+        unsafe { reduce_into(dtype, op, &sc.addrs, &sc.addrs, mine.len(), Store::Cached) };
+        departure.finish_written_by_peers(&self.meeting)?;
+        Ok(vec![buf])
+    }
+
+    /// Reduce-scatter: rank r reduces shard r of every rank's input into its own output.
+    fn reduce_scatter(&mut self, input: Buffer, mut output: Buffer, op: ReduceOp) -> Completion {
+        let world = self.world;
+        let n = self.world.size;
+        let r = self.meeting.rank;
+        let len = input.len();
+        let esz = input.dtype().size();
+        let mine = shard_range(len, n, r);
+        let dst = [buffer_addr_mut(&mut output)];
+        self.arrive(Some(expose(buffer_addr(&input), dst[0])))?;
+        let departure = Departure::new(world, r);
+        self.scratch.addrs.clear();
+        self.scratch.addrs.extend(
+            self.scratch
+                .peers
+                .iter()
+                .map(|p| p.input + mine.start * esz),
+        );
+        let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
+            Store::Streaming
+        } else {
+            Store::Cached
+        };
+        // SAFETY: inputs are only read until the final meeting; the output is private.
+        unsafe {
+            reduce_into(
+                input.dtype(),
+                op,
+                &self.scratch.addrs,
+                &dst,
+                mine.len(),
+                store,
+            )
+        };
+        drop(departure);
+        Ok(vec![input, output])
+    }
+
+    /// Reduce-scatter in place: rank r reduces shard r of every buffer into its own shard r.
+    fn reduce_scatter_in_place(&mut self, mut buf: Buffer, op: ReduceOp) -> Completion {
+        let world = self.world;
+        let n = self.world.size;
+        let r = self.meeting.rank;
+        let len = buf.len();
+        let esz = buf.dtype().size();
+        let dtype = buf.dtype();
+        let mine = shard_range(len, n, r);
+        let addr = buffer_addr_mut(&mut buf);
+        self.arrive(Some(expose(addr, addr + mine.start * esz)))?;
+        let departure = Departure::new(world, r);
+        let sc = &mut *self.scratch;
+        sc.addrs.clear();
+        sc.addrs
+            .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+        let dst = [addr + mine.start * esz];
+        // SAFETY: until the final meeting, shard r of every buffer is read by rank r only
+        // and written by nobody else (peers write only their own shard of their own
+        // buffer); the destination is exactly this rank's source, which the kernel allows.
+        unsafe { reduce_into(dtype, op, &sc.addrs, &dst, mine.len(), Store::Cached) };
+        drop(departure);
+        Ok(vec![buf])
+    }
+
+    /// Broadcast: every rank but `root` copies the root's buffer.
+    fn broadcast(&mut self, mut buf: Buffer, root: usize) -> Completion {
+        let world = self.world;
+        let r = self.meeting.rank;
+        let bytes = buf.bytes();
+        let addr = buffer_addr_mut(&mut buf);
+        self.arrive(Some(expose(addr, addr)))?;
+        let departure = Departure::new(world, r);
+        if r != root {
+            // SAFETY: the root's buffer is only read until the final meeting.
+            unsafe { copy_bytes(self.scratch.peers[root].input, addr, bytes) };
+        }
+        drop(departure);
+        Ok(vec![buf])
     }
 }
 

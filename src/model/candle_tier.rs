@@ -1,6 +1,6 @@
 //! The engine's device tier in a candle device's memory ([`crate::zero::device_tier`]): each
 //! unit's parameters in the compute dtype, its fp32 master (a second tensor only when the compute
-//! dtype is not f32), its gradient (in the engine's gradient dtype) and Adam's f32 moments, as flat tensors on the model's
+//! dtype is not f32), its gradient and Adam's moments (in the engine's dtypes for them), as flat tensors on the model's
 //! device, and the engine's arithmetic on them as candle ops: gradient accumulation, the squared
 //! sums, and Adam with the CPU kernel's constants ([`StepConsts`]) and formula. On a GPU a step
 //! then moves no parameter or gradient between host and device. The same code runs on candle's
@@ -11,7 +11,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor};
 
 use crate::optim::adam::StepConsts;
-use crate::zero::device_tier::{tier_bytes, DeviceTier, TierDtypes, UnitValues};
+use crate::zero::device_tier::{DeviceTier, TierDtypes, UnitValues};
 use crate::zero::unit::ModelError;
 
 use super::candle_unit::compute_err;
@@ -20,14 +20,15 @@ use super::candle_unit::compute_err;
 struct TierUnit {
     /// The parameters in the compute dtype (the master itself in f32).
     params: Tensor,
-    /// The dtype the engine stores the parameters in: the master is rounded to it.
-    stored: DType,
     /// The fp32 master.
     master: Tensor,
     /// The gradient, in the engine's gradient dtype.
     grad: Tensor,
+    /// Adam's moments, in the engine's moment dtype (f32 or bf16).
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// The engine's dtypes, which the tier keeps.
+    dtypes: TierDtypes,
 }
 
 /// The device tier of a [`super::Candle`] model: one slot per unit, filled by the engine's
@@ -54,8 +55,8 @@ impl CandleTier {
 
     /// The parameters of `master`: rounded to the dtype the engine stores them in, then in the
     /// compute dtype (no copy where both are f32).
-    fn rounded(&self, master: &Tensor, stored: DType) -> candle_core::Result<Tensor> {
-        let t = match stored {
+    fn rounded(&self, master: &Tensor, stored: crate::comm::DType) -> candle_core::Result<Tensor> {
+        let t = match super::candle_dtype(stored) {
             DType::F32 => master.clone(),
             dtype => master.to_dtype(dtype)?,
         };
@@ -132,27 +133,23 @@ fn missing(unit: usize) -> ModelError {
 }
 
 /// One Adam/AdamW update of a unit's master and moments, the formula of
-/// [`crate::optim::adam`] with its constants, on the unit's device.
+/// [`crate::optim::adam`] with its constants, in f32 on the unit's device (16-bit moments widened
+/// and rounded back once).
 fn adam_unit(u: &TierUnit, c: &StepConsts) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
-    let g = u
-        .grad
-        .to_dtype(DType::F32)?
-        .affine(f64::from(c.grad_scale), 0.0)?;
+    let f = f64::from;
+    let g = u.grad.to_dtype(DType::F32)?.affine(f(c.grad_scale), 0.0)?;
     let (g, decayed) = match c.adamw {
-        true => (g, u.master.affine(f64::from(c.decay), 0.0)?),
-        false => (
-            (g + u.master.affine(f64::from(c.l2), 0.0)?)?,
-            u.master.clone(),
-        ),
+        true => (g, u.master.affine(f(c.decay), 0.0)?),
+        false => ((g + u.master.affine(f(c.l2), 0.0)?)?, u.master.clone()),
     };
-    let m = (&u.exp_avg + (&g - &u.exp_avg)?.affine(f64::from(c.w1), 0.0)?)?;
-    let v = (u.exp_avg_sq.affine(f64::from(c.beta2), 0.0)?
-        + (g.affine(f64::from(c.one_minus_beta2), 0.0)? * &g)?)?;
-    let denom = v
-        .sqrt()?
-        .affine(1.0 / f64::from(c.bc2_sqrt), f64::from(c.eps))?;
-    let master = (decayed + (m.affine(f64::from(c.neg_step_size), 0.0)? / denom)?)?;
-    Ok((master, m, v))
+    let m_old = u.exp_avg.to_dtype(DType::F32)?;
+    let v_old = u.exp_avg_sq.to_dtype(DType::F32)?;
+    let m = (&m_old + (&g - &m_old)?.affine(f(c.w1), 0.0)?)?;
+    let v = (v_old.affine(f(c.beta2), 0.0)? + (g.affine(f(c.one_minus_beta2), 0.0)? * &g)?)?;
+    let denom = v.sqrt()?.affine(1.0 / f(c.bc2_sqrt), f(c.eps))?;
+    let master = (decayed + (m.affine(f(c.neg_step_size), 0.0)? / denom)?)?;
+    let moments = u.exp_avg.dtype();
+    Ok((master, m.to_dtype(moments)?, v.to_dtype(moments)?))
 }
 
 impl DeviceTier for CandleTier {
@@ -171,16 +168,19 @@ impl DeviceTier for CandleTier {
                 values.exp_avg_sq.len()
             )));
         }
-        let put = |v: &[f32]| Tensor::from_slice(v, n, &self.device).map_err(&err);
-        let master = put(&values.master)?;
-        let stored = super::candle_dtype(dtypes.params);
+        let put = |v: &[f32], dtype| {
+            (Tensor::from_slice(v, n, &self.device))
+                .and_then(|t| t.to_dtype(super::candle_dtype(dtype)))
+                .map_err(&err)
+        };
+        let master = put(&values.master, crate::comm::DType::F32)?;
         let grad_dtype = super::candle_dtype(dtypes.grads);
         let state = TierUnit {
-            params: self.rounded(&master, stored).map_err(&err)?,
-            stored,
+            params: self.rounded(&master, dtypes.params).map_err(&err)?,
             grad: Tensor::zeros(n, grad_dtype, &self.device).map_err(&err)?,
-            exp_avg: put(&values.exp_avg)?,
-            exp_avg_sq: put(&values.exp_avg_sq)?,
+            exp_avg: put(&values.exp_avg, dtypes.moments)?,
+            exp_avg_sq: put(&values.exp_avg_sq, dtypes.moments)?,
+            dtypes,
             master,
         };
         let mut units = self.lock();
@@ -196,7 +196,11 @@ impl DeviceTier for CandleTier {
             .get(unit)
             .and_then(Option::as_ref)
             .ok_or_else(|| missing(unit))?;
-        let host = |t: &Tensor| t.to_vec1::<f32>().map_err(&err);
+        let host = |t: &Tensor| {
+            (t.to_dtype(DType::F32))
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(&err)
+        };
         Ok(UnitValues {
             master: host(&u.master)?,
             exp_avg: host(&u.exp_avg)?,
@@ -215,11 +219,13 @@ impl DeviceTier for CandleTier {
     fn grad_squares(&self) -> Result<Vec<f64>, ModelError> {
         let err = compute_err("device tier");
         let units = self.lock();
-        // In f64, as the host tier sums; all units' sums come back in one transfer.
+        // In f64, as the host tier sums (through f32: every backend casts 16-bit floats to it);
+        // all units' sums come back in one transfer.
         let sums = (units.iter().enumerate())
             .map(|(i, u)| {
                 let u = u.as_ref().ok_or_else(|| missing(i))?;
-                (u.grad.to_dtype(DType::F64))
+                (u.grad.to_dtype(DType::F32))
+                    .and_then(|g| g.to_dtype(DType::F64))
                     .and_then(|g| g.sqr())
                     .and_then(|g| g.sum_all())
                     .map_err(&err)
@@ -239,7 +245,7 @@ impl DeviceTier for CandleTier {
             let u = slot.as_mut().ok_or_else(|| missing(i))?;
             let err = compute_err("device tier");
             let (master, m, v) = adam_unit(u, consts).map_err(&err)?;
-            u.params = self.rounded(&master, u.stored).map_err(&err)?;
+            u.params = self.rounded(&master, u.dtypes.params).map_err(&err)?;
             (u.master, u.exp_avg, u.exp_avg_sq) = (master, m, v);
         }
         Ok(())
@@ -249,10 +255,7 @@ impl DeviceTier for CandleTier {
         let units = self.lock();
         let compute = self.dtype.size_in_bytes() as u64;
         (units.iter().flatten())
-            .map(|u| {
-                let grad = u.grad.dtype().size_in_bytes() as u64;
-                tier_bytes(u.master.elem_count() as u64, compute, grad)
-            })
+            .map(|u| u.dtypes.bytes(u.master.elem_count() as u64, compute))
             .sum()
     }
 }

@@ -27,25 +27,58 @@ const BOTTOM: f64 = 140.0;
 /// Renders the chart. Bars taller than three times the device memory are cut at the top of the
 /// axis and labelled with their real total, so that the options near the line stay readable.
 pub fn memory_chart_svg(plan: &Plan, device_memory: u64) -> String {
-    let totals: Vec<u64> = plan
-        .options
-        .iter()
-        .map(|o| o.bytes_per_device.total)
-        .collect();
-    let max_total = totals.iter().copied().max().unwrap_or(0).max(1);
-    let y_max = (max_total
-        .min(device_memory.saturating_mul(3))
-        .max(device_memory) as f64
-        * 1.1)
-        .max(1.0);
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = HEIGHT - TOP - BOTTOM;
-    let y = |bytes: f64| TOP + plot_h - (bytes.min(y_max) / y_max) * plot_h;
-    let n = plan.options.len().max(1) as f64;
-    let slot = plot_w / n;
-    let bar_w = slot * 0.62;
-
+    let frame = Frame::new(plan, device_memory);
     let mut s = String::new();
+    header(&mut s, plan);
+    axis(&mut s, &frame);
+    for (i, o) in plan.options.iter().enumerate() {
+        bar(&mut s, &frame, i, o);
+    }
+    device_line(&mut s, &frame, device_memory);
+    legend(&mut s);
+    s.push_str("</svg>\n");
+    s
+}
+
+/// The plot's scale: the bytes at the top of the axis and the width of each option's slot.
+struct Frame {
+    y_max: f64,
+    plot_w: f64,
+    plot_h: f64,
+    slot: f64,
+    bar_w: f64,
+}
+
+impl Frame {
+    /// The axis reaches the tallest total, but no further than three times the device memory
+    /// (and at least to it), with 10% headroom.
+    fn new(plan: &Plan, device_memory: u64) -> Self {
+        let totals = plan.options.iter().map(|o| o.bytes_per_device.total);
+        let max_total = totals.max().unwrap_or(0).max(1);
+        let y_max = (max_total
+            .min(device_memory.saturating_mul(3))
+            .max(device_memory) as f64
+            * 1.1)
+            .max(1.0);
+        let plot_w = WIDTH - LEFT - RIGHT;
+        let slot = plot_w / plan.options.len().max(1) as f64;
+        Frame {
+            y_max,
+            plot_w,
+            plot_h: HEIGHT - TOP - BOTTOM,
+            slot,
+            bar_w: slot * 0.62,
+        }
+    }
+
+    /// The height of `bytes` on the axis (cut at its top).
+    fn y(&self, bytes: f64) -> f64 {
+        TOP + self.plot_h - (bytes.min(self.y_max) / self.y_max) * self.plot_h
+    }
+}
+
+/// The SVG element, its background and the title.
+fn header(s: &mut String, plan: &Plan) {
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="Helvetica, Arial, sans-serif" font-size="12">"#
@@ -65,15 +98,18 @@ pub fn memory_chart_svg(plan: &Plan, device_memory: u64) -> String {
             plan.precision.name()
         ))
     );
-    // Axis ticks in GB.
-    let step = nice_step(y_max / 1e9 / 6.0);
+}
+
+/// The y axis's ticks in GB, with grid lines, and its title.
+fn axis(s: &mut String, f: &Frame) {
+    let step = nice_step(f.y_max / 1e9 / 6.0);
     let mut tick = 0.0;
-    while tick * 1e9 <= y_max {
-        let ty = y(tick * 1e9);
+    while tick * 1e9 <= f.y_max {
+        let ty = f.y(tick * 1e9);
         let _ = writeln!(
             s,
             r##"<line x1="{LEFT}" y1="{ty:.1}" x2="{:.1}" y2="{ty:.1}" stroke="#e5e5e5"/><text x="{:.1}" y="{:.1}" text-anchor="end">{}</text>"##,
-            LEFT + plot_w,
+            LEFT + f.plot_w,
             LEFT - 6.0,
             ty + 4.0,
             format_tick(tick)
@@ -83,80 +119,87 @@ pub fn memory_chart_svg(plan: &Plan, device_memory: u64) -> String {
     let _ = writeln!(
         s,
         r#"<text x="20" y="{:.1}" transform="rotate(-90 20 {:.1})" text-anchor="middle">GB per device (1e9 bytes)</text>"#,
-        TOP + plot_h / 2.0,
-        TOP + plot_h / 2.0
+        TOP + f.plot_h / 2.0,
+        TOP + f.plot_h / 2.0
     );
-    for (i, o) in plan.options.iter().enumerate() {
-        let b = &o.bytes_per_device;
-        let parts = [
-            b.params,
-            b.grads,
-            b.master,
-            b.adam_m,
-            b.adam_v,
-            b.reduce_buckets + b.scratch_buffers,
-            b.gather_pool,
-            b.persistent_params,
-            b.activations,
-        ];
-        let x = LEFT + slot * i as f64 + (slot - bar_w) / 2.0;
-        let mut base = 0.0;
-        for (bytes, (kind, color)) in parts.iter().zip(KINDS) {
-            if *bytes == 0 || base >= y_max {
-                base += *bytes as f64;
-                continue;
-            }
-            let top = base + *bytes as f64;
-            let (y0, y1) = (y(base), y(top));
-            let _ = writeln!(
-                s,
-                r#"<rect x="{x:.1}" y="{y1:.1}" width="{bar_w:.1}" height="{:.1}" fill="{color}"><title>{}: {}</title></rect>"#,
-                (y0 - y1).max(0.0),
-                escape(kind),
-                format_gb(*bytes)
-            );
-            base = top;
+}
+
+/// Option `i`'s bar, stacked by kind, its total (green if it fits) and its rotated label.
+fn bar(s: &mut String, f: &Frame, i: usize, o: &super::PlanOption) {
+    let b = &o.bytes_per_device;
+    let parts = [
+        b.params,
+        b.grads,
+        b.master,
+        b.adam_m,
+        b.adam_v,
+        b.reduce_buckets + b.scratch_buffers,
+        b.gather_pool,
+        b.persistent_params,
+        b.activations,
+    ];
+    let x = LEFT + f.slot * i as f64 + (f.slot - f.bar_w) / 2.0;
+    let mut base = 0.0;
+    for (bytes, (kind, color)) in parts.iter().zip(KINDS) {
+        if *bytes == 0 || base >= f.y_max {
+            base += *bytes as f64;
+            continue;
         }
-        let total = b.total as f64;
-        let label_y = y(total) - 6.0;
-        let clipped = total > y_max;
+        let top = base + *bytes as f64;
+        let (y0, y1) = (f.y(base), f.y(top));
         let _ = writeln!(
             s,
-            r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="{}">{}{}</text>"##,
-            x + bar_w / 2.0,
-            label_y,
-            if o.fits { "#1a7f37" } else { "#b42318" },
-            if clipped { "&#8593; " } else { "" },
-            escape(&format_gb(b.total))
+            r#"<rect x="{x:.1}" y="{y1:.1}" width="{:.1}" height="{:.1}" fill="{color}"><title>{}: {}</title></rect>"#,
+            f.bar_w,
+            (y0 - y1).max(0.0),
+            escape(kind),
+            format_gb(*bytes)
         );
-        // Option label, rotated under the axis; fits mark above it.
-        let lx = x + bar_w / 2.0;
-        let ly = TOP + plot_h + 14.0;
-        let _ = writeln!(
-            s,
-            r#"<text x="{lx:.1}" y="{ly:.1}" transform="rotate(-35 {lx:.1} {ly:.1})" text-anchor="end">{}</text>"#,
-            escape(&o.label)
-        );
+        base = top;
     }
-    // Device memory line.
-    let my = y(device_memory as f64);
+    let total = b.total as f64;
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="11" fill="{}">{}{}</text>"##,
+        x + f.bar_w / 2.0,
+        f.y(total) - 6.0,
+        if o.fits { "#1a7f37" } else { "#b42318" },
+        if total > f.y_max { "&#8593; " } else { "" },
+        escape(&format_gb(b.total))
+    );
+    // Option label, rotated under the axis.
+    let lx = x + f.bar_w / 2.0;
+    let ly = TOP + f.plot_h + 14.0;
+    let _ = writeln!(
+        s,
+        r#"<text x="{lx:.1}" y="{ly:.1}" transform="rotate(-35 {lx:.1} {ly:.1})" text-anchor="end">{}</text>"#,
+        escape(&o.label)
+    );
+}
+
+/// The dashed device-memory line, and the axes' two lines.
+fn device_line(s: &mut String, f: &Frame, device_memory: u64) {
+    let my = f.y(device_memory as f64);
     let _ = writeln!(
         s,
         r##"<line x1="{LEFT}" y1="{my:.1}" x2="{:.1}" y2="{my:.1}" stroke="#b42318" stroke-width="2" stroke-dasharray="8 5"/><text x="{:.1}" y="{:.1}" fill="#b42318" text-anchor="end">device memory {}</text>"##,
-        LEFT + plot_w,
-        LEFT + plot_w - 4.0,
+        LEFT + f.plot_w,
+        LEFT + f.plot_w - 4.0,
         my - 6.0,
         escape(&format_capacity(device_memory))
     );
     let _ = writeln!(
         s,
         r#"<line x1="{LEFT}" y1="{TOP}" x2="{LEFT}" y2="{:.1}" stroke="black"/><line x1="{LEFT}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="black"/>"#,
-        TOP + plot_h,
-        TOP + plot_h,
-        LEFT + plot_w,
-        TOP + plot_h
+        TOP + f.plot_h,
+        TOP + f.plot_h,
+        LEFT + f.plot_w,
+        TOP + f.plot_h
     );
-    // Legend.
+}
+
+/// The kinds' colours and what the totals' colours and arrow mean.
+fn legend(s: &mut String) {
     let lx = WIDTH - RIGHT + 20.0;
     for (i, (kind, color)) in KINDS.iter().enumerate() {
         let ly = TOP + 10.0 + 22.0 * i as f64;
@@ -175,8 +218,6 @@ pub fn memory_chart_svg(plan: &Plan, device_memory: u64) -> String {
         ly + 18.0,
         ly + 36.0
     );
-    s.push_str("</svg>\n");
-    s
 }
 
 /// 1, 2 or 5 times a power of ten, at least `raw`.

@@ -13,6 +13,7 @@
 //! | `skipped` | whether the step was skipped because its gradients held Inf/NaN (no update; the scheduler does not advance) |
 //! | `tokens_per_s` | the global batch's tokens over this rank's step time |
 //! | `step_time_s` | this rank's step time |
+//! | `phase_s` | where it went, in seconds: `forward`, `recompute` (forward again in backward), `backward`, `comm` (issuing and waiting for collectives), `optimizer` (the Adam step: the CPU Adam's share under offload) |
 //! | `num_params` | Ψ, the model's parameter count (tied weights once) |
 //! | `model_state_bytes` | what the rank holds after the step: `params`, `grads`, `master` (the fp32 master shard under bf16/fp16, 0 in fp32), `optimizer_states`, `buffers` (buckets, gradient and parameter scratch), `gather` (stage-3 pool), `total` |
 //! | `offloaded_bytes` | what offload holds outside the device tier: `host` (master, Adam's moments, stage-3 parameter shards, NVMe stream buffers) and `nvme` (the swap file) |
@@ -52,6 +53,13 @@ pub fn metrics_line(
         "skipped": r.skipped,
         "tokens_per_s": tokens_per_s,
         "step_time_s": r.elapsed.as_secs_f64(),
+        "phase_s": {
+            "forward": r.phases.forward,
+            "recompute": r.phases.recompute,
+            "backward": r.phases.backward,
+            "comm": r.phases.comm,
+            "optimizer": r.phases.optimizer,
+        },
         "num_params": num_params,
         "model_state_bytes": {
             "params": m.params,

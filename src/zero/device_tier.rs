@@ -12,7 +12,7 @@
 //! model implements [`DeviceTier`] (the candle models do, [`crate::model::Candle::with_device_tier`]).
 //!
 //! It applies where no collective needs the gradients or the parameters in host memory and Adam
-//! updates every element in the device tier: one rank, no offload, f32 moments, and an fp32
+//! updates every element in the device tier: one rank, no offload, stages 0-2, and an fp32
 //! master (fp32 training or mixed precision with one) — [`refusal`] says why not otherwise.
 
 use super::config::{EngineConfig, OptimizerTier, ParamTier};
@@ -33,11 +33,13 @@ pub struct UnitValues {
 
 /// The element types the engine keeps, which the tier keeps too so that it computes what the host
 /// tier would: parameters rounded to `params` after every update, gradients accumulated in
-/// `grads` (an fp16 gradient overflows to Inf as the host tier's does, and the step is skipped).
+/// `grads` (an fp16 gradient overflows to Inf as the host tier's does, and the step is skipped),
+/// Adam's moments kept in `moments` (f32, or bf16 updated in f32 and rounded once a step).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TierDtypes {
     pub params: DType,
     pub grads: DType,
+    pub moments: DType,
 }
 
 impl TierDtypes {
@@ -45,7 +47,16 @@ impl TierDtypes {
         TierDtypes {
             params: cfg.param_dtype,
             grads: cfg.grad_accum_dtype,
+            moments: cfg.optimizer_states_dtype,
         }
+    }
+
+    /// Bytes the tier holds for `numel` parameters computing in elements of `compute_bytes`:
+    /// the parameters, an fp32 master unless they are f32, the gradients and the two moments.
+    pub fn bytes(&self, numel: u64, compute_bytes: u64) -> u64 {
+        let master = if compute_bytes == 4 { 0 } else { 4 };
+        let (grads, moments) = (self.grads.size() as u64, self.moments.size() as u64);
+        numel * (compute_bytes + master + grads + 2 * moments)
     }
 }
 
@@ -99,18 +110,7 @@ pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
     if cfg.is_mixed() && !cfg.keeps_fp32_master() {
         return Some("bf16 parameters that are their own master are updated on the CPU");
     }
-    if cfg.optimizer_states_dtype != DType::F32 {
-        return Some("bf16 Adam moments are updated on the CPU");
-    }
     None
-}
-
-/// Bytes a device tier holds for `numel` parameters computing in elements of `compute_bytes`
-/// with gradients of `grad_bytes`: the parameters, an fp32 master unless they are f32, the
-/// gradients and the two f32 moments.
-pub fn tier_bytes(numel: u64, compute_bytes: u64, grad_bytes: u64) -> u64 {
-    let master = if compute_bytes == 4 { 0 } else { 4 };
-    numel * (compute_bytes + master + grad_bytes + 8)
 }
 
 #[cfg(test)]
@@ -140,16 +140,20 @@ mod tests {
         let mut own_master = EngineConfig::new(Stage::Zero0, 1).with_precision(DType::BF16);
         own_master.bf16_master_weights = true;
         assert!(refusal(&own_master).unwrap().contains("own master"));
-        let mut moments = EngineConfig::new(Stage::Zero0, 1).with_precision(DType::BF16);
-        moments.optimizer_states_dtype = DType::BF16;
-        assert!(refusal(&moments).unwrap().contains("moments"));
     }
 
     #[test]
-    fn the_tier_holds_sixteen_bytes_a_parameter_in_fp32_and_sixteen_in_bf16() {
-        assert_eq!(tier_bytes(1000, 4, 4), 16_000);
+    fn the_tier_holds_sixteen_bytes_a_parameter_in_fp32_and_in_bf16() {
+        let fp32 = TierDtypes::of(&EngineConfig::new(Stage::Zero0, 1));
+        assert_eq!(fp32.bytes(1000, 4), 16_000);
         // bf16 parameters and gradients, the fp32 master and moments: ZeRO's 16 bytes.
-        assert_eq!(tier_bytes(1000, 2, 2), 16_000);
-        assert_eq!(tier_bytes(1000, 2, 4), 18_000);
+        let mut cfg = EngineConfig::new(Stage::Zero0, 1).with_precision(DType::BF16);
+        cfg.grad_accum_dtype = DType::BF16;
+        assert_eq!(TierDtypes::of(&cfg).bytes(1000, 2), 16_000);
+        cfg.grad_accum_dtype = DType::F32;
+        assert_eq!(TierDtypes::of(&cfg).bytes(1000, 2), 18_000);
+        // bf16 moments: 4 bytes fewer.
+        cfg.optimizer_states_dtype = DType::BF16;
+        assert_eq!(TierDtypes::of(&cfg).bytes(1000, 2), 14_000);
     }
 }
