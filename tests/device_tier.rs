@@ -11,7 +11,7 @@ use zerodp::comm::run_ranks;
 use zerodp::config::{load_str, ResolveContext, Settings};
 use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig};
 use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
-use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
+use zerodp::zero::{Engine, EngineConfig, EngineError, OptimizerTier, Stage};
 
 const GLOBAL: usize = 8;
 
@@ -120,12 +120,12 @@ fn assert_follows(got: &Run, want: &Run, tol: f32, what: &str) {
 /// The same run with the tier on the model's device and in the engine's host buffers: the
 /// same losses, skipped steps (fp16 gradients overflow in both) and parameters, up to the
 /// rounding of the candle ops' order (f32 to 1e-5; bf16 and fp16 to 2e-3, where one such
-/// difference can flip a 16-bit rounding), at stages 0-2.
+/// difference can flip a 16-bit rounding), at every stage (one rank holds everything at each).
 #[test]
 fn the_device_tier_trains_as_the_host_tier() {
     let (host, device) = (gpt(false), gpt(true));
     for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (BF16_MOMENTS, 2e-3), (FP16, 2e-3)] {
-        for stage in 0..=2u8 {
+        for stage in 0..=3u8 {
             let s = settings(stage, precision);
             let want = run(&host, &s, 8, None, None);
             let got = run(&device, &s, 8, None, None);
@@ -160,17 +160,15 @@ fn a_device_tier_run_resumes_bit_for_bit() {
 #[test]
 fn the_engine_refuses_the_tier_where_the_run_needs_host_memory() {
     let model = gpt(true);
-    for (stage, world, why) in [
-        (Stage::Zero0, 2, "more than one rank"),
-        (Stage::Zero3, 1, "stage 3"),
+    let mut offloaded = EngineConfig::new(Stage::Zero2, 1);
+    offloaded.offload_optimizer = OptimizerTier::Host;
+    for (cfg, why) in [
+        (EngineConfig::new(Stage::Zero0, 2), "more than one rank"),
+        (offloaded, "offload_optimizer"),
     ] {
-        let e = run_ranks(world, Default::default(), |comm, _| {
-            let cfg = EngineConfig::new(stage, world);
-            Ok::<_, EngineError>(
-                Engine::new(&model, &*comm, cfg)
-                    .err()
-                    .map(|e| e.to_string()),
-            )
+        let e = run_ranks(cfg.world_size, Default::default(), |comm, _| {
+            let refused = Engine::new(&model, &*comm, cfg.clone()).err();
+            Ok::<_, EngineError>(refused.map(|e| e.to_string()))
         })
         .unwrap();
         let e = e[0].clone().expect("refused");

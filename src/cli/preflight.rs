@@ -393,9 +393,10 @@ fn address_space_limit() -> Option<u64> {
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
 /// the start. With the device tier there ([`device_tier::refusal`]: one rank, no offload) the
-/// parameters, the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every unit's parameters stay on the GPU between steps in the compute
-/// dtype, once for all the ranks sharing it; at stage 3 each rank's largest unit's parameters and
-/// gradients are there while it runs. Beside them each rank's activations of one micro-step and
+/// parameters, the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every
+/// unit's parameters stay on the GPU between steps in the compute dtype, once for all the ranks
+/// sharing it; at stage 3 each rank's largest unit's parameters and gradients are there while it
+/// runs. Beside them each rank's activations of one micro-step and
 /// the graph's copies of the weights, sized as the planner sizes the GPT's on the fused CPU kernels
 /// in the compute dtype (with the engine's recomputation): a lower bound, since the composite ops a
 /// GPU runs keep more. `ranks` is how many ranks share the GPU (in-process ranks all do). A run whose
@@ -426,16 +427,20 @@ pub fn check_gpu(
         format_gb(gpu.free_bytes)
     );
     if need > gpu.free_bytes {
-        let offload = match device_tier::refusal(engine) {
-            None => "set offload_optimizer to cpu (the master and Adam's moments in host memory), ",
-            Some(_) => "",
+        let fix = match device_tier::refusal(engine) {
+            None => {
+                "Set offload_optimizer to cpu (the fp32 master and Adam's moments then live in \
+                 host memory, and at ZeRO stage 3 the parameters are copied to the GPU unit by \
+                 unit), lower train_micro_batch_size_per_gpu, turn on activation checkpointing, \
+                 or train in bf16"
+            }
+            Some(_) => {
+                "Lower train_micro_batch_size_per_gpu, turn on activation checkpointing, train in \
+                 bf16, or use ZeRO stage 3 (the parameters are then copied to the GPU unit by \
+                 unit, not kept there)"
+            }
         };
-        bail!(
-            "the run does not fit on the GPU: {summary}. {offload}Lower \
-             train_micro_batch_size_per_gpu, turn on activation checkpointing, train in bf16, or \
-             use ZeRO stage 3 (the parameters are then copied to the GPU unit by unit, not kept \
-             there)"
-        );
+        bail!("the run does not fit on the GPU: {summary}. {fix}");
     }
     Ok(summary)
 }

@@ -251,6 +251,12 @@ impl DeviceTier for CandleTier {
         Ok(())
     }
 
+    fn synchronize(&self) -> Result<(), ModelError> {
+        self.device
+            .synchronize()
+            .map_err(compute_err("device tier"))
+    }
+
     fn bytes(&self) -> u64 {
         let units = self.lock();
         let compute = self.dtype.size_in_bytes() as u64;

@@ -266,9 +266,9 @@ impl<T: CandleUnits> Candle<T> {
     /// unit's parameters, fp32 master, gradient and Adam's moments stay on the device, backward
     /// accumulates into them there and the engine's Adam runs there, so that a step moves no
     /// parameter or gradient between host and device. Costs 16 bytes a parameter of device memory
-    /// (18 in bf16 or fp16). The engine refuses it where the run needs its state in host memory
-    /// ([`crate::zero::device_tier::refusal`]: more than one rank, offload, stage 3). `train` and
-    /// `bench train` turn it on on a GPU where it applies.
+    /// (18 with f32 gradients of 16-bit parameters). The engine refuses it where the run needs
+    /// its state in host memory ([`crate::zero::device_tier::refusal`]: more than one rank,
+    /// offload). `train` and `bench train` turn it on on a GPU where it applies.
     pub fn with_device_tier(mut self, on: bool) -> Self {
         let units = self.units.spec().units.len();
         let tier = super::candle_tier::CandleTier::new(self.device.clone(), self.dtype, units);
@@ -408,8 +408,11 @@ impl<T: CandleUnits> Candle<T> {
         batch: &T::Batch,
     ) -> Result<&UnitSpec, ModelError> {
         let spec = self.unit_spec(unit)?;
-        let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
-        self.check_groups(spec, &lengths)?;
+        // With the device tier loaded the engine passes no parameters: the tier holds them.
+        if self.loaded_tier().is_none() {
+            let lengths: Vec<usize> = params.iter().map(|p| p.len()).collect();
+            self.check_groups(spec, &lengths)?;
+        }
         self.check_dtype()?;
         self.units.check_batch(batch)?;
         if unit > 0 && input.is_none() {

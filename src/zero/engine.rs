@@ -399,9 +399,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         for u in 0..self.layout.num_units() {
             let numel = self.layout.units[u].numel;
             let us = &self.units[u];
+            // One rank updates every element: the updated part is the whole unit.
             let master = match &us.master {
                 Some(m) => m[..numel].to_vec(),
-                None => as_f32(self.state.params(u), 0..numel).into_owned(),
+                None => self.fp32_updated_params(u)?[..numel].to_vec(),
             };
             let (m, v) = us.adam.f32_range(0..numel);
             let values = UnitValues {
@@ -647,6 +648,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             }
             self.phases.comm += t.elapsed().as_secs_f64();
         }
+        // A device runs backward asynchronously: its time is backward's, not the next phase's.
+        if let Some(device) = self.device {
+            let t = Instant::now();
+            device.synchronize()?;
+            self.phases.backward += t.elapsed().as_secs_f64();
+        }
         Ok(())
     }
 
@@ -876,6 +883,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if let Some(device) = self.device {
             let step = self.units.first().map_or(0, |u| u.adam.step) + 1;
             device.adam(&StepConsts::new(&hp, step, grad_scale))?;
+            device.synchronize()?;
             self.units.iter_mut().for_each(|u| u.adam.step = step);
             self.host_behind = true;
             self.phases.optimizer += t.elapsed().as_secs_f64();
@@ -969,6 +977,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Stage 3: gather visit `pos`'s units (and prefetch what fits).
     fn acquire(&mut self, pos: usize) -> Result<(), GatherError> {
+        if self.device.is_some() {
+            // The model reads the device tier's parameters.
+            return Ok(());
+        }
         if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
             let t = Instant::now();
             coordinator.acquire(pos, self.comm, &mut self.ledger)?;
@@ -979,6 +991,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Stage 3: release visit `pos`'s units that the next visit does not need.
     fn release(&mut self, pos: usize) {
+        if self.device.is_some() {
+            return;
+        }
         if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
             coordinator.release(pos);
         }
@@ -1003,6 +1018,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// The unpadded f32 parameters unit `unit` reads: its own, then those of the units it uses
     /// (under mixed precision, as [`Engine::widen_params`] left them).
     fn param_slices(&self, unit: usize) -> Vec<&[f32]> {
+        if self.device.is_some() {
+            // The model reads the device tier's parameters.
+            return vec![&[]; self.units[unit].reads.len()];
+        }
         let mixed = self.cfg.is_mixed();
         self.units[unit]
             .reads

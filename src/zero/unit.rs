@@ -219,7 +219,7 @@ pub trait UnitModel: Send + Sync {
     /// The device tier in this model's device memory, when the model holds it there
     /// ([`crate::zero::device_tier`]): the engine then keeps parameters, gradients and Adam's
     /// state in it, and `forward` and `backward` read and add to the tier instead of `params` and
-    /// `grads` (which the engine passes empty, or stale, while it does). [default: none]
+    /// `grads`, which the engine passes empty while it does. [default: none]
     fn device_tier(&self) -> Option<&dyn crate::zero::DeviceTier> {
         None
     }

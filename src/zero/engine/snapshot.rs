@@ -174,7 +174,7 @@ impl<M: UnitModel> Engine<'_, M> {
     /// Without an fp32 master (fp32 training, or bf16 parameters that are their own master): the
     /// parameters over the updated part as f32 (read from the parameter swap file under
     /// `offload_param` to NVMe; bf16 widened exactly).
-    fn fp32_updated_params(&self, unit: usize) -> Result<Cow<'_, [f32]>, EngineError> {
+    pub(super) fn fp32_updated_params(&self, unit: usize) -> Result<Cow<'_, [f32]>, EngineError> {
         let updated = self.units[unit].updated.clone();
         Ok(match &self.state.stage {
             StageState::ShardedParams { coordinator, .. } => match coordinator.shards() {
