@@ -158,15 +158,7 @@ impl ModelArgs {
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let backend = super::launch::resolve(args.backend, args.world_size)?;
     let world = backend.world();
-    let hf = args.hf.read()?;
-    let gpt = match &hf {
-        Some(m) => m.config.gpt.clone(),
-        None => args.model.build("demo")?,
-    };
-    // The tokenizer sizes the model's vocabulary, so it is read first (the data after the checks).
-    let (gpt, tokenizer) = args
-        .data
-        .fit_model(gpt, args.hf.model_dir.as_deref(), hf.is_some())?;
+    let (hf, gpt, tokenizer) = what_to_train(&args)?;
     let settings = load_settings(&args, backend, &gpt)?;
     // Outputs are checked before any work; under MPI with this rank's metrics file (the
     // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
@@ -226,13 +218,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         (&settings, hf.as_ref(), data_record),
         resume,
     );
-    let metrics = match &metrics_path {
-        Some(p) => Some(
-            MetricsFile::create(p)
-                .with_context(|| format!("creating metrics file {}", p.display()))?,
-        ),
-        None => None,
-    };
+    let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
         print_compute(&device, gpu_memory.as_deref(), &engine_cfg);
@@ -261,6 +247,32 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         report_end(&outcome, started, tokens_per_step, backend);
     }
     finish(&args, (&model, &outcome), rank, &signals)
+}
+
+/// The Hugging Face model (`--model-dir`, `--model-config`), the GPT's shape and the tokenizer,
+/// which is read first because it sizes the model's vocabulary (the data is read after the
+/// checks).
+fn what_to_train(
+    args: &TrainArgs,
+) -> anyhow::Result<(
+    Option<super::hf_model::HfModel>,
+    GptConfig,
+    Option<zerodp::model::TextTokenizer>,
+)> {
+    let hf = args.hf.read()?;
+    let gpt = match &hf {
+        Some(m) => m.config.gpt.clone(),
+        None => args.model.build("demo")?,
+    };
+    let (gpt, tokenizer) = args
+        .data
+        .fit_model(gpt, args.hf.model_dir.as_deref(), hf.is_some())?;
+    Ok((hf, gpt, tokenizer))
+}
+
+/// `--metrics FILE`, created before the first step.
+fn open_metrics(path: &Path) -> anyhow::Result<MetricsFile> {
+    MetricsFile::create(path).with_context(|| format!("creating metrics file {}", path.display()))
 }
 
 /// Under MPI: start the communication thread, this process's rank, and rank 0's lock on
