@@ -8,8 +8,8 @@ use zerodp::limits::MAX_DEVICES;
 use zerodp::planner::{
     self, config_precision, format_capacity, format_gb, format_seconds, interconnect,
     memory_chart_svg, parse_bandwidth, parse_bytes, parse_count, parse_latency, Algorithm,
-    BufferOverrides, Cluster, Collective, ConfigKeys, GptShape, HostLinks, ModelSize, Offload,
-    Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
+    BufferOverrides, Cluster, Collective, ConfigKeys, GptShape, HostLinks, Link, ModelSize,
+    Offload, Plan, PlanInput, PlanOption, Precision, INTERCONNECTS,
 };
 
 /// `zerodp plan`'s flags, boxed so that the subcommand enum stays small.
@@ -266,9 +266,9 @@ fn hf_model_size(path: &std::path::Path) -> anyhow::Result<ModelSize> {
     Ok(size)
 }
 
-/// Flags and config into the planner's input.
-pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
-    let model = if let Some(p) = &args.params {
+/// The model of `--params`, `--model-config`, `--preset` or `--layers/--width/--heads`.
+fn model_size(args: &PlanFlags) -> anyhow::Result<ModelSize> {
+    Ok(if let Some(p) = &args.params {
         let largest = args
             .largest_unit
             .as_deref()
@@ -291,27 +291,12 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
         anyhow::bail!(
             "no model given: pass --params 7.5e9 [--largest-unit N], --preset gpt2-xl, --model-config config.json, or --layers L --width W --heads H [--vocab V --context C]"
         );
-    };
-    let cli_precision = match args.precision.as_deref() {
-        Some("bf16") => Some(Precision::Bf16),
-        Some("fp16") => Some(Precision::Fp16),
-        Some("fp32") => Some(Precision::Fp32),
-        _ => None,
-    };
-    let (nodes, devices_per_node) = layout(args)?;
-    let keys = match &args.config {
-        Some(path) => Some(load_config(
-            path,
-            args,
-            &model,
-            nodes * devices_per_node,
-            cli_precision,
-        )?),
-        None => None,
-    };
-    let precision = cli_precision
-        .or_else(|| keys.as_ref().map(|k| k.precision))
-        .unwrap_or(Precision::Bf16);
+    })
+}
+
+/// The intra-node and inter-node links: the presets (`--intra-node`, InfiniBand NDR between nodes,
+/// or the one `--interconnect` names), then each bandwidth and latency given.
+fn links(args: &PlanFlags) -> anyhow::Result<(Link, Link)> {
     let mut intra = interconnect(&args.intra_node)?;
     let mut inter = interconnect("ib-ndr")?;
     if let Some(name) = &args.interconnect {
@@ -334,6 +319,33 @@ pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
     if let Some(l) = &args.inter_latency {
         inter.latency = parse_latency(l, "--inter-latency")?;
     }
+    Ok((intra, inter))
+}
+
+/// Flags and config into the planner's input.
+pub fn build_input(args: &PlanFlags) -> anyhow::Result<PlanInput> {
+    let model = model_size(args)?;
+    let cli_precision = match args.precision.as_deref() {
+        Some("bf16") => Some(Precision::Bf16),
+        Some("fp16") => Some(Precision::Fp16),
+        Some("fp32") => Some(Precision::Fp32),
+        _ => None,
+    };
+    let (nodes, devices_per_node) = layout(args)?;
+    let keys = match &args.config {
+        Some(path) => Some(load_config(
+            path,
+            args,
+            &model,
+            nodes * devices_per_node,
+            cli_precision,
+        )?),
+        None => None,
+    };
+    let precision = cli_precision
+        .or_else(|| keys.as_ref().map(|k| k.precision))
+        .unwrap_or(Precision::Bf16);
+    let (intra, inter) = links(args)?;
     let default_flops = if precision == Precision::Fp32 {
         60e12
     } else {

@@ -572,7 +572,13 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
 /// Refuses inputs a run would refuse (no device, no accumulation step, an empty bucket) and
 /// sizes beyond [`crate::limits`], so that the sums and products of [`plan_option`] stay exact.
 fn validate(input: &PlanInput) -> Result<(), PlanError> {
-    let c = &input.cluster;
+    validate_cluster(&input.cluster)?;
+    validate_model(&input.model)?;
+    validate_step(input)
+}
+
+/// The cluster's devices, memories, FLOP rate and links.
+fn validate_cluster(c: &Cluster) -> Result<(), PlanError> {
     if c.nodes == 0 || c.devices_per_node == 0 {
         return Err(PlanError::Input(
             "the cluster needs at least one node with one device".into(),
@@ -603,19 +609,6 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             )));
         }
     }
-    let m = &input.model;
-    if m.params == 0 || m.params > MAX_PARAMS {
-        return Err(PlanError::Input(format!(
-            "the model has {} parameters; zerodp plans 1 to {:.0e}",
-            m.params, MAX_PARAMS as f64
-        )));
-    }
-    if m.largest_unit == 0 || m.largest_unit > m.params {
-        return Err(PlanError::Input(format!(
-            "the largest unit has {} elements; it must be at least 1 and at most the model's {}",
-            m.largest_unit, m.params
-        )));
-    }
     if !positive(c.device_flops) {
         return Err(PlanError::Input(
             "--flops must be more than 0 (for example 4e14)".into(),
@@ -629,6 +622,28 @@ fn validate(input: &PlanInput) -> Result<(), PlanError> {
             )));
         }
     }
+    Ok(())
+}
+
+/// The model's parameter count and largest unit.
+fn validate_model(m: &ModelSize) -> Result<(), PlanError> {
+    if m.params == 0 || m.params > MAX_PARAMS {
+        return Err(PlanError::Input(format!(
+            "the model has {} parameters; zerodp plans 1 to {:.0e}",
+            m.params, MAX_PARAMS as f64
+        )));
+    }
+    if m.largest_unit == 0 || m.largest_unit > m.params {
+        return Err(PlanError::Input(format!(
+            "the largest unit has {} elements; it must be at least 1 and at most the model's {}",
+            m.largest_unit, m.params
+        )));
+    }
+    Ok(())
+}
+
+/// The step's micro-batch, sequence length and accumulation, and the activations they make.
+fn validate_step(input: &PlanInput) -> Result<(), PlanError> {
     for (flag, v) in [
         ("--micro-batch", input.micro_batch),
         ("--seq-len", input.seq_len),
