@@ -11,6 +11,7 @@ use zerodp::comm::run_ranks;
 use zerodp::config::{load_str, ResolveContext, Settings};
 use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig};
 use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
+use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{Engine, EngineConfig, EngineError, OptimizerTier, Stage};
 
 const GLOBAL: usize = 8;
@@ -177,7 +178,8 @@ fn the_engine_refuses_the_tier_where_the_run_needs_host_memory() {
 }
 
 /// After a step on the device the host buffers are behind: the optimizer state is refused until
-/// `sync_host` brings it back, and then it is what the step made.
+/// `sync_host` brings it back, and then it is what the step made. The step reports the tier's
+/// bytes: 16 a parameter in fp32.
 #[test]
 fn the_host_copy_is_read_only_after_a_sync() {
     let model = gpt(true);
@@ -187,7 +189,10 @@ fn the_host_copy_is_read_only_after_a_sync() {
         let mut engine = Engine::new(&model, &*comm, cfg)?;
         let before = engine.optimizer_state(1)?.master.into_owned();
         let batch = loader().micro_batch(0, GLOBAL, 1, 0, GLOBAL, 0).unwrap();
-        engine.train_step(&[batch], 1e-3)?;
+        let report = engine.train_step(&[batch], 1e-3)?;
+        // fp32: the parameters (their own master), the gradients and two moments.
+        let psi = model.spec().num_params() as u64;
+        assert_eq!(report.device_tier_bytes, 16 * psi);
         assert!(matches!(
             engine.optimizer_state(1),
             Err(EngineError::HostBehind)

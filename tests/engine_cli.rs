@@ -88,6 +88,7 @@ fn train_writes_one_metrics_line_per_step_and_rank() {
                 .map(|k| l["phase_s"][k].as_f64().unwrap())
                 .sum();
             assert!(l["phase_s"]["optimizer"].as_f64().unwrap() > 0.0);
+            assert_eq!(l["device_tier_bytes"], 0, "no GPU: the host holds the tier");
             assert!(phases <= l["step_time_s"].as_f64().unwrap() * 1.001);
             assert!(l["grad_norm"].as_f64().unwrap() > 0.0);
             assert!((l["lr"].as_f64().unwrap() - 3e-3).abs() < 1e-9);

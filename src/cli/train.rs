@@ -603,6 +603,13 @@ fn report_end(outcome: &TrainOutcome, started: Instant, tokens_per_step: usize, 
             human_bytes(last.memory.total),
             human_bytes(last.peak_bytes)
         );
+        if last.device_tier_bytes > 0 {
+            errln!(
+                "GPU: the device tier holds {} (parameters, gradients, fp32 master, Adam's \
+                 moments; the host holds its mirror)",
+                human_bytes(last.device_tier_bytes)
+            );
+        }
     }
     if let Some(peak) = peak_resident_bytes() {
         let in_process = match backend {

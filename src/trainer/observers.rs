@@ -19,6 +19,7 @@
 //! | `offloaded_bytes` | what offload holds outside the device tier: `host` (master, Adam's moments, stage-3 parameter shards, NVMe stream buffers) and `nvme` (the swap file) |
 //! | `nvme_io_bytes` | bytes this rank has `read` from and `written` to its NVMe swap file since the start (0 without NVMe offload) |
 //! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
+//! | `device_tier_bytes` | what the device tier holds in GPU memory when it is there (one GPU without offload: parameters, gradients, master and moments; `model_state_bytes` are then its host mirror), else 0 |
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
 use super::{StepEvent, StepObserver, TrainerError};
@@ -73,6 +74,7 @@ pub fn metrics_line(
         "offloaded_bytes": { "host": m.offloaded_host, "nvme": m.offloaded_nvme },
         "nvme_io_bytes": { "read": r.swap_io.0, "written": r.swap_io.1 },
         "peak_bytes": r.peak_bytes,
+        "device_tier_bytes": r.device_tier_bytes,
         "sent_bytes": traffic.sent_bytes,
         "recv_bytes": traffic.recv_bytes,
         "calls": CollectiveKind::ALL

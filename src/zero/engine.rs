@@ -157,6 +157,9 @@ pub struct StepReport {
     pub peak_bytes: u64,
     /// The largest the stage-3 gather pool has been so far (0 at other stages).
     pub peak_gather_bytes: u64,
+    /// Bytes the device tier holds in the model's device memory (a GPU's) when the model holds it
+    /// there ([`super::device_tier`]), 0 otherwise. `memory` is then the host buffers, its mirror.
+    pub device_tier_bytes: u64,
     /// Bytes read from and written to this rank's NVMe swap files (optimizer states and parameter
     /// shards) so far (`(0, 0)` without NVMe offload).
     pub swap_io: (u64, u64),
@@ -970,6 +973,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             memory: self.ledger.snapshot(),
             peak_bytes: self.ledger.peak(),
             peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
+            device_tier_bytes: self.device.map_or(0, |d| d.bytes()),
             swap_io: self.swap_traffic(),
             phases: self.phases,
         }
