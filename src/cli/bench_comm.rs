@@ -353,12 +353,7 @@ fn run_size(
 pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     let (n, mpi) = world_of(&args)?;
     let dtype = args.dtype.dtype();
-    let sizes = parse_sizes(&args.sizes)?;
-    for &s in &sizes {
-        if s % dtype.size() != 0 {
-            bail!("size {s} bytes is not a whole number of {dtype} elements");
-        }
-    }
+    let sizes = message_sizes(&args.sizes, dtype)?;
     let mut options = CommOptions::from_env()?;
     if let Some(t) = args.timeout {
         options.timeout = super::timeout_flag(t)?;
@@ -382,24 +377,8 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         _ => (vec![1.0], vec![1.0]),
     };
 
-    let all_cases = |comm: &dyn Communicator| -> Result<Vec<Vec<f64>>, CommError> {
-        // The times of every case in `cases` order: sizes one after the other, the cases of one
-        // size interleaved.
-        let mut times = vec![Vec::new(); cases.len()];
-        let mut distinct = sizes.clone();
-        distinct.sort_unstable();
-        distinct.dedup();
-        for &size in &distinct {
-            let of_size: Vec<usize> = (0..cases.len())
-                .filter(|&c| cases[c].bytes == size)
-                .collect();
-            let picked: Vec<Case> = of_size.iter().map(|&c| cases[c]).collect();
-            let measured = run_size(comm, &picked, dtype, args.warmup, args.iters)?;
-            for (c, t) in of_size.into_iter().zip(measured) {
-                times[c] = t;
-            }
-        }
-        Ok(times)
+    let all_cases = |comm: &dyn Communicator| {
+        time_cases(comm, (&cases, &sizes), dtype, (args.warmup, args.iters))
     };
     let (one, all, per_rank, raw, header) = if mpi {
         let m = mpi_times(&args, options, n, &cases, &all_cases, &measure)?;
@@ -480,6 +459,40 @@ fn world_of(args: &BenchCommArgs) -> anyhow::Result<(usize, bool)> {
         bail!("--iters and --warmup take at most {MAX_ROUNDS} rounds each");
     }
     Ok((n, mpi))
+}
+
+/// `--sizes`, each a whole number of `dtype` elements.
+fn message_sizes(text: &str, dtype: DType) -> anyhow::Result<Vec<usize>> {
+    let sizes = parse_sizes(text)?;
+    if let Some(s) = sizes.iter().find(|&&s| s % dtype.size() != 0) {
+        bail!("size {s} bytes is not a whole number of {dtype} elements");
+    }
+    Ok(sizes)
+}
+
+/// The times of every case of `cases` (built from `sizes`), in `cases` order: the sizes one after
+/// the other, the cases of one size interleaved.
+fn time_cases(
+    comm: &dyn Communicator,
+    (cases, sizes): (&[Case], &[usize]),
+    dtype: DType,
+    (warmup, iters): (usize, usize),
+) -> Result<Vec<Vec<f64>>, CommError> {
+    let mut times = vec![Vec::new(); cases.len()];
+    let mut distinct = sizes.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    for &size in &distinct {
+        let of_size: Vec<usize> = (0..cases.len())
+            .filter(|&c| cases[c].bytes == size)
+            .collect();
+        let picked: Vec<Case> = of_size.iter().map(|&c| cases[c]).collect();
+        let measured = run_size(comm, &picked, dtype, warmup, iters)?;
+        for (c, t) in of_size.into_iter().zip(measured) {
+            times[c] = t;
+        }
+    }
+    Ok(times)
 }
 
 /// One case's result from its iterations' times (the median) on `n` ranks of `dtype` elements;
