@@ -176,35 +176,39 @@ fn resident_parameters_follow_every_update() {
 /// sharing the GPU (and its one copy of the parameters) at stage 2 give the CPU's losses.
 #[test]
 fn gpu_resident_parameters_equal_the_cpu() {
-    let Some(gpu) = gpu_or_skip("gpu_resident_parameters_equal_the_cpu") else {
-        return;
-    };
-    let device = zerodp::model::candle_device(Some(&gpu)).unwrap();
-    let cpu = GptModel::new(GptConfig::tiny()).unwrap();
-    let on_gpu = GptModel::on_device(GptConfig::tiny(), DType::F32, device)
-        .unwrap()
-        .with_resident_params(true);
-    let want = losses(&cpu, Stage::Zero2, 2);
-    let got = losses(&on_gpu, Stage::Zero2, 2);
-    assert_close(&got, &want, "resident parameters on the GPU vs the CPU");
+    let keep = |m: GptModel| m.with_resident_params(true);
+    assert_gpu_follows_cpu(
+        "gpu_resident_parameters_equal_the_cpu",
+        keep,
+        (Stage::Zero2, 2),
+    );
 }
 
 /// What `train` runs on one GPU without offload: the device tier there (parameters, gradients and
 /// Adam's state on the GPU, Adam as GPU ops). The CPU's losses to 1e-4 relative over 10 steps.
 #[test]
 fn gpu_device_tier_equals_the_cpu() {
-    let Some(gpu) = gpu_or_skip("gpu_device_tier_equals_the_cpu") else {
+    let tier = |m: GptModel| m.with_device_tier(true);
+    assert_gpu_follows_cpu("gpu_device_tier_equals_the_cpu", tier, (Stage::Zero0, 1));
+}
+
+/// The tiny GPT on the GPU, set up by `setup`, gives the CPU's losses to 1e-4 relative at `stage`
+/// on `world` ranks (skipped, saying why, without a GPU).
+fn assert_gpu_follows_cpu(
+    test: &str,
+    setup: impl Fn(GptModel) -> GptModel,
+    (stage, world): (Stage, usize),
+) {
+    let Some(gpu) = gpu_or_skip(test) else {
         return;
     };
     let device = zerodp::model::candle_device(Some(&gpu)).unwrap();
     let cpu = GptModel::new(GptConfig::tiny()).unwrap();
-    let on_gpu = GptModel::on_device(GptConfig::tiny(), DType::F32, device)
-        .unwrap()
-        .with_device_tier(true);
-    let want = losses(&cpu, Stage::Zero0, 1);
-    let got = losses(&on_gpu, Stage::Zero0, 1);
-    eprintln!("device tier: cpu {want:?}\n  gpu {got:?}");
-    assert_close(&got, &want, "the device tier on the GPU vs the CPU");
+    let on_gpu = setup(GptModel::on_device(GptConfig::tiny(), DType::F32, device).unwrap());
+    let want = losses(&cpu, stage, world);
+    let got = losses(&on_gpu, stage, world);
+    eprintln!("{test}: cpu {want:?}\n  gpu {got:?}");
+    assert_close(&got, &want, &format!("{test}: the GPU vs the CPU"));
 }
 
 /// A Llama of 2 layers, width 64, 4 query heads on 2 key/value heads, an untied head.

@@ -353,7 +353,7 @@ fn measure_all(
 }
 
 /// Each row's device, model FLOP rate and, on the CPU, the machine's GEMM rate and the MFU
-/// against it (probed once per split of ranks and threads); on a GPU where Adam ran.
+/// against it (probed once per split of ranks and threads); on a GPU no utilisation.
 fn fill_rates(
     args: &BenchTrainArgs,
     bench: &BenchModel,
@@ -369,11 +369,6 @@ fn fill_rates(
         if bench.device.gpu.is_some() {
             // The CPU's GEMM rate says nothing of a GPU run: no utilisation is claimed.
             r.gemm_path = "cuda";
-            let stage = Stage::from_index(r.stage).unwrap_or(Stage::Zero3);
-            let cfg = case_config(args, (stage, r.offload), r.world_size)?;
-            if zerodp::zero::device_tier::refusal(&cfg).is_none() {
-                r.adam_on = "gpu";
-            }
             continue;
         }
         let key = (r.world_size, r.rayon_threads_per_rank);
@@ -500,7 +495,11 @@ impl Samples {
             model_flops_per_s: 0.0,
             gemm_flops_per_s: 0.0,
             gemm_path: zerodp::model::gemm_path(),
-            adam_on: "cpu",
+            // The device tier held state on the GPU exactly when Adam ran there.
+            adam_on: match self.last.device_tier_bytes {
+                0 => "cpu",
+                _ => "gpu",
+            },
             device: String::new(),
             mfu: 0.0,
             nvme,

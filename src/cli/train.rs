@@ -42,8 +42,8 @@ use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
 use zerodp::planner::TrainProcess;
 use zerodp::trainer::outputs::{check_outputs, prepare_save_dir, NamedPath};
 use zerodp::trainer::{
-    step_log_line, Backend, CheckpointOptions, MetricsFile, Resume, StepEvent, StepObserver,
-    TrainOutcome, Trainer, TrainerError,
+    step_log_line, Backend, CheckpointOptions, LrSchedule, MetricsFile, Resume, StepEvent,
+    StepObserver, TrainOutcome, Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -177,8 +177,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_on_gpu(&engine_cfg);
-    let mut trainer = Trainer::from_settings(&model, &settings, world, seed)
-        .with_context(|| format!("config {}", args.config.display()))?;
+    // What Trainer::from_settings builds, from the configuration already resolved above.
+    let mut trainer =
+        Trainer::new(&model, engine_cfg).with_schedule(LrSchedule::from_settings(&settings));
     configure_engine(&mut trainer, &args)?;
     let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;
     let data = args.data.loader(
@@ -221,7 +222,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
-        print_compute(&device, gpu_memory.as_deref(), &engine_cfg);
+        print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
     }
     let progress = ProgressLog::new(
         args.steps,

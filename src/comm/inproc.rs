@@ -433,14 +433,11 @@ impl Exec<'_> {
         // every rank's buffer (each block read before it is overwritten). One pass, one
         // read and one write of each byte, no second phase and no staging copy.
         let mine = shard_range(len, n, r);
-        let sc = &mut *self.scratch;
-        sc.addrs.clear();
-        sc.addrs
-            .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
+        let addrs = self.peer_inputs_at(mine.start * esz);
         // SAFETY: until the final meeting, shard r of any buffer is touched by rank r only;
         // every buffer holds `len` elements of `dtype` (the meeting compared descriptors)
         // and lives until the final meeting.
-        unsafe { reduce_into(dtype, op, &sc.addrs, &sc.addrs, mine.len(), Store::Cached) };
+        unsafe { reduce_into(dtype, op, addrs, addrs, mine.len(), Store::Cached) };
         departure.finish_written_by_peers(&self.meeting)?;
         Ok(vec![buf])
     }
@@ -456,29 +453,14 @@ impl Exec<'_> {
         let dst = [buffer_addr_mut(&mut output)];
         self.arrive(Some(expose(buffer_addr(&input), dst[0])))?;
         let departure = Departure::new(world, r);
-        self.scratch.addrs.clear();
-        self.scratch.addrs.extend(
-            self.scratch
-                .peers
-                .iter()
-                .map(|p| p.input + mine.start * esz),
-        );
         let store = if mine.len() * esz >= STREAMING_STORE_BYTES {
             Store::Streaming
         } else {
             Store::Cached
         };
+        let addrs = self.peer_inputs_at(mine.start * esz);
         // SAFETY: inputs are only read until the final meeting; the output is private.
-        unsafe {
-            reduce_into(
-                input.dtype(),
-                op,
-                &self.scratch.addrs,
-                &dst,
-                mine.len(),
-                store,
-            )
-        };
+        unsafe { reduce_into(input.dtype(), op, addrs, &dst, mine.len(), store) };
         drop(departure);
         Ok(vec![input, output])
     }
@@ -495,17 +477,23 @@ impl Exec<'_> {
         let addr = buffer_addr_mut(&mut buf);
         self.arrive(Some(expose(addr, addr + mine.start * esz)))?;
         let departure = Departure::new(world, r);
-        let sc = &mut *self.scratch;
-        sc.addrs.clear();
-        sc.addrs
-            .extend(sc.peers.iter().map(|p| p.input + mine.start * esz));
         let dst = [addr + mine.start * esz];
+        let addrs = self.peer_inputs_at(mine.start * esz);
         // SAFETY: until the final meeting, shard r of every buffer is read by rank r only
         // and written by nobody else (peers write only their own shard of their own
         // buffer); the destination is exactly this rank's source, which the kernel allows.
-        unsafe { reduce_into(dtype, op, &sc.addrs, &dst, mine.len(), Store::Cached) };
+        unsafe { reduce_into(dtype, op, addrs, &dst, mine.len(), Store::Cached) };
         drop(departure);
         Ok(vec![buf])
+    }
+
+    /// The address `offset` bytes into every rank's exposed input, in rank order (in the reused
+    /// scratch list: no allocation per collective).
+    fn peer_inputs_at(&mut self, offset: usize) -> &[usize] {
+        let sc = &mut *self.scratch;
+        sc.addrs.clear();
+        sc.addrs.extend(sc.peers.iter().map(|p| p.input + offset));
+        &sc.addrs
     }
 
     /// Broadcast: every rank but `root` copies the root's buffer.

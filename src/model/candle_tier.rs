@@ -6,6 +6,7 @@
 //! then moves no parameter or gradient between host and device. The same code runs on candle's
 //! CPU backend, where the tests compare it with the engine's own host tier.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
@@ -37,6 +38,9 @@ pub(super) struct CandleTier {
     device: Device,
     dtype: DType,
     units: Mutex<Vec<Option<TierUnit>>>,
+    /// Every slot is filled: set by the upload that fills the last, read on every call of the
+    /// model (without taking the lock).
+    loaded: AtomicBool,
 }
 
 impl CandleTier {
@@ -46,6 +50,7 @@ impl CandleTier {
             device,
             dtype,
             units: Mutex::new(slots),
+            loaded: AtomicBool::new(units == 0),
         }
     }
 
@@ -73,7 +78,7 @@ impl CandleTier {
 
     /// Whether the engine has uploaded the tier (the model then reads and writes it).
     pub(super) fn is_loaded(&self) -> bool {
-        self.lock().iter().all(Option::is_some)
+        self.loaded.load(Ordering::Acquire)
     }
 
     /// Add one backward's gradient parts of unit `owner` (element offset, flat tensor of any
@@ -186,6 +191,8 @@ impl DeviceTier for CandleTier {
         let mut units = self.lock();
         let slot = units.get_mut(unit).ok_or_else(|| missing(unit))?;
         *slot = Some(state);
+        let all = units.iter().all(Option::is_some);
+        self.loaded.store(all, Ordering::Release);
         Ok(())
     }
 

@@ -372,11 +372,6 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.step
     }
 
-    /// Whether the device tier is in the model's device memory ([`device_tier`]).
-    pub fn device_tier_on_device(&self) -> bool {
-        self.device.is_some()
-    }
-
     /// Bring the host buffers up to the device tier's values (the master, the moments and the
     /// parameters rounded from the master), when the model holds the tier and a step changed it.
     /// A checkpoint calls it before reading the optimizer state; a no-op otherwise.
