@@ -18,7 +18,14 @@ for f in zerodp gpu; do
 done
 echo "== machine"; nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv; lscpu | grep -E 'Model name|^CPU\(s\)'
 echo "== parity (tests/gpu.rs)"
-(cd "$DIR" && timeout 300 ./gpu gpu_ --nocapture --test-threads 1 2>&1 | tail -40)
+if ! (cd "$DIR" && timeout 300 ./gpu gpu_ --nocapture --test-threads 1 > /tmp/parity.log 2>&1); then
+    tail -40 /tmp/parity.log
+    # Which side failed: the same tests on candle's composite ops instead of zerodp's CUDA kernels.
+    echo "== parity with ZERODP_CUDA_KERNELS=0"
+    (cd "$DIR" && ZERODP_CUDA_KERNELS=0 timeout 300 ./gpu gpu_ --nocapture --test-threads 1 2>&1 | tail -20)
+else
+    tail -12 /tmp/parity.log
+fi
 bench() { # label, zerodp args...
     local label="$1"; shift
     echo "== $label: zerodp"
@@ -33,8 +40,14 @@ peer() { # label, peer args...
 for round in 1 2; do
     echo "=== round $round"
     bench "25M fp32 8x128" --layers 8 --width 512 --heads 8 --context 128 --per-rank 8
+    if [[ $round == 1 ]]; then
+        ZERODP_CUDA_KERNELS=0 bench "25M fp32 8x128, candle's composite ops" --layers 8 --width 512 --heads 8 --context 128 --per-rank 8
+    fi
     peer "25M fp32 8x128" --layers 8 --width 512 --heads 8 --context 128 --batch 8 --dtype fp32
     bench "12x768 bf16 64x128" --layers 12 --width 768 --heads 12 --context 128 --per-rank 64 --precision bf16
+    if [[ $round == 1 ]]; then
+        ZERODP_CUDA_KERNELS=0 bench "12x768 bf16 64x128, candle's composite ops" --layers 12 --width 768 --heads 12 --context 128 --per-rank 64 --precision bf16
+    fi
     peer "12x768 bf16 64x128" --layers 12 --width 768 --heads 12 --context 128 --batch 64 --dtype bf16
 done
 # CAPACITY=1: ZeRO-Offload's case, the 10.2B GPT of examples/gpu_offload_10b.json for 3 steps (about

@@ -99,12 +99,16 @@ fn gpu_losses_equal_the_cpu_at_every_stage() {
     }
 }
 
-/// What a GPU runs, checked on every machine: the GPT's composite candle ops through candle's
-/// graph (no fused kernel, no direct block), on the CPU, give the fused kernels' losses at every
-/// stage. The GPU tests above then compare the same ops on the two devices.
+/// What a GPU runs, checked on every machine: the GPT's graph of a GPU (candle's products and
+/// attention around the LayerNorm, GELU and causal softmax custom ops, whose CPU implementations
+/// run here), and the same with every op composite (`ZERODP_CUDA_KERNELS=0` on a GPU), on the CPU,
+/// give the fused kernels' losses at every stage. The GPU tests above then compare the two
+/// devices.
 #[test]
 fn the_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     let fused = GptModel::new(GptConfig::tiny()).unwrap();
+    let gpu_ops = GptModel::with_gpu_ops(GptConfig::tiny()).unwrap();
+    assert_composite_follows_fused(&gpu_ops, &fused);
     let composite = GptModel::with_options(GptConfig::tiny(), DType::F32, false).unwrap();
     assert_composite_follows_fused(&composite, &fused);
 }

@@ -2,8 +2,9 @@
 //! unit's parameters in the compute dtype, its fp32 master (a second tensor only when the compute
 //! dtype is not f32), its gradient and Adam's moments (in the engine's dtypes for them), as flat tensors on the model's
 //! device, and the engine's arithmetic on them as candle ops: gradient accumulation, the squared
-//! sums, and Adam with the CPU kernel's constants ([`StepConsts`]) and formula. On a GPU a step
-//! then moves no parameter or gradient between host and device. The same code runs on candle's
+//! sums, and Adam with the CPU kernel's constants ([`StepConsts`]) and formula (on a GPU one
+//! fused kernel per unit, `cuda_adam`). On a GPU a step then moves no parameter or gradient
+//! between host and device. The same code runs on candle's
 //! CPU backend, where the tests compare it with the engine's own host tier.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +31,34 @@ struct TierUnit {
     exp_avg_sq: Tensor,
     /// The engine's dtypes, which the tier keeps.
     dtypes: TierDtypes,
+}
+
+impl TierUnit {
+    /// Whether `params` is the master itself (fp32 stored and computed: [`CandleTier::rounded`]
+    /// returns the master then).
+    #[cfg(feature = "cuda")]
+    fn params_are_master(&self) -> bool {
+        self.params.dtype() == DType::F32 && self.dtypes.params == crate::comm::DType::F32
+    }
+
+    /// The Adam step as one fused kernel where the unit is on a GPU: `Ok(false)` elsewhere.
+    #[cfg(feature = "cuda")]
+    fn fused_adam(&self, c: &StepConsts) -> candle_core::Result<bool> {
+        let tensors = super::cuda_adam::AdamTensors {
+            grad: &self.grad,
+            master: &self.master,
+            exp_avg: &self.exp_avg,
+            exp_avg_sq: &self.exp_avg_sq,
+            params: (!self.params_are_master()).then_some(&self.params),
+            stored: self.dtypes.params,
+        };
+        super::cuda_adam::fused_adam(&tensors, c)
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn fused_adam(&self, _c: &StepConsts) -> candle_core::Result<bool> {
+        Ok(false)
+    }
 }
 
 /// The device tier of a [`super::Candle`] model: one slot per unit, filled by the engine's
@@ -251,6 +280,9 @@ impl DeviceTier for CandleTier {
         for (i, slot) in units.iter_mut().enumerate() {
             let u = slot.as_mut().ok_or_else(|| missing(i))?;
             let err = compute_err("device tier");
+            if u.fused_adam(consts).map_err(&err)? {
+                continue;
+            }
             let (master, m, v) = adam_unit(u, consts).map_err(&err)?;
             u.params = self.rounded(&master, u.dtypes.params).map_err(&err)?;
             (u.master, u.exp_avg, u.exp_avg_sq) = (master, m, v);

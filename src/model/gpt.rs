@@ -60,6 +60,9 @@
 //! fifty, 2-3x faster than composite candle ops on this CPU. [`GptModel::with_options`] can select
 //! the composite path instead (LayerNorm built from primitive ops, `candle_nn::ops::softmax`,
 //! `candle_nn::loss::cross_entropy`), which is the reference the fused kernels are tested against.
+//! On a GPU the matrix products are cuBLAS's through candle and the LayerNorm, the GELU and the
+//! attention's causal softmax are the same custom ops run by zerodp's CUDA kernels
+//! (`cuda_ops`, `kernels/gpt_ops.cu`; `ZERODP_CUDA_KERNELS=0` keeps the composite ops).
 //! candle-nn's own fused `softmax_last_dim`, `layer_norm` and `rms_norm` are never used: they have
 //! no backward and drop gradients silently. The tests check that every parameter gets a gradient
 //! and that both paths match finite differences in F64.
@@ -259,6 +262,9 @@ pub struct Gpt {
     dtype: DType,
     /// Use the fused kernels of [`super::kernels`] (the default) rather than composite candle ops.
     fused: bool,
+    /// On a GPU: LayerNorm, GELU and the causal softmax as zerodp's CUDA kernels
+    /// ([`super::device::uses_cuda_kernels`]), the rest on candle's ops.
+    cuda_kernels: bool,
     device: Device,
     /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
     masks: Mutex<HashMap<usize, Tensor>>,
@@ -284,8 +290,9 @@ impl Gpt {
         Self::build(config, dtype, fused, Device::Cpu)
     }
 
-    /// A GPT on `device` computing in `dtype`: on the CPU as [`Self::with_options`]; on a GPU on
-    /// composite candle ops (the fused kernels are CPU code), in f32 or a 16-bit dtype.
+    /// A GPT on `device` computing in `dtype`: on the CPU as [`Self::with_options`]; on a GPU in
+    /// f32 or a 16-bit dtype, on candle's ops and zerodp's CUDA kernels for the LayerNorm, the
+    /// GELU and the causal softmax ([`super::device::uses_cuda_kernels`]).
     pub fn on_device(config: GptConfig, dtype: DType, device: Device) -> Result<Self, ModelError> {
         let fused = device.is_cpu();
         Self::build(config, dtype, fused, device)
@@ -393,6 +400,7 @@ impl Gpt {
             inits,
             dtype,
             fused,
+            cuda_kernels: super::device::uses_cuda_kernels(&device),
             device,
             masks: Mutex::new(HashMap::new()),
         })
@@ -558,7 +566,7 @@ impl Gpt {
         weight: &Tensor,
         bias: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        if self.fused {
+        if self.fused || self.cuda_kernels {
             x.contiguous()?
                 .apply_op3(weight, bias, kernels::LayerNorm { eps: LN_EPS })
         } else if super::device::is_16_bit(self.dtype) {
@@ -572,7 +580,7 @@ impl Gpt {
 
     #[doc(hidden)]
     pub fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        if self.fused {
+        if self.fused || self.cuda_kernels {
             x.contiguous()?.apply_op1(kernels::Gelu)
         } else {
             x.gelu()
@@ -622,7 +630,10 @@ impl Gpt {
         let k = split(1)?;
         let v = split(2)?;
         let scores = q.matmul(&k.t()?)?;
-        let att = if super::device::is_16_bit(self.dtype) {
+        let att = if self.cuda_kernels {
+            // In f32 inside the kernel, rounded once to the scores' dtype.
+            scores.contiguous()?.apply_op1(kernels::CausalSoftmax)?
+        } else if super::device::is_16_bit(self.dtype) {
             // The softmax in f32, as PyTorch's 16-bit softmax and autocast compute it.
             let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
             let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
@@ -776,8 +787,22 @@ impl GptModel {
         })
     }
 
+    /// The ops a GPU runs ([`Gpt::on_device`] on a GPU: candle's products and attention, the
+    /// LayerNorm, GELU and causal softmax custom ops), through candle's graph on the CPU, where
+    /// those three run their CPU implementations: the GPU's graph, checked without a GPU.
+    #[doc(hidden)]
+    pub fn with_gpu_ops(config: GptConfig) -> Result<Self, ModelError> {
+        let mut gpt = Gpt::with_options(config, DType::F32, false)?;
+        gpt.cuda_kernels = true;
+        Ok(Self {
+            inner: Candle::new(gpt),
+            direct_blocks: false,
+        })
+    }
+
     /// A GPT on `device` (a GPU from [`super::candle_device`], or the CPU) computing in `dtype`
-    /// ([`super::compute_dtype`]): on a GPU every unit runs candle's graph on composite ops.
+    /// ([`super::compute_dtype`]): on a GPU every unit runs candle's graph (candle's ops and
+    /// zerodp's CUDA kernels).
     pub fn on_device(config: GptConfig, dtype: DType, device: Device) -> Result<Self, ModelError> {
         let direct_blocks = device.is_cpu() && dtype == DType::F32;
         Ok(Self {

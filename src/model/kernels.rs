@@ -1,4 +1,5 @@
-//! Fused CPU kernels with hand-written backward passes, as candle custom ops.
+//! Fused CPU kernels with hand-written backward passes, as candle custom ops (LayerNorm, GELU and
+//! the causal softmax also run on a GPU: their `cuda_fwd` and GPU backward are `cuda_ops`).
 //!
 //! WHY: candle's autograd turns every primitive op into a graph node whose backward allocates a
 //! zero tensor and adds into it, and a LayerNorm, a softmax or the tanh-GELU's backward take 5-20
@@ -458,6 +459,19 @@ impl CustomOp3 for LayerNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_ops::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -466,6 +480,11 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, dw, db) = super::cuda_ops::layer_norm_bwd(x, w, dy, self.eps)?;
+            return Ok((Some(dx), Some(dw), Some(db)));
+        }
         by_dtype!(x.dtype(), self.name(), |T| {
             let (dx, dw, db) = with_slice::<T, _>(x, |x| {
                 with_slice::<T, _>(w, |w| with_slice::<T, _>(dy, |dy| Ok(self.bwd(x, w, dy))))
@@ -582,11 +601,91 @@ impl CustomOp1 for Gelu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_ops::gelu_fwd(s, l)
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            return Ok(Some(super::cuda_ops::gelu_bwd(x, dy)?));
+        }
         by_dtype!(x.dtype(), self.name(), |T| {
             let dx = with_slice::<T, _>(x, |x| with_slice::<T, _>(dy, |dy| Self::bwd(x, dy)))?;
             Ok(Some(tensor(dx, x.shape())?))
         })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal softmax of attention scores `[.., t, t]`: row `r` is query position `r % t`, which sees
+// keys `0..=r % t`; the others get probability 0 (the additive -inf mask's result). The GPU's
+// attention uses it between candle's batched matmuls (`kernels/gpt_ops.cu`); the CPU's
+// implementation below is the reference its semantics are tested on.
+
+pub(crate) struct CausalSoftmax;
+
+impl CausalSoftmax {
+    pub(super) fn fwd<T: Real>(x: &[T], t: usize) -> Vec<T> {
+        let mut y = vec![lit::<T>(0.0); x.len()];
+        y.par_chunks_mut(t * ROWS_PER_TASK)
+            .zip(x.par_chunks(t * ROWS_PER_TASK))
+            .enumerate()
+            .for_each(|(task, (ys, xs))| {
+                for (k, (yr, xr)) in ys.chunks_mut(t).zip(xs.chunks(t)).enumerate() {
+                    let seen = (task * ROWS_PER_TASK + k) % t + 1;
+                    let max = lane_max(&xr[..seen]);
+                    let sum = lane_sum(&xr[..seen], |v| (v - max).exp());
+                    for (y, &v) in yr[..seen].iter_mut().zip(&xr[..seen]) {
+                        *y = (v - max).exp() / sum;
+                    }
+                }
+            });
+        y
+    }
+}
+
+impl CustomOp1 for CausalSoftmax {
+    fn name(&self) -> &'static str {
+        "zerodp-causal-softmax"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let t = l.shape().dims().last().copied().unwrap_or(0);
+        if t == 0 || l.shape().elem_count() % (t * t) != 0 {
+            bail!(
+                "causal softmax: scores of shape {:?} are not [.., t, t]",
+                l.shape()
+            );
+        }
+        by_dtype!(storage_dtype(s), self.name(), |T| {
+            let y = Self::fwd(slice_of::<T>(s, l)?, t);
+            Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
+        })
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::cuda_ops::causal_softmax_fwd(s, l)
+    }
+
+    /// `y (dy - sum(y dy))` per row: one kernel on a GPU, candle's ops elsewhere.
+    fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if y.device().is_cuda() {
+            return Ok(Some(super::cuda_ops::softmax_bwd(y, dy)?));
+        }
+        let dot = (y * dy)?.sum_keepdim(candle_core::D::Minus1)?;
+        Ok(Some((dy.broadcast_sub(&dot)? * y)?))
     }
 }
 
@@ -1574,6 +1673,56 @@ mod tests {
             },
         );
         assert!(wide_out == scalar(&x));
+    }
+
+    /// The causal softmax op (the GPU attention's, reference on the CPU) against the additive
+    /// -inf mask and candle_nn's softmax, in f64: the same probabilities, and through autograd the
+    /// same score gradients, on two sequences of two heads with a row longer than a warp.
+    #[test]
+    fn causal_softmax_equals_the_masked_composite_forward_and_backward() -> candle_core::Result<()>
+    {
+        use super::CausalSoftmax;
+        use candle_core::{DType, Var, D};
+        let (b, h, t) = (2, 2, 37);
+        let data: Vec<f64> = (0..b * h * t * t)
+            .map(|i| ((i as f64) * 0.37).sin() * 4.0)
+            .collect();
+        let scores = Var::from_vec(data, (b, h, t, t), &Device::Cpu)?;
+        let mask: Vec<f64> = (0..t * t)
+            .map(|k| {
+                if k % t > k / t {
+                    f64::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+        let upstream = Tensor::rand(-1.0f64, 1.0, (b, h, t, t), &Device::Cpu)?;
+        let fused = scores.apply_op1(CausalSoftmax)?;
+        let composite = candle_nn::ops::softmax(&scores.broadcast_add(&mask)?, D::Minus1)?;
+        let diff = (&fused - &composite)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?;
+        assert!(diff < 1e-14, "forward differs by {diff}");
+        let g_fused = (&fused * &upstream)?.sum_all()?.backward()?;
+        let g_composite = (&composite * &upstream)?.sum_all()?.backward()?;
+        let (a, c) = (
+            g_fused.get(&scores).unwrap(),
+            g_composite.get(&scores).unwrap(),
+        );
+        let diff = (a - c)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        assert!(diff < 1e-13, "gradients differ by {diff}");
+        // Masked keys get exactly zero probability and zero gradient.
+        let row0 = fused.flatten_all()?.narrow(0, 0, t)?.to_vec1::<f64>()?;
+        assert_eq!(row0[0], 1.0);
+        assert!(row0[1..].iter().all(|&p| p == 0.0));
+        assert!(scores
+            .to_dtype(DType::F32)?
+            .apply_op1(CausalSoftmax)
+            .is_ok());
+        Ok(())
     }
 
     #[test]

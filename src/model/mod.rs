@@ -12,6 +12,12 @@ mod attention;
 mod bf16_gemm;
 mod candle_tier;
 pub mod candle_unit;
+#[cfg(feature = "cuda")]
+mod cuda_adam;
+#[cfg(feature = "cuda")]
+mod cuda_launch;
+#[cfg(feature = "cuda")]
+mod cuda_ops;
 pub mod data;
 pub mod device;
 pub mod gpt;

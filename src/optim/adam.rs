@@ -141,6 +141,53 @@ impl StepConsts {
     }
 }
 
+/// [`StepConsts`] as the C kernels read them (`struct zdp_adam_consts` of
+/// `kernels/adam_math.h`, the GPU's fused step): fourteen 4-byte fields, no padding, passed by
+/// value. The one mapping from the Rust constants to the C formula's.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct KernelConsts {
+    pub grad_scale: f32,
+    pub l2: f32,
+    pub decay: f32,
+    pub w1: f32,
+    pub one_minus_w1: f32,
+    pub beta2: f32,
+    pub one_minus_beta2: f32,
+    pub bc2_sqrt: f32,
+    pub inv_bc2_sqrt: f32,
+    pub eps: f32,
+    pub neg_step_size: f32,
+    /// AdamW (1) or classic Adam's L2 (0).
+    pub adamw: i32,
+    /// `w1 < 0.5`: [`adam_block`]'s `LERP_LOW` form of the first moment's update.
+    pub lerp_low: i32,
+    /// 16-bit moments: the denominator multiplies by `inv_bc2_sqrt` (the CPU kernel's 16-bit form).
+    pub moments_16: i32,
+}
+
+impl KernelConsts {
+    pub fn new(c: &StepConsts, moments_16: bool) -> Self {
+        KernelConsts {
+            grad_scale: c.grad_scale,
+            l2: c.l2,
+            decay: c.decay,
+            w1: c.w1,
+            // As `adam_block` computes it, in f32.
+            one_minus_w1: 1.0 - c.w1,
+            beta2: c.beta2,
+            one_minus_beta2: c.one_minus_beta2,
+            bc2_sqrt: c.bc2_sqrt,
+            inv_bc2_sqrt: c.inv_bc2_sqrt,
+            eps: c.eps,
+            neg_step_size: c.neg_step_size,
+            adamw: c.adamw.into(),
+            lerp_low: (c.w1 < 0.5).into(),
+            moments_16: moments_16.into(),
+        }
+    }
+}
+
 /// The instruction set the Adam chunk kernel is compiled for, chosen once per process.
 ///
 /// The crate is built for baseline x86-64 (SSE2), so the auto-vectorised loop of [`adam_step`]

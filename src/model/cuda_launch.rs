@@ -1,0 +1,146 @@
+//! Launching zerodp's own CUDA kernels (`kernels/*.cu`, compiled to PTX by `build.rs`) on
+//! candle's tensors: the kernels' arguments from candle's CUDA storage, output storage, and the
+//! two launch shapes the kernels use. The kernels are named `zerodp_<op>_<dtype>`.
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorage, CudaStorageSlice};
+use candle_core::op::BackpropOp;
+use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16};
+
+/// Rows a block of the row kernels takes: one warp each.
+pub(super) const ROWS_PER_BLOCK: u32 = 8;
+
+/// The kernels' name for `dtype`.
+pub(super) fn dtype_name(dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::BF16 => Ok("bf16"),
+        DType::F16 => Ok("f16"),
+        other => bail!("zerodp's CUDA kernels take f32, bf16 or f16, not {other:?}"),
+    }
+}
+
+/// The name of kernel `op` for `dtype`: `zerodp_<op>_<dtype>` (load it with candle's
+/// `CudaDevice::get_or_load_custom_func`, once per device and module).
+pub(super) fn kernel_name(op: &str, dtype: DType) -> Result<String> {
+    Ok(format!("zerodp_{op}_{}", dtype_name(dtype)?))
+}
+
+/// A tensor's elements as a kernel argument: a view from its layout's start.
+pub(super) enum Arg<'a> {
+    F32(CudaView<'a, f32>),
+    BF16(CudaView<'a, bf16>),
+    F16(CudaView<'a, f16>),
+}
+
+impl Arg<'_> {
+    pub(super) fn dtype(&self) -> DType {
+        match self {
+            Arg::F32(_) => DType::F32,
+            Arg::BF16(_) => DType::BF16,
+            Arg::F16(_) => DType::F16,
+        }
+    }
+}
+
+/// The elements `layout` covers in `storage`, which must be contiguous.
+pub(super) fn arg<'a>(storage: &'a CudaStorage, layout: &Layout) -> Result<Arg<'a>> {
+    let Some((start, end)) = layout.contiguous_offsets() else {
+        bail!("zerodp's CUDA kernels take contiguous tensors");
+    };
+    Ok(match &storage.slice {
+        CudaStorageSlice::F32(s) => Arg::F32(s.slice(start..end)),
+        CudaStorageSlice::BF16(s) => Arg::BF16(s.slice(start..end)),
+        CudaStorageSlice::F16(s) => Arg::F16(s.slice(start..end)),
+        _ => bail!(
+            "zerodp's CUDA kernels take f32, bf16 or f16, not {:?}",
+            storage.dtype()
+        ),
+    })
+}
+
+/// Push `arg` as a pointer argument.
+pub(super) fn push<'a>(builder: &mut LaunchArgs<'a>, arg: &'a Arg<'a>) {
+    match arg {
+        Arg::F32(v) => builder.arg(v),
+        Arg::BF16(v) => builder.arg(v),
+        Arg::F16(v) => builder.arg(v),
+    };
+}
+
+/// Push a whole float storage slice as a pointer argument.
+pub(super) fn push_slice<'a>(
+    builder: &mut LaunchArgs<'a>,
+    slice: &'a CudaStorageSlice,
+) -> Result<()> {
+    match slice {
+        CudaStorageSlice::F32(s) => builder.arg(s),
+        CudaStorageSlice::BF16(s) => builder.arg(s),
+        CudaStorageSlice::F16(s) => builder.arg(s),
+        _ => bail!("zerodp's CUDA kernels take f32, bf16 or f16 tensors"),
+    };
+    Ok(())
+}
+
+/// `n` elements of `dtype` on `device`, not initialised: for a kernel's output that it writes
+/// whole.
+pub(super) fn output(device: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    // SAFETY: the kernels given this storage write each of its `n` elements before anything
+    // reads it.
+    let slice = unsafe {
+        match dtype {
+            DType::F32 => CudaStorageSlice::F32(device.alloc::<f32>(n)?),
+            DType::BF16 => CudaStorageSlice::BF16(device.alloc::<bf16>(n)?),
+            DType::F16 => CudaStorageSlice::F16(device.alloc::<f16>(n)?),
+            other => bail!("zerodp's CUDA kernels write f32, bf16 or f16, not {other:?}"),
+        }
+    };
+    Ok(CudaStorage {
+        slice,
+        device: device.clone(),
+    })
+}
+
+/// A tensor of `shape` over a kernel's output storage (no autograd: backward passes' results).
+pub(super) fn tensor(storage: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+    Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
+}
+
+/// One thread per element, grid-stride past 65,535 blocks of 256.
+pub(super) fn elementwise(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One warp per row.
+pub(super) fn per_row(rows: usize) -> LaunchConfig {
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK as usize).max(1);
+    LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (32, ROWS_PER_BLOCK, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The driver's error of a launch, naming the kernel.
+pub(super) fn launched(
+    op: &str,
+    result: std::result::Result<
+        Option<(
+            candle_core::cuda_backend::cudarc::driver::CudaEvent,
+            candle_core::cuda_backend::cudarc::driver::CudaEvent,
+        )>,
+        candle_core::cuda_backend::cudarc::driver::DriverError,
+    >,
+) -> Result<()> {
+    result
+        .map(|_| ())
+        .map_err(|e| candle_core::Error::Msg(format!("zerodp's CUDA kernel {op}: {e}")))
+}
