@@ -26,6 +26,8 @@ if ! (cd "$DIR" && timeout 300 ./gpu gpu_ --nocapture --test-threads 1 > /tmp/pa
 else
     tail -12 /tmp/parity.log
 fi
+echo "== NCCL: bench comm --nccl (one rank per GPU)"
+timeout 120 "$DIR/zerodp" bench comm --nccl --sizes 1M,64M --iters 3 2>&1 | tail -12
 bench() { # label, zerodp args...
     local label="$1"; shift
     echo "== $label: zerodp"

@@ -81,3 +81,25 @@ fn bench_comm_rejects_a_bad_size_with_a_hint() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("64M"), "{err}");
 }
+
+/// `--nccl` in a build without the `cuda` feature is refused before any work, saying how to get a
+/// GPU build (in a `cuda` build on a machine without a GPU, with the driver's reason).
+#[test]
+fn bench_comm_nccl_without_a_gpu_build_says_how_to_get_one() {
+    if zerodp::device::gpu_count().is_ok_and(|n| n > 0) {
+        eprintln!("skipped: this machine has a GPU (tests/gpu.rs runs NCCL there)");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["bench", "comm", "--nccl", "--sizes", "1K", "--iters", "1"])
+        .output()
+        .expect("run zerodp");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    if cfg!(feature = "cuda") {
+        assert!(err.contains("GPU"), "{err}");
+    } else {
+        assert!(err.contains("--nccl needs a GPU build"), "{err}");
+        assert!(err.contains("cuda-build.sh"), "{err}");
+    }
+}

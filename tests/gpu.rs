@@ -325,3 +325,90 @@ fn an_unknown_device_is_refused_naming_the_choices() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("cuda:N"), "{err}");
 }
+
+/// Every collective on rank-dependent inputs of an uneven length (7 elements over two ranks), as
+/// each rank sees the results (bits) and its traffic counters.
+#[cfg(feature = "cuda")]
+fn exercise(c: &dyn zerodp::comm::Communicator) -> (Vec<Vec<u32>>, zerodp::comm::TrafficCounters) {
+    use zerodp::comm::{shard_range, Buffer, ReduceOp};
+    let (rank, world) = (c.rank(), c.world_size());
+    let values: Vec<f32> = (0..7)
+        .map(|i| ((i * 3 + rank * 5) as f32 * 0.37).sin() * 3.0)
+        .collect();
+    let bits = |b: &Buffer| {
+        (0..b.len())
+            .map(|i| b.get_f32(i).to_bits())
+            .collect::<Vec<_>>()
+    };
+    let bf16 = Buffer::BF16(values.iter().map(|&v| half::bf16::from_f32(v)).collect());
+    let mut seen = Vec::new();
+    for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
+        let out = c
+            .all_reduce(Buffer::F32(values.clone()), op)
+            .wait_one()
+            .unwrap();
+        seen.push(bits(&out));
+    }
+    seen.push(bits(
+        &c.all_reduce(bf16.clone(), ReduceOp::Sum)
+            .wait_one()
+            .unwrap(),
+    ));
+    let mine = shard_range(7, world, rank);
+    let shard = Buffer::zeros(zerodp::comm::DType::F32, mine.len());
+    let (_, out) = (c.reduce_scatter(Buffer::F32(values.clone()), shard, ReduceOp::Sum))
+        .wait_pair()
+        .unwrap();
+    seen.push(bits(&out));
+    let out = (c.reduce_scatter_in_place(bf16.clone(), ReduceOp::Sum))
+        .wait_one()
+        .unwrap();
+    seen.push(bits(&out.copy_range(mine.clone())));
+    let full = Buffer::zeros(zerodp::comm::DType::BF16, 7);
+    let (_, out) = c
+        .all_gather(bf16.copy_range(mine.clone()), full)
+        .wait_pair()
+        .unwrap();
+    seen.push(bits(&out));
+    seen.push(bits(
+        &c.all_gather_in_place(Buffer::F32(values.clone()))
+            .wait_one()
+            .unwrap(),
+    ));
+    seen.push(bits(
+        &c.broadcast(Buffer::F32(values), world - 1)
+            .wait_one()
+            .unwrap(),
+    ));
+    c.barrier().wait().unwrap();
+    (seen, c.traffic())
+}
+
+/// NCCL (`comm::NcclComm`), one rank per GPU, against the in-process backend on the same inputs:
+/// every collective's results bit for bit (sums in f32, 16-bit ones rounded once; uneven shards)
+/// and the same traffic counters. Two ranks where the machine has two GPUs, else one.
+#[cfg(feature = "cuda")]
+#[test]
+fn gpu_nccl_collectives_equal_the_in_process_backends() {
+    use zerodp::comm::{run_ranks, CommError, CommOptions, NcclComm};
+    if gpu_or_skip("gpu_nccl_collectives_equal_the_in_process_backends").is_none() {
+        return;
+    }
+    let world = zerodp::device::gpu_count().unwrap().min(2);
+    if world < 2 {
+        eprintln!("gpu_nccl: one GPU, so a world of one rank (two ranks need two GPUs)");
+    }
+    let ordinals: Vec<usize> = (0..world).collect();
+    let comms = NcclComm::group(&ordinals, CommOptions::default()).unwrap();
+    let nccl: Vec<_> = std::thread::scope(|s| {
+        let ranks: Vec<_> = (comms.iter())
+            .map(|c| s.spawn(move || exercise(c)))
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let inproc = run_ranks(world, CommOptions::default(), |c, _| {
+        Ok::<_, CommError>(exercise(&*c))
+    })
+    .unwrap();
+    assert_eq!(nccl, inproc);
+}

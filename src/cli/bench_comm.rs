@@ -40,6 +40,11 @@ pub struct BenchCommArgs {
     /// Under MPI, also time MPI's own collectives (f32 only) for comparison.
     #[arg(long)]
     pub raw_mpi: bool,
+    /// Run the collectives through NCCL on the GPUs (a `cuda` build): in-process rank r on GPU r
+    /// (one rank per GPU; the world defaults to every GPU), under MPI each process on its local
+    /// rank's GPU. Buffers stay in host memory, staged through the GPU for each collective.
+    #[arg(long)]
+    pub nccl: bool,
     /// Collective to measure.
     #[arg(long, value_enum, default_value_t = OpChoice::All)]
     pub op: OpChoice,
@@ -389,12 +394,18 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
         }
     } else {
         let (mut one, mut all) = measure(0);
-        let per_rank = run_ranks(n, options, |comm, _rank| all_cases(&*comm))
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let per_rank = match args.nccl {
+            true => super::bench_nccl::in_process(n, options, &all_cases)?,
+            false => run_ranks(n, options, |comm, _rank| all_cases(&*comm))
+                .map_err(|e| anyhow::anyhow!("{e}"))?,
+        };
         let (one_after, all_after) = measure(0);
         one.extend(one_after);
         all.extend(all_after);
-        let header = format!("in-process world of {n} ranks");
+        let header = match args.nccl {
+            true => format!("in-process NCCL world of {n} GPUs"),
+            false => format!("in-process world of {n} ranks"),
+        };
         (one, all, per_rank, Vec::new(), header)
     };
     let memcpy = memcpy_gbps(memcpy_bytes, threads, one, all);
@@ -435,10 +446,17 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
 
 /// The world size and whether it runs under MPI, after the flags' own checks.
 fn world_of(args: &BenchCommArgs) -> anyhow::Result<(usize, bool)> {
+    if args.nccl {
+        super::bench_nccl::available()?;
+    }
     let resolved = super::launch::resolve(args.backend, args.world_size)?;
     let mpi = matches!(resolved, super::launch::Resolved::Mpi { .. });
     let n = match resolved {
         super::launch::Resolved::Mpi { world } => world,
+        super::launch::Resolved::InProcess { .. } if args.nccl => match args.world_size {
+            Some(n) => n,
+            None => super::bench_nccl::gpus()?,
+        },
         super::launch::Resolved::InProcess { .. } => args.world_size.unwrap_or(2),
     };
     if n == 0 {
@@ -585,7 +603,7 @@ fn mpi_times(
     all_cases: &AllCases<'_>,
     measure: &dyn Fn(usize) -> (Vec<f64>, Vec<f64>),
 ) -> anyhow::Result<Option<Measured>> {
-    let comm = zerodp::comm::MpiComm::init(options)?;
+    let comm = zerodp::comm::MpiComm::init(options.clone())?;
     let topo = comm.topology();
     if topo.size != n {
         bail!(
@@ -597,7 +615,14 @@ fn mpi_times(
     // Rank 0 measures memcpy while the others wait at the barrier.
     let (mut one, mut all) = measure(rank);
     comm.barrier().wait()?;
-    let mine = all_cases(&comm)?;
+    let mine = match args.nccl {
+        true => all_cases(&*super::bench_nccl::over_mpi(
+            &comm,
+            topo.local_rank,
+            options,
+        )?)?,
+        false => all_cases(&comm)?,
+    };
     let mut raw = Vec::new();
     if args.raw_mpi {
         let mut seen = Vec::new();
@@ -627,8 +652,7 @@ fn mpi_times(
     let slowest = comm
         .all_reduce(Buffer::F32(flat), ReduceOp::Max)
         .wait_one()?
-        .into_f32()
-        .expect("f32");
+        .into_returned_f32(rank)?;
     if rank != 0 {
         return Ok(None);
     }
@@ -642,8 +666,10 @@ fn mpi_times(
         .map(|(c, t)| (c, it.by_ref().take(t.len()).collect()))
         .collect();
     let header = format!(
-        "MPI world of {n} processes on {} host(s) ({} on rank 0's host)",
-        topo.hosts, topo.local_size
+        "{}MPI world of {n} processes on {} host(s) ({} on rank 0's host)",
+        if args.nccl { "NCCL over an " } else { "" },
+        topo.hosts,
+        topo.local_size
     );
     Ok(Some((one, all, vec![per_case], raw, header)))
 }

@@ -38,6 +38,7 @@ macro_rules! errln {
 
 pub mod bench_adam;
 pub mod bench_comm;
+mod bench_nccl;
 pub mod bench_ops;
 pub mod bench_train;
 pub mod ckpt;

@@ -1,5 +1,5 @@
-//! The communicator contract shared by every backend (in-process threads today; MPI and NCCL later)
-//! and by the engine that calls it.
+//! The communicator contract shared by every backend (in-process threads, MPI, NCCL) and by the
+//! engine that calls it.
 //!
 //! Buffers are passed **by value** and handed back by [`CommHandle::wait`]: the collective runs on a
 //! per-rank communication thread while the caller computes, and ownership makes that overlap safe

@@ -31,9 +31,9 @@
 use crate::comm::kernels::{
     buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
 };
-use crate::comm::queue::{describe, trace, validate, Call, Job};
+use crate::comm::queue::{account, describe, validate, Call, Job};
 use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
-use crate::comm::stats::{count_traffic, CommStats};
+use crate::comm::stats::CommStats;
 use crate::comm::{
     shard_range, Buffer, CommError, CommHandle, CommOptions, Communicator, Completion, DType,
     ReduceOp, TrafficCounters,
@@ -296,33 +296,16 @@ fn run_one(
         scratch,
     };
     let out = ex.execute(call)?;
-    let elapsed = started.elapsed();
-    let straggler = ex.straggler;
-    let elem_bytes = desc.dtype.map_or(0, |d| d.size());
-    let bytes = (desc.len * elem_bytes) as u64;
-    count_traffic(
-        &mut shared.traffic.lock().unwrap_or_else(|e| e.into_inner()),
-        desc.kind,
-        world.size,
-        rank,
-        desc.len,
-        elem_bytes,
-        desc.root,
-    );
-    shared
-        .stats
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .record(desc.kind, desc.dtype, bytes, elapsed, straggler.is_some());
-    trace(
+    let stats = (&shared.traffic, &shared.stats);
+    let at = (world.size, rank);
+    account(
+        stats,
         &world.options,
-        world.size,
-        rank,
+        at,
         seq,
         &desc,
-        bytes,
-        elapsed,
-        straggler,
+        started.elapsed(),
+        ex.straggler,
     );
     Ok(out)
 }

@@ -7,6 +7,7 @@
 //! * [`stats`]: nccl-tests bandwidth conventions, ring-formula byte counts, the summary table.
 //! * `mpi` (cargo feature `mpi`): ranks as processes started by `mpirun`, `MpiComm`;
 //!   [`launch`] tells whether this process was started by an MPI launcher.
+//! * `nccl` (cargo feature `cuda`): NCCL between GPUs, one rank per GPU, `NcclComm`.
 //! * [`kernels`]: the reduction and copy kernels (f32 accumulation, one rounding, fixed order).
 
 mod api;
@@ -17,6 +18,8 @@ pub mod launch;
 pub mod mpi;
 #[cfg(feature = "mpi")]
 pub mod mpi_shm;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod options;
 mod queue;
 mod rendezvous;
@@ -26,6 +29,8 @@ pub mod stats;
 pub use self::mpi::{MpiComm, MpiTopology};
 #[cfg(feature = "mpi")]
 pub use self::mpi_shm::ShmAlloc;
+#[cfg(feature = "cuda")]
+pub use self::nccl::NcclComm;
 pub use api::*;
 pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
 pub use launch::{detect_mpi_launch, MpiLaunch};

@@ -74,9 +74,9 @@
 use crate::comm::kernels::fan_out_copy;
 use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::mpi_shm::{region_of, PeerMaps, RegionRef};
-use crate::comm::queue::{describe, trace, validate, Call, Job};
+use crate::comm::queue::{account, describe, validate, Call, Job};
 use crate::comm::rendezvous::CallDesc;
-use crate::comm::stats::{count_traffic, CommStats};
+use crate::comm::stats::CommStats;
 use crate::comm::{
     shard_range, CollectiveKind, CommError, CommHandle, CommOptions, Communicator, Completion,
     DType, ReduceOp, TrafficCounters,
@@ -705,29 +705,17 @@ impl Engine {
             Ok(out) => out,
             Err(e) => return Err(self.poison(e)),
         };
-        let elapsed = started.elapsed();
-        let (n, rank) = (self.topo.size, self.topo.rank);
-        let elem_bytes = desc.dtype.map_or(0, |d| d.size());
-        let bytes = (desc.len * elem_bytes) as u64;
-        count_traffic(
-            &mut self
-                .shared
-                .traffic
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-            desc.kind,
-            n,
-            rank,
-            desc.len,
-            elem_bytes,
-            desc.root,
+        let stats = (&self.shared.traffic, &self.shared.stats);
+        let at = (self.topo.size, self.topo.rank);
+        account(
+            stats,
+            &self.options,
+            at,
+            seq,
+            &desc,
+            started.elapsed(),
+            None,
         );
-        self.shared
-            .stats
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record(desc.kind, desc.dtype, bytes, elapsed, false);
-        trace(&self.options, n, rank, seq, &desc, bytes, elapsed, None);
         Ok(out)
     }
 

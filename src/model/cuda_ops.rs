@@ -89,7 +89,7 @@ fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
 
 /// The causal softmax of attention scores `[.., t, t]`, forward.
 pub(super) fn causal_softmax_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-    let (rows, t) = rows_of(l.shape())?;
+    let (rows, t) = super::kernels::causal_rows(l.shape())?;
     let device = &x.device;
     let dtype = x.dtype();
     let x = arg(x, l)?;

@@ -630,6 +630,16 @@ impl CustomOp1 for Gelu {
 
 pub(crate) struct CausalSoftmax;
 
+/// The rows and row length `t` of attention scores of shape `[.., t, t]`, or an error naming it.
+pub(super) fn causal_rows(shape: &Shape) -> Result<(usize, usize)> {
+    match shape.dims() {
+        [.., q, t] if q == t && *t > 0 && *t <= i32::MAX as usize => {
+            Ok((shape.elem_count() / t, *t))
+        }
+        _ => bail!("causal softmax: scores of shape {shape:?} are not [.., t, t]"),
+    }
+}
+
 impl CausalSoftmax {
     pub(super) fn fwd<T: Real>(x: &[T], t: usize) -> Vec<T> {
         let mut y = vec![lit::<T>(0.0); x.len()];
@@ -656,13 +666,7 @@ impl CustomOp1 for CausalSoftmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        let t = l.shape().dims().last().copied().unwrap_or(0);
-        if t == 0 || l.shape().elem_count() % (t * t) != 0 {
-            bail!(
-                "causal softmax: scores of shape {:?} are not [.., t, t]",
-                l.shape()
-            );
-        }
+        let (_, t) = causal_rows(l.shape())?;
         by_dtype!(storage_dtype(s), self.name(), |T| {
             let y = Self::fwd(slice_of::<T>(s, l)?, t);
             Ok((T::to_cpu_storage_owned(y), l.shape().clone()))
@@ -1722,6 +1726,9 @@ mod tests {
             .to_dtype(DType::F32)?
             .apply_op1(CausalSoftmax)
             .is_ok());
+        let not_square = Tensor::zeros((2, 3, 4), DType::F64, &Device::Cpu)?;
+        let err = not_square.apply_op1(CausalSoftmax).unwrap_err().to_string();
+        assert!(err.contains("not [.., t, t]"), "{err}");
         Ok(())
     }
 

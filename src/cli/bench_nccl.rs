@@ -1,0 +1,95 @@
+//! `bench comm --nccl`: the same cases through NCCL on the GPUs (a `cuda` build), in-process one
+//! rank per GPU as threads, or under MPI one process per GPU (its local rank's), MPI carrying
+//! NCCL's unique id.
+
+use zerodp::comm::{CommError, CommOptions, Communicator};
+
+/// `--nccl` in this build: an error saying how to get it where the build has no `cuda` feature.
+pub fn available() -> anyhow::Result<()> {
+    match cfg!(feature = "cuda") {
+        true => Ok(()),
+        false => Err(not_built()),
+    }
+}
+
+/// The GPUs this process sees, for `--nccl` (an error naming the flag where there are none).
+pub fn gpus() -> anyhow::Result<usize> {
+    match zerodp::device::gpu_count() {
+        Ok(0) => Err(anyhow::anyhow!("--nccl: this process sees no GPU")),
+        Ok(n) => Ok(n),
+        Err(zerodp::device::DeviceError::NoGpu { reason }) => Err(anyhow::anyhow!(
+            "--nccl found no usable GPU: {reason}. Check nvidia-smi and CUDA_VISIBLE_DEVICES, or \
+             drop --nccl to time the host backends"
+        )),
+        Err(e) => Err(anyhow::anyhow!("--nccl: {e}")),
+    }
+}
+
+fn not_built() -> anyhow::Error {
+    anyhow::anyhow!(
+        "--nccl needs a GPU build: this zerodp was built without the `cuda` feature (NCCL comes \
+         with it); build it with scripts/cuda-build.sh (README \"GPUs\")"
+    )
+}
+
+/// Each in-process rank's times of every case (what `all_cases` returns), `n` ranks on GPUs
+/// `0..n` as threads.
+#[cfg(feature = "cuda")]
+pub fn in_process<T: Send>(
+    n: usize,
+    options: CommOptions,
+    all_cases: &(dyn Fn(&dyn Communicator) -> Result<T, CommError> + Sync),
+) -> anyhow::Result<Vec<T>> {
+    let gpus = gpus()?;
+    if n > gpus {
+        anyhow::bail!(
+            "--nccl --world-size {n}: this process sees {gpus} GPU(s) and NCCL takes one rank per \
+             GPU; use --world-size {gpus} or fewer (or drop --nccl: the in-process backend lets \
+             ranks share memory)"
+        );
+    }
+    let ordinals: Vec<usize> = (0..n).collect();
+    let comms = zerodp::comm::NcclComm::group(&ordinals, options)?;
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = (comms.iter())
+            .map(|comm| s.spawn(move || all_cases(comm)))
+            .collect();
+        ranks
+            .into_iter()
+            .map(|rank| match rank.join() {
+                Ok(times) => times.map_err(anyhow::Error::from),
+                Err(_) => Err(anyhow::anyhow!("an NCCL rank's thread panicked")),
+            })
+            .collect()
+    })
+}
+
+/// This MPI process's NCCL rank, on its local rank's GPU (modulo the GPUs it sees).
+#[cfg(all(feature = "cuda", feature = "mpi"))]
+pub fn over_mpi(
+    carrier: &dyn Communicator,
+    local_rank: usize,
+    options: CommOptions,
+) -> anyhow::Result<Box<dyn Communicator>> {
+    let gpus = gpus()?;
+    let comm = zerodp::comm::NcclComm::over(carrier, local_rank % gpus, options)?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn in_process<T: Send>(
+    _n: usize,
+    _options: CommOptions,
+    _all_cases: &(dyn Fn(&dyn Communicator) -> Result<T, CommError> + Sync),
+) -> anyhow::Result<Vec<T>> {
+    Err(not_built())
+}
+
+#[cfg(all(not(feature = "cuda"), feature = "mpi"))]
+pub fn over_mpi(
+    _carrier: &dyn Communicator,
+    _local_rank: usize,
+    _options: CommOptions,
+) -> anyhow::Result<Box<dyn Communicator>> {
+    Err(not_built())
+}
