@@ -297,37 +297,12 @@ impl Drop for MpiComm {
 }
 
 impl Communicator for MpiComm {
+    crate::comm::queue::queued_collectives!();
     fn rank(&self) -> usize {
         self.topo.rank
     }
     fn world_size(&self) -> usize {
         self.topo.size
-    }
-    fn all_reduce(&self, buf: crate::comm::Buffer, op: ReduceOp) -> CommHandle {
-        self.submit(Call::AllReduce(buf, op))
-    }
-    fn reduce_scatter(
-        &self,
-        input: crate::comm::Buffer,
-        output: crate::comm::Buffer,
-        op: ReduceOp,
-    ) -> CommHandle {
-        self.submit(Call::ReduceScatter(input, output, op))
-    }
-    fn all_gather(&self, input: crate::comm::Buffer, output: crate::comm::Buffer) -> CommHandle {
-        self.submit(Call::AllGather(input, output))
-    }
-    fn broadcast(&self, buf: crate::comm::Buffer, root: usize) -> CommHandle {
-        self.submit(Call::Broadcast(buf, root))
-    }
-    fn barrier(&self) -> CommHandle {
-        self.submit(Call::Barrier)
-    }
-    fn all_gather_in_place(&self, buf: crate::comm::Buffer) -> CommHandle {
-        self.submit(Call::AllGatherInPlace(buf))
-    }
-    fn reduce_scatter_in_place(&self, buf: crate::comm::Buffer, op: ReduceOp) -> CommHandle {
-        self.submit(Call::ReduceScatterInPlace(buf, op))
     }
     fn traffic(&self) -> TrafficCounters {
         self.shared

@@ -232,32 +232,12 @@ impl Drop for NcclComm {
 }
 
 impl Communicator for NcclComm {
+    crate::comm::queue::queued_collectives!();
     fn rank(&self) -> usize {
         self.rank
     }
     fn world_size(&self) -> usize {
         self.world
-    }
-    fn all_reduce(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
-        self.submit(Call::AllReduce(buf, op))
-    }
-    fn reduce_scatter(&self, input: Buffer, output: Buffer, op: ReduceOp) -> CommHandle {
-        self.submit(Call::ReduceScatter(input, output, op))
-    }
-    fn all_gather(&self, input: Buffer, output: Buffer) -> CommHandle {
-        self.submit(Call::AllGather(input, output))
-    }
-    fn broadcast(&self, buf: Buffer, root: usize) -> CommHandle {
-        self.submit(Call::Broadcast(buf, root))
-    }
-    fn barrier(&self) -> CommHandle {
-        self.submit(Call::Barrier)
-    }
-    fn all_gather_in_place(&self, buf: Buffer) -> CommHandle {
-        self.submit(Call::AllGatherInPlace(buf))
-    }
-    fn reduce_scatter_in_place(&self, buf: Buffer, op: ReduceOp) -> CommHandle {
-        self.submit(Call::ReduceScatterInPlace(buf, op))
     }
     fn traffic(&self) -> TrafficCounters {
         self.shared

@@ -27,6 +27,53 @@ pub(crate) struct Job {
     pub done: mpsc::Sender<Completion>,
 }
 
+/// The collectives of a backend whose calls all go through its own `submit(&self, Call) ->
+/// CommHandle` (validation, then its communication thread's queue): written once for every
+/// backend, inside its `impl Communicator`.
+macro_rules! queued_collectives {
+    () => {
+        fn all_reduce(
+            &self,
+            buf: $crate::comm::Buffer,
+            op: $crate::comm::ReduceOp,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::AllReduce(buf, op))
+        }
+        fn reduce_scatter(
+            &self,
+            input: $crate::comm::Buffer,
+            output: $crate::comm::Buffer,
+            op: $crate::comm::ReduceOp,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::ReduceScatter(input, output, op))
+        }
+        fn all_gather(
+            &self,
+            input: $crate::comm::Buffer,
+            output: $crate::comm::Buffer,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::AllGather(input, output))
+        }
+        fn broadcast(&self, buf: $crate::comm::Buffer, root: usize) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::Broadcast(buf, root))
+        }
+        fn barrier(&self) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::Barrier)
+        }
+        fn all_gather_in_place(&self, buf: $crate::comm::Buffer) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::AllGatherInPlace(buf))
+        }
+        fn reduce_scatter_in_place(
+            &self,
+            buf: $crate::comm::Buffer,
+            op: $crate::comm::ReduceOp,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::ReduceScatterInPlace(buf, op))
+        }
+    };
+}
+pub(crate) use queued_collectives;
+
 /// Checks a call's shapes before it is queued: an invalid call never reaches a meeting.
 pub(crate) fn validate(call: &Call, n: usize, rank: usize) -> Result<(), CommError> {
     let bad = |what: String| Err(CommError::InvalidArgument { rank, what });
