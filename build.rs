@@ -23,6 +23,9 @@ fn main() {
     // The GPU generation PTX is written for: candle's variable (90 for H100 and H200).
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     let cap: String = cap.chars().filter(char::is_ascii_digit).collect();
+    if cap.is_empty() {
+        fail("CUDA_COMPUTE_CAP names no compute capability: set it like 90 (H100, H200) or 80 (A100)");
+    }
     let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".into());
     for (source, ptx) in KERNELS {
         let out = out_dir.join(ptx);

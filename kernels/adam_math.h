@@ -3,7 +3,7 @@
  * bits as the host tier's. Rust never contracts `a * b + c` into a fused multiply-add and its
  * `sqrt` and `/` are correctly rounded; here every operation is a correctly rounded intrinsic on
  * the GPU (nvcc would otherwise fuse them) and plain C on the host, where
- * tests/adam_kernel_math.rs compiles this header with `-ffp-contract=off` and checks it against
+ * tests/kernel_math.rs compiles this header with `-ffp-contract=off` and checks it against
  * the CPU kernel bit for bit. C99 and CUDA C++ both read it. */
 #ifndef ZERODP_ADAM_MATH_H
 #define ZERODP_ADAM_MATH_H

@@ -618,7 +618,7 @@ fn mpi_times(
     let mine = match args.nccl {
         true => all_cases(&*super::bench_nccl::over_mpi(
             &comm,
-            topo.local_rank,
+            (topo.local_rank, topo.local_size),
             options,
         )?)?,
         false => all_cases(&comm)?,

@@ -68,10 +68,16 @@ pub fn in_process<T: Send>(
 #[cfg(all(feature = "cuda", feature = "mpi"))]
 pub fn over_mpi(
     carrier: &dyn Communicator,
-    local_rank: usize,
+    (local_rank, local_size): (usize, usize),
     options: CommOptions,
 ) -> anyhow::Result<Box<dyn Communicator>> {
     let gpus = gpus()?;
+    if local_size > gpus {
+        anyhow::bail!(
+            "--nccl: {local_size} processes on this host but it has {gpus} GPU(s), and NCCL takes \
+             one rank per GPU; start at most {gpus} processes per host (mpirun -npernode {gpus})"
+        );
+    }
     let comm = zerodp::comm::NcclComm::over(carrier, local_rank % gpus, options)?;
     Ok(Box::new(comm))
 }
@@ -88,7 +94,7 @@ pub fn in_process<T: Send>(
 #[cfg(all(not(feature = "cuda"), feature = "mpi"))]
 pub fn over_mpi(
     _carrier: &dyn Communicator,
-    _local_rank: usize,
+    _local: (usize, usize),
     _options: CommOptions,
 ) -> anyhow::Result<Box<dyn Communicator>> {
     Err(not_built())

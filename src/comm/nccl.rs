@@ -13,10 +13,19 @@
 //!   largest shard on the way in and taken out of it on the way back.
 //! * All-gathers and broadcasts move bytes, so every dtype arrives bit for bit.
 //!
+//! * An average is NCCL's sum divided by the world size in f32, as the contract computes it (NCCL's
+//!   own multiplies by `1/n`). With two ranks every result equals the in-process backend's bit for
+//!   bit; with more, NCCL's ring adds in another order than the in-process backend's fixed one, so
+//!   sums may differ from it in their last bits (they are still equal on every rank).
+//!
 //! Ranks are threads of one process ([`NcclComm::group`], one GPU each) or processes
-//! ([`NcclComm::over`]: another communicator, MPI's, carries NCCL's unique id from rank 0).
-//! NCCL has no timeout: a rank that dies mid-collective leaves its peers waiting in NCCL (the MPI
-//! launcher ends the job when a process exits non-zero).
+//! ([`NcclComm::over`]: another communicator, MPI's, carries NCCL's unique id from rank 0). Every
+//! rank opens its GPU before any enters NCCL's initialisation (which waits for all, without a
+//! timeout), so a rank that cannot start fails the group instead of hanging it. NCCL has no
+//! timeout and no way to tell peers that a rank failed outside a collective (`report_failure` does
+//! nothing here): a rank that dies leaves its peers waiting in NCCL, and under `mpirun` the job
+//! ends when the process exits non-zero. After a failed collective every later one on that rank
+//! fails with the same error.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
@@ -61,21 +70,16 @@ impl std::fmt::Debug for NcclComm {
     }
 }
 
-/// A rank whose thread is joining NCCL's initialisation (which waits for every rank).
-struct Starting {
-    comm: NcclComm,
-    ready: mpsc::Receiver<Result<(), CommError>>,
-}
+/// What a starting rank's thread reports, twice: its GPU and stream opened, then NCCL joined.
+type Report = Result<(), CommError>;
 
-impl Starting {
-    fn ready(self) -> Result<NcclComm, CommError> {
-        let started = self.ready.recv().unwrap_or_else(|_| {
-            Err(CommError::Closed(
-                "the NCCL communication thread exited during initialisation".into(),
-            ))
-        });
-        started.map(|()| self.comm)
-    }
+/// The next report of a starting rank, or why there is none.
+fn next_report(reports: &mpsc::Receiver<Report>) -> Report {
+    reports.recv().unwrap_or_else(|_| {
+        Err(CommError::Closed(
+            "an NCCL communication thread exited during initialisation".into(),
+        ))
+    })
 }
 
 /// An NCCL or CUDA failure on `rank`, with what to check.
@@ -104,11 +108,34 @@ impl NcclComm {
         }
         let id = Id::new().map_err(|e| failed(0, "ncclGetUniqueId", e))?;
         let world = ordinals.len();
-        // Every rank's thread must be in NCCL's initialisation at once: start all, then wait.
-        let starting = (ordinals.iter().enumerate())
-            .map(|(rank, &ordinal)| Self::start(ordinal, rank, world, id, options.clone()))
-            .collect::<Result<Vec<_>, _>>()?;
-        starting.into_iter().map(Starting::ready).collect()
+        let (report, reports) = mpsc::channel();
+        let (mut comms, mut gos) = (Vec::new(), Vec::new());
+        for (rank, &ordinal) in ordinals.iter().enumerate() {
+            let (go, go_rx) = mpsc::channel();
+            // On an error the ranks started so far see their `go` dropped and exit.
+            let comm = Self::start((ordinal, rank, world, id), &options, report.clone(), go_rx)?;
+            comms.push(comm);
+            gos.push(go);
+        }
+        drop(report);
+        // Every rank opens its GPU first: NCCL's initialisation waits for all ranks without a
+        // timeout, so a rank that cannot start must be known before any enters it.
+        let opened: Vec<Report> = (0..world).map(|_| next_report(&reports)).collect();
+        if let Some(Err(e)) = opened.into_iter().find(Result::is_err) {
+            return Err(e);
+        }
+        for go in &gos {
+            let _ = go.send(true);
+        }
+        for _ in 0..world {
+            if let Err(e) = next_report(&reports) {
+                // The others wait inside ncclCommInitRank for good: leave their threads behind
+                // rather than join them.
+                comms.into_iter().for_each(std::mem::forget);
+                return Err(e);
+            }
+        }
+        Ok(comms)
     }
 
     /// This process's rank of `carrier`'s world (an MPI communicator: one process per GPU), on GPU
@@ -121,7 +148,9 @@ impl NcclComm {
         let (rank, world) = (carrier.rank(), carrier.world_size());
         let mut id_bytes = [0u8; 128];
         if rank == 0 {
-            let id = Id::new().map_err(|e| failed(0, "ncclGetUniqueId", e))?;
+            let id = Id::new().map_err(|e| failed(0, "ncclGetUniqueId", e));
+            // The peers wait in the broadcast below: tell them rather than let them time out.
+            let id = id.inspect_err(|e| carrier.report_failure(e.to_string()))?;
             for (b, &c) in id_bytes.iter_mut().zip(id.internal()) {
                 *b = c as u8;
             }
@@ -141,16 +170,24 @@ impl NcclComm {
         {
             *c = b as std::ffi::c_char;
         }
-        Self::start(ordinal, rank, world, Id::uninit(internal), options)?.ready()
+        let (report, reports) = mpsc::channel();
+        let (go, go_rx) = mpsc::channel();
+        let at = (ordinal, rank, world, Id::uninit(internal));
+        let comm = Self::start(at, &options, report, go_rx)?;
+        next_report(&reports)?;
+        let _ = go.send(true);
+        next_report(&reports)?;
+        Ok(comm)
     }
 
+    /// Start rank `rank`'s thread on GPU `ordinal`: it opens the GPU and reports, waits for
+    /// `go`, joins NCCL's world and reports again, then serves collectives.
     fn start(
-        ordinal: usize,
-        rank: usize,
-        world: usize,
-        id: Id,
-        options: CommOptions,
-    ) -> Result<Starting, CommError> {
+        (ordinal, rank, world, id): (usize, usize, usize, Id),
+        options: &CommOptions,
+        report: mpsc::Sender<Report>,
+        go: mpsc::Receiver<bool>,
+    ) -> Result<NcclComm, CommError> {
         let shared = Arc::new(Shared::default());
         shared
             .stats
@@ -158,20 +195,24 @@ impl NcclComm {
             .unwrap_or_else(|e| e.into_inner())
             .world_size = world;
         let (tx, rx) = mpsc::channel::<Job>();
-        let (ready_tx, ready) = mpsc::channel();
         let thread = {
-            let shared = shared.clone();
+            let (shared, options) = (shared.clone(), options.clone());
             std::thread::Builder::new()
                 .name(format!("zerodp-nccl-{rank}"))
                 .spawn(move || {
-                    let engine = match Engine::new(ordinal, rank, world, id, options, shared) {
-                        Ok(engine) => engine,
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(e));
-                            return;
-                        }
+                    let stream = match open_stream(ordinal, rank) {
+                        Ok(stream) => stream,
+                        Err(e) => return drop(report.send(Err(e))),
                     };
-                    let _ = ready_tx.send(Ok(()));
+                    let _ = report.send(Ok(()));
+                    if go.recv() != Ok(true) {
+                        return;
+                    }
+                    let engine = match Engine::join(stream, (rank, world), id, options, shared) {
+                        Ok(engine) => engine,
+                        Err(e) => return drop(report.send(Err(e))),
+                    };
+                    let _ = report.send(Ok(()));
                     engine.serve(rx);
                 })
                 .map_err(|e| {
@@ -180,15 +221,14 @@ impl NcclComm {
                     ))
                 })?
         };
-        let comm = NcclComm {
+        Ok(NcclComm {
             rank,
             world,
             ordinal,
             shared,
             queue: Some(tx),
             thread: Some(thread),
-        };
-        Ok(Starting { comm, ready })
+        })
     }
 
     /// The GPU this rank's collectives run on.
@@ -248,8 +288,16 @@ impl Communicator for NcclComm {
     }
 }
 
+/// GPU `ordinal`'s primary context, and a stream of this rank's own on it.
+fn open_stream(ordinal: usize, rank: usize) -> Result<Arc<CudaStream>, CommError> {
+    let ctx = CudaContext::new(ordinal).map_err(|e| failed(rank, "opening the GPU", e))?;
+    ctx.new_stream()
+        .map_err(|e| failed(rank, "creating a stream", e))
+}
+
 /// The communication thread's state: NCCL's communicator (not `Send`: it lives and dies on this
-/// thread), its stream, and staging buffers on the GPU grown to the largest collective so far.
+/// thread), its stream, and staging buffers grown to the largest collective so far, on the GPU
+/// and in host memory (steady-state collectives allocate nothing).
 struct Engine {
     comm: Comm,
     stream: Arc<CudaStream>,
@@ -257,25 +305,30 @@ struct Engine {
     world: usize,
     options: CommOptions,
     shared: Arc<Shared>,
-    /// f32 staging of reductions: the full tensor, then (reduce-scatter) the rank's shard.
+    /// The first failure: every later collective fails with it (NCCL's communicator may be
+    /// broken).
+    failure: Option<CommError>,
+    /// f32 staging of reductions on the GPU: the full tensor, then (reduce-scatter) the shard.
     floats: Option<CudaSlice<f32>>,
-    /// Byte staging of all-gathers and broadcasts: this rank's shard, then the full tensor.
+    /// Byte staging of all-gathers and broadcasts on the GPU: the shard, then the full tensor.
     bytes: Option<CudaSlice<u8>>,
+    /// Host staging: a reduction's f32 values (padded for a reduce-scatter).
+    wide: Vec<f32>,
+    /// Host staging: a reduce-scatter's reduced shard.
+    shard: Vec<f32>,
+    /// Host staging: an all-gather's padded shard and gathered shards.
+    send: Vec<u8>,
+    gathered: Vec<u8>,
 }
 
 impl Engine {
-    fn new(
-        ordinal: usize,
-        rank: usize,
-        world: usize,
+    fn join(
+        stream: Arc<CudaStream>,
+        (rank, world): (usize, usize),
         id: Id,
         options: CommOptions,
         shared: Arc<Shared>,
     ) -> Result<Engine, CommError> {
-        let ctx = CudaContext::new(ordinal).map_err(|e| failed(rank, "opening the GPU", e))?;
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| failed(rank, "creating a stream", e))?;
         let comm = Comm::from_rank(stream.clone(), rank, world, id)
             .map_err(|e| failed(rank, "ncclCommInitRank", e))?;
         Ok(Engine {
@@ -285,8 +338,13 @@ impl Engine {
             world,
             options,
             shared,
+            failure: None,
             floats: None,
             bytes: None,
+            wide: Vec::new(),
+            shard: Vec::new(),
+            send: Vec::new(),
+            gathered: Vec::new(),
         })
     }
 
@@ -301,12 +359,18 @@ impl Engine {
                         self.rank
                     )))
                 });
+            if let Err(e) = &result {
+                self.failure.get_or_insert_with(|| e.clone());
+            }
             seq += 1;
             let _ = job.done.send(result);
         }
     }
 
     fn run_one(&mut self, seq: u64, call: Call) -> Result<Vec<Buffer>, CommError> {
+        if let Some(failure) = &self.failure {
+            return Err(failure.clone());
+        }
         let desc = describe(&call);
         let started = Instant::now();
         let out = self.execute(call)?;
@@ -326,22 +390,29 @@ impl Engine {
 
     fn execute(&mut self, call: Call) -> Result<Vec<Buffer>, CommError> {
         match call {
+            Call::AllReduce(Buffer::F32(mut v), op) => {
+                self.all_reduce_f32(&mut v, op)?;
+                Ok(vec![Buffer::F32(v)])
+            }
             Call::AllReduce(mut buf, op) => {
-                let mut wide = widen(&buf);
-                self.all_reduce_f32(&mut wide, op)?;
+                let mut wide = std::mem::take(&mut self.wide);
+                wide.resize(buf.len(), 0.0);
+                widen_range(&buf, 0..buf.len(), &mut wide);
+                let reduced = self.all_reduce_f32(&mut wide, op);
                 narrow_into(&wide, &mut buf, 0..wide.len());
-                Ok(vec![buf])
+                self.wide = wide;
+                reduced.map(|()| vec![buf])
             }
             Call::ReduceScatter(input, mut output, op) => {
-                let shard = self.reduce_scatter_f32(&input, op)?;
+                self.reduce_scatter_f32(&input, op)?;
                 let all = 0..output.len();
-                narrow_into(&shard, &mut output, all);
+                narrow_into(&self.shard, &mut output, all);
                 Ok(vec![input, output])
             }
             Call::ReduceScatterInPlace(mut buf, op) => {
                 let mine = shard_range(buf.len(), self.world, self.rank);
-                let shard = self.reduce_scatter_f32(&buf, op)?;
-                narrow_into(&shard, &mut buf, mine);
+                self.reduce_scatter_f32(&buf, op)?;
+                narrow_into(&self.shard, &mut buf, mine);
                 Ok(vec![buf])
             }
             Call::AllGather(input, mut output) => {
@@ -352,9 +423,12 @@ impl Engine {
             Call::AllGatherInPlace(mut buf) => {
                 let size = buf.dtype().size();
                 let mine = shard_range(buf.len(), self.world, self.rank);
-                let shard = bytes_of(&buf)[mine.start * size..mine.end * size].to_vec();
-                self.all_gather_bytes(&shard, bytes_of_mut(&mut buf), size)?;
-                Ok(vec![buf])
+                let mut shard = std::mem::take(&mut self.send);
+                shard.clear();
+                shard.extend_from_slice(&bytes_of(&buf)[mine.start * size..mine.end * size]);
+                let gathered = self.all_gather_bytes(&shard, bytes_of_mut(&mut buf), size);
+                self.send = shard;
+                gathered.map(|()| vec![buf])
             }
             Call::Broadcast(mut buf, root) => {
                 self.broadcast_bytes(bytes_of_mut(&mut buf), root)?;
@@ -373,6 +447,15 @@ impl Engine {
             .map_err(|e| failed(self.rank, "the collective's stream", e))
     }
 
+    /// `ReduceOp::Avg` as the contract computes it, the f32 sum divided by the world size (NCCL's
+    /// own average multiplies by `1/n`).
+    fn finish_average(&self, values: &mut [f32], op: ReduceOp) {
+        if op == ReduceOp::Avg {
+            let n = self.world as f32;
+            values.iter_mut().for_each(|v| *v /= n);
+        }
+    }
+
     fn all_reduce_f32(&mut self, host: &mut [f32], op: ReduceOp) -> Result<(), CommError> {
         let (rank, n, stream) = (self.rank, host.len(), &self.stream);
         let staging = grown(&mut self.floats, stream, n, rank)?;
@@ -382,15 +465,19 @@ impl Engine {
         (self.comm.all_reduce_in_place(&mut view, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclAllReduce", e))?;
         stream.memcpy_dtoh(&view, host).map_err(copy)?;
-        self.sync()
+        self.sync()?;
+        self.finish_average(host, op);
+        Ok(())
     }
 
-    /// This rank's reduced shard (f32, its own length) of `input`, each rank's shard placed at a
-    /// stride of the largest for NCCL's equal shards.
-    fn reduce_scatter_f32(&mut self, input: &Buffer, op: ReduceOp) -> Result<Vec<f32>, CommError> {
+    /// This rank's reduced shard of `input` into `self.shard` (f32, its own length), each rank's
+    /// shard placed at a stride of the largest for NCCL's equal shards.
+    fn reduce_scatter_f32(&mut self, input: &Buffer, op: ReduceOp) -> Result<(), CommError> {
         let (rank, world, len) = (self.rank, self.world, input.len());
         let stride = len.div_ceil(world);
-        let mut padded = vec![0f32; stride * world];
+        let mut padded = std::mem::take(&mut self.wide);
+        padded.clear();
+        padded.resize(stride * world, 0.0);
         for r in 0..world {
             let range = shard_range(len, world, r);
             widen_range(
@@ -399,19 +486,33 @@ impl Engine {
                 &mut padded[r * stride..][..range.len()],
             );
         }
-        let stream = &self.stream;
-        let staging = grown(&mut self.floats, stream, stride * (world + 1), rank)?;
-        let (mut send, mut recv) = staging.split_at_mut(stride * world);
+        let mut shard = std::mem::take(&mut self.shard);
+        shard.resize(stride, 0.0);
+        let reduced = self.reduce_scatter_padded(&padded, &mut shard, op);
+        self.wide = padded;
+        shard.truncate(shard_range(len, world, rank).len());
+        self.finish_average(&mut shard, op);
+        self.shard = shard;
+        reduced
+    }
+
+    /// NCCL's reduce-scatter of `padded` (`world` equal shards) into `shard` (one of them).
+    fn reduce_scatter_padded(
+        &mut self,
+        padded: &[f32],
+        shard: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let (rank, stride, stream) = (self.rank, shard.len(), &self.stream);
+        let staging = grown(&mut self.floats, stream, padded.len() + stride, rank)?;
+        let (mut send, mut recv) = staging.split_at_mut(padded.len());
         let copy = |e| failed(rank, "copying between host and GPU", e);
-        stream.memcpy_htod(&padded, &mut send).map_err(copy)?;
+        stream.memcpy_htod(padded, &mut send).map_err(copy)?;
         let mut recv = recv.slice_mut(0..stride);
         (self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclReduceScatter", e))?;
-        let mut shard = vec![0f32; stride];
-        stream.memcpy_dtoh(&recv, &mut shard).map_err(copy)?;
-        self.sync()?;
-        shard.truncate(shard_range(len, world, rank).len());
-        Ok(shard)
+        stream.memcpy_dtoh(&recv, shard).map_err(copy)?;
+        self.sync()
     }
 
     /// Every rank's shard (`shard`, elements of `size` bytes) into `full`, through NCCL's equal
@@ -422,26 +523,42 @@ impl Engine {
         full: &mut [u8],
         size: usize,
     ) -> Result<(), CommError> {
-        let (rank, world, len) = (self.rank, self.world, full.len() / size);
+        let (world, len) = (self.world, full.len() / size);
         let stride = len.div_ceil(world) * size;
-        let stream = &self.stream;
-        let staging = grown(&mut self.bytes, stream, stride * (world + 1), rank)?;
+        let mut gathered = std::mem::take(&mut self.gathered);
+        gathered.resize(stride * world, 0);
+        let done = self.all_gather_padded(shard, stride, &mut gathered);
+        if done.is_ok() {
+            for r in 0..world {
+                let range = shard_range(len, world, r);
+                let bytes = range.len() * size;
+                full[range.start * size..][..bytes]
+                    .copy_from_slice(&gathered[r * stride..][..bytes]);
+            }
+        }
+        self.gathered = gathered;
+        done
+    }
+
+    /// NCCL's all-gather of `shard` padded to `stride` bytes into `gathered` (`world` strides).
+    fn all_gather_padded(
+        &mut self,
+        shard: &[u8],
+        stride: usize,
+        gathered: &mut [u8],
+    ) -> Result<(), CommError> {
+        let (rank, stream) = (self.rank, &self.stream);
+        let staging = grown(&mut self.bytes, stream, stride + gathered.len(), rank)?;
         let (mut send, mut recv) = staging.split_at_mut(stride);
         let copy = |e| failed(rank, "copying between host and GPU", e);
-        let mut padded = vec![0u8; stride];
-        padded[..shard.len()].copy_from_slice(shard);
-        stream.memcpy_htod(&padded, &mut send).map_err(copy)?;
-        let mut recv = recv.slice_mut(0..stride * world);
+        // The padding's bytes are never read back: only the shard's own are copied up.
+        stream
+            .memcpy_htod(shard, &mut send.slice_mut(0..shard.len()))
+            .map_err(copy)?;
+        let mut recv = recv.slice_mut(0..gathered.len());
         (self.comm.all_gather(&send, &mut recv)).map_err(|e| failed(rank, "ncclAllGather", e))?;
-        let mut gathered = vec![0u8; stride * world];
-        stream.memcpy_dtoh(&recv, &mut gathered).map_err(copy)?;
-        self.sync()?;
-        for r in 0..world {
-            let range = shard_range(len, world, r);
-            let bytes = range.len() * size;
-            full[range.start * size..][..bytes].copy_from_slice(&gathered[r * stride..][..bytes]);
-        }
-        Ok(())
+        stream.memcpy_dtoh(&recv, gathered).map_err(copy)?;
+        self.sync()
     }
 
     fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
@@ -474,19 +591,13 @@ fn grown<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         .ok_or_else(|| failed(rank, "allocating GPU staging", "none"))
 }
 
+/// NCCL's reduction for `op`: an average is NCCL's sum, divided afterwards
+/// ([`Engine::finish_average`]).
 fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
     match op {
-        ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
-        ReduceOp::Avg => cudarc::nccl::ReduceOp::Avg,
+        ReduceOp::Sum | ReduceOp::Avg => cudarc::nccl::ReduceOp::Sum,
         ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
     }
-}
-
-/// The buffer's elements in f32 (a copy).
-fn widen(buf: &Buffer) -> Vec<f32> {
-    let mut out = vec![0f32; buf.len()];
-    widen_range(buf, 0..buf.len(), &mut out);
-    out
 }
 
 /// Elements `range` of `buf` in f32, into `out` (as long as the range).
@@ -542,7 +653,8 @@ mod tests {
     #[test]
     fn widening_and_rounding_once_keep_every_dtype() {
         let bf = Buffer::BF16(vec![bf16::from_f32(1.5), bf16::from_f32(-2.25)]);
-        let mut wide = widen(&bf);
+        let mut wide = vec![0.0; 2];
+        widen_range(&bf, 0..2, &mut wide);
         assert_eq!(wide, vec![1.5, -2.25]);
         // 1 + 2^-9 is between two bf16 values: rounded once, to nearest even.
         wide[0] = 1.0 + 1.0 / 512.0;

@@ -3,7 +3,7 @@
 //! writes the master, the moments and the compute-dtype parameters in place, where candle's
 //! element-wise ops take about a dozen passes and allocate each intermediate. The kernel's
 //! arithmetic is the CPU kernel's operation for operation (`kernels/adam_math.h`, checked bit for
-//! bit against it by `tests/adam_kernel_math.rs`), so the GPU's update is the host tier's.
+//! bit against it by `tests/kernel_math.rs`), so the GPU's update is the host tier's.
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
 use candle_core::{DType, Device, Storage, Tensor};
@@ -37,6 +37,9 @@ pub(super) fn fused_adam(t: &AdamTensors, c: &StepConsts) -> candle_core::Result
     };
     let n = t.master.elem_count();
     let moments = t.exp_avg.dtype();
+    if t.exp_avg_sq.dtype() != moments {
+        candle_core::bail!("the fused Adam kernel needs both moments in one dtype");
+    }
     let params_name = match t.params {
         Some(p) => dtype_name(p.dtype())?,
         None => "f32",
@@ -58,7 +61,9 @@ pub(super) fn fused_adam(t: &AdamTensors, c: &StepConsts) -> candle_core::Result
     let null: u64 = 0;
     // Read guards keep each storage alive through the launch; the kernel writes the master, the
     // moments and the parameters through their device pointers (device memory, which no Rust
-    // reference covers), in the stream order of everything candle queued on them.
+    // reference covers), in the stream order of everything candle queued on them. cudarc records
+    // no write event for them (they are pushed as shared slices): none is needed while candle
+    // runs each device on one stream, as 0.11.1 does.
     let guards: Vec<_> = [t.grad, t.master, t.exp_avg, t.exp_avg_sq]
         .into_iter()
         .chain(t.params)

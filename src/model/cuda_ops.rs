@@ -193,7 +193,9 @@ pub(super) fn layer_norm_bwd(
             dy.shape()
         );
     }
-    let parts = rows.div_ceil(LN_ROWS_PER_PART).max(1);
+    // One part per block row of the grid (at most 65,535 of them).
+    let per_part = LN_ROWS_PER_PART.max(rows.div_ceil(65_535));
+    let parts = rows.div_ceil(per_part).max(1);
     let (dx, dw_parts, db_parts) = with_cuda(x, |xs, xl| {
         with_cuda(w, |ws, wl| {
             with_cuda(dy, |ds, dl| {
@@ -220,7 +222,7 @@ pub(super) fn layer_norm_bwd(
 
                 let dw_parts = output(device, DType::F32, parts * c)?;
                 let db_parts = output(device, DType::F32, parts * c)?;
-                let per_part = LN_ROWS_PER_PART as u64;
+                let per_part = per_part as u64;
                 let name = kernel_name("layer_norm_param_parts", dtype)?;
                 let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
                 let mut b = func.builder();

@@ -44,8 +44,6 @@ pub fn candle_dtype(dtype: crate::comm::DType) -> DType {
     }
 }
 
-/// Whether `dtype` is a 16-bit float: a model computing in one (on a GPU) keeps its norms,
-/// softmaxes and loss in f32, as PyTorch does.
 /// `ZERODP_CUDA_KERNELS=0` runs a GPU's LayerNorm, GELU and causal softmax on candle's
 /// composite ops instead of zerodp's kernels (`kernels/gpt_ops.cu`): for comparing the two.
 pub const CUDA_KERNELS_ENV: &str = "ZERODP_CUDA_KERNELS";
@@ -56,6 +54,8 @@ pub fn uses_cuda_kernels(device: &Device) -> bool {
     device.is_cuda() && std::env::var(CUDA_KERNELS_ENV).map_or(true, |v| v.trim() != "0")
 }
 
+/// Whether `dtype` is a 16-bit float: a model computing in one (on a GPU) keeps its norms,
+/// softmaxes and loss in f32, as PyTorch does.
 pub(crate) fn is_16_bit(dtype: DType) -> bool {
     matches!(dtype, DType::BF16 | DType::F16)
 }
