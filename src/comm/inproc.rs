@@ -31,7 +31,7 @@
 use crate::comm::kernels::{
     buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
 };
-use crate::comm::queue::{account, describe, validate, Call, Job};
+use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::CommStats;
 use crate::comm::{
@@ -42,7 +42,6 @@ use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// Reduce-scatter outputs of at least this many bytes are written with streaming stores: far
@@ -73,8 +72,7 @@ pub struct InprocComm {
     rank: usize,
     world: Arc<World>,
     shared: Arc<RankShared>,
-    queue: Option<mpsc::Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    thread: CommThread<Job>,
 }
 
 impl fmt::Debug for InprocComm {
@@ -130,8 +128,7 @@ impl InprocComm {
                     rank,
                     world: world.clone(),
                     shared,
-                    queue: Some(tx),
-                    thread: Some(thread),
+                    thread: CommThread::new(tx, thread),
                 })
             })
             .collect()
@@ -169,24 +166,13 @@ impl InprocComm {
             return CommHandle::ready(Err(e));
         }
         let (done, handle) = CommHandle::channel();
-        let queue = self.queue.as_ref().expect("queue lives until drop");
-        if let Err(mpsc::SendError(job)) = queue.send(Job { call, done }) {
+        if let Err(job) = self.thread.send(Job { call, done }) {
             let _ = job.done.send(Err(CommError::Closed(format!(
                 "the communication thread of rank {} has exited",
                 self.rank
             ))));
         }
         handle
-    }
-}
-
-impl Drop for InprocComm {
-    fn drop(&mut self) {
-        // Closing the queue lets the thread drain it and exit.
-        self.queue.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

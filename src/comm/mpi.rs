@@ -74,7 +74,7 @@
 use crate::comm::kernels::fan_out_copy;
 use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::mpi_shm::{region_of, PeerMaps, RegionRef};
-use crate::comm::queue::{account, describe, validate, Call, Job};
+use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::rendezvous::CallDesc;
 use crate::comm::stats::CommStats;
 use crate::comm::{
@@ -88,7 +88,6 @@ use std::os::raw::c_int;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Tag of the descriptor every collective starts with.
@@ -160,8 +159,7 @@ pub struct MpiComm {
     topo: MpiTopology,
     options: CommOptions,
     shared: Arc<Shared>,
-    queue: Option<mpsc::Sender<Msg>>,
-    thread: Option<JoinHandle<()>>,
+    thread: CommThread<Msg>,
 }
 
 impl fmt::Debug for MpiComm {
@@ -211,8 +209,7 @@ impl MpiComm {
             topo,
             options,
             shared,
-            queue: Some(tx),
-            thread: Some(thread),
+            thread: CommThread::new(tx, thread),
         })
     }
 
@@ -254,8 +251,7 @@ impl MpiComm {
         iters: usize,
     ) -> Result<Vec<f64>, CommError> {
         let (done, rx) = mpsc::channel();
-        let queue = self.queue.as_ref().expect("queue lives until drop");
-        queue
+        self.thread
             .send(Msg::Raw(RawJob {
                 kind,
                 bytes,
@@ -277,22 +273,12 @@ impl MpiComm {
             return CommHandle::ready(Err(e));
         }
         let (done, handle) = CommHandle::channel();
-        let queue = self.queue.as_ref().expect("queue lives until drop");
-        if let Err(mpsc::SendError(Msg::Job(job))) = queue.send(Msg::Job(Job { call, done })) {
+        if let Err(Msg::Job(job)) = self.thread.send(Msg::Job(Job { call, done })) {
             let _ = job.done.send(Err(CommError::Closed(
                 "the MPI communication thread has exited".into(),
             )));
         }
         handle
-    }
-}
-
-impl Drop for MpiComm {
-    fn drop(&mut self) {
-        self.queue.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 
@@ -327,9 +313,7 @@ impl Communicator for MpiComm {
         if notice.is_none() {
             *notice = Some(reason);
             drop(notice);
-            if let Some(q) = &self.queue {
-                let _ = q.send(Msg::Notify);
-            }
+            let _ = self.thread.send(Msg::Notify);
         }
     }
 }

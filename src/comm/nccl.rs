@@ -29,14 +29,13 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
 use half::{bf16, f16};
 
-use crate::comm::queue::{account, describe, validate, Call, Job};
+use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::stats::CommStats;
 use crate::comm::{
     shard_range, Buffer, CommError, CommHandle, CommOptions, Communicator, ReduceOp,
@@ -56,8 +55,7 @@ pub struct NcclComm {
     world: usize,
     ordinal: usize,
     shared: Arc<Shared>,
-    queue: Option<mpsc::Sender<Job>>,
-    thread: Option<JoinHandle<()>>,
+    thread: CommThread<Job>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -226,8 +224,7 @@ impl NcclComm {
             world,
             ordinal,
             shared,
-            queue: Some(tx),
-            thread: Some(thread),
+            thread: CommThread::new(tx, thread),
         })
     }
 
@@ -250,24 +247,12 @@ impl NcclComm {
             return CommHandle::ready(Err(e));
         }
         let (done, handle) = CommHandle::channel();
-        let Some(queue) = self.queue.as_ref() else {
-            return CommHandle::ready(Err(CommError::Closed("NCCL communicator dropped".into())));
-        };
-        if let Err(mpsc::SendError(job)) = queue.send(Job { call, done }) {
+        if let Err(job) = self.thread.send(Job { call, done }) {
             let _ = job.done.send(Err(CommError::Closed(
                 "the NCCL communication thread has exited".into(),
             )));
         }
         handle
-    }
-}
-
-impl Drop for NcclComm {
-    fn drop(&mut self) {
-        self.queue.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -8,6 +8,7 @@ use crate::comm::{
     TrafficCounters,
 };
 use std::sync::{mpsc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// A collective as queued to the communication thread.
@@ -25,6 +26,39 @@ pub(crate) enum Call {
 pub(crate) struct Job {
     pub call: Call,
     pub done: mpsc::Sender<Completion>,
+}
+
+/// A backend's communication thread and the queue that feeds it. Dropping it closes the queue,
+/// which lets the thread drain what is queued and exit, and then joins the thread.
+pub(crate) struct CommThread<M> {
+    queue: Option<mpsc::Sender<M>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<M> CommThread<M> {
+    pub(crate) fn new(queue: mpsc::Sender<M>, thread: JoinHandle<()>) -> Self {
+        CommThread {
+            queue: Some(queue),
+            thread: Some(thread),
+        }
+    }
+
+    /// Queue `message`, or hand it back when the thread has exited.
+    pub(crate) fn send(&self, message: M) -> Result<(), M> {
+        match &self.queue {
+            Some(queue) => queue.send(message).map_err(|mpsc::SendError(m)| m),
+            None => Err(message),
+        }
+    }
+}
+
+impl<M> Drop for CommThread<M> {
+    fn drop(&mut self) {
+        self.queue.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 /// The collectives of a backend whose calls all go through its own `submit(&self, Call) ->
