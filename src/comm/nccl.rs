@@ -33,7 +33,7 @@ use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
-use half::{bf16, f16};
+use half::slice::HalfFloatSliceExt;
 
 use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::stats::CommStats;
@@ -589,8 +589,8 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::ReduceOp {
 fn widen_range(buf: &Buffer, range: std::ops::Range<usize>, out: &mut [f32]) {
     match buf {
         Buffer::F32(v) => out.copy_from_slice(&v[range]),
-        Buffer::BF16(v) => (out.iter_mut().zip(&v[range])).for_each(|(o, x)| *o = x.to_f32()),
-        Buffer::F16(v) => (out.iter_mut().zip(&v[range])).for_each(|(o, x)| *o = x.to_f32()),
+        Buffer::BF16(v) => v[range].convert_to_f32_slice(out),
+        Buffer::F16(v) => v[range].convert_to_f32_slice(out),
     }
 }
 
@@ -598,12 +598,8 @@ fn widen_range(buf: &Buffer, range: std::ops::Range<usize>, out: &mut [f32]) {
 fn narrow_into(values: &[f32], buf: &mut Buffer, range: std::ops::Range<usize>) {
     match buf {
         Buffer::F32(v) => v[range].copy_from_slice(values),
-        Buffer::BF16(v) => {
-            (v[range].iter_mut().zip(values)).for_each(|(o, &x)| *o = bf16::from_f32(x))
-        }
-        Buffer::F16(v) => {
-            (v[range].iter_mut().zip(values)).for_each(|(o, &x)| *o = f16::from_f32(x))
-        }
+        Buffer::BF16(v) => v[range].convert_from_f32_slice(values),
+        Buffer::F16(v) => v[range].convert_from_f32_slice(values),
     }
 }
 
@@ -626,6 +622,7 @@ fn bytes_of_mut(buf: &mut Buffer) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::{bf16, f16};
 
     #[test]
     fn ranks_sharing_a_gpu_or_none_are_refused_before_touching_one() {

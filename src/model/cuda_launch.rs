@@ -17,9 +17,7 @@ pub(super) const ROWS_PER_BLOCK: u32 = 8;
 /// The kernels' name for `dtype`.
 pub(super) fn dtype_name(dtype: DType) -> Result<&'static str> {
     match dtype {
-        DType::F32 => Ok("f32"),
-        DType::BF16 => Ok("bf16"),
-        DType::F16 => Ok("f16"),
+        DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.as_str()),
         other => bail!("zerodp's CUDA kernels take f32, bf16 or f16, not {other:?}"),
     }
 }
