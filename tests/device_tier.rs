@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use candle_core::DType;
-use zerodp::comm::run_ranks;
+use zerodp::comm::{run_ranks, Communicator};
 use zerodp::config::{load_str, ResolveContext, Settings};
 use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig};
 use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
@@ -37,6 +37,11 @@ fn gpt(tier: bool) -> Candle<Gpt> {
 
 /// One rank, two micro-batches a step, AdamW with weight decay, a warmup, clipping at 1.
 fn settings(stage: u8, precision: &str) -> Settings {
+    settings_on(1, stage, precision)
+}
+
+/// [`settings`] on `world` ranks (the same global batch).
+fn settings_on(world: usize, stage: u8, precision: &str) -> Settings {
     let text = format!(
         r#"{{ "train_batch_size": {GLOBAL}, "gradient_accumulation_steps": 2,
              "optimizer": {{ "type": "AdamW", "params": {{ "lr": 0.003, "weight_decay": 0.01 }} }},
@@ -46,7 +51,7 @@ fn settings(stage: u8, precision: &str) -> Settings {
              "zero_optimization": {{ "stage": {stage} }} {precision} }}"#
     );
     let ctx = ResolveContext {
-        world_size: 1,
+        world_size: world,
         ..Default::default()
     };
     load_str(&text, "<test>", &ctx).unwrap().settings
@@ -164,7 +169,7 @@ fn the_engine_refuses_the_tier_where_the_run_needs_host_memory() {
     let mut offloaded = EngineConfig::new(Stage::Zero2, 1);
     offloaded.offload_optimizer = OptimizerTier::Host;
     for (cfg, why) in [
-        (EngineConfig::new(Stage::Zero0, 2), "more than one rank"),
+        (EngineConfig::new(Stage::Zero1, 2), "more than one rank"),
         (offloaded, "offload_optimizer"),
     ] {
         let e = run_ranks(cfg.world_size, Default::default(), |comm, _| {
@@ -211,4 +216,103 @@ fn the_host_copy_is_read_only_after_a_sync() {
         Ok::<_, EngineError>(())
     })
     .unwrap();
+}
+
+/// Train on `models.len()` in-process ranks, rank r on `models[r]` (`Trainer::with_rank_models`;
+/// the trainer checks that every rank ends with the same parameters).
+fn run_ranks_on(models: &[&Candle<Gpt>], s: &Settings, steps: u64) -> Run {
+    let t = Trainer::from_settings(models[0], s, models.len(), 5)
+        .unwrap()
+        .keep_params(true)
+        .with_rank_models(models.to_vec());
+    let log = ReportLog::new();
+    let out = t.run(&loader(), steps, &[&log]).unwrap();
+    let reports = log.into_reports().remove(0);
+    Run {
+        losses: reports.iter().map(|r| r.loss).collect(),
+        skipped: reports.iter().map(|r| r.skipped).collect(),
+        params: out.params.expect("kept"),
+    }
+}
+
+/// Stage 0 on two ranks, each with its own model holding its tier: the ranks average their
+/// gradients through host memory (the host tier's buckets and all-reduce) and take the same Adam
+/// step on the device, so they train as two ranks of the host tier: the same losses, skipped fp16
+/// steps and parameters, within the candle ops' rounding.
+#[test]
+fn stage_0_on_two_ranks_keeps_the_tier_on_the_device() {
+    let host = gpt(false);
+    let devices = [gpt(true), gpt(true)];
+    for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (FP16, 2e-3)] {
+        let s = settings_on(2, 0, precision);
+        let want = run_ranks_on(&[&host, &host], &s, 12);
+        let got = run_ranks_on(&[&devices[0], &devices[1]], &s, 12);
+        let what = format!("two ranks {precision}");
+        match precision == FP16 {
+            true => assert!(
+                want.skipped[0] && !want.skipped[11],
+                "{what}: {:?}",
+                want.skipped
+            ),
+            false => assert!(
+                want.losses[11] < want.losses[0],
+                "{what}: {:?}",
+                want.losses
+            ),
+        }
+        assert_follows(&got, &want, tol, &what);
+        // Not one rank's run: the average of two ranks' gradients moved the parameters.
+        let alone = run_ranks_on(&[&devices[0]], &settings_on(1, 0, precision), 12);
+        assert_ne!(alone.params, got.params, "{what}");
+    }
+    // One model for two ranks is not a model each.
+    let s = settings_on(2, 0, "");
+    let t = Trainer::from_settings(&devices[0], &s, 2, 5).unwrap();
+    let Err(e) = t.with_rank_models(vec![&devices[0]]).run(&loader(), 1, &[]) else {
+        panic!("one model for two ranks was accepted");
+    };
+    assert!(e.to_string().contains("1 rank models for 2"), "{e}");
+    // A rank model of another shape is not the same model.
+    let config = GptConfig {
+        layers: GptConfig::tiny().layers + 1,
+        ..GptConfig::tiny()
+    };
+    let other = Candle::new(Gpt::with_options(config, DType::F32, false).unwrap());
+    let t = Trainer::from_settings(&devices[0], &s, 2, 5).unwrap();
+    let Err(e) = t
+        .with_rank_models(vec![&devices[0], &other])
+        .run(&loader(), 1, &[])
+    else {
+        panic!("a rank model of another shape was accepted");
+    };
+    assert!(
+        e.to_string().contains("rank 1's model has other units"),
+        "{e}"
+    );
+}
+
+/// Two in-process ranks given one model holding the tier: the second engine is refused (the
+/// tier holds one rank's gradients), naming the fix; once the first is dropped the tier is free.
+#[test]
+fn two_ranks_cannot_share_one_model_s_tier() {
+    let model = gpt(true);
+    let cfg = EngineConfig::new(Stage::Zero0, 2);
+    let refused = run_ranks(2, Default::default(), |comm, _| {
+        let engine = Engine::new(&model, &*comm, cfg.clone());
+        // Both engines exist (or failed) before either is dropped.
+        comm.barrier().wait()?;
+        Ok::<_, EngineError>(engine.err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    let errors: Vec<&String> = refused.iter().flatten().collect();
+    assert_eq!(errors.len(), 1, "{refused:?}");
+    assert!(
+        errors[0].contains("held by another rank") && errors[0].contains("a model of its own"),
+        "{}",
+        errors[0]
+    );
+    run_ranks(1, Default::default(), |comm, _| {
+        Engine::new(&model, &*comm, EngineConfig::new(Stage::Zero0, 1)).map(|_| ())
+    })
+    .expect("the tier is free again");
 }

@@ -300,13 +300,15 @@ impl BenchModel {
     }
 
     /// The model case `cfg` runs: on a GPU a fresh one keeping there what `cfg` allows (the
-    /// parameters between steps, or the whole device tier); on the CPU the one model.
-    fn for_case(&self, cfg: &EngineConfig) -> anyhow::Result<Option<TrainModel>> {
+    /// parameters between steps, or the whole device tier); on the CPU the one model. Under MPI
+    /// (`mpi`) this process runs one rank of the case; in-process, all of them share the model.
+    fn for_case(&self, cfg: &EngineConfig, mpi: bool) -> anyhow::Result<Option<TrainModel>> {
         if self.device.gpu.is_none() {
             return Ok(None);
         }
         let model = super::hf_model::build_model(&self.gpt, self.hf.as_ref(), &self.device)?;
-        Ok(Some(model.keep_on_gpu(cfg)))
+        let ranks = if mpi { 1 } else { cfg.world_size };
+        Ok(Some(model.keep_on_gpu(cfg, ranks)))
     }
 }
 
@@ -327,7 +329,7 @@ fn measure_all(
                     let stage = Stage::from_index(s)
                         .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
                     let cfg = case_config(args, (stage, offload), world)?;
-                    let own = bench.for_case(&cfg)?;
+                    let own = bench.for_case(&cfg, mpi.is_some())?;
                     let on = own.as_ref().unwrap_or(&bench.model);
                     let got = measure(args, on, data, (cfg, offload), mpi)?;
                     if args.format == "table" && rank == 0 {

@@ -149,12 +149,12 @@ impl TrainModel {
 
     /// On a GPU, keep there what the run allows: the whole device tier (parameters, fp32 master,
     /// gradients, Adam's moments, and Adam itself; [`Candle::with_device_tier`]) where
-    /// [`zerodp::zero::device_tier::refusal`] finds nothing against it, else the parameters
-    /// between steps where every rank holds them all anyway (stages 0-2,
-    /// [`Candle::with_resident_params`]; at stage 3 each unit's are copied there when it runs).
-    /// Nothing changes on the CPU.
-    pub fn keep_on_gpu(self, cfg: &zerodp::zero::EngineConfig) -> TrainModel {
-        let tier = zerodp::zero::device_tier::refusal(cfg).is_none();
+    /// [`zerodp::zero::device_tier::refusal_in_process`] finds nothing against it for the
+    /// `ranks` this process runs on the model, else the parameters between steps where every
+    /// rank holds them all anyway (stages 0-2, [`Candle::with_resident_params`]; at stage 3 each
+    /// unit's are copied there when it runs). Nothing changes on the CPU.
+    pub fn keep_on_gpu(self, cfg: &zerodp::zero::EngineConfig, ranks: usize) -> TrainModel {
+        let tier = zerodp::zero::device_tier::refusal_in_process(cfg, ranks).is_none();
         let resident = !tier && !cfg.stage.shards_params();
         match self {
             TrainModel::Gpt(m) if !m.candle().device().is_cpu() => {

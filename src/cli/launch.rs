@@ -41,6 +41,15 @@ impl Resolved {
             Resolved::InProcess { world } | Resolved::Mpi { world } => world,
         }
     }
+
+    /// The ranks this process runs, which share its one model and GPU: all of them in-process,
+    /// one under MPI.
+    pub fn ranks_in_process(self) -> usize {
+        match self {
+            Resolved::InProcess { world } => world,
+            Resolved::Mpi { .. } => 1,
+        }
+    }
 }
 
 /// Resolves `--backend` and `--world-size` (`None` when not given).

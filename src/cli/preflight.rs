@@ -392,7 +392,8 @@ fn address_space_limit() -> Option<u64> {
 }
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
-/// the start. With the device tier there ([`device_tier::refusal`]: one rank, no offload) the
+/// the start. With the device tier there ([`device_tier::refusal_in_process`]: one rank in the
+/// process at stage 0 or on one rank at any stage, no offload) the
 /// parameters, the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every
 /// unit's parameters stay on the GPU between steps in the compute dtype, once for all the ranks
 /// sharing it; at stage 3 each rank's largest unit's parameters and gradients are there while it
@@ -411,7 +412,10 @@ pub fn check_gpu(
 ) -> anyhow::Result<String> {
     let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
     let need = params + activations;
-    let kept = match (device_tier::refusal(engine), engine.stage.shards_params()) {
+    let kept = match (
+        device_tier::refusal_in_process(engine, ranks as usize),
+        engine.stage.shards_params(),
+    ) {
         (None, _) => "the parameters, fp32 master, gradients and Adam's moments, kept there",
         (Some(_), false) => "the parameters, kept there at stages 0-2",
         (Some(_), true) => "the largest unit's parameters and gradients",
@@ -427,7 +431,7 @@ pub fn check_gpu(
         format_gb(gpu.free_bytes)
     );
     if need > gpu.free_bytes {
-        let fix = match device_tier::refusal(engine) {
+        let fix = match device_tier::refusal_in_process(engine, ranks as usize) {
             None => {
                 "Set offload_optimizer to cpu (the fp32 master and Adam's moments then live in \
                  host memory, and at ZeRO stage 3 the parameters are copied to the GPU unit by \
@@ -456,7 +460,10 @@ fn gpu_need(
     let stage3 = engine.stage.shards_params();
     let ranks = ranks.max(1);
     let numel = spec.num_params() as u64;
-    let params = match (device_tier::refusal(engine), stage3) {
+    let params = match (
+        device_tier::refusal_in_process(engine, ranks as usize),
+        stage3,
+    ) {
         (None, _) => device_tier::TierDtypes::of(engine).bytes(numel, dtype_bytes),
         (Some(_), false) => numel * dtype_bytes,
         (Some(_), true) => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,

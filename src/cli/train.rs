@@ -176,7 +176,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let device = args.device.open(settings.precision)?;
     let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
-    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?.keep_on_gpu(&engine_cfg);
+    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?
+        .keep_on_gpu(&engine_cfg, backend.ranks_in_process());
     // What Trainer::from_settings builds, from the configuration already resolved above.
     let mut trainer =
         Trainer::new(&model, engine_cfg).with_schedule(LrSchedule::from_settings(&settings));
@@ -222,7 +223,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
-        print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
+        let ranks = backend.ranks_in_process();
+        print_compute(
+            &device,
+            gpu_memory.as_deref(),
+            (trainer.engine_config(), ranks),
+        );
     }
     let progress = ProgressLog::new(
         args.steps,
@@ -323,7 +329,7 @@ fn finish(
 fn print_compute(
     device: &super::device_args::OpenDevice,
     gpu_memory: Option<&str>,
-    engine_cfg: &zerodp::zero::EngineConfig,
+    (engine_cfg, ranks): (&zerodp::zero::EngineConfig, usize),
 ) {
     if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
         errln!(
@@ -334,7 +340,7 @@ fn print_compute(
     if let Some(memory) = gpu_memory {
         errln!("device: {}", device.describe());
         errln!("GPU memory: {memory}");
-        match zerodp::zero::device_tier::refusal(engine_cfg) {
+        match zerodp::zero::device_tier::refusal_in_process(engine_cfg, ranks) {
             None => errln!(
                 "optimizer: Adam on the GPU (parameters, gradients and Adam's state stay there)"
             ),
@@ -425,10 +431,7 @@ fn preflight(
     let spec = trainer.model().spec();
     // In-process ranks share this process (and compute on its one GPU); MPI ranks each have their
     // own process (and their local rank's GPU).
-    let ranks_in_process = match backend {
-        Resolved::InProcess { world } => world as u64,
-        Resolved::Mpi { .. } => 1,
-    };
+    let ranks_in_process = backend.ranks_in_process() as u64;
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).
     let process = TrainProcess {

@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::optim::adam::StepConsts;
 use crate::zero::device_tier::{DeviceTier, TierDtypes, UnitValues};
+use crate::zero::precision::{Slice, SliceMut};
 use crate::zero::unit::ModelError;
 
 use super::candle_unit::compute_err;
@@ -70,6 +71,8 @@ pub(super) struct CandleTier {
     /// Every slot is filled: set by the upload that fills the last, read on every call of the
     /// model (without taking the lock).
     loaded: AtomicBool,
+    /// An engine holds the tier ([`DeviceTier::claim`]).
+    claimed: AtomicBool,
 }
 
 impl CandleTier {
@@ -80,6 +83,7 @@ impl CandleTier {
             dtype,
             units: Mutex::new(slots),
             loaded: AtomicBool::new(units == 0),
+            claimed: AtomicBool::new(false),
         }
     }
 
@@ -158,6 +162,19 @@ impl CandleTier {
             .map_err(&err)?;
         Ok(())
     }
+}
+
+/// Refuses a host slice of `dtype` for a gradient of `grad` (its dtype and elements).
+fn check_host_grad(unit: usize, grad: &Tensor, dtype: DType, len: usize) -> Result<(), ModelError> {
+    if grad.dtype() != dtype || len < grad.elem_count() {
+        return Err(ModelError::Invalid(format!(
+            "unit {unit}'s gradient ({} {:?} elements) does not fit a host buffer of {len} {:?}",
+            grad.elem_count(),
+            grad.dtype(),
+            dtype
+        )));
+    }
+    Ok(())
 }
 
 fn missing(unit: usize) -> ModelError {
@@ -252,6 +269,58 @@ impl DeviceTier for CandleTier {
         Ok(())
     }
 
+    fn grad_to_host(&self, unit: usize, dst: SliceMut<'_>) -> Result<(), ModelError> {
+        let err = compute_err("device tier");
+        let units = self.lock();
+        let u = units
+            .get(unit)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| missing(unit))?;
+        let n = u.grad.elem_count();
+        // One transfer of the gradient as it is stored, into the host buffer of its dtype.
+        match dst {
+            SliceMut::F32(d) => {
+                check_host_grad(unit, &u.grad, DType::F32, d.len())?;
+                d[..n].copy_from_slice(&u.grad.to_vec1::<f32>().map_err(&err)?);
+            }
+            SliceMut::BF16(d) => {
+                check_host_grad(unit, &u.grad, DType::BF16, d.len())?;
+                d[..n].copy_from_slice(&u.grad.to_vec1::<half::bf16>().map_err(&err)?);
+            }
+            SliceMut::F16(d) => {
+                check_host_grad(unit, &u.grad, DType::F16, d.len())?;
+                d[..n].copy_from_slice(&u.grad.to_vec1::<half::f16>().map_err(&err)?);
+            }
+        }
+        Ok(())
+    }
+
+    fn grad_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError> {
+        let err = compute_err("device tier");
+        let mut units = self.lock();
+        let u = units
+            .get_mut(unit)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| missing(unit))?;
+        let n = u.grad.elem_count();
+        let grad = match src {
+            Slice::F32(s) => {
+                check_host_grad(unit, &u.grad, DType::F32, s.len())?;
+                Tensor::from_slice(&s[..n], n, &self.device)
+            }
+            Slice::BF16(s) => {
+                check_host_grad(unit, &u.grad, DType::BF16, s.len())?;
+                Tensor::from_slice(&s[..n], n, &self.device)
+            }
+            Slice::F16(s) => {
+                check_host_grad(unit, &u.grad, DType::F16, s.len())?;
+                Tensor::from_slice(&s[..n], n, &self.device)
+            }
+        };
+        u.grad = grad.map_err(&err)?;
+        Ok(())
+    }
+
     fn grad_squares(&self) -> Result<Vec<f64>, ModelError> {
         let err = compute_err("device tier");
         let units = self.lock();
@@ -294,6 +363,16 @@ impl DeviceTier for CandleTier {
         self.device
             .synchronize()
             .map_err(compute_err("device tier"))
+    }
+
+    fn claim(&self) -> bool {
+        (self.claimed)
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    fn unclaim(&self) {
+        self.claimed.store(false, Ordering::Release);
     }
 
     fn bytes(&self) -> u64 {

@@ -230,6 +230,8 @@ pub struct TrainOutcome {
 /// One training run's setup; see the [module docs](self).
 pub struct Trainer<'m, M: UnitModel> {
     model: &'m M,
+    /// In-process rank r's own model, when each has one ([`Trainer::with_rank_models`]).
+    rank_models: Vec<&'m M>,
     engine: EngineConfig,
     schedule: LrSchedule,
     comm: CommOptions,
@@ -249,6 +251,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         let lr = engine.adam.lr as f32;
         Trainer {
             model,
+            rank_models: Vec::new(),
             threads_per_rank: rank_threads(engine.world_size),
             engine,
             schedule: LrSchedule::Constant(lr),
@@ -292,6 +295,43 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             let _ = writeln!(std::io::stderr().lock(), "warning: {w}");
         }
         Trainer::from_settings(model, &loaded.settings, world_size, seed)
+    }
+
+    /// Give each in-process rank a model of its own, `models[r]` to rank r (the model of
+    /// [`Trainer::new`] stays the description: its spec must equal theirs). For ranks whose
+    /// models hold per-rank state: each on a GPU of its own, or each keeping its device tier
+    /// ([`crate::zero::device_tier`]). Without it every rank computes with the one model.
+    pub fn with_rank_models(mut self, models: Vec<&'m M>) -> Self {
+        self.rank_models = models;
+        self
+    }
+
+    /// The model rank `rank` computes with.
+    fn model_of(&self, rank: usize) -> &'m M {
+        self.rank_models.get(rank).copied().unwrap_or(self.model)
+    }
+
+    /// Refuses rank models that are not one per in-process rank of the trainer's model.
+    fn check_rank_models(&self) -> Result<(), TrainerError> {
+        if self.rank_models.is_empty() {
+            return Ok(());
+        }
+        let world = self.engine.world_size;
+        if matches!(self.backend, Backend::Process(_)) || self.rank_models.len() != world {
+            return Err(TrainerError::Invalid(format!(
+                "{} rank models for {world} in-process ranks: give one per rank (under MPI each \
+                 process has its one model)",
+                self.rank_models.len()
+            )));
+        }
+        let want = self.model.spec();
+        if let Some(r) = (0..world).find(|&r| self.rank_models[r].spec() != want) {
+            return Err(TrainerError::Invalid(format!(
+                "rank {r}'s model has other units than the trainer's model: every rank trains \
+                 the same model"
+            )));
+        }
+        Ok(())
     }
 
     pub fn with_schedule(mut self, schedule: LrSchedule) -> Self {
@@ -372,6 +412,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         if world == 0 {
             return Err(SetupError::WorldSize.into());
         }
+        self.check_rank_models()?;
         if let Backend::Process(comm) = &self.backend {
             return self.run_this_rank(comm.clone(), data, steps, observers);
         }
@@ -534,7 +575,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         &'c self,
         comm: &'c dyn Communicator,
     ) -> Result<Engine<'c, M>, TrainerError> {
-        let mut engine = Engine::new(self.model, comm, self.engine.clone())?;
+        let mut engine = Engine::new(self.model_of(comm.rank()), comm, self.engine.clone())?;
         if let Some(init) = &self.init {
             for (u, values) in init.iter().enumerate() {
                 engine.load_unit_params(u, values)?;

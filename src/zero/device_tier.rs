@@ -11,12 +11,19 @@
 //! the device after a load or a restore wrote them. This module knows no tensor library: the
 //! model implements [`DeviceTier`] (the candle models do, [`crate::model::Candle::with_device_tier`]).
 //!
-//! It applies where no collective needs the gradients or the parameters in host memory and Adam
-//! updates every element in the device tier: one rank (where every stage holds everything), no
-//! offload, and an fp32 master (fp32 training or mixed precision with one) — [`refusal`] says
-//! why not otherwise.
+//! It applies where Adam updates every element in the device tier: one rank (where every stage
+//! holds everything) or stage 0 on any number of ranks (where every rank holds everything and the
+//! ranks average their gradients), no offload, and an fp32 master (fp32 training or mixed
+//! precision with one) — [`refusal`] says why not otherwise. On more than one rank each rank needs
+//! a model of its own (the tier holds that rank's gradients): one per process under MPI.
+//!
+//! The ranks average their gradients through host memory: each unit's gradient comes down
+//! ([`DeviceTier::grad_to_host`]) into the engine's host gradient buffer, goes through the same
+//! buckets and all-reduce as the host tier's, and goes back ([`DeviceTier::grad_from_host`]).
+//! Then every rank holds the same averaged gradient and takes the same Adam step on the device.
 
-use super::config::{EngineConfig, OptimizerTier, ParamTier};
+use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use super::precision::{Slice, SliceMut};
 use super::unit::ModelError;
 use crate::comm::DType;
 use crate::optim::adam::StepConsts;
@@ -81,12 +88,27 @@ pub trait DeviceTier: Send + Sync {
     /// Zero every unit's gradient (the start of a step).
     fn zero_grads(&self) -> Result<(), ModelError>;
 
+    /// Write unit `unit`'s gradient into the first elements of `dst` (host memory of the
+    /// gradient's dtype), for the ranks to average it there.
+    fn grad_to_host(&self, unit: usize, dst: SliceMut<'_>) -> Result<(), ModelError>;
+
+    /// Set unit `unit`'s gradient to the first elements of `src` (host memory of the gradient's
+    /// dtype): the ranks' average.
+    fn grad_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError>;
+
     /// The sum of the squares of each unit's gradient, in unit order (Inf/NaN if any element is).
     fn grad_squares(&self) -> Result<Vec<f64>, ModelError>;
 
     /// One Adam/AdamW update of every unit with the step's constants (the formula of
     /// [`crate::optim::adam`]), then the compute-dtype parameters from the new master.
     fn adam(&self, consts: &StepConsts) -> Result<(), ModelError>;
+
+    /// Reserve the tier for one engine: `false` while another engine holds it (two in-process
+    /// ranks given one model). The engine gives it back when dropped ([`Claim`]).
+    fn claim(&self) -> bool;
+
+    /// Give back what [`DeviceTier::claim`] reserved.
+    fn unclaim(&self);
 
     /// Bytes the tier holds in device memory now.
     fn bytes(&self) -> u64;
@@ -96,14 +118,32 @@ pub trait DeviceTier: Send + Sync {
     fn synchronize(&self) -> Result<(), ModelError>;
 }
 
+/// One engine's hold on a model's device tier ([`DeviceTier::claim`]), given back on drop: the
+/// tier holds one rank's gradients and state, so the ranks of one process cannot share it.
+pub(crate) struct Claim<'a>(&'a dyn DeviceTier);
+
+impl<'a> Claim<'a> {
+    /// The hold on `tier`, or `None` while another engine has it.
+    pub(crate) fn take(tier: &'a dyn DeviceTier) -> Option<Self> {
+        tier.claim().then_some(Claim(tier))
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        self.0.unclaim();
+    }
+}
+
 /// Why `cfg` cannot keep its device tier in a compute device's memory, or `None` when it can.
-/// The one place of this rule: the engine refuses a model's tier with it, the CLI asks it before
-/// offering one.
+/// The one place of this rule: the engine refuses a model's tier with it, the CLI asks it (through
+/// [`refusal_in_process`]) before offering one.
 pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
-    if cfg.world_size != 1 {
+    if cfg.world_size != 1 && cfg.stage != Stage::Zero0 {
         return Some(
-            "more than one rank: the gradients are reduced and the parameters gathered through \
-             host memory",
+            "stages 1-3 on more than one rank shard the gradients and Adam's state over the \
+             ranks in host memory, where the device tier keeps them whole (stage 0 keeps it on \
+             the device on any number of ranks)",
         );
     }
     if cfg.offload_optimizer != OptimizerTier::Device {
@@ -118,6 +158,19 @@ pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
     None
 }
 
+/// [`refusal`] for one model that `ranks` ranks of this process compute with (the in-process
+/// backend gives all its ranks the one model it has): the tier holds one rank's gradients, so such
+/// ranks keep theirs in host memory. Under MPI each process is one rank with its own model.
+pub fn refusal_in_process(cfg: &EngineConfig, ranks: usize) -> Option<&'static str> {
+    match ranks > 1 {
+        true => Some(
+            "the ranks are threads of one process sharing one model, and the device tier holds \
+             one rank's gradients (one process per GPU under mpirun keeps it on the device)",
+        ),
+        false => refusal(cfg),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,12 +183,24 @@ mod tests {
             let bf16 = EngineConfig::new(stage, 1).with_precision(DType::BF16);
             assert_eq!(refusal(&bf16), None);
         }
+        // Stage 0 replicates everything on any number of ranks.
+        for world in [2, 3, 8] {
+            assert_eq!(refusal(&EngineConfig::new(Stage::Zero0, world)), None);
+        }
     }
 
     #[test]
     fn what_needs_host_memory_is_refused_with_its_reason() {
-        let two = EngineConfig::new(Stage::Zero0, 2);
-        assert!(refusal(&two).unwrap().contains("more than one rank"));
+        for stage in [Stage::Zero1, Stage::Zero2, Stage::Zero3] {
+            let two = EngineConfig::new(stage, 2);
+            assert!(refusal(&two).unwrap().contains("more than one rank"));
+        }
+        let shared = refusal_in_process(&EngineConfig::new(Stage::Zero0, 2), 2);
+        assert!(shared.unwrap().contains("sharing one model"));
+        assert_eq!(
+            refusal_in_process(&EngineConfig::new(Stage::Zero0, 2), 1),
+            None
+        );
         let mut host = EngineConfig::new(Stage::Zero2, 1);
         host.offload_optimizer = OptimizerTier::Host;
         assert!(refusal(&host).unwrap().contains("offload_optimizer"));

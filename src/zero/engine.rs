@@ -215,6 +215,8 @@ pub struct Engine<'a, M: UnitModel> {
     phases: PhaseTimes,
     /// The model's device memory holding the device tier ([`device_tier`]), when it offers one.
     device: Option<&'a dyn DeviceTier>,
+    /// This engine's hold on `device`, given back when it is dropped.
+    _claim: Option<device_tier::Claim<'a>>,
     /// The host buffers hold values the device tier does not have yet (at start, after a load
     /// or a restore): uploaded before the next step.
     device_behind: bool,
@@ -296,6 +298,17 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                  {why}. Build the model without it (Candle::with_device_tier(false))"
             )));
         }
+        let claim = match device {
+            None => None,
+            Some(tier) => Some(device_tier::Claim::take(tier).ok_or_else(|| {
+                EngineError::Config(
+                    "the model's device tier is held by another rank's engine: it holds one \
+                     rank's gradients and state, so give each in-process rank a model of its \
+                     own, or build the model without it (Candle::with_device_tier(false))"
+                        .into(),
+                )
+            })?),
+        };
         let policy = StepPolicy::new(&cfg.overflow, cfg.max_skipped_steps, precision)?;
 
         let (params, masters) = init_params(model, &cfg, &layout);
@@ -343,6 +356,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             phases: PhaseTimes::default(),
             cfg,
             device,
+            _claim: claim,
             device_behind: true,
             host_behind: false,
         })
@@ -651,7 +665,33 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let t = Instant::now();
             device.synchronize()?;
             self.phases.backward += t.elapsed().as_secs_f64();
+            if reduce && self.cfg.world_size > 1 {
+                self.average_device_grads(device)?;
+            }
         }
+        Ok(())
+    }
+
+    /// The device tier on more than one rank (stage 0): average every unit's gradient over the
+    /// ranks through the host gradient buffers, with the host tier's buckets and all-reduce
+    /// (each unit's collective starts as soon as its gradient is down), then give the averages
+    /// back to the device.
+    fn average_device_grads(&mut self, device: &dyn DeviceTier) -> Result<(), EngineError> {
+        let t = Instant::now();
+        let n = self.layout.num_units();
+        for u in 0..n {
+            let numel = self.layout.units[u].numel;
+            device.grad_to_host(u, self.state.full_grad_mut(u, 0..numel))?;
+            self.buckets
+                .push(self.comm, u, &mut self.state, &self.layout)?;
+        }
+        self.buckets
+            .flush(self.comm, &mut self.state, &self.layout)?;
+        for u in 0..n {
+            let numel = self.layout.units[u].numel;
+            device.grad_from_host(u, self.state.full_grad(u, 0..numel))?;
+        }
+        self.phases.comm += t.elapsed().as_secs_f64();
         Ok(())
     }
 
