@@ -9,6 +9,7 @@ use std::process::{exit, Command};
 const KERNELS: &[(&str, &str)] = &[
     ("kernels/adam.cu", "adam.ptx"),
     ("kernels/gpt_ops.cu", "gpt_ops.ptx"),
+    ("kernels/llama_ops.cu", "llama_ops.ptx"),
 ];
 
 fn main() {

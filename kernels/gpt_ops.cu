@@ -11,22 +11,7 @@
 
 #include "dtypes.cuh"
 #include "gelu_math.h"
-
-__device__ static inline float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
-__device__ static inline float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// This warp's row, or `rows` (past the end) for a warp beyond the last row.
-__device__ static inline size_t warp_row(size_t rows) {
-    size_t row = (size_t)blockIdx.x * blockDim.y + threadIdx.y;
-    return row < rows ? row : rows;
-}
+#include "rows.cuh"
 
 template <typename T> __device__ static void gelu_fwd(const T *x, T *y, size_t n) {
     size_t stride = (size_t)gridDim.x * blockDim.x;

@@ -261,16 +261,21 @@ fn llama_tiny() -> LlamaConfig {
     LlamaConfig::from_hf_json(&json, std::path::Path::new("config.json")).unwrap()
 }
 
-/// What a GPU runs of the Llama, checked on every machine: its composite ops give the fused
-/// kernels' losses over 10 steps on the CPU, at stage 0 on one rank and stage 3 on two.
+/// What a GPU runs of the Llama, checked on every machine: its op mix (composite products and
+/// attention around the RMSNorm, rotary, SwiGLU and causal softmax custom ops, whose CPU
+/// implementations run here), and candle's composite ops alone (`ZERODP_CUDA_KERNELS=0`), give
+/// the fused kernels' losses over 10 steps on the CPU, at stage 0 on one rank and stage 3 on two.
 #[test]
 fn the_llama_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     let fused = Candle::new(Llama::new(llama_tiny()).unwrap());
+    let gpu_ops = Candle::new(Llama::new(llama_tiny()).unwrap().with_gpu_ops());
+    assert_composite_follows_fused(&gpu_ops, &fused);
     let composite = Candle::new(Llama::new(llama_tiny()).unwrap().composite());
     assert_composite_follows_fused(&composite, &fused);
 }
 
-/// The Llama on a GPU (composite ops) against the Llama on the CPU (fused kernels): grouped-query
+/// The Llama on a GPU (composite ops around zerodp's CUDA kernels for RMSNorm, the rotary
+/// embeddings, SwiGLU and the causal softmax) against the Llama on the CPU (fused kernels): grouped-query
 /// attention and an untied head, stage 0 on one rank and stage 3 on two, losses within 1e-4.
 #[test]
 fn gpu_llama_equals_the_cpu() {

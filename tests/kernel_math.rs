@@ -15,8 +15,8 @@ use half::bf16;
 use zerodp::optim::adam::{adam_step, AdamParams, KernelConsts, StepConsts};
 
 /// The C driver. `adam` (no argument): reads the constants, `n`, then `n` parameters, gradients
-/// and both moments as f32 from stdin; writes the updated parameters and moments. `gelu`: reads
-/// `n` and `n` f32; writes each one's GELU and its derivative.
+/// and both moments as f32 from stdin; writes the updated parameters and moments. `gelu` and
+/// `silu`: read `n` and `n` f32; write each one's GELU (SiLU) and its derivative.
 const DRIVER: &str = r#"
 #include <stdint.h>
 #include <stdio.h>
@@ -24,19 +24,22 @@ const DRIVER: &str = r#"
 #include <string.h>
 #include "adam_math.h"
 #include "gelu_math.h"
-static int gelu(void) {
+#include "silu_math.h"
+/* Reads n and n f32; writes f(x) and g(x) for each. */
+static int pointwise(float (*f)(float), float (*g)(float)) {
     uint64_t n;
     if (fread(&n, sizeof n, 1, stdin) != 1) return 2;
     for (uint64_t i = 0; i < n; i++) {
         float x;
         if (fread(&x, sizeof x, 1, stdin) != 1) return 3;
-        float out[2] = {zdp_gelu(x), zdp_gelu_grad(x)};
+        float out[2] = {f(x), g(x)};
         fwrite(out, sizeof(float), 2, stdout);
     }
     return 0;
 }
 int main(int argc, char **argv) {
-    if (argc > 1 && strcmp(argv[1], "gelu") == 0) return gelu();
+    if (argc > 1 && strcmp(argv[1], "gelu") == 0) return pointwise(zdp_gelu, zdp_gelu_grad);
+    if (argc > 1 && strcmp(argv[1], "silu") == 0) return pointwise(zdp_silu, zdp_silu_grad);
     struct zdp_adam_consts c;
     uint64_t n;
     if (fread(&c, sizeof c, 1, stdin) != 1 || fread(&n, sizeof n, 1, stdin) != 1) return 2;
@@ -82,7 +85,7 @@ fn driver() -> Option<PathBuf> {
             match out {
                 Ok(o) if o.status.success() => Some(exe),
                 Ok(o) => panic!(
-                    "{cc} could not compile kernels/adam_math.h and gelu_math.h:\n{}",
+                    "{cc} could not compile kernels/adam_math.h, gelu_math.h and silu_math.h:\n{}",
                     String::from_utf8_lossy(&o.stderr)
                 ),
                 Err(e) => {
@@ -308,16 +311,27 @@ fn gelu_f64(x: f64) -> (f64, f64) {
     )
 }
 
+/// -12..12 in small steps, and the saturated ends.
+fn pointwise_inputs() -> Vec<f32> {
+    let mut xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 / 100.0).collect();
+    xs.extend([-100.0, -80.0, -40.0, 40.0, 80.0, 100.0, 1e-6, -1e-6]);
+    xs
+}
+
+/// The driver's `mode` on `xs`: each input's value and derivative.
+fn pointwise(exe: &Path, mode: &str, xs: &[f32]) -> Vec<f32> {
+    let mut input = (xs.len() as u64).to_le_bytes().to_vec();
+    input.extend_from_slice(bytemuck::cast_slice(xs));
+    let out = run(exe, &[mode], input);
+    assert_eq!(out.len(), 2 * xs.len());
+    out
+}
+
 #[test]
 fn the_gelu_kernels_formula_follows_the_exact_tanh_gelu() {
     let Some(exe) = driver() else { return };
-    // -12..12 in small steps, and the saturated ends.
-    let mut xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 / 100.0).collect();
-    xs.extend([-80.0, -40.0, 40.0, 80.0, 1e-6, -1e-6]);
-    let mut input = (xs.len() as u64).to_le_bytes().to_vec();
-    input.extend_from_slice(bytemuck::cast_slice(&xs));
-    let out = run(&exe, &["gelu"], input);
-    assert_eq!(out.len(), 2 * xs.len());
+    let xs = pointwise_inputs();
+    let out = pointwise(&exe, "gelu", &xs);
     for (x, got) in xs.iter().zip(out.chunks(2)) {
         let (y, dy) = gelu_f64(f64::from(*x));
         // f32 arithmetic with tanh through one exp: a few ulps of the larger of |y| and 1.
@@ -327,6 +341,32 @@ fn the_gelu_kernels_formula_follows_the_exact_tanh_gelu() {
         assert!(
             close(got[1], dy),
             "gelu'({x}) = {} in C, {dy} exactly",
+            got[1]
+        );
+    }
+}
+
+/// SiLU and its derivative, in f64.
+fn silu_f64(x: f64) -> (f64, f64) {
+    let s = 1.0 / (1.0 + (-x).exp());
+    (x * s, s * (1.0 + x * (1.0 - s)))
+}
+
+/// SwiGLU's gate on the GPU (`kernels/silu_math.h`): SiLU and its derivative within a few f32
+/// ulps of the exact ones, saturating to 0 (and to x, and 1) at the ends without Inf or NaN.
+#[test]
+fn the_silu_kernels_formula_follows_the_exact_silu() {
+    let Some(exe) = driver() else { return };
+    let xs = pointwise_inputs();
+    let out = pointwise(&exe, "silu", &xs);
+    for (x, got) in xs.iter().zip(out.chunks(2)) {
+        let (y, dy) = silu_f64(f64::from(*x));
+        let close =
+            |got: f32, want: f64| (f64::from(got) - want).abs() <= 2e-6 * want.abs().max(1.0);
+        assert!(close(got[0], y), "silu({x}) = {} in C, {y} exactly", got[0]);
+        assert!(
+            close(got[1], dy),
+            "silu'({x}) = {} in C, {dy} exactly",
             got[1]
         );
     }

@@ -142,3 +142,56 @@ pub(super) fn launched(
         .map(|_| ())
         .map_err(|e| candle_core::Error::Msg(format!("zerodp's CUDA kernel {op}: {e}")))
 }
+
+/// Run `f` on the CUDA storage and layout of `t` (contiguous).
+pub(super) fn with_cuda<R>(
+    t: &Tensor,
+    f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
+) -> Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cuda(s) => f(s, layout),
+        _ => bail!("zerodp's CUDA kernels were given a tensor that is not on the GPU"),
+    }
+}
+
+/// The rows and row length of a tensor whose last dimension is the row.
+pub(super) fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
+    let cols = shape.dims().last().copied().unwrap_or(0);
+    if cols == 0 || cols > i32::MAX as usize {
+        bail!("zerodp's row kernels need rows of 1 to 2^31 elements, got shape {shape:?}");
+    }
+    Ok((shape.elem_count() / cols, cols))
+}
+
+/// Rows each part of a norm's weight (and bias) gradient sums at least.
+pub(super) const PARAM_PART_ROWS: usize = 256;
+
+/// `(rows per part, parts)` for a norm's weight gradient over `rows` rows: one part per block row
+/// of the grid, at most 65,535 of them.
+pub(super) fn param_parts(rows: usize) -> (usize, usize) {
+    let per_part = PARAM_PART_ROWS.max(rows.div_ceil(65_535));
+    (per_part, rows.div_ceil(per_part).max(1))
+}
+
+/// The launch of a parts kernel: a thread per column of `c`, a block row per part.
+pub(super) fn per_part(c: usize, parts: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (c.div_ceil(128) as u32, parts as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A parameter's gradient from its f32 parts `[parts, c]`: summed, in `param`'s dtype and shape.
+pub(super) fn sum_parts(
+    parts: CudaStorage,
+    (n, c): (usize, usize),
+    param: &Tensor,
+) -> Result<Tensor> {
+    tensor(parts, (n, c))
+        .sum(0)?
+        .to_dtype(param.dtype())?
+        .reshape(param.shape())
+}

@@ -7,27 +7,15 @@
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaStorage;
-use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::cuda_launch::{
-    arg, elementwise, kernel_name, launched, output, per_row, push, push_slice, tensor,
+    arg, elementwise, kernel_name, launched, output, per_row, push, push_slice, rows_of, sum_parts,
+    tensor, with_cuda,
 };
 
 const MODULE: &str = "zerodp_gpt_ops";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gpt_ops.ptx"));
-
-/// Rows of the LayerNorm's weight and bias gradients each part sums.
-const LN_ROWS_PER_PART: usize = 256;
-
-/// Run `f` on the CUDA storage and layout of `t` (contiguous).
-fn with_cuda<R>(t: &Tensor, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cuda(s) => f(s, layout),
-        _ => bail!("zerodp's CUDA kernels were given a tensor that is not on the GPU"),
-    }
-}
 
 /// GELU (tanh approximation), forward.
 pub(super) fn gelu_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
@@ -76,15 +64,6 @@ pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
         })
     })?;
     Ok(tensor(dx, x.shape().clone()))
-}
-
-/// The rows and row length of a tensor whose last dimension is the row.
-fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
-    let cols = shape.dims().last().copied().unwrap_or(0);
-    if cols == 0 || cols > i32::MAX as usize {
-        bail!("zerodp's row kernels need rows of 1 to 2^31 elements, got shape {shape:?}");
-    }
-    Ok((shape.elem_count() / cols, cols))
 }
 
 /// The causal softmax of attention scores `[.., t, t]`, forward.
@@ -176,7 +155,7 @@ pub(super) fn layer_norm_fwd(
 }
 
 /// LayerNorm's backward: `(dx, dw, db)`. One kernel gives dx and each row's statistics, a second
-/// the weight's and bias's gradients in parts of [`LN_ROWS_PER_PART`] rows (f32), which candle
+/// the weight's and bias's gradients in parts of [`super::cuda_launch::PARAM_PART_ROWS`] rows (f32), which candle
 /// sums.
 pub(super) fn layer_norm_bwd(
     x: &Tensor,
@@ -193,9 +172,7 @@ pub(super) fn layer_norm_bwd(
             dy.shape()
         );
     }
-    // One part per block row of the grid (at most 65,535 of them).
-    let per_part = LN_ROWS_PER_PART.max(rows.div_ceil(65_535));
-    let parts = rows.div_ceil(per_part).max(1);
+    let (per_part, parts) = super::cuda_launch::param_parts(rows);
     let (dx, dw_parts, db_parts) = with_cuda(x, |xs, xl| {
         with_cuda(w, |ws, wl| {
             with_cuda(dy, |ds, dl| {
@@ -232,11 +209,7 @@ pub(super) fn layer_norm_bwd(
                 push_slice(&mut b, &dw_parts.slice)?;
                 push_slice(&mut b, &db_parts.slice)?;
                 b.arg(&rows64).arg(&c32).arg(&per_part);
-                let cfg = candle_core::cuda_backend::cudarc::driver::LaunchConfig {
-                    grid_dim: (c.div_ceil(128) as u32, parts as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: 0,
-                };
+                let cfg = super::cuda_launch::per_part(c, parts);
                 // SAFETY: `zerodp_layer_norm_param_parts_<dtype>(x, dy, stats, dw_parts,
                 // db_parts, rows, c, rows_per_part)`: the parts of `parts * c` f32, one block
                 // row per part.
@@ -245,16 +218,10 @@ pub(super) fn layer_norm_bwd(
             })
         })
     })?;
-    let sum = |p| {
-        tensor(p, (parts, c))
-            .sum(0)?
-            .to_dtype(x.dtype())?
-            .reshape(w.shape())
-    };
     Ok((
         tensor(dx, x.shape().clone()),
-        sum(dw_parts)?,
-        sum(db_parts)?,
+        sum_parts(dw_parts, (parts, c), w)?,
+        sum_parts(db_parts, (parts, c), w)?,
     ))
 }
 

@@ -287,6 +287,9 @@ pub struct Llama {
     /// the GPT's causal attention, the chunked head loss); else on composite candle ops (a GPU,
     /// and the reference the fused path is tested against).
     fused: bool,
+    /// On composite ops, RMSNorm, the rotary embeddings, SwiGLU's gate and the causal softmax
+    /// as zerodp's custom ops (their CUDA kernels on a GPU, [`super::device::uses_cuda_kernels`]).
+    cuda_kernels: bool,
 }
 
 impl Llama {
@@ -311,6 +314,7 @@ impl Llama {
             device: Device::Cpu,
             dtype: DType::F32,
             fused: true,
+            cuda_kernels: false,
         })
     }
 
@@ -319,6 +323,16 @@ impl Llama {
     #[doc(hidden)]
     pub fn composite(mut self) -> Self {
         self.fused = false;
+        self
+    }
+
+    /// The ops a GPU runs (composite products and attention around the RMSNorm, rotary, SwiGLU
+    /// and causal softmax custom ops), through candle's graph on the CPU, where those run their
+    /// CPU implementations: the GPU's graph, checked without a GPU.
+    #[doc(hidden)]
+    pub fn with_gpu_ops(mut self) -> Self {
+        self.fused = false;
+        self.cuda_kernels = true;
         self
     }
 
@@ -335,6 +349,7 @@ impl Llama {
             )));
         }
         self.fused = device.is_cpu();
+        self.cuda_kernels = super::device::uses_cuda_kernels(&device);
         self.device = device;
         self.dtype = dtype;
         Ok(self)
@@ -396,6 +411,12 @@ impl Llama {
     /// In a 16-bit run (a GPU) the statistics and the normalised rows in f32, rounded back before
     /// the weight, as transformers' `LlamaRMSNorm` computes it.
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+        if self.cuda_kernels {
+            let norm = kernels::RmsNorm {
+                eps: self.config.rms_eps,
+            };
+            return x.contiguous()?.apply_op2(w, norm);
+        }
         let x32 = match super::device::is_16_bit(self.dtype) {
             true => x.to_dtype(DType::F32)?,
             false => x.clone(),
@@ -518,11 +539,24 @@ impl Llama {
     ) -> candle_core::Result<Tensor> {
         let c = &self.config;
         let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
-        let (cos, sin) = self.rope_tables(t)?;
-        let q = Self::heads_of(&h.matmul(&p[1].t()?)?, b, t, nh, d)?;
-        let k = Self::heads_of(&h.matmul(&p[2].t()?)?, b, t, nkv, d)?;
+        let (q, k) = (h.matmul(&p[1].t()?)?, h.matmul(&p[2].t()?)?);
+        let (q, k) = match self.cuda_kernels {
+            // The rotary op on the rows, before they become heads.
+            true => {
+                let rope = self.rope_op(t);
+                let q = Self::heads_of(&q.apply_op1(rope.clone())?, b, t, nh, d)?;
+                (q, Self::heads_of(&k.apply_op1(rope)?, b, t, nkv, d)?)
+            }
+            false => {
+                let (cos, sin) = self.rope_tables(t)?;
+                let q = Self::rotate(&Self::heads_of(&q, b, t, nh, d)?, &cos, &sin)?;
+                (
+                    q,
+                    Self::rotate(&Self::heads_of(&k, b, t, nkv, d)?, &cos, &sin)?,
+                )
+            }
+        };
         let v = Self::heads_of(&h.matmul(&p[3].t()?)?, b, t, nkv, d)?;
-        let (q, k) = (Self::rotate(&q, &cos, &sin)?, Self::rotate(&k, &cos, &sin)?);
         // Each key/value head serves `nh / nkv` consecutive query heads (transformers' repeat_kv).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
             x.unsqueeze(2)?
@@ -531,7 +565,10 @@ impl Llama {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let att = if super::device::is_16_bit(self.dtype) {
+        let att = if self.cuda_kernels {
+            // The mask and the softmax in one op, in f32 inside (one rounding in 16 bits).
+            scores.contiguous()?.apply_op1(kernels::CausalSoftmax)?
+        } else if super::device::is_16_bit(self.dtype) {
             // The softmax in f32, as transformers computes it (`dtype=torch.float32`).
             let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
             let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
@@ -560,9 +597,12 @@ impl Llama {
         let h = self.rms_norm(x, &p[0])?;
         let x = (x + self.attention(&h, p, b, t)?.matmul(&p[4].t()?)?)?;
         let h = self.rms_norm(&x, &p[5])?;
-        let gate = candle_nn::ops::silu(&h.matmul(&p[6].t()?)?)?;
-        let up = h.matmul(&p[7].t()?)?;
-        x + (gate * up)?.matmul(&p[8].t()?)?
+        let (gate, up) = (h.matmul(&p[6].t()?)?, h.matmul(&p[7].t()?)?);
+        let gated = match self.cuda_kernels {
+            true => gate.apply_op2(&up, kernels::SwiGlu)?,
+            false => (candle_nn::ops::silu(&gate)? * up)?,
+        };
+        x + gated.matmul(&p[8].t()?)?
     }
 }
 

@@ -17,6 +17,8 @@ mod cuda_adam;
 #[cfg(feature = "cuda")]
 mod cuda_launch;
 #[cfg(feature = "cuda")]
+mod cuda_llama_ops;
+#[cfg(feature = "cuda")]
 mod cuda_ops;
 pub mod data;
 pub mod device;

@@ -1,5 +1,5 @@
-//! The Llama's fused CPU ops, each one graph node with its backward on the rayon pool, as the GPT's
-//! are: a product without bias ([`MatMulT`]), RMSNorm ([`RmsNorm`]), rotary embeddings ([`Rope`])
+//! The Llama's fused ops, each one graph node with its backward on the rayon pool, as the GPT's
+//! are (RMSNorm, rotary embeddings and SwiGLU also on a GPU: `cuda_llama_ops`): a product without bias ([`MatMulT`]), RMSNorm ([`RmsNorm`]), rotary embeddings ([`Rope`])
 //! and SwiGLU's gate ([`SwiGlu`]). Attention is the GPT's fused causal attention on the rotated
 //! queries and the keys and values repeated to every query head (`super::super::llama`).
 //!
@@ -165,6 +165,17 @@ impl CustomOp2 for RmsNorm {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::super::cuda_llama_ops::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
+    }
+
     fn bwd(
         &self,
         x: &Tensor,
@@ -172,6 +183,11 @@ impl CustomOp2 for RmsNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() {
+            let (dx, dw) = super::super::cuda_llama_ops::rms_norm_bwd(x, w, dy, self.eps)?;
+            return Ok((Some(dx), Some(dw)));
+        }
         by_dtype!(x.dtype(), self.name(), |T| {
             let (dx, dw) = with_slice::<T, _>(x, |x| {
                 with_slice::<T, _>(w, |w| with_slice::<T, _>(dy, |dy| Ok(self.bwd(x, w, dy))))
@@ -255,7 +271,20 @@ impl CustomOp1 for Rope {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::super::cuda_llama_ops::rope((s, l), self, false)
+    }
+
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
+        #[cfg(feature = "cuda")]
+        if dy.device().is_cuda() {
+            return Ok(Some(super::super::cuda_llama_ops::rope_bwd(dy, self)?));
+        }
         let (_, width) = x.dims2()?;
         by_dtype!(x.dtype(), self.name(), |T| {
             let dx = with_slice::<T, _>(dy, |g| self.rotate(g, width, true))?;
@@ -345,6 +374,17 @@ impl CustomOp2 for SwiGlu {
         })
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        super::super::cuda_llama_ops::swiglu_fwd((s1, l1), (s2, l2))
+    }
+
     fn bwd(
         &self,
         g: &Tensor,
@@ -352,6 +392,11 @@ impl CustomOp2 for SwiGlu {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        #[cfg(feature = "cuda")]
+        if g.device().is_cuda() {
+            let (dg, du) = super::super::cuda_llama_ops::swiglu_bwd(g, u, dy)?;
+            return Ok((Some(dg), Some(du)));
+        }
         by_dtype!(g.dtype(), self.name(), |T| {
             let (dg, du) = with_slice::<T, _>(g, |gs| {
                 with_slice::<T, _>(u, |us| with_slice::<T, _>(dy, |d| Ok(Self::bwd(gs, us, d))))
