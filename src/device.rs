@@ -38,6 +38,13 @@ impl ComputeDevice {
     /// The GPU ordinal this process uses: `cuda:n` as given, `cuda` as the local rank (from the
     /// launcher's environment, [`LOCAL_RANK_ENV`]; 0 without one) modulo `gpus`. `None` for the CPU.
     pub fn ordinal(&self, gpus: usize) -> Result<Option<usize>, DeviceError> {
+        self.rank_ordinal(gpus, 0)
+    }
+
+    /// The GPU ordinal in-process rank `rank` of this process uses: `cuda:n` as given (every rank
+    /// on it), `cuda` the next GPUs after [`Self::ordinal`]'s, `(local rank + rank) % gpus`, so
+    /// that the in-process ranks of one process spread over its GPUs. `None` for the CPU.
+    pub fn rank_ordinal(&self, gpus: usize, rank: usize) -> Result<Option<usize>, DeviceError> {
         match *self {
             ComputeDevice::Cpu => Ok(None),
             _ if gpus == 0 => Err(DeviceError::NoGpu {
@@ -47,7 +54,7 @@ impl ComputeDevice {
                 Err(DeviceError::Ordinal { ordinal: n, gpus })
             }
             ComputeDevice::Cuda(Some(n)) => Ok(Some(n)),
-            ComputeDevice::Cuda(None) => Ok(Some(local_rank() % gpus)),
+            ComputeDevice::Cuda(None) => Ok(Some((local_rank() + rank) % gpus)),
         }
     }
 }
@@ -179,14 +186,30 @@ pub fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
 /// [`DeviceError::NotBuilt`] without the `cuda` feature, [`DeviceError::NoGpu`] or
 /// [`DeviceError::Ordinal`] when the GPU is not there.
 pub fn resolve(device: ComputeDevice) -> Result<Option<GpuInfo>, DeviceError> {
+    resolve_rank(device, 0)
+}
+
+/// [`resolve`] for in-process rank `rank` ([`ComputeDevice::rank_ordinal`]).
+pub fn resolve_rank(device: ComputeDevice, rank: usize) -> Result<Option<GpuInfo>, DeviceError> {
     if !device.is_cuda() {
         return Ok(None);
     }
     if !cfg!(feature = "cuda") {
         return Err(DeviceError::NotBuilt(device));
     }
-    let ordinal = device.ordinal(gpu_count()?)?;
+    let ordinal = device.rank_ordinal(gpu_count()?, rank)?;
     ordinal.map(gpu_info).transpose()
+}
+
+/// How many of `ranks` in-process ranks compute on the busiest GPU of `device` when the driver
+/// shows `gpus` ([`ComputeDevice::rank_ordinal`]): all of them on `cuda:n`, an even share on
+/// `cuda`; 0 on the CPU.
+pub fn ranks_per_gpu(device: ComputeDevice, gpus: usize, ranks: usize) -> usize {
+    match device {
+        ComputeDevice::Cpu => 0,
+        ComputeDevice::Cuda(Some(_)) => ranks,
+        ComputeDevice::Cuda(None) => ranks.div_ceil(gpus.clamp(1, ranks.max(1))),
+    }
 }
 
 #[cfg(test)]
@@ -229,6 +252,24 @@ mod tests {
         assert!(err.to_string().contains("cuda:0..cuda:1"), "{err}");
         let err = ComputeDevice::Cuda(None).ordinal(0).unwrap_err();
         assert!(err.to_string().contains("no usable GPU"), "{err}");
+    }
+
+    #[test]
+    fn in_process_ranks_spread_over_the_gpus_of_cuda_and_share_cuda_n() {
+        let auto = ComputeDevice::Cuda(None);
+        let base = auto.rank_ordinal(4, 0).unwrap().unwrap();
+        let spread: Vec<usize> = (0..6)
+            .map(|r| auto.rank_ordinal(4, r).unwrap().unwrap())
+            .collect();
+        let want: Vec<usize> = (0..6).map(|r| (base + r) % 4).collect();
+        assert_eq!(spread, want);
+        let fixed = ComputeDevice::Cuda(Some(2));
+        assert!((0..6).all(|r| fixed.rank_ordinal(4, r).unwrap() == Some(2)));
+        assert_eq!(ranks_per_gpu(auto, 4, 6), 2);
+        assert_eq!(ranks_per_gpu(auto, 8, 2), 1);
+        assert_eq!(ranks_per_gpu(auto, 1, 2), 2);
+        assert_eq!(ranks_per_gpu(fixed, 8, 3), 3);
+        assert_eq!(ranks_per_gpu(ComputeDevice::Cpu, 0, 3), 0);
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -329,6 +329,66 @@ fn gpu_bf16_trains() {
     );
 }
 
+/// `train` on two in-process ranks of one GPU at stage 0: each rank gets a model of its own
+/// keeping its device tier there (the banner says Adam runs on the GPU), and the run's losses
+/// follow the same run on the CPU to 1e-4 relative.
+#[test]
+fn gpu_train_on_two_in_process_ranks_keeps_a_tier_each() {
+    if gpu_or_skip("gpu_train_on_two_in_process_ranks_keeps_a_tier_each").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ds.json");
+    std::fs::write(
+        &config,
+        r#"{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+             "optimizer": { "type": "AdamW", "params": { "lr": 3e-3 } },
+             "gradient_clipping": 1.0, "zero_optimization": { "stage": 0 } }"#,
+    )
+    .unwrap();
+    let text = dir.path().join("corpus.txt");
+    std::fs::write(
+        &text,
+        "the quick brown fox jumps over the lazy dog. ".repeat(60),
+    )
+    .unwrap();
+    let run = |device: &str| {
+        let metrics = dir.path().join(format!("{device}.jsonl"));
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+            .args([
+                "train",
+                "--model",
+                "tiny",
+                "--steps",
+                "5",
+                "--world-size",
+                "2",
+            ])
+            .args(["--no-progress", "--device", device, "--config"])
+            .arg(&config)
+            .arg("--data")
+            .arg(&text)
+            .arg("--metrics")
+            .arg(&metrics)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "--device {device}: {err}");
+        let losses: Vec<f32> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|l| l["rank"] == 0)
+            .map(|l| l["loss"].as_f64().unwrap() as f32)
+            .collect();
+        (losses, err)
+    };
+    let (want, _) = run("cpu");
+    let (got, banner) = run("cuda");
+    assert!(banner.contains("optimizer: Adam on the GPU"), "{banner}");
+    assert_close(&got, &want, "train --device cuda on two ranks vs the CPU");
+}
+
 /// Without a GPU build, `--device cuda` is refused before any work, saying how to get one.
 #[cfg(not(feature = "cuda"))]
 #[test]

@@ -262,6 +262,8 @@ struct BenchModel {
     hf: Option<super::hf_model::HfModel>,
     device: super::device_args::OpenDevice,
     model: TrainModel,
+    /// `--device` and the precision, which open each rank's GPU.
+    device_args: (super::device_args::DeviceArgs, zerodp::config::Precision),
 }
 
 impl BenchModel {
@@ -296,19 +298,25 @@ impl BenchModel {
             hf,
             device,
             model,
+            device_args: (args.device.clone(), precision_of(args)),
         })
     }
 
-    /// The model case `cfg` runs: on a GPU a fresh one keeping there what `cfg` allows (the
-    /// parameters between steps, or the whole device tier); on the CPU the one model. Under MPI
-    /// (`mpi`) this process runs one rank of the case; in-process, all of them share the model.
-    fn for_case(&self, cfg: &EngineConfig, mpi: bool) -> anyhow::Result<Option<TrainModel>> {
+    /// The models case `cfg` runs: on a GPU fresh ones, one per rank of this process, each
+    /// keeping there what `cfg` allows (the parameters between steps, or its device tier); on the
+    /// CPU none (every case runs the one model). Under MPI (`mpi`) this process runs one rank.
+    fn for_case(&self, cfg: &EngineConfig, mpi: bool) -> anyhow::Result<Vec<TrainModel>> {
         if self.device.gpu.is_none() {
-            return Ok(None);
+            return Ok(Vec::new());
         }
-        let model = super::hf_model::build_model(&self.gpt, self.hf.as_ref(), &self.device)?;
         let ranks = if mpi { 1 } else { cfg.world_size };
-        Ok(Some(model.keep_on_gpu(cfg, ranks)))
+        let (args, precision) = &self.device_args;
+        super::hf_model::rank_models(
+            &self.gpt,
+            self.hf.as_ref(),
+            (args, *precision, &self.device),
+            (cfg, ranks),
+        )
     }
 }
 
@@ -330,8 +338,11 @@ fn measure_all(
                         .ok_or_else(|| anyhow::anyhow!("stage {s}: use 0-3"))?;
                     let cfg = case_config(args, (stage, offload), world)?;
                     let own = bench.for_case(&cfg, mpi.is_some())?;
-                    let on = own.as_ref().unwrap_or(&bench.model);
-                    let got = measure(args, on, data, (cfg, offload), mpi)?;
+                    let on: Vec<&TrainModel> = match own.is_empty() {
+                        true => vec![&bench.model],
+                        false => own.iter().collect(),
+                    };
+                    let got = measure(args, &on, data, (cfg, offload), mpi)?;
                     if args.format == "table" && rank == 0 {
                         let mut times = got.steps.clone();
                         times.sort_by(f64::total_cmp);
@@ -597,13 +608,19 @@ fn case_config(
 
 fn measure(
     args: &BenchTrainArgs,
-    model: &TrainModel,
+    models: &[&TrainModel],
     data: &DataLoader,
     (cfg, offload): (EngineConfig, Offload),
     mpi: Option<&MpiRank>,
 ) -> anyhow::Result<Samples> {
     let (stage, world) = (cfg.stage, cfg.world_size);
-    let mut trainer = Trainer::new(model, cfg)
+    // One model for every rank, or one per in-process rank.
+    let rank_models = match models.len() > 1 {
+        true => models.to_vec(),
+        false => Vec::new(),
+    };
+    let mut trainer = Trainer::new(models[0], cfg)
+        .with_rank_models(rank_models)
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);
     if let Some((comm, threads)) = mpi {

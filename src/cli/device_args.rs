@@ -6,9 +6,10 @@ use zerodp::device::{ComputeDevice, GpuInfo};
 
 #[derive(clap::Args, Debug, Clone, Default)]
 pub struct DeviceArgs {
-    /// Where each rank's units compute: cpu, cuda (the process's local rank's GPU) or cuda:N. On a
-    /// GPU the model's forward and backward run there (bf16/fp16 runs compute in 16 bits); the
-    /// shards, the collectives and the CPU Adam stay in host memory. Needs a build with the `cuda`
+    /// Where each rank's units compute: cpu, cuda (the process's local rank's GPU; in-process
+    /// ranks spread over the GPUs) or cuda:N (every rank of the process there). On a GPU the
+    /// model's forward and backward run there (bf16/fp16 runs compute in 16 bits); without
+    /// offload at stage 0, or on one rank, Adam and its state too. Needs a build with the `cuda`
     /// feature (README "GPUs").
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: ComputeDevice,
@@ -33,6 +34,15 @@ pub struct OpenDevice {
     pub dtype: DType,
     /// The GPU, when there is one.
     pub gpu: Option<GpuInfo>,
+}
+
+/// How many in-process ranks of `args.device` compute on its busiest GPU (0 on the CPU).
+pub fn ranks_per_gpu(args: &DeviceArgs, ranks: usize) -> anyhow::Result<usize> {
+    if !args.device.is_cuda() {
+        return Ok(0);
+    }
+    let gpus = zerodp::device::gpu_count()?;
+    Ok(zerodp::device::ranks_per_gpu(args.device, gpus, ranks))
 }
 
 impl OpenDevice {
@@ -61,10 +71,16 @@ impl DeviceArgs {
     /// Open the device for a run of `precision`: the GPU checked against the driver (a clear error
     /// without one or without the `cuda` feature), TF32 set as asked.
     pub fn open(&self, precision: Precision) -> anyhow::Result<OpenDevice> {
+        self.open_rank(precision, 0)
+    }
+
+    /// [`Self::open`] for in-process rank `rank` (`cuda` spreads the ranks over the GPUs,
+    /// [`zerodp::device::ComputeDevice::rank_ordinal`]).
+    pub fn open_rank(&self, precision: Precision, rank: usize) -> anyhow::Result<OpenDevice> {
         if self.tf32 && !self.device.is_cuda() {
             anyhow::bail!("--tf32 applies to GPU matrix products; add --device cuda or drop it");
         }
-        let gpu = zerodp::device::resolve(self.device)?;
+        let gpu = zerodp::device::resolve_rank(self.device, rank)?;
         let device = zerodp::model::candle_device(gpu.as_ref())?;
         #[cfg(feature = "cuda")]
         candle_core::cuda::set_gemm_reduced_precision_f32(self.tf32);

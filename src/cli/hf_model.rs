@@ -147,14 +147,14 @@ impl TrainModel {
         })
     }
 
-    /// On a GPU, keep there what the run allows: the whole device tier (parameters, fp32 master,
-    /// gradients, Adam's moments, and Adam itself; [`Candle::with_device_tier`]) where
-    /// [`zerodp::zero::device_tier::refusal_in_process`] finds nothing against it for the
-    /// `ranks` this process runs on the model, else the parameters between steps where every
-    /// rank holds them all anyway (stages 0-2, [`Candle::with_resident_params`]; at stage 3 each
-    /// unit's are copied there when it runs). Nothing changes on the CPU.
-    pub fn keep_on_gpu(self, cfg: &zerodp::zero::EngineConfig, ranks: usize) -> TrainModel {
-        let tier = zerodp::zero::device_tier::refusal_in_process(cfg, ranks).is_none();
+    /// On a GPU, keep there what the run allows one rank's model: the whole device tier
+    /// (parameters, fp32 master, gradients, Adam's moments, and Adam itself;
+    /// [`Candle::with_device_tier`]) where [`zerodp::zero::device_tier::refusal`] finds nothing
+    /// against it, else the parameters between steps where every rank holds them all anyway
+    /// (stages 0-2, [`Candle::with_resident_params`]; at stage 3 each unit's are copied there
+    /// when it runs). Nothing changes on the CPU.
+    pub fn keep_on_gpu(self, cfg: &zerodp::zero::EngineConfig) -> TrainModel {
+        let tier = zerodp::zero::device_tier::refusal(cfg).is_none();
         let resident = !tier && !cfg.stage.shards_params();
         match self {
             TrainModel::Gpt(m) if !m.candle().device().is_cpu() => {
@@ -194,6 +194,32 @@ pub fn build_model(
             on,
         )?)),
     }
+}
+
+/// The models the `ranks` ranks of this process compute with. On a GPU one per rank, rank r's on
+/// its GPU (`--device cuda` spreads in-process ranks over the GPUs, `cuda:N` puts them all
+/// there), each keeping there what the run allows it ([`TrainModel::keep_on_gpu`]: its own device
+/// tier at stage 0); on the CPU one model for all (it holds nothing of a rank's). `first` is
+/// `args` opened for rank 0.
+pub fn rank_models(
+    gpt: &GptConfig,
+    model: Option<&HfModel>,
+    (args, precision, first): (
+        &super::device_args::DeviceArgs,
+        zerodp::config::Precision,
+        &super::device_args::OpenDevice,
+    ),
+    (cfg, ranks): (&zerodp::zero::EngineConfig, usize),
+) -> anyhow::Result<Vec<TrainModel>> {
+    if first.gpu.is_none() {
+        return Ok(vec![build_model(gpt, model, first)?]);
+    }
+    let mut models = vec![build_model(gpt, model, first)?.keep_on_gpu(cfg)];
+    for r in 1..ranks {
+        let device = args.open_rank(precision, r)?;
+        models.push(build_model(gpt, model, &device)?.keep_on_gpu(cfg));
+    }
+    Ok(models)
 }
 
 /// The units and parameters of the model `config` describes.

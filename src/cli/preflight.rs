@@ -392,15 +392,14 @@ fn address_space_limit() -> Option<u64> {
 }
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
-/// the start. With the device tier there ([`device_tier::refusal_in_process`]: one rank in the
-/// process at stage 0 or on one rank at any stage, no offload) the
-/// parameters, the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every
-/// unit's parameters stay on the GPU between steps in the compute dtype, once for all the ranks
-/// sharing it; at stage 3 each rank's largest unit's parameters and gradients are there while it
-/// runs. Beside them each rank's activations of one micro-step and
-/// the graph's copies of the weights, sized as the planner sizes the GPT's on the fused CPU kernels
-/// in the compute dtype (with the engine's recomputation): a lower bound, since the composite ops a
-/// GPU runs keep more. `ranks` is how many ranks share the GPU (in-process ranks all do). A run whose
+/// the start, for each of the `ranks` ranks computing there (each with its model). With the device
+/// tier there ([`device_tier::refusal`]: stage 0, or one rank, without offload) the parameters,
+/// the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every unit's
+/// parameters stay on the GPU between steps in the compute dtype; at stage 3 each rank's largest
+/// unit's parameters and gradients are there while it runs. Beside them each rank's activations
+/// of one micro-step and the graph's copies of the weights, sized as the planner sizes the GPT's
+/// on the fused CPU kernels in the compute dtype (with the engine's recomputation): a lower bound,
+/// since the composite ops a GPU runs keep more. A run whose
 /// lower bound does not fit is refused before any work, naming what to change; otherwise the
 /// estimate is logged.
 pub fn check_gpu(
@@ -412,10 +411,7 @@ pub fn check_gpu(
 ) -> anyhow::Result<String> {
     let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
     let need = params + activations;
-    let kept = match (
-        device_tier::refusal_in_process(engine, ranks as usize),
-        engine.stage.shards_params(),
-    ) {
+    let kept = match (device_tier::refusal(engine), engine.stage.shards_params()) {
         (None, _) => "the parameters, fp32 master, gradients and Adam's moments, kept there",
         (Some(_), false) => "the parameters, kept there at stages 0-2",
         (Some(_), true) => "the largest unit's parameters and gradients",
@@ -431,7 +427,7 @@ pub fn check_gpu(
         format_gb(gpu.free_bytes)
     );
     if need > gpu.free_bytes {
-        let fix = match device_tier::refusal_in_process(engine, ranks as usize) {
+        let fix = match device_tier::refusal(engine) {
             None => {
                 "Set offload_optimizer to cpu (the fp32 master and Adam's moments then live in \
                  host memory, and at ZeRO stage 3 the parameters are copied to the GPU unit by \
@@ -449,8 +445,8 @@ pub fn check_gpu(
     Ok(summary)
 }
 
-/// [`check_gpu`]'s lower bound in bytes for `ranks` ranks sharing the GPU: (parameters and
-/// gradients kept on the GPU, activations and weight copies of one micro-step).
+/// [`check_gpu`]'s lower bound in bytes for `ranks` ranks, each with its model, on the GPU:
+/// (parameters and gradients kept on the GPU, activations and weight copies of one micro-step).
 fn gpu_need(
     (dtype_bytes, ranks): (u64, u64),
     engine: &EngineConfig,
@@ -460,14 +456,12 @@ fn gpu_need(
     let stage3 = engine.stage.shards_params();
     let ranks = ranks.max(1);
     let numel = spec.num_params() as u64;
-    let params = match (
-        device_tier::refusal_in_process(engine, ranks as usize),
-        stage3,
-    ) {
+    let per_rank = match (device_tier::refusal(engine), stage3) {
         (None, _) => device_tier::TierDtypes::of(engine).bytes(numel, dtype_bytes),
         (Some(_), false) => numel * dtype_bytes,
-        (Some(_), true) => ranks * 2 * spec.largest_unit() as u64 * dtype_bytes,
+        (Some(_), true) => 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
+    let params = ranks * per_rank;
     let shape = GptShape {
         layers: gpt.layers as u64,
         width: gpt.width as u64,
@@ -603,6 +597,16 @@ mod tests {
             gpu_need((4, 1), &engine, spec, &gpt).0,
             16 * spec.num_params() as u64
         );
+        // Stage 0 on two ranks on one GPU: a device tier each.
+        let two = EngineConfig {
+            world_size: 2,
+            stage: zerodp::zero::Stage::Zero0,
+            ..engine.clone()
+        };
+        assert_eq!(
+            gpu_need((4, 2), &two, spec, &gpt).0,
+            2 * 16 * spec.num_params() as u64
+        );
         // With the optimizer offloaded only the parameters stay on the GPU.
         engine.offload_optimizer = OptimizerTier::Host;
         let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, model.spec(), &gpt).unwrap();
@@ -614,14 +618,17 @@ mod tests {
         assert!(err.contains("ZeRO stage 3"), "{err}");
         // Stage 2 keeps every parameter (Ψ f32 values); stage 3 the largest unit's parameters
         // and gradients, and recomputes: less of both. bf16 halves them.
-        // Two ranks sharing the GPU share the kept parameters and each has its own step.
+        // Two ranks on the GPU each keep their model's parameters and have their own step.
         let (params2, acts2) = gpu_need((4, 1), &engine, spec, &gpt);
         assert_eq!(params2, 4 * spec.num_params() as u64);
         assert_eq!(
             gpu_need((2, 1), &engine, spec, &gpt),
             (params2 / 2, acts2 / 2)
         );
-        assert_eq!(gpu_need((4, 2), &engine, spec, &gpt), (params2, 2 * acts2));
+        assert_eq!(
+            gpu_need((4, 2), &engine, spec, &gpt),
+            (2 * params2, 2 * acts2)
+        );
         engine.stage = zerodp::zero::Stage::Zero3;
         let (params3, acts3) = gpu_need((4, 1), &engine, spec, &gpt);
         assert_eq!(params3, 8 * spec.largest_unit() as u64);

@@ -176,11 +176,19 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let device = args.device.open(settings.precision)?;
     let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
-    let model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?
-        .keep_on_gpu(&engine_cfg, backend.ranks_in_process());
+    let models = super::hf_model::rank_models(
+        &gpt,
+        hf.as_ref(),
+        (&args.device, settings.precision, &device),
+        (&engine_cfg, backend.ranks_in_process()),
+    )?;
     // What Trainer::from_settings builds, from the configuration already resolved above.
-    let mut trainer =
-        Trainer::new(&model, engine_cfg).with_schedule(LrSchedule::from_settings(&settings));
+    let mut trainer = Trainer::new(&models[0], engine_cfg)
+        .with_rank_models(match models.len() > 1 {
+            true => models.iter().collect(),
+            false => Vec::new(),
+        })
+        .with_schedule(LrSchedule::from_settings(&settings));
     configure_engine(&mut trainer, &args)?;
     let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;
     let data = args.data.loader(
@@ -223,12 +231,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
     if rank == 0 {
         print_banner(&trainer, (backend, &settings, &gpt), &data);
-        let ranks = backend.ranks_in_process();
-        print_compute(
-            &device,
-            gpu_memory.as_deref(),
-            (trainer.engine_config(), ranks),
-        );
+        print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
     }
     let progress = ProgressLog::new(
         args.steps,
@@ -253,7 +256,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         let tokens_per_step = settings.batch.train_batch_size * gpt.context;
         report_end(&outcome, started, tokens_per_step, backend);
     }
-    finish(&args, (&model, &outcome), rank, &signals)
+    finish(&args, (&models[0], &outcome), rank, &signals)
 }
 
 /// The Hugging Face model (`--model-dir`, `--model-config`), the GPT's shape and the tokenizer,
@@ -329,7 +332,7 @@ fn finish(
 fn print_compute(
     device: &super::device_args::OpenDevice,
     gpu_memory: Option<&str>,
-    (engine_cfg, ranks): (&zerodp::zero::EngineConfig, usize),
+    engine_cfg: &zerodp::zero::EngineConfig,
 ) {
     if device.gpu.is_none() && zerodp::model::gemm_path() == "avx512-bf16" {
         errln!(
@@ -340,7 +343,7 @@ fn print_compute(
     if let Some(memory) = gpu_memory {
         errln!("device: {}", device.describe());
         errln!("GPU memory: {memory}");
-        match zerodp::zero::device_tier::refusal_in_process(engine_cfg, ranks) {
+        match zerodp::zero::device_tier::refusal(engine_cfg) {
             None => errln!(
                 "optimizer: Adam on the GPU (parameters, gradients and Adam's state stay there)"
             ),
@@ -448,8 +451,10 @@ fn preflight(
         return Ok(None);
     };
     let bytes = device.dtype.size_in_bytes() as u64;
+    // Each in-process rank has a model of its own on its GPU; the busiest GPU is checked.
+    let on_gpu = super::device_args::ranks_per_gpu(&args.device, ranks_in_process as usize)?;
     let memory =
-        super::preflight::check_gpu(gpu, (bytes, ranks_in_process), engine_cfg, spec, gpt)?;
+        super::preflight::check_gpu(gpu, (bytes, on_gpu.max(1) as u64), engine_cfg, spec, gpt)?;
     Ok(Some(memory))
 }
 

@@ -15,7 +15,8 @@
 //! holds everything) or stage 0 on any number of ranks (where every rank holds everything and the
 //! ranks average their gradients), no offload, and an fp32 master (fp32 training or mixed
 //! precision with one) — [`refusal`] says why not otherwise. On more than one rank each rank needs
-//! a model of its own (the tier holds that rank's gradients): one per process under MPI.
+//! a model of its own (the tier holds that rank's gradients): one per process under MPI, one per
+//! thread in-process ([`crate::trainer::Trainer::with_rank_models`]).
 //!
 //! The ranks average their gradients through host memory: each unit's gradient comes down
 //! ([`DeviceTier::grad_to_host`]) into the engine's host gradient buffer, goes through the same
@@ -136,8 +137,8 @@ impl Drop for Claim<'_> {
 }
 
 /// Why `cfg` cannot keep its device tier in a compute device's memory, or `None` when it can.
-/// The one place of this rule: the engine refuses a model's tier with it, the CLI asks it (through
-/// [`refusal_in_process`]) before offering one.
+/// The one place of this rule: the engine refuses a model's tier with it, the CLI asks it before
+/// offering one.
 pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
     if cfg.world_size != 1 && cfg.stage != Stage::Zero0 {
         return Some(
@@ -156,19 +157,6 @@ pub fn refusal(cfg: &EngineConfig) -> Option<&'static str> {
         return Some("bf16 parameters that are their own master are updated on the CPU");
     }
     None
-}
-
-/// [`refusal`] for one model that `ranks` ranks of this process compute with (the in-process
-/// backend gives all its ranks the one model it has): the tier holds one rank's gradients, so such
-/// ranks keep theirs in host memory. Under MPI each process is one rank with its own model.
-pub fn refusal_in_process(cfg: &EngineConfig, ranks: usize) -> Option<&'static str> {
-    match ranks > 1 {
-        true => Some(
-            "the ranks are threads of one process sharing one model, and the device tier holds \
-             one rank's gradients (one process per GPU under mpirun keeps it on the device)",
-        ),
-        false => refusal(cfg),
-    }
 }
 
 #[cfg(test)]
@@ -195,12 +183,6 @@ mod tests {
             let two = EngineConfig::new(stage, 2);
             assert!(refusal(&two).unwrap().contains("more than one rank"));
         }
-        let shared = refusal_in_process(&EngineConfig::new(Stage::Zero0, 2), 2);
-        assert!(shared.unwrap().contains("sharing one model"));
-        assert_eq!(
-            refusal_in_process(&EngineConfig::new(Stage::Zero0, 2), 1),
-            None
-        );
         let mut host = EngineConfig::new(Stage::Zero2, 1);
         host.offload_optimizer = OptimizerTier::Host;
         assert!(refusal(&host).unwrap().contains("offload_optimizer"));
