@@ -54,7 +54,7 @@ impl ComputeDevice {
                 Err(DeviceError::Ordinal { ordinal: n, gpus })
             }
             ComputeDevice::Cuda(Some(n)) => Ok(Some(n)),
-            ComputeDevice::Cuda(None) => Ok(Some((local_rank() + rank) % gpus)),
+            ComputeDevice::Cuda(None) => Ok(Some((local_rank() % gpus + rank % gpus) % gpus)),
         }
     }
 }

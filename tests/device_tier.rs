@@ -91,6 +91,11 @@ fn run(
     if let Some(dir) = resume {
         t = t.with_resume(Resume::from_dir(dir).unwrap());
     }
+    train(t, steps)
+}
+
+/// Run `t` to step `steps`: rank 0's losses and skipped steps, and the kept parameters.
+fn train(t: Trainer<'_, Candle<Gpt>>, steps: u64) -> Run {
     let log = ReportLog::new();
     let out = t.run(&loader(), steps, &[&log]).unwrap();
     let reports = log.into_reports().remove(0);
@@ -225,14 +230,7 @@ fn run_ranks_on(models: &[&Candle<Gpt>], s: &Settings, steps: u64) -> Run {
         .unwrap()
         .keep_params(true)
         .with_rank_models(models.to_vec());
-    let log = ReportLog::new();
-    let out = t.run(&loader(), steps, &[&log]).unwrap();
-    let reports = log.into_reports().remove(0);
-    Run {
-        losses: reports.iter().map(|r| r.loss).collect(),
-        skipped: reports.iter().map(|r| r.skipped).collect(),
-        params: out.params.expect("kept"),
-    }
+    train(t, steps)
 }
 
 /// Stage 0 on two ranks, each with its own model holding its tier: the ranks average their

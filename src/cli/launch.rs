@@ -42,8 +42,8 @@ impl Resolved {
         }
     }
 
-    /// The ranks this process runs, which share its one model and GPU: all of them in-process,
-    /// one under MPI.
+    /// The ranks this process runs, which share its memory: all of them in-process, one under
+    /// MPI.
     pub fn ranks_in_process(self) -> usize {
         match self {
             Resolved::InProcess { world } => world,

@@ -432,8 +432,8 @@ fn preflight(
 ) -> anyhow::Result<Option<String>> {
     let engine_cfg = trainer.engine_config();
     let spec = trainer.model().spec();
-    // In-process ranks share this process (and compute on its one GPU); MPI ranks each have their
-    // own process (and their local rank's GPU).
+    // In-process ranks share this process (and spread over its GPUs, or share cuda:N); MPI ranks
+    // each have their own process (and their local rank's GPU).
     let ranks_in_process = backend.ranks_in_process() as u64;
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).

@@ -123,10 +123,7 @@ impl CandleTier {
     ) -> Result<(), ModelError> {
         let err = compute_err("device tier");
         let mut units = self.lock();
-        let unit = units
-            .get_mut(owner)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| missing(owner))?;
+        let unit = loaded_mut(&mut units, owner)?;
         let numel = unit.grad.elem_count();
         let mut sorted: Vec<(usize, &Tensor)> = parts.to_vec();
         sorted.sort_by_key(|(offset, _)| *offset);
@@ -175,6 +172,29 @@ fn check_host_grad(unit: usize, grad: &Tensor, dtype: DType, len: usize) -> Resu
         )));
     }
     Ok(())
+}
+
+/// The first elements of `dst` from `grad`, in one transfer.
+fn copy_down<T: candle_core::WithDType>(grad: &Tensor, dst: &mut [T]) -> candle_core::Result<()> {
+    let n = grad.elem_count();
+    dst[..n].copy_from_slice(&grad.to_vec1::<T>()?);
+    Ok(())
+}
+
+/// Unit `unit` of the tier, once the engine has uploaded it.
+fn loaded(units: &[Option<TierUnit>], unit: usize) -> Result<&TierUnit, ModelError> {
+    units
+        .get(unit)
+        .and_then(Option::as_ref)
+        .ok_or_else(|| missing(unit))
+}
+
+/// [`loaded`], to change.
+fn loaded_mut(units: &mut [Option<TierUnit>], unit: usize) -> Result<&mut TierUnit, ModelError> {
+    units
+        .get_mut(unit)
+        .and_then(Option::as_mut)
+        .ok_or_else(|| missing(unit))
 }
 
 fn missing(unit: usize) -> ModelError {
@@ -245,10 +265,7 @@ impl DeviceTier for CandleTier {
     fn download(&self, unit: usize) -> Result<UnitValues, ModelError> {
         let err = compute_err("device tier");
         let units = self.lock();
-        let u = units
-            .get(unit)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| missing(unit))?;
+        let u = loaded(&units, unit)?;
         let host = |t: &Tensor| {
             (t.to_dtype(DType::F32))
                 .and_then(|t| t.to_vec1::<f32>())
@@ -270,54 +287,34 @@ impl DeviceTier for CandleTier {
     }
 
     fn grad_to_host(&self, unit: usize, dst: SliceMut<'_>) -> Result<(), ModelError> {
-        let err = compute_err("device tier");
         let units = self.lock();
-        let u = units
-            .get(unit)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| missing(unit))?;
-        let n = u.grad.elem_count();
+        let grad = &loaded(&units, unit)?.grad;
         // One transfer of the gradient as it is stored, into the host buffer of its dtype.
+        let (dtype, len) = match &dst {
+            SliceMut::F32(d) => (DType::F32, d.len()),
+            SliceMut::BF16(d) => (DType::BF16, d.len()),
+            SliceMut::F16(d) => (DType::F16, d.len()),
+        };
+        check_host_grad(unit, grad, dtype, len)?;
         match dst {
-            SliceMut::F32(d) => {
-                check_host_grad(unit, &u.grad, DType::F32, d.len())?;
-                d[..n].copy_from_slice(&u.grad.to_vec1::<f32>().map_err(&err)?);
-            }
-            SliceMut::BF16(d) => {
-                check_host_grad(unit, &u.grad, DType::BF16, d.len())?;
-                d[..n].copy_from_slice(&u.grad.to_vec1::<half::bf16>().map_err(&err)?);
-            }
-            SliceMut::F16(d) => {
-                check_host_grad(unit, &u.grad, DType::F16, d.len())?;
-                d[..n].copy_from_slice(&u.grad.to_vec1::<half::f16>().map_err(&err)?);
-            }
+            SliceMut::F32(d) => copy_down(grad, d),
+            SliceMut::BF16(d) => copy_down(grad, d),
+            SliceMut::F16(d) => copy_down(grad, d),
         }
-        Ok(())
+        .map_err(compute_err("device tier"))
     }
 
     fn grad_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError> {
-        let err = compute_err("device tier");
         let mut units = self.lock();
-        let u = units
-            .get_mut(unit)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| missing(unit))?;
+        let u = loaded_mut(&mut units, unit)?;
+        check_host_grad(unit, &u.grad, super::candle_dtype(src.dtype()), src.len())?;
         let n = u.grad.elem_count();
         let grad = match src {
-            Slice::F32(s) => {
-                check_host_grad(unit, &u.grad, DType::F32, s.len())?;
-                Tensor::from_slice(&s[..n], n, &self.device)
-            }
-            Slice::BF16(s) => {
-                check_host_grad(unit, &u.grad, DType::BF16, s.len())?;
-                Tensor::from_slice(&s[..n], n, &self.device)
-            }
-            Slice::F16(s) => {
-                check_host_grad(unit, &u.grad, DType::F16, s.len())?;
-                Tensor::from_slice(&s[..n], n, &self.device)
-            }
+            Slice::F32(s) => Tensor::from_slice(&s[..n], n, &self.device),
+            Slice::BF16(s) => Tensor::from_slice(&s[..n], n, &self.device),
+            Slice::F16(s) => Tensor::from_slice(&s[..n], n, &self.device),
         };
-        u.grad = grad.map_err(&err)?;
+        u.grad = grad.map_err(compute_err("device tier"))?;
         Ok(())
     }
 
