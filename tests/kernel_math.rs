@@ -311,36 +311,34 @@ fn gelu_f64(x: f64) -> (f64, f64) {
     )
 }
 
-/// -12..12 in small steps, and the saturated ends.
-fn pointwise_inputs() -> Vec<f32> {
-    let mut xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 / 100.0).collect();
-    xs.extend([-100.0, -80.0, -40.0, 40.0, 80.0, 100.0, 1e-6, -1e-6]);
-    xs
-}
-
-/// The driver's `mode` on `xs`: each input's value and derivative.
-fn pointwise(exe: &Path, mode: &str, xs: &[f32]) -> Vec<f32> {
-    let mut input = (xs.len() as u64).to_le_bytes().to_vec();
-    input.extend_from_slice(bytemuck::cast_slice(xs));
-    let out = run(exe, &[mode], input);
-    assert_eq!(out.len(), 2 * xs.len());
-    out
-}
-
 #[test]
 fn the_gelu_kernels_formula_follows_the_exact_tanh_gelu() {
+    // tanh through one exp in f32.
+    assert_pointwise_follows("gelu", gelu_f64);
+}
+
+/// The driver's `mode` (a function and its derivative in C) on -12..12 in small steps and the
+/// saturated ends, each value within 2e-6 of the larger of |want| and 1 of `exact`'s: f32
+/// arithmetic, a few ulps.
+fn assert_pointwise_follows(mode: &str, exact: fn(f64) -> (f64, f64)) {
     let Some(exe) = driver() else { return };
-    let xs = pointwise_inputs();
-    let out = pointwise(&exe, "gelu", &xs);
+    let mut xs: Vec<f32> = (-1200..=1200).map(|i| i as f32 / 100.0).collect();
+    xs.extend([-100.0, -80.0, -40.0, 40.0, 80.0, 100.0, 1e-6, -1e-6]);
+    let mut input = (xs.len() as u64).to_le_bytes().to_vec();
+    input.extend_from_slice(bytemuck::cast_slice(&xs));
+    let out = run(&exe, &[mode], input);
+    assert_eq!(out.len(), 2 * xs.len());
+    let close = |got: f32, want: f64| (f64::from(got) - want).abs() <= 2e-6 * want.abs().max(1.0);
     for (x, got) in xs.iter().zip(out.chunks(2)) {
-        let (y, dy) = gelu_f64(f64::from(*x));
-        // f32 arithmetic with tanh through one exp: a few ulps of the larger of |y| and 1.
-        let close =
-            |got: f32, want: f64| (f64::from(got) - want).abs() <= 2e-6 * want.abs().max(1.0);
-        assert!(close(got[0], y), "gelu({x}) = {} in C, {y} exactly", got[0]);
+        let (y, dy) = exact(f64::from(*x));
+        assert!(
+            close(got[0], y),
+            "{mode}({x}) = {} in C, {y} exactly",
+            got[0]
+        );
         assert!(
             close(got[1], dy),
-            "gelu'({x}) = {} in C, {dy} exactly",
+            "{mode}'({x}) = {} in C, {dy} exactly",
             got[1]
         );
     }
@@ -356,18 +354,5 @@ fn silu_f64(x: f64) -> (f64, f64) {
 /// ulps of the exact ones, saturating to 0 (and to x, and 1) at the ends without Inf or NaN.
 #[test]
 fn the_silu_kernels_formula_follows_the_exact_silu() {
-    let Some(exe) = driver() else { return };
-    let xs = pointwise_inputs();
-    let out = pointwise(&exe, "silu", &xs);
-    for (x, got) in xs.iter().zip(out.chunks(2)) {
-        let (y, dy) = silu_f64(f64::from(*x));
-        let close =
-            |got: f32, want: f64| (f64::from(got) - want).abs() <= 2e-6 * want.abs().max(1.0);
-        assert!(close(got[0], y), "silu({x}) = {} in C, {y} exactly", got[0]);
-        assert!(
-            close(got[1], dy),
-            "silu'({x}) = {} in C, {dy} exactly",
-            got[1]
-        );
-    }
+    assert_pointwise_follows("silu", silu_f64);
 }

@@ -614,13 +614,8 @@ fn measure(
     mpi: Option<&MpiRank>,
 ) -> anyhow::Result<Samples> {
     let (stage, world) = (cfg.stage, cfg.world_size);
-    // One model for every rank, or one per in-process rank.
-    let rank_models = match models.len() > 1 {
-        true => models.to_vec(),
-        false => Vec::new(),
-    };
     let mut trainer = Trainer::new(models[0], cfg)
-        .with_rank_models(rank_models)
+        .with_rank_models(super::hf_model::per_rank(models.iter().copied()))
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);
     if let Some((comm, threads)) = mpi {

@@ -222,6 +222,16 @@ pub fn rank_models(
     Ok(models)
 }
 
+/// What `Trainer::with_rank_models` takes for the models of [`rank_models`]: each rank's, or none
+/// where one model serves every rank.
+pub fn per_rank<'m>(models: impl IntoIterator<Item = &'m TrainModel>) -> Vec<&'m TrainModel> {
+    let models: Vec<&TrainModel> = models.into_iter().collect();
+    match models.len() > 1 {
+        true => models,
+        false => Vec::new(),
+    }
+}
+
 /// The units and parameters of the model `config` describes.
 fn spec_of(config: &HfConfig) -> anyhow::Result<ModelSpec> {
     Ok(match &config.llama {

@@ -184,10 +184,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     )?;
     // What Trainer::from_settings builds, from the configuration already resolved above.
     let mut trainer = Trainer::new(&models[0], engine_cfg)
-        .with_rank_models(match models.len() > 1 {
-            true => models.iter().collect(),
-            false => Vec::new(),
-        })
+        .with_rank_models(super::hf_model::per_rank(&models))
         .with_schedule(LrSchedule::from_settings(&settings));
     configure_engine(&mut trainer, &args)?;
     let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;

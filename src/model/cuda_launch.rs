@@ -156,6 +156,27 @@ pub(super) fn with_cuda<R>(
     }
 }
 
+/// [`with_cuda`] on two tensors at once.
+pub(super) fn with_cuda2<R>(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl FnOnce([(&CudaStorage, &Layout); 2]) -> Result<R>,
+) -> Result<R> {
+    with_cuda(a, |sa, la| with_cuda(b, |sb, lb| f([(sa, la), (sb, lb)])))
+}
+
+/// [`with_cuda`] on three tensors at once.
+pub(super) fn with_cuda3<R>(
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    f: impl FnOnce([(&CudaStorage, &Layout); 3]) -> Result<R>,
+) -> Result<R> {
+    with_cuda(a, |sa, la| {
+        with_cuda2(b, c, |[pb, pc]| f([(sa, la), pb, pc]))
+    })
+}
+
 /// The rows and row length of a tensor whose last dimension is the row.
 pub(super) fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
     let cols = shape.dims().last().copied().unwrap_or(0);

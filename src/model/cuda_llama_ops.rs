@@ -4,13 +4,13 @@
 //! their autograd take several full passes each. They compute in f32 from f32, bf16 or f16.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::cuda_launch::{
     arg, elementwise, kernel_name, launched, output, param_parts, per_part, per_row, push,
-    push_slice, rows_of, sum_parts, tensor, with_cuda,
+    push_slice, rows_of, sum_parts, tensor, with_cuda, with_cuda3,
 };
 use super::kernels::Rope;
 
@@ -64,48 +64,44 @@ pub(super) fn rms_norm_bwd(
         );
     }
     let (per_part_rows, parts) = param_parts(rows);
-    let (dx, dw_parts) = with_cuda(x, |xs, xl| {
-        with_cuda(w, |ws, wl| {
-            with_cuda(dy, |ds, dl| {
-                let (device, dtype) = (&xs.device, xs.dtype());
-                let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
-                if wa.dtype() != dtype || da.dtype() != dtype {
-                    bail!("rms norm backward: input, weight and gradient in one dtype");
-                }
-                let dx = output(device, dtype, rows * c)?;
-                let stats = output(device, DType::F32, rows)?;
-                let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
-                let name = kernel_name("rms_norm_bwd", dtype)?;
-                let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let mut b = func.builder();
-                for a in [&xa, &wa, &da] {
-                    push(&mut b, a);
-                }
-                push_slice(&mut b, &dx.slice)?;
-                push_slice(&mut b, &stats.slice)?;
-                b.arg(&rows64).arg(&c32).arg(&eps32);
-                // SAFETY: `zerodp_rms_norm_bwd_<dtype>(x, w, dy, dx, stats, rows, c, eps)`:
-                // x, dy, dx of `rows * c` elements, w of `c`, stats of `rows` f32.
-                launched("rms_norm_bwd", unsafe { b.launch(per_row(rows)) })?;
+    let (dx, dw_parts) = with_cuda3(x, w, dy, |[(xs, xl), (ws, wl), (ds, dl)]| {
+        let (device, dtype) = (&xs.device, xs.dtype());
+        let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
+        if wa.dtype() != dtype || da.dtype() != dtype {
+            bail!("rms norm backward: input, weight and gradient in one dtype");
+        }
+        let dx = output(device, dtype, rows * c)?;
+        let stats = output(device, DType::F32, rows)?;
+        let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
+        let name = kernel_name("rms_norm_bwd", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = func.builder();
+        for a in [&xa, &wa, &da] {
+            push(&mut b, a);
+        }
+        push_slice(&mut b, &dx.slice)?;
+        push_slice(&mut b, &stats.slice)?;
+        b.arg(&rows64).arg(&c32).arg(&eps32);
+        // SAFETY: `zerodp_rms_norm_bwd_<dtype>(x, w, dy, dx, stats, rows, c, eps)`:
+        // x, dy, dx of `rows * c` elements, w of `c`, stats of `rows` f32.
+        launched("rms_norm_bwd", unsafe { b.launch(per_row(rows)) })?;
 
-                let dw_parts = output(device, DType::F32, parts * c)?;
-                let per_part_rows = per_part_rows as u64;
-                let name = kernel_name("rms_norm_weight_parts", dtype)?;
-                let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let mut b = func.builder();
-                push(&mut b, &xa);
-                push(&mut b, &da);
-                push_slice(&mut b, &stats.slice)?;
-                push_slice(&mut b, &dw_parts.slice)?;
-                b.arg(&rows64).arg(&c32).arg(&per_part_rows);
-                // SAFETY: `zerodp_rms_norm_weight_parts_<dtype>(x, dy, stats, dw_parts, rows, c,
-                // rows_per_part)`: the parts of `parts * c` f32, one block row per part.
-                launched("rms_norm_weight_parts", unsafe {
-                    b.launch(per_part(c, parts))
-                })?;
-                Ok((dx, dw_parts))
-            })
-        })
+        let dw_parts = output(device, DType::F32, parts * c)?;
+        let per_part_rows = per_part_rows as u64;
+        let name = kernel_name("rms_norm_weight_parts", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = func.builder();
+        push(&mut b, &xa);
+        push(&mut b, &da);
+        push_slice(&mut b, &stats.slice)?;
+        push_slice(&mut b, &dw_parts.slice)?;
+        b.arg(&rows64).arg(&c32).arg(&per_part_rows);
+        // SAFETY: `zerodp_rms_norm_weight_parts_<dtype>(x, dy, stats, dw_parts, rows, c,
+        // rows_per_part)`: the parts of `parts * c` f32, one block row per part.
+        launched("rms_norm_weight_parts", unsafe {
+            b.launch(per_part(c, parts))
+        })?;
+        Ok((dx, dw_parts))
     })?;
     Ok((
         tensor(dx, x.shape().clone()),
@@ -113,8 +109,15 @@ pub(super) fn rms_norm_bwd(
     ))
 }
 
+/// A rotary op's f32 cosine and sine tables in GPU memory ([`Rope::gpu_tables`]).
+pub(crate) struct GpuTables {
+    cos: CudaSlice<f32>,
+    sin: CudaSlice<f32>,
+}
+
 /// The rotary embedding of rows `[n, width]` (heads of `op.head_dim`), or its backward (the
-/// opposite rotation) when `inverse`. The op's f32 cosine and sine tables go to the GPU with it.
+/// opposite rotation) when `inverse`. The op's f32 cosine and sine tables go to the GPU at its
+/// first call (the model keeps the op per sequence length).
 pub(super) fn rope(
     (x, l): (&CudaStorage, &Layout),
     op: &Rope,
@@ -137,15 +140,24 @@ pub(super) fn rope(
     }
     let (device, dtype) = (&x.device, x.dtype());
     let xa = arg(x, l)?;
-    let cos = device.clone_htod(op.cos.as_slice())?;
-    let sin = device.clone_htod(op.sin.as_slice())?;
+    if op.gpu_tables.get().is_none() {
+        let tables = GpuTables {
+            cos: device.clone_htod(op.cos.as_slice())?,
+            sin: device.clone_htod(op.sin.as_slice())?,
+        };
+        // A concurrent call may have set them first: its copy is the same.
+        let _ = op.gpu_tables.set(tables);
+    }
+    let Some(GpuTables { cos, sin }) = op.gpu_tables.get() else {
+        bail!("rope: the cosine and sine tables did not reach the GPU");
+    };
     let y = output(device, dtype, rows * width)?;
     let func = device.get_or_load_custom_func(&kernel_name("rope", dtype)?, MODULE, PTX)?;
     let (rows64, width32, d32, seq32) = (rows as u64, width as i32, d as i32, op.seq as i32);
     let sign: f32 = if inverse { -1.0 } else { 1.0 };
     let mut b = func.builder();
     push(&mut b, &xa);
-    b.arg(&cos).arg(&sin);
+    b.arg(cos).arg(sin);
     push_slice(&mut b, &y.slice)?;
     b.arg(&rows64)
         .arg(&width32)
@@ -203,31 +215,27 @@ pub(super) fn swiglu_bwd(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor,
             dy.shape()
         );
     }
-    let (dg, du) = with_cuda(g, |gs, gl| {
-        with_cuda(u, |us, ul| {
-            with_cuda(dy, |ds, dl| {
-                let (device, dtype) = (&gs.device, gs.dtype());
-                let (ga, ua, da) = (arg(gs, gl)?, arg(us, ul)?, arg(ds, dl)?);
-                if ua.dtype() != dtype || da.dtype() != dtype {
-                    bail!("swiglu backward: gate, up and gradient in one dtype");
-                }
-                let (dg, du) = (output(device, dtype, n)?, output(device, dtype, n)?);
-                let name = kernel_name("swiglu_bwd", dtype)?;
-                let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let n64 = n as u64;
-                let mut b = func.builder();
-                for a in [&ga, &ua, &da] {
-                    push(&mut b, a);
-                }
-                push_slice(&mut b, &dg.slice)?;
-                push_slice(&mut b, &du.slice)?;
-                b.arg(&n64);
-                // SAFETY: `zerodp_swiglu_bwd_<dtype>(g, u, dy, dg, du, n)`, each of `n`
-                // elements of `dtype`.
-                launched("swiglu_bwd", unsafe { b.launch(elementwise(n)) })?;
-                Ok((dg, du))
-            })
-        })
+    let (dg, du) = with_cuda3(g, u, dy, |[(gs, gl), (us, ul), (ds, dl)]| {
+        let (device, dtype) = (&gs.device, gs.dtype());
+        let (ga, ua, da) = (arg(gs, gl)?, arg(us, ul)?, arg(ds, dl)?);
+        if ua.dtype() != dtype || da.dtype() != dtype {
+            bail!("swiglu backward: gate, up and gradient in one dtype");
+        }
+        let (dg, du) = (output(device, dtype, n)?, output(device, dtype, n)?);
+        let name = kernel_name("swiglu_bwd", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let n64 = n as u64;
+        let mut b = func.builder();
+        for a in [&ga, &ua, &da] {
+            push(&mut b, a);
+        }
+        push_slice(&mut b, &dg.slice)?;
+        push_slice(&mut b, &du.slice)?;
+        b.arg(&n64);
+        // SAFETY: `zerodp_swiglu_bwd_<dtype>(g, u, dy, dg, du, n)`, each of `n`
+        // elements of `dtype`.
+        launched("swiglu_bwd", unsafe { b.launch(elementwise(n)) })?;
+        Ok((dg, du))
     })?;
     Ok((tensor(dg, g.shape().clone()), tensor(du, g.shape().clone())))
 }

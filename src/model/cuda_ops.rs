@@ -11,7 +11,7 @@ use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::cuda_launch::{
     arg, elementwise, kernel_name, launched, output, per_row, push, push_slice, rows_of, sum_parts,
-    tensor, with_cuda,
+    tensor, with_cuda2, with_cuda3,
 };
 
 const MODULE: &str = "zerodp_gpt_ops";
@@ -45,23 +45,21 @@ pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
             dy.shape()
         );
     }
-    let dx = with_cuda(x, |xs, xl| {
-        with_cuda(dy, |ds, dl| {
-            let (device, dtype) = (&xs.device, xs.dtype());
-            let (xa, da) = (arg(xs, xl)?, arg(ds, dl)?);
-            let dx = output(device, dtype, n)?;
-            let name = kernel_name("gelu_bwd", dtype)?;
-            let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-            let n64 = n as u64;
-            let mut b = func.builder();
-            push(&mut b, &xa);
-            push(&mut b, &da);
-            push_slice(&mut b, &dx.slice)?;
-            b.arg(&n64);
-            // SAFETY: `zerodp_gelu_bwd_<dtype>(x, dy, dx, n)`, each of `n` elements of `dtype`.
-            launched("gelu_bwd", unsafe { b.launch(elementwise(n)) })?;
-            Ok(dx)
-        })
+    let dx = with_cuda2(x, dy, |[(xs, xl), (ds, dl)]| {
+        let (device, dtype) = (&xs.device, xs.dtype());
+        let (xa, da) = (arg(xs, xl)?, arg(ds, dl)?);
+        let dx = output(device, dtype, n)?;
+        let name = kernel_name("gelu_bwd", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let n64 = n as u64;
+        let mut b = func.builder();
+        push(&mut b, &xa);
+        push(&mut b, &da);
+        push_slice(&mut b, &dx.slice)?;
+        b.arg(&n64);
+        // SAFETY: `zerodp_gelu_bwd_<dtype>(x, dy, dx, n)`, each of `n` elements of `dtype`.
+        launched("gelu_bwd", unsafe { b.launch(elementwise(n)) })?;
+        Ok(dx)
     })?;
     Ok(tensor(dx, x.shape().clone()))
 }
@@ -95,23 +93,21 @@ pub(super) fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
             dy.shape()
         );
     }
-    let dx = with_cuda(y, |ys, yl| {
-        with_cuda(dy, |ds, dl| {
-            let (device, dtype) = (&ys.device, ys.dtype());
-            let (ya, da) = (arg(ys, yl)?, arg(ds, dl)?);
-            let dx = output(device, dtype, rows * t)?;
-            let name = kernel_name("softmax_bwd", dtype)?;
-            let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-            let (rows64, t32) = (rows as u64, t as i32);
-            let mut b = func.builder();
-            push(&mut b, &ya);
-            push(&mut b, &da);
-            push_slice(&mut b, &dx.slice)?;
-            b.arg(&rows64).arg(&t32);
-            // SAFETY: `zerodp_softmax_bwd_<dtype>(y, dy, dx, rows, t)`, each `rows * t` long.
-            launched("softmax_bwd", unsafe { b.launch(per_row(rows)) })?;
-            Ok(dx)
-        })
+    let dx = with_cuda2(y, dy, |[(ys, yl), (ds, dl)]| {
+        let (device, dtype) = (&ys.device, ys.dtype());
+        let (ya, da) = (arg(ys, yl)?, arg(ds, dl)?);
+        let dx = output(device, dtype, rows * t)?;
+        let name = kernel_name("softmax_bwd", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let (rows64, t32) = (rows as u64, t as i32);
+        let mut b = func.builder();
+        push(&mut b, &ya);
+        push(&mut b, &da);
+        push_slice(&mut b, &dx.slice)?;
+        b.arg(&rows64).arg(&t32);
+        // SAFETY: `zerodp_softmax_bwd_<dtype>(y, dy, dx, rows, t)`, each `rows * t` long.
+        launched("softmax_bwd", unsafe { b.launch(per_row(rows)) })?;
+        Ok(dx)
     })?;
     Ok(tensor(dx, y.shape().clone()))
 }
@@ -173,50 +169,46 @@ pub(super) fn layer_norm_bwd(
         );
     }
     let (per_part, parts) = super::cuda_launch::param_parts(rows);
-    let (dx, dw_parts, db_parts) = with_cuda(x, |xs, xl| {
-        with_cuda(w, |ws, wl| {
-            with_cuda(dy, |ds, dl| {
-                let (device, dtype) = (&xs.device, xs.dtype());
-                let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
-                if wa.dtype() != dtype || da.dtype() != dtype {
-                    bail!("layer norm backward: input, weight and gradient in one dtype");
-                }
-                let dx = output(device, dtype, rows * c)?;
-                let stats = output(device, DType::F32, 2 * rows)?;
-                let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
-                let name = kernel_name("layer_norm_bwd", dtype)?;
-                let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let mut b = func.builder();
-                for a in [&xa, &wa, &da] {
-                    push(&mut b, a);
-                }
-                push_slice(&mut b, &dx.slice)?;
-                push_slice(&mut b, &stats.slice)?;
-                b.arg(&rows64).arg(&c32).arg(&eps32);
-                // SAFETY: `zerodp_layer_norm_bwd_<dtype>(x, w, dy, dx, stats, rows, c, eps)`:
-                // x, dy, dx of `rows * c` elements, w of `c`, stats of `2 * rows` f32.
-                launched("layer_norm_bwd", unsafe { b.launch(per_row(rows)) })?;
+    let (dx, dw_parts, db_parts) = with_cuda3(x, w, dy, |[(xs, xl), (ws, wl), (ds, dl)]| {
+        let (device, dtype) = (&xs.device, xs.dtype());
+        let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
+        if wa.dtype() != dtype || da.dtype() != dtype {
+            bail!("layer norm backward: input, weight and gradient in one dtype");
+        }
+        let dx = output(device, dtype, rows * c)?;
+        let stats = output(device, DType::F32, 2 * rows)?;
+        let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
+        let name = kernel_name("layer_norm_bwd", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = func.builder();
+        for a in [&xa, &wa, &da] {
+            push(&mut b, a);
+        }
+        push_slice(&mut b, &dx.slice)?;
+        push_slice(&mut b, &stats.slice)?;
+        b.arg(&rows64).arg(&c32).arg(&eps32);
+        // SAFETY: `zerodp_layer_norm_bwd_<dtype>(x, w, dy, dx, stats, rows, c, eps)`:
+        // x, dy, dx of `rows * c` elements, w of `c`, stats of `2 * rows` f32.
+        launched("layer_norm_bwd", unsafe { b.launch(per_row(rows)) })?;
 
-                let dw_parts = output(device, DType::F32, parts * c)?;
-                let db_parts = output(device, DType::F32, parts * c)?;
-                let per_part = per_part as u64;
-                let name = kernel_name("layer_norm_param_parts", dtype)?;
-                let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-                let mut b = func.builder();
-                push(&mut b, &xa);
-                push(&mut b, &da);
-                push_slice(&mut b, &stats.slice)?;
-                push_slice(&mut b, &dw_parts.slice)?;
-                push_slice(&mut b, &db_parts.slice)?;
-                b.arg(&rows64).arg(&c32).arg(&per_part);
-                let cfg = super::cuda_launch::per_part(c, parts);
-                // SAFETY: `zerodp_layer_norm_param_parts_<dtype>(x, dy, stats, dw_parts,
-                // db_parts, rows, c, rows_per_part)`: the parts of `parts * c` f32, one block
-                // row per part.
-                launched("layer_norm_param_parts", unsafe { b.launch(cfg) })?;
-                Ok((dx, dw_parts, db_parts))
-            })
-        })
+        let dw_parts = output(device, DType::F32, parts * c)?;
+        let db_parts = output(device, DType::F32, parts * c)?;
+        let per_part = per_part as u64;
+        let name = kernel_name("layer_norm_param_parts", dtype)?;
+        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
+        let mut b = func.builder();
+        push(&mut b, &xa);
+        push(&mut b, &da);
+        push_slice(&mut b, &stats.slice)?;
+        push_slice(&mut b, &dw_parts.slice)?;
+        push_slice(&mut b, &db_parts.slice)?;
+        b.arg(&rows64).arg(&c32).arg(&per_part);
+        let cfg = super::cuda_launch::per_part(c, parts);
+        // SAFETY: `zerodp_layer_norm_param_parts_<dtype>(x, dy, stats, dw_parts,
+        // db_parts, rows, c, rows_per_part)`: the parts of `parts * c` f32, one block
+        // row per part.
+        launched("layer_norm_param_parts", unsafe { b.launch(cfg) })?;
+        Ok((dx, dw_parts, db_parts))
     })?;
     Ok((
         tensor(dx, x.shape().clone()),

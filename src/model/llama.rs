@@ -23,7 +23,6 @@
 
 use std::path::Path;
 
-use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
@@ -290,6 +289,8 @@ pub struct Llama {
     /// On composite ops, RMSNorm, the rotary embeddings, SwiGLU's gate and the causal softmax
     /// as zerodp's custom ops (their CUDA kernels on a GPU, [`super::device::uses_cuda_kernels`]).
     cuda_kernels: bool,
+    /// The rotary op of the last sequence length ([`Self::cached_rope_op`]).
+    rope: std::sync::Mutex<Option<kernels::Rope>>,
 }
 
 impl Llama {
@@ -315,6 +316,7 @@ impl Llama {
             dtype: DType::F32,
             fused: true,
             cuda_kernels: false,
+            rope: std::sync::Mutex::new(None),
         })
     }
 
@@ -444,11 +446,25 @@ impl Llama {
         let angles: Vec<f32> = (0..t)
             .flat_map(|pos| inv.iter().map(move |f| pos as f32 * f))
             .collect();
-        kernels::Rope {
-            seq: t,
-            head_dim: self.config.head_dim,
-            cos: Arc::new(angles.iter().map(|a| a.cos()).collect()),
-            sin: Arc::new(angles.iter().map(|a| a.sin()).collect()),
+        kernels::Rope::new(
+            t,
+            self.config.head_dim,
+            angles.iter().map(|a| a.cos()).collect(),
+            angles.iter().map(|a| a.sin()).collect(),
+        )
+    }
+
+    /// [`Self::rope_op`] for sequences of `t`, kept from the last call of the same length: its
+    /// tables are computed once (and, on a GPU, copied there once), not in every block.
+    fn cached_rope_op(&self, t: usize) -> kernels::Rope {
+        let mut kept = self.rope.lock().unwrap_or_else(|e| e.into_inner());
+        match &*kept {
+            Some(op) if op.seq == t => op.clone(),
+            _ => {
+                let op = self.rope_op(t);
+                *kept = Some(op.clone());
+                op
+            }
         }
     }
 
@@ -480,7 +496,7 @@ impl Llama {
         let mm = |x: &Tensor, w: &Tensor| x.contiguous()?.apply_op2(w, kernels::MatMulT);
         let x = x.contiguous()?;
         let h = x.apply_op2(&p[0], norm)?;
-        let rope = self.rope_op(t);
+        let rope = self.cached_rope_op(t);
         let q = mm(&h, &p[1])?.apply_op1(rope.clone())?;
         let k = self.repeat_kv_rows(mm(&h, &p[2])?.apply_op1(rope)?)?;
         let v = self.repeat_kv_rows(mm(&h, &p[3])?)?;
@@ -543,7 +559,7 @@ impl Llama {
         let (q, k) = match self.cuda_kernels {
             // The rotary op on the rows, before they become heads.
             true => {
-                let rope = self.rope_op(t);
+                let rope = self.cached_rope_op(t);
                 let q = Self::heads_of(&q.apply_op1(rope.clone())?, b, t, nh, d)?;
                 (q, Self::heads_of(&k.apply_op1(rope)?, b, t, nkv, d)?)
             }

@@ -128,6 +128,11 @@ impl<'a> Claim<'a> {
     pub(crate) fn take(tier: &'a dyn DeviceTier) -> Option<Self> {
         tier.claim().then_some(Claim(tier))
     }
+
+    /// The tier held.
+    pub(crate) fn tier(&self) -> &'a dyn DeviceTier {
+        self.0
+    }
 }
 
 impl Drop for Claim<'_> {

@@ -213,10 +213,9 @@ pub struct Engine<'a, M: UnitModel> {
     /// The two floats of the step's all-reduce (loss, squared norm), reused every step.
     scalars: Vec<f32>,
     phases: PhaseTimes,
-    /// The model's device memory holding the device tier ([`device_tier`]), when it offers one.
-    device: Option<&'a dyn DeviceTier>,
-    /// This engine's hold on `device`, given back when it is dropped.
-    _claim: Option<device_tier::Claim<'a>>,
+    /// This engine's hold on the model's device tier ([`device_tier`]), when the model offers
+    /// one ([`Engine::device`]); given back when the engine is dropped.
+    claim: Option<device_tier::Claim<'a>>,
     /// The host buffers hold values the device tier does not have yet (at start, after a load
     /// or a restore): uploaded before the next step.
     device_behind: bool,
@@ -355,11 +354,15 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             scalars: vec![0.0; 2],
             phases: PhaseTimes::default(),
             cfg,
-            device,
-            _claim: claim,
+            claim,
             device_behind: true,
             host_behind: false,
         })
+    }
+
+    /// The model's device memory holding the device tier, when the model offers one.
+    fn device(&self) -> Option<&'a dyn DeviceTier> {
+        self.claim.as_ref().map(device_tier::Claim::tier)
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -390,7 +393,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// parameters rounded from the master), when the model holds the tier and a step changed it.
     /// A checkpoint calls it before reading the optimizer state; a no-op otherwise.
     pub fn sync_host(&mut self) -> Result<(), EngineError> {
-        let Some(device) = self.device.filter(|_| self.host_behind) else {
+        let Some(device) = self.device().filter(|_| self.host_behind) else {
             return Ok(());
         };
         for u in 0..self.layout.num_units() {
@@ -405,7 +408,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// Copy the host buffers into the model's device tier, when they changed since it last had
     /// them (the start, a load, a restore).
     fn upload_if_behind(&mut self) -> Result<(), EngineError> {
-        let Some(device) = self.device.filter(|_| self.device_behind) else {
+        let Some(device) = self.device().filter(|_| self.device_behind) else {
             return Ok(());
         };
         for u in 0..self.layout.num_units() {
@@ -544,7 +547,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.phases.comm += t.elapsed().as_secs_f64();
         if !outcome.verdict.skipped {
             self.update(lr, outcome.grad_scale)?;
-            if self.device.is_none() {
+            if self.device().is_none() {
                 self.gather_updated()?;
                 self.model.parameters_changed();
             }
@@ -561,7 +564,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             Stage::Zero1 => BucketMode::ReduceScatterStore,
             Stage::Zero2 | Stage::Zero3 => BucketMode::ReduceScatterAccumulate,
         });
-        if let Some(device) = self.device {
+        if let Some(device) = self.device() {
             return Ok(device.zero_grads()?);
         }
         match &mut self.state.stage {
@@ -642,7 +645,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             self.provide_grads(u);
             let t = Instant::now();
             // With the device tier on the model's device, backward adds into its gradients.
-            let mut grads = match self.device {
+            let mut grads = match self.device() {
                 Some(_) => Vec::new(),
                 None => grad_slices(&mut self.state.grads, &self.units[u].reads, &self.layout),
             };
@@ -651,7 +654,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let kept = (self.units[u].kept_graph * 4) as u64;
             self.ledger.free(MemoryKind::Gather, kept);
             self.release(pos);
-            if self.device.is_some() {
+            if self.device().is_some() {
                 continue;
             }
             let t = Instant::now();
@@ -661,7 +664,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             self.phases.comm += t.elapsed().as_secs_f64();
         }
         // A device runs backward asynchronously: its time is backward's, not the next phase's.
-        if let Some(device) = self.device {
+        if let Some(device) = self.device() {
             let t = Instant::now();
             device.synchronize()?;
             self.phases.backward += t.elapsed().as_secs_f64();
@@ -737,7 +740,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// Transient gradients: give every unit that unit `unit`'s backward writes into a zeroed f32
     /// buffer, unless it holds one already (a tied unit, from an earlier user's backward).
     fn provide_grads(&mut self, unit: usize) {
-        if !self.state.stage.transient_grads() || self.device.is_some() {
+        if !self.state.stage.transient_grads() || self.device().is_some() {
             return;
         }
         for &k in &self.units[unit].reads {
@@ -786,7 +789,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// After micro-step `micro`'s backward: launch the last reduction bucket, if the micro-step
     /// reduces, and wait for all of them.
     fn finish_reduction(&mut self, micro: usize) -> Result<(), CommError> {
-        if self.reduces_at(micro) && self.device.is_none() {
+        if self.reduces_at(micro) && self.device().is_none() {
             let t = Instant::now();
             self.buckets
                 .flush(self.comm, &mut self.state, &self.layout)?;
@@ -808,7 +811,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// all-reduce. The squared norm also carries the overflow verdict: a sum with an Inf/NaN term
     /// is Inf/NaN, so every rank sees a non-finite total exactly when some rank's shard held one.
     fn global_norm_and_loss(&mut self, loss_sum: f64) -> Result<GlobalNorm, EngineError> {
-        let unit_sq: Vec<f64> = match self.device {
+        let unit_sq: Vec<f64> = match self.device() {
             Some(device) => device.grad_squares()?,
             None => (0..self.layout.num_units())
                 .map(|u| self.reduced_grad(u).sum_of_squares())
@@ -918,7 +921,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let t = Instant::now();
         let mut hp = self.cfg.adam;
         hp.lr = f64::from(lr);
-        if let Some(device) = self.device {
+        if let Some(device) = self.device() {
             let step = self.units.first().map_or(0, |u| u.adam.step) + 1;
             device.adam(&StepConsts::new(&hp, step, grad_scale))?;
             device.synchronize()?;
@@ -1008,7 +1011,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             memory: self.ledger.snapshot(),
             peak_bytes: self.ledger.peak(),
             peak_gather_bytes: self.ledger.peak_of(MemoryKind::Gather),
-            device_tier_bytes: self.device.map_or(0, |d| d.bytes()),
+            device_tier_bytes: self.device().map_or(0, |d| d.bytes()),
             swap_io: self.swap_traffic(),
             phases: self.phases,
         }
@@ -1016,7 +1019,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Stage 3: gather visit `pos`'s units (and prefetch what fits).
     fn acquire(&mut self, pos: usize) -> Result<(), GatherError> {
-        if self.device.is_some() {
+        if self.device().is_some() {
             // The model reads the device tier's parameters.
             return Ok(());
         }
@@ -1030,7 +1033,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Stage 3: release visit `pos`'s units that the next visit does not need.
     fn release(&mut self, pos: usize) {
-        if self.device.is_some() {
+        if self.device().is_some() {
             return;
         }
         if let StageState::ShardedParams { coordinator, .. } = &mut self.state.stage {
@@ -1042,7 +1045,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// model reads them from (nothing to do in fp32).
     fn widen_params(&mut self, unit: usize) {
         // The device tier's model reads its parameters from the tier.
-        if !self.cfg.is_mixed() || self.device.is_some() {
+        if !self.cfg.is_mixed() || self.device().is_some() {
             return;
         }
         for (i, &k) in self.units[unit].reads.iter().enumerate() {
@@ -1057,7 +1060,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     /// The unpadded f32 parameters unit `unit` reads: its own, then those of the units it uses
     /// (under mixed precision, as [`Engine::widen_params`] left them).
     fn param_slices(&self, unit: usize) -> Vec<&[f32]> {
-        if self.device.is_some() {
+        if self.device().is_some() {
             // The model reads the device tier's parameters.
             return vec![&[]; self.units[unit].reads.len()];
         }

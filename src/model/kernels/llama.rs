@@ -209,6 +209,23 @@ pub(crate) struct Rope {
     /// `cos` and `sin` of positions `0..seq` by frequency `0..head_dim/2`, `[seq, head_dim/2]`.
     pub cos: std::sync::Arc<Vec<f32>>,
     pub sin: std::sync::Arc<Vec<f32>>,
+    /// `cos` and `sin` in GPU memory, copied there by the first GPU call of the op or a clone.
+    #[cfg(feature = "cuda")]
+    pub gpu_tables: std::sync::Arc<std::sync::OnceLock<super::super::cuda_llama_ops::GpuTables>>,
+}
+
+impl Rope {
+    /// The op for sequences of `seq` with `head_dim`-wide heads and those tables.
+    pub fn new(seq: usize, head_dim: usize, cos: Vec<f32>, sin: Vec<f32>) -> Self {
+        Rope {
+            seq,
+            head_dim,
+            cos: std::sync::Arc::new(cos),
+            sin: std::sync::Arc::new(sin),
+            #[cfg(feature = "cuda")]
+            gpu_tables: Default::default(),
+        }
+    }
 }
 
 impl Rope {
