@@ -23,7 +23,6 @@
 
 use std::path::Path;
 
-
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
 
