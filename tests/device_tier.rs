@@ -1,8 +1,9 @@
 //! The device tier in a model's device memory (`Candle::with_device_tier`, what `train --device
 //! cuda` runs on one GPU without offload): parameters, gradients and Adam's state stay on the
 //! model's device and the engine's arithmetic runs there. On candle's CPU backend the same code
-//! trains as the engine's host tier, resumes bit for bit from its checkpoints, and is refused
-//! where a run needs its state in host memory.
+//! trains as the engine's host tier (one rank at every stage; two ranks at stages 0-2, where
+//! stages 1-2 shard the master and moments over them), resumes bit for bit from its checkpoints,
+//! and is refused where a run needs its state in host memory.
 
 use std::path::Path;
 
@@ -11,8 +12,9 @@ use zerodp::comm::{run_ranks, Communicator};
 use zerodp::config::{load_str, ResolveContext, Settings};
 use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig};
 use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
+use zerodp::zero::flat::FlatLayout;
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{Engine, EngineConfig, EngineError, OptimizerTier, Stage};
+use zerodp::zero::{Engine, EngineConfig, EngineError, OptimizerTier, Stage, TierDtypes};
 
 const GLOBAL: usize = 8;
 
@@ -77,9 +79,24 @@ fn run(
     save: Option<&Path>,
     resume: Option<&Path>,
 ) -> Run {
-    let mut t = Trainer::from_settings(model, s, 1, 5)
+    run_checkpointed(&[model], s, steps, (save, resume))
+}
+
+/// [`run`] on `models.len()` in-process ranks, rank r on `models[r]`
+/// (`Trainer::with_rank_models`; the trainer checks that every rank ends with the same
+/// parameters).
+fn run_checkpointed(
+    models: &[&Candle<Gpt>],
+    s: &Settings,
+    steps: u64,
+    (save, resume): (Option<&Path>, Option<&Path>),
+) -> Run {
+    let mut t = Trainer::from_settings(models[0], s, models.len(), 5)
         .unwrap()
         .keep_params(true);
+    if models.len() > 1 {
+        t = t.with_rank_models(models.to_vec());
+    }
     if let Some(dir) = save {
         t = t.with_checkpoints(CheckpointOptions {
             dir: dir.to_path_buf(),
@@ -96,14 +113,23 @@ fn run(
 
 /// Run `t` to step `steps`: rank 0's losses and skipped steps, and the kept parameters.
 fn train(t: Trainer<'_, Candle<Gpt>>, steps: u64) -> Run {
+    train_logged(t, steps).0
+}
+
+/// [`train`], and every rank's step reports.
+fn train_logged(
+    t: Trainer<'_, Candle<Gpt>>,
+    steps: u64,
+) -> (Run, Vec<Vec<zerodp::zero::StepReport>>) {
     let log = ReportLog::new();
     let out = t.run(&loader(), steps, &[&log]).unwrap();
-    let reports = log.into_reports().remove(0);
-    Run {
-        losses: reports.iter().map(|r| r.loss).collect(),
-        skipped: reports.iter().map(|r| r.skipped).collect(),
+    let all = log.into_reports();
+    let run = Run {
+        losses: all[0].iter().map(|r| r.loss).collect(),
+        skipped: all[0].iter().map(|r| r.skipped).collect(),
         params: out.params.expect("kept"),
-    }
+    };
+    (run, all)
 }
 
 /// Every loss of `got` within `tol` relative of `want`'s, and every parameter within `tol`
@@ -174,7 +200,10 @@ fn the_engine_refuses_the_tier_where_the_run_needs_host_memory() {
     let mut offloaded = EngineConfig::new(Stage::Zero2, 1);
     offloaded.offload_optimizer = OptimizerTier::Host;
     for (cfg, why) in [
-        (EngineConfig::new(Stage::Zero1, 2), "more than one rank"),
+        (
+            EngineConfig::new(Stage::Zero3, 2),
+            "stage 3 on more than one rank",
+        ),
         (offloaded, "offload_optimizer"),
     ] {
         let e = run_ranks(cfg.world_size, Default::default(), |comm, _| {
@@ -223,14 +252,9 @@ fn the_host_copy_is_read_only_after_a_sync() {
     .unwrap();
 }
 
-/// Train on `models.len()` in-process ranks, rank r on `models[r]` (`Trainer::with_rank_models`;
-/// the trainer checks that every rank ends with the same parameters).
+/// Train on `models.len()` in-process ranks, rank r on `models[r]`.
 fn run_ranks_on(models: &[&Candle<Gpt>], s: &Settings, steps: u64) -> Run {
-    let t = Trainer::from_settings(models[0], s, models.len(), 5)
-        .unwrap()
-        .keep_params(true)
-        .with_rank_models(models.to_vec());
-    train(t, steps)
+    run_checkpointed(models, s, steps, (None, None))
 }
 
 /// Stage 0 on two ranks, each with its own model holding its tier: the ranks average their
@@ -313,4 +337,92 @@ fn two_ranks_cannot_share_one_model_s_tier() {
         Engine::new(&model, &*comm, EngineConfig::new(Stage::Zero0, 1)).map(|_| ())
     })
     .expect("the tier is free again");
+}
+
+/// Stages 1-2 on two ranks, each with its own model holding its tier: each rank keeps the
+/// master and moments of its own shard on the device, the ranks reduce-scatter their gradients
+/// through host memory, each updates its shard there, and the host all-gather gives both the
+/// whole parameters. They train as two ranks of the host tier (the same losses, skipped fp16
+/// steps and parameters, within the candle ops' rounding), and each rank's tier holds the
+/// parameters and gradients whole and the rest over its shard only.
+#[test]
+fn stages_1_and_2_on_two_ranks_shard_the_tier_s_optimizer_state() {
+    let host = gpt(false);
+    let devices = [gpt(true), gpt(true)];
+    let spec = host.spec().clone();
+    for stage in [1u8, 2] {
+        for (precision, tol) in [("", 1e-5), (BF16, 2e-3), (BF16_MOMENTS, 2e-3), (FP16, 2e-3)] {
+            let s = settings_on(2, stage, precision);
+            let want = run_ranks_on(&[&host, &host], &s, 12);
+            let t = Trainer::from_settings(&devices[0], &s, 2, 5)
+                .unwrap()
+                .keep_params(true)
+                .with_rank_models(vec![&devices[0], &devices[1]]);
+            let (got, reports) = train_logged(t, 12);
+            let what = format!("stage {stage} on two ranks {precision}");
+            match precision == FP16 {
+                true => assert!(want.skipped[0], "{what}: {:?}", want.skipped),
+                false => assert!(
+                    want.losses[11] < want.losses[0],
+                    "{what}: {:?}",
+                    want.losses
+                ),
+            }
+            assert_follows(&got, &want, tol, &what);
+            // Each rank's tier: the parameters and gradients of every unit, the master, the
+            // moments and the reduced gradient of its own shard.
+            let trainer = Trainer::from_settings(&host, &s, 2, 5).unwrap();
+            let engine = trainer.engine_config().clone();
+            for (rank, steps) in reports.iter().enumerate() {
+                let layout = FlatLayout::new(&spec, 2, rank);
+                let want_bytes: u64 = (0..spec.units.len())
+                    .map(|u| {
+                        let numel = layout.units[u].numel;
+                        let own = layout.own_shard(u);
+                        let part = own.end.min(numel).saturating_sub(own.start);
+                        TierDtypes::of(&engine).bytes(numel as u64, part as u64, 4)
+                    })
+                    .sum();
+                assert_eq!(
+                    steps[11].device_tier_bytes, want_bytes,
+                    "{what}: rank {rank}"
+                );
+            }
+        }
+    }
+}
+
+/// A stage-2 run on two ranks' tiers resumes bit for bit from its sharded checkpoint (each
+/// rank's tier brought back to host memory and written as its shard), and a one-rank run of the
+/// host tier resumes from the same checkpoint.
+#[test]
+fn a_sharded_device_tier_run_resumes_bit_for_bit() {
+    let devices = [gpt(true), gpt(true)];
+    let models = [&devices[0], &devices[1]];
+    let s = settings_on(2, 2, BF16);
+    let straight = run_ranks_on(&models, &s, 6);
+    let dir = tempfile::tempdir().unwrap();
+    run_checkpointed(&models, &s, 3, (Some(dir.path()), None));
+    let resumed = run_checkpointed(&models, &s, 6, (None, Some(dir.path())));
+    assert_eq!(resumed.losses, straight.losses[3..]);
+    assert_eq!(resumed.params, straight.params);
+    // The checkpoint holds the master and moments both ranks' tiers had: one rank of the host
+    // tier, with the same global batch, continues from them.
+    let host = gpt(false);
+    let one = run_checkpointed(
+        &[&host],
+        &settings_on(1, 2, BF16),
+        6,
+        (None, Some(dir.path())),
+    );
+    assert_follows(
+        &one,
+        &Run {
+            losses: straight.losses[3..].to_vec(),
+            skipped: straight.skipped[3..].to_vec(),
+            params: straight.params.clone(),
+        },
+        2e-3,
+        "resumed on one rank",
+    );
 }

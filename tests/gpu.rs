@@ -211,9 +211,10 @@ fn gpu_device_tier_equals_the_cpu() {
     assert_gpu_follows_cpu("gpu_device_tier_equals_the_cpu", tier, (Stage::Zero0, 1));
 }
 
-/// Stage 0 on two ranks with a model each on the GPU, each keeping its device tier there: the
-/// ranks average their gradients through host memory and step on the GPU. The CPU's losses (two
-/// ranks of the host tier) to 1e-4 relative over 10 steps.
+/// Stages 0-2 on two ranks with a model each on the GPU, each keeping its device tier there: the
+/// ranks reduce their gradients through host memory and step on the GPU (stage 0 all of each
+/// unit; stages 1-2 each rank its shard, whose master and moments only it holds, then the host
+/// all-gather). The CPU's losses (two ranks of the host tier) to 1e-4 relative over 10 steps.
 #[test]
 fn gpu_device_tier_on_two_ranks_equals_the_cpu() {
     let Some(gpu) = gpu_or_skip("gpu_device_tier_on_two_ranks_equals_the_cpu") else {
@@ -226,10 +227,18 @@ fn gpu_device_tier_on_two_ranks_equals_the_cpu() {
     };
     let (a, b) = (on_gpu(), on_gpu());
     let cpu = GptModel::new(GptConfig::tiny()).unwrap();
-    let want = losses(&cpu, Stage::Zero0, 2);
-    let got = losses_on(&[&a, &b], Stage::Zero0, 2);
-    eprintln!("gpu_device_tier_on_two_ranks_equals_the_cpu: cpu {want:?}\n  gpu {got:?}");
-    assert_close(&got, &want, "two ranks' device tiers on the GPU vs the CPU");
+    for stage in [Stage::Zero0, Stage::Zero1, Stage::Zero2] {
+        let want = losses(&cpu, stage, 2);
+        let got = losses_on(&[&a, &b], stage, 2);
+        eprintln!(
+            "gpu_device_tier_on_two_ranks_equals_the_cpu {stage:?}: cpu {want:?}\n  gpu {got:?}"
+        );
+        assert_close(
+            &got,
+            &want,
+            &format!("{stage:?}: two ranks' tiers on the GPU vs the CPU"),
+        );
+    }
 }
 
 /// The tiny GPT on the GPU, set up by `setup`, gives the CPU's losses to 1e-4 relative at `stage`

@@ -170,7 +170,7 @@ pub struct BenchRow {
     /// or `cuda` on a GPU (`--device`), where `gemm_flops_per_s` and `mfu` are 0 (not measured).
     pub gemm_path: &'static str,
     /// Where the Adam step ran: `cpu` (the CPU Adam on host memory), or `gpu` (the device tier in
-    /// the GPU's memory: one rank without offload, `zerodp::zero::device_tier`).
+    /// the GPU's memory: one rank, or stages 0-2, without offload, `zerodp::zero::device_tier`).
     pub adam_on: &'static str,
     /// Where the units computed (`--device`): `cpu`, or the GPU's ordinal, name, compute
     /// capability and memory, and the compute dtype.

@@ -9,7 +9,8 @@ pub struct DeviceArgs {
     /// Where each rank's units compute: cpu, cuda (the process's local rank's GPU; in-process
     /// ranks spread over the GPUs) or cuda:N (every rank of the process there). On a GPU the
     /// model's forward and backward run there (bf16/fp16 runs compute in 16 bits); without
-    /// offload at stage 0, or on one rank, Adam and its state too. Needs a build with the `cuda`
+    /// offload at stages 0-2, or on one rank, Adam and its state too (at stages 1-2 each rank's
+    /// shard of it). Needs a build with the `cuda`
     /// feature (README "GPUs").
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: ComputeDevice,

@@ -199,7 +199,7 @@ pub fn build_model(
 /// The models the `ranks` ranks of this process compute with. On a GPU one per rank, rank r's on
 /// its GPU (`--device cuda` spreads in-process ranks over the GPUs, `cuda:N` puts them all
 /// there), each keeping there what the run allows it ([`TrainModel::keep_on_gpu`]: its own device
-/// tier at stage 0); on the CPU one model for all (it holds nothing of a rank's). `first` is
+/// tier at stages 0-2); on the CPU one model for all (it holds nothing of a rank's). `first` is
 /// `args` opened for rank 0.
 pub fn rank_models(
     gpt: &GptConfig,

@@ -393,8 +393,8 @@ fn address_space_limit() -> Option<u64> {
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
 /// the start, for each of the `ranks` ranks computing there (each with its model). With the device
-/// tier there ([`device_tier::refusal`]: stage 0, or one rank, without offload) the parameters,
-/// the fp32 master, the gradients and Adam's moments. Otherwise at stages 0-2 every unit's
+/// tier there ([`device_tier::refusal`]: stages 0-2, or one rank, without offload) the parameters,
+/// the gradients, and the fp32 master and Adam's moments (of the rank's shard at stages 1-2). Otherwise at stages 0-2 every unit's
 /// parameters stay on the GPU between steps in the compute dtype; at stage 3 each rank's largest
 /// unit's parameters and gradients are there while it runs. Beside them each rank's activations
 /// of one micro-step and the graph's copies of the weights, sized as the planner sizes the GPT's
@@ -412,6 +412,10 @@ pub fn check_gpu(
     let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
     let need = params + activations;
     let kept = match (device_tier::refusal(engine), engine.stage.shards_params()) {
+        (None, _) if engine.world_size > 1 && engine.stage != zerodp::zero::Stage::Zero0 => {
+            "the parameters and gradients, and each rank's shard of the fp32 master and Adam's \
+             moments, kept there"
+        }
         (None, _) => "the parameters, fp32 master, gradients and Adam's moments, kept there",
         (Some(_), false) => "the parameters, kept there at stages 0-2",
         (Some(_), true) => "the largest unit's parameters and gradients",
@@ -457,7 +461,7 @@ fn gpu_need(
     let ranks = ranks.max(1);
     let numel = spec.num_params() as u64;
     let per_rank = match (device_tier::refusal(engine), stage3) {
-        (None, _) => device_tier::TierDtypes::of(engine).bytes(numel, dtype_bytes),
+        (None, _) => device_tier::TierDtypes::rank_bytes(engine, numel, dtype_bytes),
         (Some(_), false) => numel * dtype_bytes,
         (Some(_), true) => 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
@@ -606,6 +610,22 @@ mod tests {
         assert_eq!(
             gpu_need((4, 2), &two, spec, &gpt).0,
             2 * 16 * spec.num_params() as u64
+        );
+        // Stage 2 on two ranks: each keeps its parameters and gradients whole (8 bytes a
+        // parameter in fp32) and half of the master, the moments and the reduced gradient (16).
+        let sharded = EngineConfig {
+            stage: zerodp::zero::Stage::Zero2,
+            ..two.clone()
+        };
+        let psi = spec.num_params() as u64;
+        assert_eq!(
+            gpu_need((4, 2), &sharded, spec, &gpt).0,
+            2 * (8 * psi + 16 * psi.div_ceil(2))
+        );
+        let fits = check_gpu(&gpu(80_000_000_000), (4, 2), &sharded, spec, &gpt).unwrap();
+        assert!(
+            fits.contains("each rank's shard of the fp32 master"),
+            "{fits}"
         );
         // With the optimizer offloaded only the parameters stay on the GPU.
         engine.offload_optimizer = OptimizerTier::Host;

@@ -1,63 +1,94 @@
 //! The engine's device tier in a candle device's memory ([`crate::zero::device_tier`]): each
-//! unit's parameters in the compute dtype, its fp32 master (a second tensor only when the compute
-//! dtype is not f32), its gradient and Adam's moments (in the engine's dtypes for them), as flat tensors on the model's
-//! device, and the engine's arithmetic on them as candle ops: gradient accumulation, the squared
-//! sums, and Adam with the CPU kernel's constants ([`StepConsts`]) and formula (on a GPU one
-//! fused kernel per unit, `cuda_adam`). On a GPU a step then moves no parameter or gradient
-//! between host and device. The same code runs on candle's
-//! CPU backend, where the tests compare it with the engine's own host tier.
+//! unit's parameters in the compute dtype and its gradient, whole; the fp32 master (a tensor of
+//! its own unless the parameters are the master) and Adam's moments over the part of the unit the
+//! rank updates (in the engine's dtypes for them), as flat tensors on the model's device; and the
+//! engine's arithmetic on them as candle ops: gradient accumulation, the squared sums, and Adam
+//! with the CPU kernel's constants ([`StepConsts`]) and formula (on a GPU one fused kernel per
+//! unit, `cuda_adam`). On one GPU a step then moves no parameter or gradient between host and
+//! device. The same code runs on candle's CPU backend, where the tests compare it with the
+//! engine's own host tier.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::optim::adam::StepConsts;
-use crate::zero::device_tier::{DeviceTier, TierDtypes, UnitValues};
+use crate::zero::device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};
 use crate::zero::precision::{Slice, SliceMut};
 use crate::zero::unit::ModelError;
 
 use super::candle_unit::compute_err;
 
-/// One unit's state in the tier: flat tensors of the unit's length.
+/// One unit's state in the tier: flat tensors of the unit's length (the parameters and the
+/// gradient) or of its part's (the rest).
 struct TierUnit {
-    /// The parameters in the compute dtype (the master itself in f32).
+    /// The parameters in the compute dtype (the master itself in f32 where the part is the
+    /// whole unit).
     params: Tensor,
-    /// The fp32 master.
+    /// The fp32 master over the part.
     master: Tensor,
-    /// The gradient, in the engine's gradient dtype.
+    /// The accumulated gradient, in the engine's gradient dtype.
     grad: Tensor,
-    /// Adam's moments, in the engine's moment dtype (f32 or bf16).
+    /// Where the part is not the whole unit: the ranks' reduced gradient over it, which Adam
+    /// reads ([`DeviceTier::grad_from_host`]); `None` until the engine sets it.
+    reduced: Option<Tensor>,
+    /// Adam's moments over the part, in the engine's moment dtype (f32 or bf16).
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
+    /// The elements the rank updates.
+    part: Range<usize>,
     /// The engine's dtypes, which the tier keeps.
     dtypes: TierDtypes,
 }
 
 impl TierUnit {
-    /// Whether `params` is the master itself (fp32 stored and computed: [`CandleTier::rounded`]
-    /// returns the master then).
-    #[cfg(feature = "cuda")]
-    fn params_are_master(&self) -> bool {
-        self.params.dtype() == DType::F32 && self.dtypes.params == crate::comm::DType::F32
+    /// Whether the rank updates every element: Adam then reads the gradient itself and writes
+    /// the parameters.
+    fn is_whole(&self) -> bool {
+        self.part == (0..self.grad.elem_count())
     }
 
-    /// The Adam step as one fused kernel where the unit is on a GPU: `Ok(false)` elsewhere.
+    /// The gradient Adam reads: the accumulated one over the whole unit, else the reduced part.
+    fn adam_grad(&self, unit: usize) -> Result<&Tensor, ModelError> {
+        match (self.is_whole(), &self.reduced) {
+            (true, _) => Ok(&self.grad),
+            (false, Some(reduced)) => Ok(reduced),
+            (false, None) => Err(ModelError::Invalid(format!(
+                "unit {unit}'s reduced gradient is not in the device tier: the engine sets it \
+                 before the step"
+            ))),
+        }
+    }
+
+    /// Whether `params` is the master itself (fp32 stored and computed over the whole unit:
+    /// [`CandleTier::rounded`] returns the master then).
     #[cfg(feature = "cuda")]
-    fn fused_adam(&self, c: &StepConsts) -> candle_core::Result<bool> {
+    fn params_are_master(&self) -> bool {
+        self.params.dtype() == DType::F32
+            && self.dtypes.params == crate::comm::DType::F32
+            && self.is_whole()
+    }
+
+    /// The Adam step as one fused kernel where the unit is on a GPU: `Ok(false)` elsewhere. Over
+    /// a part of the unit it leaves the parameters to the all-gather.
+    #[cfg(feature = "cuda")]
+    fn fused_adam(&self, grad: &Tensor, c: &StepConsts) -> candle_core::Result<bool> {
+        let writes_params = self.is_whole() && !self.params_are_master();
         let tensors = super::cuda_adam::AdamTensors {
-            grad: &self.grad,
+            grad,
             master: &self.master,
             exp_avg: &self.exp_avg,
             exp_avg_sq: &self.exp_avg_sq,
-            params: (!self.params_are_master()).then_some(&self.params),
+            params: writes_params.then_some(&self.params),
             stored: self.dtypes.params,
         };
         super::cuda_adam::fused_adam(&tensors, c)
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn fused_adam(&self, _c: &StepConsts) -> candle_core::Result<bool> {
+    fn fused_adam(&self, _grad: &Tensor, _c: &StepConsts) -> candle_core::Result<bool> {
         Ok(false)
     }
 }
@@ -161,24 +192,49 @@ impl CandleTier {
     }
 }
 
-/// Refuses a host slice of `dtype` for a gradient of `grad` (its dtype and elements).
-fn check_host_grad(unit: usize, grad: &Tensor, dtype: DType, len: usize) -> Result<(), ModelError> {
-    if grad.dtype() != dtype || len < grad.elem_count() {
+/// Refuses a host buffer of `len` elements for `what` of `need`.
+fn check_host_len(unit: usize, what: &str, need: usize, len: usize) -> Result<(), ModelError> {
+    if len < need {
         return Err(ModelError::Invalid(format!(
-            "unit {unit}'s gradient ({} {:?} elements) does not fit a host buffer of {len} {:?}",
-            grad.elem_count(),
-            grad.dtype(),
-            dtype
+            "unit {unit}'s {what} ({need} elements) does not fit a host buffer of {len}"
         )));
     }
     Ok(())
 }
 
-/// The first elements of `dst` from `grad`, in one transfer.
-fn copy_down<T: candle_core::WithDType>(grad: &Tensor, dst: &mut [T]) -> candle_core::Result<()> {
-    let n = grad.elem_count();
-    dst[..n].copy_from_slice(&grad.to_vec1::<T>()?);
-    Ok(())
+/// The first elements of `dst` from `t`, converted to `dst`'s dtype on the device (exactly, or
+/// rounding to nearest even where it is narrower), in one transfer.
+fn copy_down(unit: usize, what: &str, t: &Tensor, dst: SliceMut<'_>) -> Result<(), ModelError> {
+    let n = t.elem_count();
+    check_host_len(unit, what, n, dst.as_slice().len())?;
+    fn put<T: candle_core::WithDType>(t: &Tensor, d: &mut [T]) -> candle_core::Result<()> {
+        let v = t.to_dtype(T::DTYPE)?.to_vec1::<T>()?;
+        d[..v.len()].copy_from_slice(&v);
+        Ok(())
+    }
+    match dst {
+        SliceMut::F32(d) => put(t, d),
+        SliceMut::BF16(d) => put(t, d),
+        SliceMut::F16(d) => put(t, d),
+    }
+    .map_err(compute_err("device tier"))
+}
+
+/// The first `n` elements of `src` as a flat tensor of its dtype on `device`.
+fn copy_up(
+    unit: usize,
+    what: &str,
+    src: Slice<'_>,
+    n: usize,
+    device: &Device,
+) -> Result<Tensor, ModelError> {
+    check_host_len(unit, what, n, src.len())?;
+    match src {
+        Slice::F32(s) => Tensor::from_slice(&s[..n], n, device),
+        Slice::BF16(s) => Tensor::from_slice(&s[..n], n, device),
+        Slice::F16(s) => Tensor::from_slice(&s[..n], n, device),
+    }
+    .map_err(compute_err("device tier"))
 }
 
 /// Unit `unit` of the tier, once the engine has uploaded it.
@@ -206,9 +262,13 @@ fn missing(unit: usize) -> ModelError {
 /// One Adam/AdamW update of a unit's master and moments, the formula of
 /// [`crate::optim::adam`] with its constants, in f32 on the unit's device (16-bit moments widened
 /// and rounded back once).
-fn adam_unit(u: &TierUnit, c: &StepConsts) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
+fn adam_unit(
+    u: &TierUnit,
+    grad: &Tensor,
+    c: &StepConsts,
+) -> candle_core::Result<(Tensor, Tensor, Tensor)> {
     let f = f64::from;
-    let g = u.grad.to_dtype(DType::F32)?.affine(f(c.grad_scale), 0.0)?;
+    let g = grad.to_dtype(DType::F32)?.affine(f(c.grad_scale), 0.0)?;
     let (g, decayed) = match c.adamw {
         true => (g, u.master.affine(f(c.decay), 0.0)?),
         false => ((g + u.master.affine(f(c.l2), 0.0)?)?, u.master.clone()),
@@ -224,17 +284,14 @@ fn adam_unit(u: &TierUnit, c: &StepConsts) -> candle_core::Result<(Tensor, Tenso
 }
 
 impl DeviceTier for CandleTier {
-    fn upload(
-        &self,
-        unit: usize,
-        values: &UnitValues,
-        dtypes: TierDtypes,
-    ) -> Result<(), ModelError> {
+    fn upload(&self, unit: usize, up: UnitUpload<'_>) -> Result<(), ModelError> {
         let err = compute_err("device tier");
-        let n = values.master.len();
-        if values.exp_avg.len() != n || values.exp_avg_sq.len() != n {
+        let (n, values) = (up.part.len(), &up.values);
+        if values.master.len() != n || values.exp_avg.len() != n || values.exp_avg_sq.len() != n {
             return Err(ModelError::Invalid(format!(
-                "device tier upload of unit {unit}: master {n}, moments {} and {} elements",
+                "device tier upload of unit {unit}: a part of {n} elements, master {}, moments \
+                 {} and {} elements",
+                values.master.len(),
                 values.exp_avg.len(),
                 values.exp_avg_sq.len()
             )));
@@ -245,13 +302,28 @@ impl DeviceTier for CandleTier {
                 .map_err(&err)
         };
         let master = put(&values.master, crate::comm::DType::F32)?;
-        let grad_dtype = super::candle_dtype(dtypes.grads);
+        let params = match (up.is_whole(), up.params) {
+            (true, _) => self.rounded(&master, up.dtypes.params).map_err(&err)?,
+            (false, Some(src)) => (copy_up(unit, "parameters", src, up.numel, &self.device)?)
+                .to_dtype(self.dtype)
+                .map_err(&err)?,
+            (false, None) => {
+                return Err(ModelError::Invalid(format!(
+                    "device tier upload of unit {unit}: a part ({:?} of {}) without the \
+                     unit's parameters",
+                    up.part, up.numel
+                )))
+            }
+        };
+        let grad_dtype = super::candle_dtype(up.dtypes.grads);
         let state = TierUnit {
-            params: self.rounded(&master, dtypes.params).map_err(&err)?,
-            grad: Tensor::zeros(n, grad_dtype, &self.device).map_err(&err)?,
-            exp_avg: put(&values.exp_avg, dtypes.moments)?,
-            exp_avg_sq: put(&values.exp_avg_sq, dtypes.moments)?,
-            dtypes,
+            params,
+            grad: Tensor::zeros(up.numel, grad_dtype, &self.device).map_err(&err)?,
+            reduced: None,
+            exp_avg: put(&values.exp_avg, up.dtypes.moments)?,
+            exp_avg_sq: put(&values.exp_avg_sq, up.dtypes.moments)?,
+            part: up.part,
+            dtypes: up.dtypes,
             master,
         };
         let mut units = self.lock();
@@ -282,39 +354,31 @@ impl DeviceTier for CandleTier {
         let err = compute_err("device tier");
         for u in self.lock().iter_mut().flatten() {
             u.grad = u.grad.zeros_like().map_err(&err)?;
+            u.reduced = None;
         }
         Ok(())
     }
 
     fn grad_to_host(&self, unit: usize, dst: SliceMut<'_>) -> Result<(), ModelError> {
         let units = self.lock();
-        let grad = &loaded(&units, unit)?.grad;
-        // One transfer of the gradient as it is stored, into the host buffer of its dtype.
-        let (dtype, len) = match &dst {
-            SliceMut::F32(d) => (DType::F32, d.len()),
-            SliceMut::BF16(d) => (DType::BF16, d.len()),
-            SliceMut::F16(d) => (DType::F16, d.len()),
-        };
-        check_host_grad(unit, grad, dtype, len)?;
-        match dst {
-            SliceMut::F32(d) => copy_down(grad, d),
-            SliceMut::BF16(d) => copy_down(grad, d),
-            SliceMut::F16(d) => copy_down(grad, d),
-        }
-        .map_err(compute_err("device tier"))
+        copy_down(unit, "gradient", &loaded(&units, unit)?.grad, dst)
     }
 
     fn grad_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError> {
         let mut units = self.lock();
         let u = loaded_mut(&mut units, unit)?;
-        check_host_grad(unit, &u.grad, super::candle_dtype(src.dtype()), src.len())?;
-        let n = u.grad.elem_count();
-        let grad = match src {
-            Slice::F32(s) => Tensor::from_slice(&s[..n], n, &self.device),
-            Slice::BF16(s) => Tensor::from_slice(&s[..n], n, &self.device),
-            Slice::F16(s) => Tensor::from_slice(&s[..n], n, &self.device),
-        };
-        u.grad = grad.map_err(compute_err("device tier"))?;
+        if super::candle_dtype(src.dtype()) != u.grad.dtype() {
+            return Err(ModelError::Invalid(format!(
+                "unit {unit}'s gradient is {:?}, the host's reduction of it {:?}",
+                u.grad.dtype(),
+                src.dtype()
+            )));
+        }
+        let reduced = copy_up(unit, "reduced gradient", src, u.part.len(), &self.device)?;
+        match u.is_whole() {
+            true => u.grad = reduced,
+            false => u.reduced = Some(reduced),
+        }
         Ok(())
     }
 
@@ -325,8 +389,8 @@ impl DeviceTier for CandleTier {
         // all units' sums come back in one transfer.
         let sums = (units.iter().enumerate())
             .map(|(i, u)| {
-                let u = u.as_ref().ok_or_else(|| missing(i))?;
-                (u.grad.to_dtype(DType::F32))
+                let grad = u.as_ref().ok_or_else(|| missing(i))?.adam_grad(i)?;
+                (grad.to_dtype(DType::F32))
                     .and_then(|g| g.to_dtype(DType::F64))
                     .and_then(|g| g.sqr())
                     .and_then(|g| g.sum_all())
@@ -345,14 +409,37 @@ impl DeviceTier for CandleTier {
         let mut units = self.lock();
         for (i, slot) in units.iter_mut().enumerate() {
             let u = slot.as_mut().ok_or_else(|| missing(i))?;
-            let err = compute_err("device tier");
-            if u.fused_adam(consts).map_err(&err)? {
+            if u.part.is_empty() {
+                // A shard of padding only: nothing to update.
                 continue;
             }
-            let (master, m, v) = adam_unit(u, consts).map_err(&err)?;
-            u.params = self.rounded(&master, u.dtypes.params).map_err(&err)?;
+            let err = compute_err("device tier");
+            let grad = u.adam_grad(i)?.clone();
+            if u.fused_adam(&grad, consts).map_err(&err)? {
+                continue;
+            }
+            let (master, m, v) = adam_unit(u, &grad, consts).map_err(&err)?;
+            if u.is_whole() {
+                u.params = self.rounded(&master, u.dtypes.params).map_err(&err)?;
+            }
             (u.master, u.exp_avg, u.exp_avg_sq) = (master, m, v);
         }
+        Ok(())
+    }
+
+    fn params_to_host(&self, unit: usize, dst: SliceMut<'_>) -> Result<(), ModelError> {
+        let units = self.lock();
+        // The master rounded to the stored dtype on the device, as `rounded` rounds it.
+        copy_down(unit, "parameters", &loaded(&units, unit)?.master, dst)
+    }
+
+    fn params_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError> {
+        let mut units = self.lock();
+        let u = loaded_mut(&mut units, unit)?;
+        let numel = u.grad.elem_count();
+        u.params = (copy_up(unit, "parameters", src, numel, &self.device)?)
+            .to_dtype(self.dtype)
+            .map_err(compute_err("device tier"))?;
         Ok(())
     }
 
@@ -376,7 +463,10 @@ impl DeviceTier for CandleTier {
         let units = self.lock();
         let compute = self.dtype.size_in_bytes() as u64;
         (units.iter().flatten())
-            .map(|u| u.dtypes.bytes(u.master.elem_count() as u64, compute))
+            .map(|u| {
+                let (numel, part) = (u.grad.elem_count() as u64, u.part.len() as u64);
+                u.dtypes.bytes(numel, part, compute)
+            })
             .sum()
     }
 }

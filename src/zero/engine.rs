@@ -43,13 +43,13 @@ pub use snapshot::{EngineCounters, UnitOptimizerState};
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-use super::device_tier::{self, DeviceTier, UnitValues};
+use super::device_tier::{self, DeviceTier, UnitUpload, UnitValues};
 use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::precision::{
     adam_apply, adam_update, as_f32, buffer_from_f32, FlatBuffer, Moments, ShardPlace, Slice,
-    StepPolicy, StepVerdict,
+    SliceMut, StepPolicy, StepVerdict,
 };
 use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
@@ -390,8 +390,9 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Bring the host buffers up to the device tier's values (the master, the moments and the
-    /// parameters rounded from the master), when the model holds the tier and a step changed it.
-    /// A checkpoint calls it before reading the optimizer state; a no-op otherwise.
+    /// parameters rounded from the master, over the part of each unit this rank updates), when
+    /// the model holds the tier and a step changed it. A checkpoint calls it before reading the
+    /// optimizer state; a no-op otherwise.
     pub fn sync_host(&mut self) -> Result<(), EngineError> {
         let Some(device) = self.device().filter(|_| self.host_behind) else {
             return Ok(());
@@ -399,33 +400,42 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         for u in 0..self.layout.num_units() {
             let v = device.download(u)?;
             let values = (&v.master[..], &v.exp_avg[..], &v.exp_avg_sq[..]);
-            self.write_host(u, 0..self.layout.units[u].numel, values)?;
+            self.write_host(u, self.restored_range(u), values)?;
         }
         self.host_behind = false;
         Ok(())
     }
 
     /// Copy the host buffers into the model's device tier, when they changed since it last had
-    /// them (the start, a load, a restore).
+    /// them (the start, a load, a restore): the master and moments over the part of each unit
+    /// this rank updates ([`Engine::restored_range`]), and the whole unit's parameters where that
+    /// is not all of it.
     fn upload_if_behind(&mut self) -> Result<(), EngineError> {
         let Some(device) = self.device().filter(|_| self.device_behind) else {
             return Ok(());
         };
         for u in 0..self.layout.num_units() {
-            let numel = self.layout.units[u].numel;
+            let (numel, part) = (self.layout.units[u].numel, self.restored_range(u));
             let us = &self.units[u];
-            // One rank updates every element: the updated part is the whole unit.
+            let local = part.start - us.updated.start..part.end - us.updated.start;
             let master = match &us.master {
-                Some(m) => m[..numel].to_vec(),
-                None => self.fp32_updated_params(u)?[..numel].to_vec(),
+                Some(m) => m[local.clone()].to_vec(),
+                None => self.fp32_updated_params(u)?[local.clone()].to_vec(),
             };
-            let (m, v) = us.adam.f32_range(0..numel);
-            let values = UnitValues {
-                master,
-                exp_avg: m.into_owned(),
-                exp_avg_sq: v.into_owned(),
+            let (m, v) = us.adam.f32_range(local);
+            let whole = part == (0..numel);
+            let upload = UnitUpload {
+                numel,
+                part,
+                values: UnitValues {
+                    master,
+                    exp_avg: m.into_owned(),
+                    exp_avg_sq: v.into_owned(),
+                },
+                params: (!whole).then(|| self.state.params(u).slice(0..numel)),
+                dtypes: device_tier::TierDtypes::of(&self.cfg),
             };
-            device.upload(u, &values, device_tier::TierDtypes::of(&self.cfg))?;
+            device.upload(u, upload)?;
         }
         self.device_behind = false;
         Ok(())
@@ -547,9 +557,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.phases.comm += t.elapsed().as_secs_f64();
         if !outcome.verdict.skipped {
             self.update(lr, outcome.grad_scale)?;
-            if self.device().is_none() {
-                self.gather_updated()?;
-                self.model.parameters_changed();
+            match self.device() {
+                None => {
+                    self.gather_updated()?;
+                    self.model.parameters_changed();
+                }
+                Some(device) => self.gather_device_params(device)?,
             }
         }
         self.step += 1;
@@ -564,10 +577,13 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             Stage::Zero1 => BucketMode::ReduceScatterStore,
             Stage::Zero2 | Stage::Zero3 => BucketMode::ReduceScatterAccumulate,
         });
-        if let Some(device) = self.device() {
-            return Ok(device.zero_grads()?);
+        let device = self.device();
+        if let Some(device) = device {
+            device.zero_grads()?;
         }
         match &mut self.state.stage {
+            // The device tier accumulates the full gradients.
+            StageState::Replicated { .. } if device.is_some() => {}
             StageState::Replicated {
                 kept_grads: Some(kept),
                 ..
@@ -668,31 +684,41 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let t = Instant::now();
             device.synchronize()?;
             self.phases.backward += t.elapsed().as_secs_f64();
-            if reduce && self.cfg.world_size > 1 {
-                self.average_device_grads(device)?;
+            // The tier accumulates whole gradients over the micro-steps (at every stage), so the
+            // ranks reduce them once, after the last.
+            if micro + 1 == self.cfg.grad_accum && self.cfg.world_size > 1 {
+                self.reduce_device_grads(device)?;
             }
         }
         Ok(())
     }
 
-    /// The device tier on more than one rank (stage 0): average every unit's gradient over the
-    /// ranks through the host gradient buffers, with the host tier's buckets and all-reduce
-    /// (each unit's collective starts as soon as its gradient is down), then give the averages
-    /// back to the device.
-    fn average_device_grads(&mut self, device: &dyn DeviceTier) -> Result<(), EngineError> {
+    /// The device tier on more than one rank: reduce every unit's gradient over the ranks
+    /// through host memory with the host tier's buckets and collectives (each unit's starts as
+    /// soon as its gradient is down): into the full gradient buffers at stages 0-1 (all-reduced,
+    /// or reduce-scattered into the own shard), through a transient buffer into the gradient
+    /// shards at stage 2. Then give each unit's part of the result back to the device.
+    fn reduce_device_grads(&mut self, device: &dyn DeviceTier) -> Result<(), EngineError> {
         let t = Instant::now();
         let n = self.layout.num_units();
         for u in 0..n {
-            let numel = self.layout.units[u].numel;
-            device.grad_to_host(u, self.state.full_grad_mut(u, 0..numel))?;
+            let ul = self.layout.units[u];
+            let dst = match self.state.stage {
+                StageState::Replicated { .. } => self.state.full_grad_mut(u, 0..ul.numel),
+                StageState::ShardedGrads { .. } | StageState::ShardedParams { .. } => {
+                    self.state.grads[u] = self.state.grad_pool.take(ul.padded);
+                    SliceMut::F32(&mut self.state.grads[u][..ul.numel])
+                }
+            };
+            device.grad_to_host(u, dst)?;
             self.buckets
                 .push(self.comm, u, &mut self.state, &self.layout)?;
         }
         self.buckets
             .flush(self.comm, &mut self.state, &self.layout)?;
         for u in 0..n {
-            let numel = self.layout.units[u].numel;
-            device.grad_from_host(u, self.state.full_grad(u, 0..numel))?;
+            let part = self.restored_range(u);
+            device.grad_from_host(u, self.reduced_grad(u).range(0..part.len()))?;
         }
         self.phases.comm += t.elapsed().as_secs_f64();
         Ok(())
@@ -981,6 +1007,31 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
         for (u, handle) in in_flight {
             *self.state.full_params_mut(u) = handle.wait_one()?;
+        }
+        self.phases.comm += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The device tier at stages 1-2 on more than one rank: each rank's updated part of every
+    /// unit comes down into its place in the host parameters, the host tier's all-gather joins
+    /// the parts, and the whole parameters go back to the device. (The host parameters are then
+    /// current; the master and moments stay on the device until [`Engine::sync_host`].)
+    fn gather_device_params(&mut self, device: &dyn DeviceTier) -> Result<(), EngineError> {
+        let sharded = matches!(self.cfg.stage, Stage::Zero1 | Stage::Zero2);
+        if !sharded || self.cfg.world_size == 1 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        for u in 0..self.layout.num_units() {
+            let part = self.restored_range(u);
+            device.params_to_host(u, self.state.full_params_mut(u).slice_mut(part))?;
+        }
+        self.phases.comm += t.elapsed().as_secs_f64();
+        self.gather_updated()?;
+        let t = Instant::now();
+        for u in 0..self.layout.num_units() {
+            let numel = self.layout.units[u].numel;
+            device.params_from_host(u, self.state.params(u).slice(0..numel))?;
         }
         self.phases.comm += t.elapsed().as_secs_f64();
         Ok(())

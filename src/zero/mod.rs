@@ -31,7 +31,7 @@ pub mod state;
 pub mod unit;
 
 pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-pub use device_tier::{DeviceTier, TierDtypes, UnitValues};
+pub use device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};
 pub use engine::{
     check_device_budget, device_peak, moment_stream_bytes, offloaded_share, param_staging_bytes,
     resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes,
