@@ -426,3 +426,41 @@ fn a_sharded_device_tier_run_resumes_bit_for_bit() {
         "resumed on one rank",
     );
 }
+
+/// Sixteen ranks at stage 2: the last unit (the final LayerNorm, 64 elements) pads to 128, so
+/// ranks 8-15's shards of it are all padding and their part of it is empty (on a GPU it lives in
+/// host memory, which allocates nothing). The tiers still train as the host tier's sixteen ranks.
+#[test]
+fn ranks_whose_shard_is_all_padding_train_as_the_host_tier() {
+    let world = 16;
+    let host = gpt(false);
+    let spec = host.spec().clone();
+    let last = spec.units.len() - 1;
+    let empty = (0..world)
+        .filter(|&r| {
+            let layout = FlatLayout::new(&spec, world, r);
+            layout.own_shard(last).start >= layout.units[last].numel
+        })
+        .count();
+    assert_eq!(
+        empty, 8,
+        "the premise: half the ranks hold only padding of the last unit"
+    );
+    let devices: Vec<Candle<Gpt>> = (0..world).map(|_| gpt(true)).collect();
+    for (precision, tol) in [("", 1e-5), (BF16, 2e-3)] {
+        let text = format!(
+            r#"{{ "train_batch_size": 16, "gradient_accumulation_steps": 1,
+                 "optimizer": {{ "type": "AdamW", "params": {{ "lr": 0.003 }} }},
+                 "gradient_clipping": 1.0, "zero_optimization": {{ "stage": 2 }} {precision} }}"#
+        );
+        let ctx = ResolveContext {
+            world_size: world,
+            ..Default::default()
+        };
+        let s = load_str(&text, "<test>", &ctx).unwrap().settings;
+        let want = run_ranks_on(&vec![&host; world], &s, 4);
+        let got = run_ranks_on(&devices.iter().collect::<Vec<_>>(), &s, 4);
+        assert!(want.losses[3] < want.losses[0], "{:?}", want.losses);
+        assert_follows(&got, &want, tol, &format!("sixteen ranks {precision}"));
+    }
+}

@@ -147,8 +147,8 @@ impl TrainModel {
         })
     }
 
-    /// On a GPU, keep there what the run allows one rank's model: the whole device tier
-    /// (parameters, fp32 master, gradients, Adam's moments, and Adam itself;
+    /// On a GPU, keep there what the run allows one rank's model: the device tier (parameters,
+    /// gradients, the fp32 master and Adam's moments of the rank's part, and Adam itself;
     /// [`Candle::with_device_tier`]) where [`zerodp::zero::device_tier::refusal`] finds nothing
     /// against it, else the parameters between steps where every rank holds them all anyway
     /// (stages 0-2, [`Candle::with_resident_params`]; at stage 3 each unit's are copied there

@@ -393,9 +393,10 @@ fn address_space_limit() -> Option<u64> {
 
 /// On a GPU (`--device cuda`): what the run keeps there at least, against the GPU's free memory at
 /// the start, for each of the `ranks` ranks computing there (each with its model). With the device
-/// tier there ([`device_tier::refusal`]: stages 0-2, or one rank, without offload) the parameters,
-/// the gradients, and the fp32 master and Adam's moments (of the rank's shard at stages 1-2). Otherwise at stages 0-2 every unit's
-/// parameters stay on the GPU between steps in the compute dtype; at stage 3 each rank's largest
+/// tier there ([`device_tier::refusal`]: stages 0-2, or one rank, without offload) the
+/// parameters, the gradients, and the fp32 master and Adam's moments (of the rank's shard at
+/// stages 1-2). Otherwise at stages 0-2 every unit's parameters stay on the GPU between steps in
+/// the compute dtype; at stage 3 each rank's largest
 /// unit's parameters and gradients are there while it runs. Beside them each rank's activations
 /// of one micro-step and the graph's copies of the weights, sized as the planner sizes the GPT's
 /// on the fused CPU kernels in the compute dtype (with the engine's recomputation): a lower bound,
@@ -461,7 +462,7 @@ fn gpu_need(
     let ranks = ranks.max(1);
     let numel = spec.num_params() as u64;
     let per_rank = match (device_tier::refusal(engine), stage3) {
-        (None, _) => device_tier::TierDtypes::rank_bytes(engine, numel, dtype_bytes),
+        (None, _) => device_tier::TierDtypes::rank_bytes(engine, spec, dtype_bytes),
         (Some(_), false) => numel * dtype_bytes,
         (Some(_), true) => 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
@@ -612,15 +613,19 @@ mod tests {
             2 * 16 * spec.num_params() as u64
         );
         // Stage 2 on two ranks: each keeps its parameters and gradients whole (8 bytes a
-        // parameter in fp32) and half of the master, the moments and the reduced gradient (16).
+        // parameter in fp32) and about half of the master, the moments and the reduced gradient
+        // (16): rank 0's shards, at most 8 elements of padding longer than half of each unit.
         let sharded = EngineConfig {
             stage: zerodp::zero::Stage::Zero2,
             ..two.clone()
         };
         let psi = spec.num_params() as u64;
-        assert_eq!(
-            gpu_need((4, 2), &sharded, spec, &gpt).0,
-            2 * (8 * psi + 16 * psi.div_ceil(2))
+        let per_rank = gpu_need((4, 2), &sharded, spec, &gpt).0 / 2;
+        let half = 8 * psi + 16 * psi / 2;
+        let slack = 16 * 8 * spec.units.len() as u64;
+        assert!(
+            (half..=half + slack).contains(&per_rank),
+            "{per_rank} vs {half}"
         );
         let fits = check_gpu(&gpu(80_000_000_000), (4, 2), &sharded, spec, &gpt).unwrap();
         assert!(

@@ -341,6 +341,12 @@ fn print_compute(
         errln!("device: {}", device.describe());
         errln!("GPU memory: {memory}");
         match zerodp::zero::device_tier::refusal(engine_cfg) {
+            None if engine_cfg.world_size > 1 && engine_cfg.stage != zerodp::zero::Stage::Zero0 => {
+                errln!(
+                    "optimizer: Adam on the GPU (parameters, gradients and each rank's shard of \
+                     Adam's state stay there; the ranks reduce and gather through host memory)"
+                )
+            }
             None => errln!(
                 "optimizer: Adam on the GPU (parameters, gradients and Adam's state stay there)"
             ),

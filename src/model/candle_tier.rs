@@ -203,10 +203,13 @@ fn check_host_len(unit: usize, what: &str, need: usize, len: usize) -> Result<()
 }
 
 /// The first elements of `dst` from `t`, converted to `dst`'s dtype on the device (exactly, or
-/// rounding to nearest even where it is narrower), in one transfer.
+/// rounding to nearest even where it is narrower), in one transfer (none for an empty `t`).
 fn copy_down(unit: usize, what: &str, t: &Tensor, dst: SliceMut<'_>) -> Result<(), ModelError> {
     let n = t.elem_count();
     check_host_len(unit, what, n, dst.as_slice().len())?;
+    if n == 0 {
+        return Ok(());
+    }
     fn put<T: candle_core::WithDType>(t: &Tensor, d: &mut [T]) -> candle_core::Result<()> {
         let v = t.to_dtype(T::DTYPE)?.to_vec1::<T>()?;
         d[..v.len()].copy_from_slice(&v);
@@ -220,7 +223,8 @@ fn copy_down(unit: usize, what: &str, t: &Tensor, dst: SliceMut<'_>) -> Result<(
     .map_err(compute_err("device tier"))
 }
 
-/// The first `n` elements of `src` as a flat tensor of its dtype on `device`.
+/// The first `n` elements of `src` as a flat tensor of its dtype on `device` (on the CPU where
+/// `n` is 0: see [`on_device_unless_empty`]).
 fn copy_up(
     unit: usize,
     what: &str,
@@ -229,12 +233,24 @@ fn copy_up(
     device: &Device,
 ) -> Result<Tensor, ModelError> {
     check_host_len(unit, what, n, src.len())?;
+    let device = on_device_unless_empty(device, n);
     match src {
         Slice::F32(s) => Tensor::from_slice(&s[..n], n, device),
         Slice::BF16(s) => Tensor::from_slice(&s[..n], n, device),
         Slice::F16(s) => Tensor::from_slice(&s[..n], n, device),
     }
     .map_err(compute_err("device tier"))
+}
+
+/// Where a tensor of `n` elements goes: `device`, or the CPU where `n` is 0. A rank's part of a
+/// small unit is empty when its shard is all padding; a GPU refuses to allocate or launch on
+/// nothing, so such a part's (empty) master, moments and reduced gradient live in host memory,
+/// where nothing computes on them (Adam and the squared sums skip them).
+fn on_device_unless_empty(device: &Device, n: usize) -> &Device {
+    match n {
+        0 => &Device::Cpu,
+        _ => device,
+    }
 }
 
 /// Unit `unit` of the tier, once the engine has uploaded it.
@@ -297,7 +313,7 @@ impl DeviceTier for CandleTier {
             )));
         }
         let put = |v: &[f32], dtype| {
-            (Tensor::from_slice(v, n, &self.device))
+            (Tensor::from_slice(v, n, on_device_unless_empty(&self.device, n)))
                 .and_then(|t| t.to_dtype(super::candle_dtype(dtype)))
                 .map_err(&err)
         };
@@ -390,6 +406,9 @@ impl DeviceTier for CandleTier {
         let sums = (units.iter().enumerate())
             .map(|(i, u)| {
                 let grad = u.as_ref().ok_or_else(|| missing(i))?.adam_grad(i)?;
+                if grad.elem_count() == 0 {
+                    return Tensor::zeros((), DType::F64, &self.device).map_err(&err);
+                }
                 (grad.to_dtype(DType::F32))
                     .and_then(|g| g.to_dtype(DType::F64))
                     .and_then(|g| g.sqr())

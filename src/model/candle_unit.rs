@@ -263,12 +263,15 @@ impl<T: CandleUnits> Candle<T> {
     }
 
     /// Hold the engine's device tier in the device's memory ([`crate::zero::device_tier`]): each
-    /// unit's parameters, fp32 master, gradient and Adam's moments stay on the device, backward
-    /// accumulates into them there and the engine's Adam runs there, so that a step moves no
-    /// parameter or gradient between host and device. Costs 16 bytes a parameter of device memory
-    /// (18 with f32 gradients of 16-bit parameters). The engine refuses it where the run needs
-    /// its state in host memory ([`crate::zero::device_tier::refusal`]: more than one rank,
-    /// offload). `train` and `bench train` turn it on on a GPU where it applies.
+    /// unit's parameters and gradient, and the fp32 master and Adam's moments of the part the
+    /// rank updates (all of it on one rank and at stage 0, its shard at stages 1-2), stay on the
+    /// device; backward accumulates into them there and the engine's Adam runs there, so that a
+    /// step on one rank moves no parameter or gradient between host and device (on more than one
+    /// rank the reductions go through host memory). Costs 16 bytes a parameter of device memory
+    /// on one rank (18 with f32 gradients of 16-bit parameters;
+    /// [`crate::zero::TierDtypes::rank_bytes`]). The engine refuses it where the run needs its
+    /// state in host memory ([`crate::zero::device_tier::refusal`]: offload, stage 3 on more than
+    /// one rank). `train` and `bench train` turn it on on a GPU where it applies.
     pub fn with_device_tier(mut self, on: bool) -> Self {
         let units = self.units.spec().units.len();
         let tier = super::candle_tier::CandleTier::new(self.device.clone(), self.dtype, units);

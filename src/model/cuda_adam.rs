@@ -1,6 +1,7 @@
 //! The device tier's Adam step on a GPU as one fused kernel per unit (`kernels/adam.cu`, compiled
 //! to PTX by `build.rs`): one pass that reads the gradient, the fp32 master and both moments and
-//! writes the master, the moments and the compute-dtype parameters in place, where candle's
+//! writes the master, the moments and (where the rank updates the whole unit) the compute-dtype
+//! parameters in place, where candle's
 //! element-wise ops take about a dozen passes and allocate each intermediate. The kernel's
 //! arithmetic is the CPU kernel's operation for operation (`kernels/adam_math.h`, checked bit for
 //! bit against it by `tests/kernel_math.rs`), so the GPU's update is the host tier's.
@@ -23,7 +24,8 @@ pub(super) struct AdamTensors<'a> {
     pub master: &'a Tensor,
     pub exp_avg: &'a Tensor,
     pub exp_avg_sq: &'a Tensor,
-    /// The compute-dtype parameters, or `None` where they are the master itself (fp32).
+    /// The compute-dtype parameters, or `None` where the kernel leaves them: they are the master
+    /// itself (fp32), or the master is a shard of the unit (the all-gather sets them).
     pub params: Option<&'a Tensor>,
     /// The dtype the engine stores parameters in: the compute copy is rounded through it.
     pub stored: crate::comm::DType,

@@ -33,8 +33,9 @@
 use std::ops::Range;
 
 use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use super::flat::FlatLayout;
 use super::precision::{Slice, SliceMut};
-use super::unit::ModelError;
+use super::unit::{ModelError, ModelSpec};
 use crate::comm::DType;
 use crate::optim::adam::StepConsts;
 
@@ -108,15 +109,24 @@ impl TierDtypes {
         numel * (compute_bytes + grads) + part * (master + 2 * moments + reduced)
     }
 
-    /// [`TierDtypes::bytes`] of `numel` parameters on one rank of `cfg`'s run, which updates
-    /// its shard of them at stages 1-2 on more than one rank and all of them otherwise.
-    pub fn rank_bytes(cfg: &EngineConfig, numel: u64, compute_bytes: u64) -> u64 {
+    /// [`TierDtypes::bytes`] of every unit of `spec` on the busiest rank of `cfg`'s run: it
+    /// updates its shard of each unit (clipped to the unit's elements) at stages 1-2 on more
+    /// than one rank, and every element otherwise. Rank 0 is the busiest: its shard comes first,
+    /// so padding shortens it last.
+    pub fn rank_bytes(cfg: &EngineConfig, spec: &ModelSpec, compute_bytes: u64) -> u64 {
         let shards = cfg.world_size > 1 && cfg.stage != Stage::Zero0;
-        let part = match shards {
-            true => numel.div_ceil(cfg.world_size as u64),
-            false => numel,
-        };
-        TierDtypes::of(cfg).bytes(numel, part, compute_bytes)
+        let layout = FlatLayout::new(spec, cfg.world_size.max(1), 0);
+        let dtypes = TierDtypes::of(cfg);
+        (layout.units.iter())
+            .map(|u| {
+                let part = if shards {
+                    u.shard_len.min(u.numel)
+                } else {
+                    u.numel
+                };
+                dtypes.bytes(u.numel as u64, part as u64, compute_bytes)
+            })
+            .sum()
     }
 }
 
@@ -278,6 +288,21 @@ mod tests {
         assert_eq!(stored_bf16.bytes(1000, 1000, 4), 20_000);
     }
 
+    /// A model of one unit per size, each of one parameter.
+    fn spec(sizes: &[usize]) -> ModelSpec {
+        let unit = |(i, &n): (usize, &usize)| super::super::unit::UnitSpec {
+            name: format!("u{i}"),
+            params: vec![super::super::unit::ParamSpec {
+                name: format!("u{i}.w"),
+                shape: vec![n],
+            }],
+            uses: Vec::new(),
+        };
+        ModelSpec {
+            units: sizes.iter().enumerate().map(unit).collect(),
+        }
+    }
+
     /// Stages 1-2 on N ranks: the parameters and gradient whole, ZeRO's 12 bytes of master and
     /// moments over N, and the reduced gradient of the shard: 2Ψ + 2Ψ + (12 + 2)Ψ/N in bf16.
     #[test]
@@ -286,18 +311,28 @@ mod tests {
             let mut cfg = EngineConfig::new(stage, 4).with_precision(DType::BF16);
             cfg.grad_accum_dtype = DType::BF16;
             assert_eq!(TierDtypes::of(&cfg).bytes(1000, 250, 2), 4_000 + 14 * 250);
-            assert_eq!(TierDtypes::rank_bytes(&cfg, 1000, 2), 4_000 + 14 * 250);
-            // A unit that does not divide evenly: the longest shard.
-            assert_eq!(TierDtypes::rank_bytes(&cfg, 1001, 2), 4_004 + 14 * 251);
-            // fp32: the parameters are no longer the master.
+            // 1024 = 4 shards of 256 (a multiple of 4 x 8): rank 0's is a quarter.
+            assert_eq!(
+                TierDtypes::rank_bytes(&cfg, &spec(&[1024]), 2),
+                4_096 + 14 * 256
+            );
+            // 1001 pads to 1024: rank 0's shard is 256 elements. A unit of 10 pads to 32: rank
+            // 0 holds 8 of its elements. A unit of 3 fits in rank 0's shard: it holds all of it,
+            // and the other ranks' parts are padding.
+            let uneven = spec(&[1001, 10, 3]);
+            let want = (4_004 + 14 * 256) + (40 + 14 * 8) + 3 * 16;
+            assert_eq!(TierDtypes::rank_bytes(&cfg, &uneven, 2), want);
+            // fp32: the parameters are no longer the master (but where rank 0 updates a whole
+            // unit they are).
             let fp32 = EngineConfig::new(stage, 4);
-            assert_eq!(TierDtypes::rank_bytes(&fp32, 1000, 4), 8_000 + 16 * 250);
+            let want = (8_192 + 16 * 256) + 3 * 16;
+            assert_eq!(TierDtypes::rank_bytes(&fp32, &spec(&[1024, 3]), 4), want);
         }
         // Stage 0 and one rank update everything.
         for (stage, world) in [(Stage::Zero0, 4), (Stage::Zero2, 1)] {
             let mut cfg = EngineConfig::new(stage, world).with_precision(DType::BF16);
             cfg.grad_accum_dtype = DType::F32;
-            assert_eq!(TierDtypes::rank_bytes(&cfg, 1000, 2), 18_000);
+            assert_eq!(TierDtypes::rank_bytes(&cfg, &spec(&[1000]), 2), 18_000);
         }
     }
 }

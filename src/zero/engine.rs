@@ -581,9 +581,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if let Some(device) = device {
             device.zero_grads()?;
         }
+        // One rank's device tier reduces nothing through the host buffers.
+        let one_rank_device = device.is_some() && self.cfg.world_size == 1;
         match &mut self.state.stage {
             // The device tier accumulates the full gradients.
             StageState::Replicated { .. } if device.is_some() => {}
+            _ if one_rank_device => {}
             StageState::Replicated {
                 kept_grads: Some(kept),
                 ..
@@ -1031,7 +1034,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let t = Instant::now();
         for u in 0..self.layout.num_units() {
             let numel = self.layout.units[u].numel;
-            device.params_from_host(u, self.state.params(u).slice(0..numel))?;
+            // A unit the rank updates whole (one smaller than its shard) has on the device the
+            // parameters its Adam step wrote, which are what the gather brought.
+            if self.restored_range(u) != (0..numel) {
+                device.params_from_host(u, self.state.params(u).slice(0..numel))?;
+            }
         }
         self.phases.comm += t.elapsed().as_secs_f64();
         Ok(())
