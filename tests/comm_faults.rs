@@ -5,8 +5,8 @@
 use std::thread::sleep;
 use std::time::Duration;
 use zerodp::comm::{
-    run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
-    RankFailure, ReduceOp, TraceLevel, TraceSink,
+    run_ranks, run_ranks_on, shard_range, Buffer, CollectiveKind, CommError, CommOptions,
+    Communicator, DType, RankFailure, ReduceOp, TraceLevel, TraceSink,
 };
 
 fn opts(timeout: Duration) -> CommOptions {
@@ -450,4 +450,33 @@ fn ranks_failing_alike_are_reported_once_with_the_first_named() {
         e.to_string(),
         "rank 1 failed: bad data (then ranks 0, 2, 3: gradients diverged)"
     );
+}
+
+/// `run_ranks_on` (the caller's communicators, as `train --nccl` passes NCCL's): a rank that
+/// fails outside a collective is reported to the others through its communicator, which fail
+/// promptly naming it, as under `run_ranks`.
+#[test]
+fn a_failing_rank_on_the_caller_s_communicators_fails_the_others_naming_it() {
+    let comms = zerodp::comm::InprocComm::create_world(3, opts(Duration::from_secs(60))).unwrap();
+    let comms: Vec<std::sync::Arc<dyn Communicator>> = comms
+        .into_iter()
+        .map(|c| std::sync::Arc::new(c) as std::sync::Arc<dyn Communicator>)
+        .collect();
+    let r = run_ranks_on(comms, |comm, rank| {
+        if rank == 1 {
+            panic!("rank 1 lost its data");
+        }
+        comm.barrier().wait()?;
+        Ok::<_, CommError>(())
+    });
+    let e = r.expect_err("rank 1 failed");
+    assert_eq!(e.first_failed, 1);
+    for (rank, f) in &e.failures {
+        match (rank, f) {
+            (1, RankFailure::Panic(m)) => assert!(m.contains("lost its data"), "{m}"),
+            (_, RankFailure::Error(CommError::PeerFailed { failed_rank: 1, .. })) => {}
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(e.failures.len(), 3, "{e}");
 }

@@ -338,21 +338,18 @@ fn gpu_bf16_trains() {
     );
 }
 
-/// `train` on two in-process ranks of one GPU at stage 0: each rank gets a model of its own
-/// keeping its device tier there (the banner says Adam runs on the GPU), and the run's losses
-/// follow the same run on the CPU to 1e-4 relative.
-#[test]
-fn gpu_train_on_two_in_process_ranks_keeps_a_tier_each() {
-    if gpu_or_skip("gpu_train_on_two_in_process_ranks_keeps_a_tier_each").is_none() {
-        return;
-    }
+/// `zerodp train` of the tiny GPT for 5 steps at `stage` with `args` (the world, the device):
+/// rank 0's losses and the run's stderr (the banner).
+fn train_cli(stage: u8, args: &[&str]) -> (Vec<f32>, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("ds.json");
     std::fs::write(
         &config,
-        r#"{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-             "optimizer": { "type": "AdamW", "params": { "lr": 3e-3 } },
-             "gradient_clipping": 1.0, "zero_optimization": { "stage": 0 } }"#,
+        format!(
+            r#"{{ "train_batch_size": 8,
+                 "optimizer": {{ "type": "AdamW", "params": {{ "lr": 3e-3 }} }},
+                 "gradient_clipping": 1.0, "zero_optimization": {{ "stage": {stage} }} }}"#
+        ),
     )
     .unwrap();
     let text = dir.path().join("corpus.txt");
@@ -361,41 +358,87 @@ fn gpu_train_on_two_in_process_ranks_keeps_a_tier_each() {
         "the quick brown fox jumps over the lazy dog. ".repeat(60),
     )
     .unwrap();
-    let run = |device: &str| {
-        let metrics = dir.path().join(format!("{device}.jsonl"));
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
-            .args([
-                "train",
-                "--model",
-                "tiny",
-                "--steps",
-                "5",
-                "--world-size",
-                "2",
-            ])
-            .args(["--no-progress", "--device", device, "--config"])
-            .arg(&config)
-            .arg("--data")
-            .arg(&text)
-            .arg("--metrics")
-            .arg(&metrics)
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "--device {device}: {err}");
-        let losses: Vec<f32> = std::fs::read_to_string(&metrics)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .filter(|l| l["rank"] == 0)
-            .map(|l| l["loss"].as_f64().unwrap() as f32)
-            .collect();
-        (losses, err)
-    };
-    let (want, _) = run("cpu");
-    let (got, banner) = run("cuda");
-    assert!(banner.contains("optimizer: Adam on the GPU"), "{banner}");
-    assert_close(&got, &want, "train --device cuda on two ranks vs the CPU");
+    let metrics = dir.path().join("metrics.jsonl");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["train", "--model", "tiny", "--steps", "5", "--no-progress"])
+        .args(args)
+        .arg("--config")
+        .arg(&config)
+        .arg("--data")
+        .arg(&text)
+        .arg("--metrics")
+        .arg(&metrics)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{args:?}: {err}");
+    let losses: Vec<f32> = std::fs::read_to_string(&metrics)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|l| l["rank"] == 0)
+        .map(|l| l["loss"].as_f64().unwrap() as f32)
+        .collect();
+    (losses, err)
+}
+
+/// `train` on two in-process ranks of one GPU at stages 0 and 2: each rank gets a model of its
+/// own keeping its device tier there (the banner says Adam runs on the GPU; at stage 2 each
+/// rank's shard of its state), and the run's losses follow the same run on the CPU to 1e-4
+/// relative.
+#[test]
+fn gpu_train_on_two_in_process_ranks_keeps_a_tier_each() {
+    if gpu_or_skip("gpu_train_on_two_in_process_ranks_keeps_a_tier_each").is_none() {
+        return;
+    }
+    for stage in [0u8, 2] {
+        let two = ["--world-size", "2", "--device"];
+        let (want, _) = train_cli(stage, &[&two[..], &["cpu"]].concat());
+        let (got, banner) = train_cli(stage, &[&two[..], &["cuda"]].concat());
+        assert!(banner.contains("optimizer: Adam on the GPU"), "{banner}");
+        let what = format!("train --device cuda on two ranks at stage {stage} vs the CPU");
+        assert_close(&got, &want, &what);
+    }
+}
+
+/// `train --nccl`: one in-process rank per GPU (one on a machine with one GPU), the collectives
+/// through NCCL; the CPU's losses to 1e-4 relative, at stages 0 and 2.
+#[test]
+fn gpu_train_over_nccl_equals_the_cpu() {
+    if gpu_or_skip("gpu_train_over_nccl_equals_the_cpu").is_none() {
+        return;
+    }
+    let world = zerodp::device::gpu_count().unwrap().min(2).to_string();
+    for stage in [0u8, 2] {
+        let ranks = ["--world-size", world.as_str(), "--device"];
+        let (want, _) = train_cli(stage, &[&ranks[..], &["cpu"]].concat());
+        let (got, banner) = train_cli(stage, &[&ranks[..], &["cuda", "--nccl"]].concat());
+        assert!(banner.contains("collectives over NCCL"), "{banner}");
+        assert_close(
+            &got,
+            &want,
+            &format!("train --nccl at stage {stage} vs the CPU"),
+        );
+    }
+}
+
+/// Without a GPU build, `--nccl` is refused before any work, saying how to get one.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn train_over_nccl_without_the_feature_says_how_to_build_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("ds.json");
+    std::fs::write(&config, r#"{"train_batch_size": 2}"#).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["train", "--model", "tiny", "--steps", "1", "--nccl"])
+        .arg("--config")
+        .arg(&config)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("--nccl needs a GPU build"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
 }
 
 /// Without a GPU build, `--device cuda` is refused before any work, saying how to get one.

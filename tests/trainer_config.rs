@@ -6,10 +6,11 @@ mod common;
 
 use common::*;
 use std::path::Path;
-use zerodp::comm::{run_ranks, CommOptions};
+use std::sync::Arc;
+use zerodp::comm::{run_ranks, CommOptions, Communicator, InprocComm};
 use zerodp::config::{load_str, ResolveContext};
 use zerodp::optim::scheduler::{betas_at, lr_at};
-use zerodp::trainer::{BatchIndex, ReportLog, Trainer};
+use zerodp::trainer::{Backend, BatchIndex, ReportLog, Trainer};
 use zerodp::zero::{Engine, EngineError};
 
 const GLOBAL: usize = 12;
@@ -33,7 +34,14 @@ fn write_config(dir: &Path, stage: u8, extra: &str) -> std::path::PathBuf {
 
 /// Per-step losses of rank 0, every rank checked equal.
 fn losses(model: &Toy, config: &Path, world: usize, steps: u64) -> Vec<f32> {
-    let trainer = Trainer::from_config_file(model, config, world, 7).unwrap();
+    losses_on(model, config, world, steps, Backend::InProcess)
+}
+
+/// [`losses`] with the ranks on `backend`.
+fn losses_on(model: &Toy, config: &Path, world: usize, steps: u64, backend: Backend) -> Vec<f32> {
+    let trainer = Trainer::from_config_file(model, config, world, 7)
+        .unwrap()
+        .with_backend(backend);
     let ga = trainer.engine_config().grad_accum;
     let source = |at: BatchIndex| -> Result<_, String> {
         let b = rank_batches(
@@ -75,6 +83,45 @@ fn a_trainer_from_a_config_file_trains_every_stage_like_one_rank() {
             }
         }
     }
+}
+
+/// In-process ranks on `world` communicators made by the caller (as `train --nccl` hands the
+/// trainer NCCL's group), in rank order.
+fn group(world: usize) -> Vec<Arc<dyn Communicator>> {
+    (InprocComm::create_world(world, CommOptions::default()).unwrap())
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect()
+}
+
+/// `Backend::Group`: ranks as threads on communicators the caller made (NCCL's, under `train
+/// --nccl`) train bit for bit as the trainer's own in-process ranks; a group of the wrong size,
+/// or out of rank order, is refused.
+#[test]
+fn a_trainer_on_the_caller_s_communicators_trains_as_its_own_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Toy::new(16, 8, 2, true);
+    for stage in [0u8, 2, 3] {
+        let config = write_config(dir.path(), stage, "");
+        let own = losses(&model, &config, 3, 4);
+        let given = losses_on(&model, &config, 3, 4, Backend::Group(group(3)));
+        assert_eq!(given, own, "stage {stage}");
+    }
+    let config = write_config(dir.path(), 2, "");
+    let trainer = || Trainer::from_config_file(&model, &config, 3, 7).unwrap();
+    let source = |at: BatchIndex| -> Result<_, String> {
+        Ok(rank_batches(at.step as usize, at.rank, at.world_size, 1, GLOBAL, SEQ, 16)[0].clone())
+    };
+    let e = (trainer().with_backend(Backend::Group(group(2))))
+        .run(&source, 1, &[])
+        .unwrap_err();
+    assert!(e.to_string().contains("2 communicators for 3 ranks"), "{e}");
+    let mut reversed = group(3);
+    reversed.reverse();
+    let e = (trainer().with_backend(Backend::Group(reversed)))
+        .run(&source, 1, &[])
+        .unwrap_err();
+    assert!(e.to_string().contains("not rank 0 of 3"), "{e}");
 }
 
 const ONE_CYCLE: &str = r#", "scheduler": { "type": "OneCycle", "params": {

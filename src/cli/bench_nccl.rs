@@ -1,6 +1,8 @@
-//! `bench comm --nccl`: the same cases through NCCL on the GPUs (a `cuda` build), in-process one
-//! rank per GPU as threads, or under MPI one process per GPU (its local rank's), MPI carrying
-//! NCCL's unique id.
+//! `--nccl` (`bench comm`, `train`): the collectives through NCCL on the GPUs (a `cuda` build),
+//! in-process one rank per GPU as threads, or under MPI one process per GPU (its local rank's),
+//! MPI carrying NCCL's unique id.
+
+use std::sync::Arc;
 
 use zerodp::comm::{CommError, CommOptions, Communicator};
 
@@ -64,8 +66,47 @@ pub fn in_process<T: Send>(
     })
 }
 
+/// `train --nccl` in-process: one NCCL rank per in-process rank, rank r on `ordinals[r]` (the
+/// GPU its model computes on), refused where two ranks would share a GPU.
+#[cfg(feature = "cuda")]
+pub fn group(
+    ordinals: &[usize],
+    options: CommOptions,
+) -> anyhow::Result<Vec<Arc<dyn Communicator>>> {
+    check_one_rank_per_gpu(ordinals)?;
+    let comms = zerodp::comm::NcclComm::group(ordinals, options)?;
+    Ok(comms
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn Communicator>)
+        .collect())
+}
+
+#[cfg(not(feature = "cuda"))]
+pub fn group(
+    ordinals: &[usize],
+    _options: CommOptions,
+) -> anyhow::Result<Vec<Arc<dyn Communicator>>> {
+    check_one_rank_per_gpu(ordinals)?;
+    Err(not_built())
+}
+
+/// NCCL takes one rank per GPU: refuses two ranks on one (`--device cuda:N` with more than one
+/// rank, or more ranks than GPUs).
+fn check_one_rank_per_gpu(ordinals: &[usize]) -> anyhow::Result<()> {
+    for (r, o) in ordinals.iter().enumerate() {
+        if let Some(first) = ordinals[..r].iter().position(|x| x == o) {
+            anyhow::bail!(
+                "--nccl takes one rank per GPU, but ranks {first} and {r} both compute on \
+                 cuda:{o}; use --device cuda with at most one rank per GPU (--world-size), or \
+                 drop --nccl (the host backends let ranks share a GPU)"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// This MPI process's NCCL rank, on its local rank's GPU (modulo the GPUs it sees).
-#[cfg(all(feature = "cuda", feature = "mpi"))]
+#[cfg(feature = "cuda")]
 pub fn over_mpi(
     carrier: &dyn Communicator,
     (local_rank, local_size): (usize, usize),
@@ -91,7 +132,7 @@ pub fn in_process<T: Send>(
     Err(not_built())
 }
 
-#[cfg(all(not(feature = "cuda"), feature = "mpi"))]
+#[cfg(not(feature = "cuda"))]
 pub fn over_mpi(
     _carrier: &dyn Communicator,
     _local: (usize, usize),

@@ -60,6 +60,12 @@ pub struct TrainArgs {
     /// `auto` (MPI when started by an MPI launcher).
     #[arg(long, value_enum, default_value_t = super::launch::BackendChoice::Auto)]
     pub backend: super::launch::BackendChoice,
+    /// Run the collectives through NCCL between the ranks' GPUs (a `cuda` build and `--device
+    /// cuda`; one rank per GPU): in-process ranks as NCCL's group, MPI ranks each on its local
+    /// rank's GPU, MPI carrying NCCL's id. The buffers stay in host memory (each collective
+    /// copies them to its GPU and back).
+    #[arg(long)]
+    pub nccl: bool,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -157,6 +163,7 @@ impl ModelArgs {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let backend = super::launch::resolve(args.backend, args.world_size)?;
+    check_nccl(&args)?;
     let world = backend.world();
     let (hf, gpt, tokenizer) = what_to_train(&args)?;
     let settings = load_settings(&args, backend, &gpt)?;
@@ -204,8 +211,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         check_resumed_data(r, record);
     }
     let comm_options = comm_options(&args, &settings)?;
-    let rank;
-    (rank, trainer, save_dir_lock) = join_mpi(
+    let (rank, _carrier);
+    (rank, trainer, save_dir_lock, _carrier) = join_ranks(
         trainer,
         (&args, backend),
         comm_options.clone(),
@@ -227,7 +234,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     );
     let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
     if rank == 0 {
-        print_banner(&trainer, (backend, &settings, &gpt), &data);
+        print_banner(&trainer, (backend, args.nccl, &settings, &gpt), &data);
         print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
     }
     let progress = ProgressLog::new(
@@ -282,25 +289,71 @@ fn open_metrics(path: &Path) -> anyhow::Result<MetricsFile> {
     MetricsFile::create(path).with_context(|| format!("creating metrics file {}", path.display()))
 }
 
+/// `--nccl` before any work: a `cuda` build, and the ranks on GPUs.
+fn check_nccl(args: &TrainArgs) -> anyhow::Result<()> {
+    if args.nccl {
+        super::bench_nccl::available()?;
+        if !args.device.device.is_cuda() {
+            bail!("--nccl runs the collectives between the ranks' GPUs: add --device cuda");
+        }
+    }
+    Ok(())
+}
+
+/// What [`join_ranks`] hands back: this process's first rank, the trainer on its backend, the
+/// --save-dir lock, and under `--nccl` with MPI the MPI communicator that carried NCCL's id
+/// (kept until the run ends, when MPI shuts down).
+type Joined<'m> = (
+    usize,
+    Trainer<'m, TrainModel>,
+    Option<SaveDirLock>,
+    Option<Arc<dyn Communicator>>,
+);
+
 /// Under MPI: start the communication thread, this process's rank, and rank 0's lock on
 /// --save-dir for the job (taken once the ranks can agree); in-process runs keep `lock` and are
-/// rank 0.
-fn join_mpi<'m>(
+/// rank 0. With `--nccl` the ranks' collectives run through NCCL instead, over MPI's carrier or
+/// as an in-process group.
+fn join_ranks<'m>(
     trainer: Trainer<'m, TrainModel>,
     (args, backend): (&TrainArgs, Resolved),
     comm_options: CommOptions,
     lock: Option<SaveDirLock>,
-) -> anyhow::Result<(usize, Trainer<'m, TrainModel>, Option<SaveDirLock>)> {
-    let Resolved::Mpi { world } = backend else {
-        return Ok((0, trainer, lock));
+) -> anyhow::Result<Joined<'m>> {
+    let world = match backend {
+        Resolved::InProcess { world } if args.nccl => {
+            let gpus = super::bench_nccl::gpus()?;
+            let ordinals = (0..world)
+                .map(|r| Ok(args.device.device.rank_ordinal(gpus, r)?.unwrap_or(0)))
+                .collect::<anyhow::Result<Vec<usize>>>()?;
+            let comms = super::bench_nccl::group(&ordinals, comm_options)?;
+            return Ok((0, trainer.with_backend(Backend::Group(comms)), lock, None));
+        }
+        Resolved::InProcess { .. } => return Ok((0, trainer, lock, None)),
+        Resolved::Mpi { world } => world,
     };
-    let (comm, topo) = super::launch::start_mpi(comm_options, world)?;
+    let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
     let rank = comm.rank();
     let lock = take_save_dir_lock(args.save_dir.as_deref(), Some(&*comm))?;
-    let trainer = trainer
-        .with_backend(Backend::Process(comm))
-        .with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
-    Ok((rank, trainer, lock))
+    let trainer =
+        trainer.with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
+    if !args.nccl {
+        return Ok((
+            rank,
+            trainer.with_backend(Backend::Process(comm)),
+            lock,
+            None,
+        ));
+    }
+    let local = (topo.local_rank, topo.local_size);
+    let nccl: Arc<dyn Communicator> =
+        Arc::from(super::bench_nccl::over_mpi(&*comm, local, comm_options)?);
+    Ok((
+        rank,
+        trainer.with_backend(Backend::Process(nccl)),
+        lock,
+        Some(comm),
+    ))
 }
 
 /// The end of a run that returned: a signal's exit code (after saying what was saved), else the
@@ -573,14 +626,16 @@ fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result
 /// The run's first line: the model, the stage, the world and the batch, the corpus.
 fn print_banner(
     trainer: &Trainer<'_, TrainModel>,
-    (backend, settings, gpt): (Resolved, &config::Settings, &GptConfig),
+    (backend, nccl, settings, gpt): (Resolved, bool, &config::Settings, &GptConfig),
     data: &zerodp::model::DataLoader,
 ) {
     let world = backend.world();
     let batch = &settings.batch;
-    let backend_note = match backend {
-        Resolved::Mpi { .. } => " (MPI: one rank per process)",
-        Resolved::InProcess { .. } => "",
+    let backend_note = match (backend, nccl) {
+        (Resolved::Mpi { .. }, false) => " (MPI: one rank per process)",
+        (Resolved::Mpi { .. }, true) => " (MPI: one rank per process; collectives over NCCL)",
+        (Resolved::InProcess { .. }, true) => " (collectives over NCCL, one rank per GPU)",
+        (Resolved::InProcess { .. }, false) => "",
     };
     errln!(
         "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \

@@ -637,6 +637,48 @@ where
             })
         }
     };
+    run_threads(comms.into_iter().map(Arc::new).collect(), f)
+}
+
+/// [`run_ranks`] on communicators the caller made, one thread per rank: `comms[r]` must be rank
+/// `r` of one world (NCCL's group of one rank per GPU, `crate::comm::NcclComm::group`, with the
+/// `cuda` feature). A rank that fails is reported to the others through
+/// [`Communicator::report_failure`] (a backend that cannot tell them leaves them to its own
+/// timeout or failure).
+pub fn run_ranks_on<T, E, F>(
+    comms: Vec<Arc<dyn Communicator>>,
+    f: F,
+) -> Result<Vec<T>, RanksError<E>>
+where
+    T: Send,
+    E: fmt::Display + Send + From<CommError>,
+    F: Fn(Arc<dyn Communicator>, usize) -> Result<T, E> + Sync,
+{
+    let world = comms.len();
+    if let Some(r) = (0..world).find(|&r| comms[r].rank() != r || comms[r].world_size() != world) {
+        let e = CommError::Closed(format!(
+            "the communicator at place {r} is rank {} of {}, not rank {r} of {world}: give one \
+             communicator per rank of one world, in rank order",
+            comms[r].rank(),
+            comms[r].world_size()
+        ));
+        return Err(RanksError {
+            first_failed: r,
+            failures: vec![(r, RankFailure::Error(E::from(e)))],
+        });
+    }
+    run_threads(comms, f)
+}
+
+/// One thread per communicator, rank r's running `f(comms[r], r)`; see [`run_ranks`].
+fn run_threads<C, T, E, F>(comms: Vec<Arc<C>>, f: F) -> Result<Vec<T>, RanksError<E>>
+where
+    C: Communicator + ?Sized,
+    T: Send,
+    E: fmt::Display + Send + From<CommError>,
+    F: Fn(Arc<C>, usize) -> Result<T, E> + Sync,
+{
+    let world_size = comms.len();
     // Order in which ranks failed, to name the root cause.
     let order = Mutex::new(Vec::<usize>::new());
     let outcomes: Vec<Result<T, RankFailure<E>>> = std::thread::scope(|scope| {
@@ -645,11 +687,10 @@ where
             .map(|comm| {
                 let f = &f;
                 let order = &order;
+                let rank = comm.rank();
                 std::thread::Builder::new()
-                    .name(format!("zerodp-rank-{}", comm.rank))
+                    .name(format!("zerodp-rank-{rank}"))
                     .spawn_scoped(scope, move || {
-                        let rank = comm.rank;
-                        let comm = Arc::new(comm);
                         let out = catch_unwind(AssertUnwindSafe(|| f(comm.clone(), rank)));
                         let out = match out {
                             Ok(Ok(v)) => Ok(v),
@@ -658,7 +699,7 @@ where
                         };
                         if let Err(e) = &out {
                             order.lock().unwrap_or_else(|e| e.into_inner()).push(rank);
-                            comm.fail(match e {
+                            comm.report_failure(match e {
                                 RankFailure::Error(e) => format!("it returned an error: {e}"),
                                 RankFailure::Panic(m) => format!("it panicked: {m}"),
                             });

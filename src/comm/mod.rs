@@ -32,7 +32,7 @@ pub use self::mpi_shm::ShmAlloc;
 #[cfg(feature = "cuda")]
 pub use self::nccl::NcclComm;
 pub use api::*;
-pub use inproc::{run_ranks, InprocComm, RankFailure, RanksError};
+pub use inproc::{run_ranks, run_ranks_on, InprocComm, RankFailure, RanksError};
 pub use launch::{detect_mpi_launch, MpiLaunch};
 pub use options::{
     timeout_from_secs, CommOptions, CommOptionsError, Spin, TraceLevel, TraceSink, NO_TIMEOUT,

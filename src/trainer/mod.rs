@@ -3,9 +3,10 @@
 //! A trainer holds a model that implements the unit contract ([`crate::zero::unit`]), the
 //! engine's configuration (from a DeepSpeed config file, resolved [`Settings`], or built by
 //! hand) and a learning-rate schedule. [`Trainer::run`] starts the ranks on a [`Backend`]: the
-//! in-process one (ranks as threads, [`crate::comm::run_ranks`]), or one rank per process over a
-//! communicator that spans processes (MPI: `mpirun` starts the processes, each runs
-//! [`Trainer::run`] with [`Backend::Process`] and the same rank loop). It gives each rank its own
+//! in-process one (ranks as threads, [`crate::comm::run_ranks`]), ranks as threads on
+//! communicators the caller made ([`Backend::Group`]: NCCL's, one rank per GPU), or one rank per
+//! process over a communicator that spans processes (MPI: `mpirun` starts the processes, each
+//! runs [`Trainer::run`] with [`Backend::Process`] and the same rank loop). It gives each rank its own
 //! compute pool, builds one [`Engine`] per rank, and runs the optimizer steps: each rank draws its
 //! micro-batches from a [`DataSource`], takes the step, and hands one [`StepEvent`] per step to
 //! the [`StepObserver`]s (metrics lines, progress bars, logs, a test's record). What it hands back
@@ -30,7 +31,9 @@ pub mod outputs;
 pub use checkpoints::{CheckpointOptions, Resume};
 pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
 
-use crate::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
+use crate::comm::{
+    run_ranks, run_ranks_on, Buffer, CommError, CommOptions, Communicator, ReduceOp,
+};
 use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settings};
 use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
@@ -192,6 +195,10 @@ pub enum Backend {
     /// `mpirun` with [`crate::comm::MpiComm`]): [`Trainer::run`] runs the rank loop once, as rank
     /// `comm.rank()`. The communicator's world size must equal the engine's.
     Process(Arc<dyn Communicator>),
+    /// `world_size` ranks as threads of this process, rank r on the caller's `comms[r]` (one
+    /// per rank of one world, in rank order): NCCL's group of one rank per GPU
+    /// (`crate::comm::NcclComm::group`, feature `cuda`), or any other backend's ranks.
+    Group(Vec<Arc<dyn Communicator>>),
 }
 
 impl std::fmt::Debug for Backend {
@@ -199,6 +206,7 @@ impl std::fmt::Debug for Backend {
         match self {
             Backend::InProcess => f.write_str("InProcess"),
             Backend::Process(c) => write!(f, "Process(rank {} of {})", c.rank(), c.world_size()),
+            Backend::Group(c) => write!(f, "Group({} ranks)", c.len()),
         }
     }
 }
@@ -413,13 +421,23 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             return Err(SetupError::WorldSize.into());
         }
         self.check_rank_models()?;
-        if let Backend::Process(comm) = &self.backend {
-            return self.run_this_rank(comm.clone(), data, steps, observers);
-        }
-        let finals = run_ranks(world, self.comm.clone(), |comm, rank| {
+        let rank = |comm: &dyn Communicator, rank| {
             let cores = crate::affinity::rank_cores(rank, world, self.threads_per_rank);
-            self.rank_in_pool(&*comm, (rank, cores), data, steps, observers)
-        })
+            self.rank_in_pool(comm, (rank, cores), data, steps, observers)
+        };
+        let finals = match &self.backend {
+            Backend::Process(comm) => {
+                return self.run_this_rank(comm.clone(), data, steps, observers)
+            }
+            Backend::InProcess => run_ranks(world, self.comm.clone(), |c, r| rank(&*c, r)),
+            Backend::Group(comms) if comms.len() != world => {
+                return Err(TrainerError::Invalid(format!(
+                    "{} communicators for {world} ranks: give one per rank",
+                    comms.len()
+                )))
+            }
+            Backend::Group(comms) => run_ranks_on(comms.clone(), |c, r| rank(&*c, r)),
+        }
         .map_err(|e| TrainerError::Ranks(e.to_string()))?;
         let mut last = Vec::with_capacity(world);
         let mut params: Option<Vec<Vec<f32>>> = None;
