@@ -338,15 +338,16 @@ fn gpu_bf16_trains() {
     );
 }
 
-/// `zerodp train` of the tiny GPT for 5 steps at `stage` with `args` (the world, the device):
-/// rank 0's losses and the run's stderr (the banner).
+/// `zerodp train` of the tiny GPT for 5 steps at `stage`, two sequences a micro-batch (so
+/// accumulation steps), with `args` (the world, the device): rank 0's losses and the run's
+/// stdout and stderr (the banner; NCCL's version line, `NCCL_DEBUG=VERSION`, where it runs).
 fn train_cli(stage: u8, args: &[&str]) -> (Vec<f32>, String) {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("ds.json");
     std::fs::write(
         &config,
         format!(
-            r#"{{ "train_batch_size": 8,
+            r#"{{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
                  "optimizer": {{ "type": "AdamW", "params": {{ "lr": 3e-3 }} }},
                  "gradient_clipping": 1.0, "zero_optimization": {{ "stage": {stage} }} }}"#
         ),
@@ -362,6 +363,7 @@ fn train_cli(stage: u8, args: &[&str]) -> (Vec<f32>, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
         .args(["train", "--model", "tiny", "--steps", "5", "--no-progress"])
         .args(args)
+        .env("NCCL_DEBUG", "VERSION")
         .arg("--config")
         .arg(&config)
         .arg("--data")
@@ -370,7 +372,8 @@ fn train_cli(stage: u8, args: &[&str]) -> (Vec<f32>, String) {
         .arg(&metrics)
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let err =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{args:?}: {err}");
     let losses: Vec<f32> = std::fs::read_to_string(&metrics)
         .unwrap()
@@ -402,7 +405,8 @@ fn gpu_train_on_two_in_process_ranks_keeps_a_tier_each() {
 }
 
 /// `train --nccl`: one in-process rank per GPU (one on a machine with one GPU), the collectives
-/// through NCCL; the CPU's losses to 1e-4 relative, at stages 0 and 2.
+/// through NCCL (its version line shows it ran); the CPU's losses to 1e-4 relative, at stages 0
+/// and 2.
 #[test]
 fn gpu_train_over_nccl_equals_the_cpu() {
     if gpu_or_skip("gpu_train_over_nccl_equals_the_cpu").is_none() {
@@ -414,6 +418,10 @@ fn gpu_train_over_nccl_equals_the_cpu() {
         let (want, _) = train_cli(stage, &[&ranks[..], &["cpu"]].concat());
         let (got, banner) = train_cli(stage, &[&ranks[..], &["cuda", "--nccl"]].concat());
         assert!(banner.contains("collectives over NCCL"), "{banner}");
+        assert!(
+            banner.contains("NCCL version"),
+            "NCCL did not run: {banner}"
+        );
         assert_close(
             &got,
             &want,

@@ -104,8 +104,17 @@ fn a_trainer_on_the_caller_s_communicators_trains_as_its_own_ranks() {
     for stage in [0u8, 2, 3] {
         let config = write_config(dir.path(), stage, "");
         let own = losses(&model, &config, 3, 4);
-        let given = losses_on(&model, &config, 3, 4, Backend::Group(group(3)));
+        let comms = group(3);
+        let given = losses_on(&model, &config, 3, 4, Backend::Group(comms.clone()));
         assert_eq!(given, own, "stage {stage}");
+        // The ranks ran on the given communicators.
+        for c in &comms {
+            assert!(
+                c.traffic().total_sent() > 0,
+                "rank {} moved nothing",
+                c.rank()
+            );
+        }
     }
     let config = write_config(dir.path(), 2, "");
     let trainer = || Trainer::from_config_file(&model, &config, 3, 7).unwrap();

@@ -603,7 +603,7 @@ fn mpi_times(
     all_cases: &AllCases<'_>,
     measure: &dyn Fn(usize) -> (Vec<f64>, Vec<f64>),
 ) -> anyhow::Result<Option<Measured>> {
-    let comm = zerodp::comm::MpiComm::init(options.clone())?;
+    let comm = std::sync::Arc::new(zerodp::comm::MpiComm::init(options.clone())?);
     let topo = comm.topology();
     if topo.size != n {
         bail!(
@@ -616,12 +616,13 @@ fn mpi_times(
     let (mut one, mut all) = measure(rank);
     comm.barrier().wait()?;
     let mine = match args.nccl {
-        true => all_cases(&*super::bench_nccl::over_mpi(
-            &comm,
-            (topo.local_rank, topo.local_size),
-            options,
-        )?)?,
-        false => all_cases(&comm)?,
+        true => {
+            // Each process on its local rank's GPU.
+            let gpus = super::bench_nccl::gpus()?;
+            let at = (topo.local_rank % gpus, topo.local_size, false);
+            all_cases(&*super::bench_nccl::over_mpi(comm.clone(), at, options)?)?
+        }
+        false => all_cases(&*comm)?,
     };
     let mut raw = Vec::new();
     if args.raw_mpi {

@@ -92,7 +92,7 @@ pub fn group(
 
 /// NCCL takes one rank per GPU: refuses two ranks on one (`--device cuda:N` with more than one
 /// rank, or more ranks than GPUs).
-fn check_one_rank_per_gpu(ordinals: &[usize]) -> anyhow::Result<()> {
+pub fn check_one_rank_per_gpu(ordinals: &[usize]) -> anyhow::Result<()> {
     for (r, o) in ordinals.iter().enumerate() {
         if let Some(first) = ordinals[..r].iter().position(|x| x == o) {
             anyhow::bail!(
@@ -105,13 +105,24 @@ fn check_one_rank_per_gpu(ordinals: &[usize]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// This MPI process's NCCL rank, on its local rank's GPU (modulo the GPUs it sees).
+/// This MPI process's NCCL rank on GPU `ordinal`, keeping `carrier` (MPI) for as long as it
+/// lives; refused where the host's `local_size` processes outnumber its GPUs, or all compute on
+/// one GPU (`pinned`: `--device cuda:N`).
 #[cfg(feature = "cuda")]
 pub fn over_mpi(
-    carrier: &dyn Communicator,
-    (local_rank, local_size): (usize, usize),
+    carrier: Arc<dyn Communicator>,
+    (ordinal, local_size, pinned): (usize, usize, bool),
     options: CommOptions,
 ) -> anyhow::Result<Box<dyn Communicator>> {
+    check_processes_per_gpu(local_size, pinned)?;
+    let comm = zerodp::comm::NcclComm::over(carrier, ordinal, options)?;
+    Ok(Box::new(comm))
+}
+
+/// NCCL takes one rank per GPU: refuses more processes on a host than it has GPUs, or several
+/// processes of a host all pinned to one GPU.
+#[cfg(feature = "cuda")]
+fn check_processes_per_gpu(local_size: usize, pinned: bool) -> anyhow::Result<()> {
     let gpus = gpus()?;
     if local_size > gpus {
         anyhow::bail!(
@@ -119,8 +130,14 @@ pub fn over_mpi(
              one rank per GPU; start at most {gpus} processes per host (mpirun -npernode {gpus})"
         );
     }
-    let comm = zerodp::comm::NcclComm::over(carrier, local_rank % gpus, options)?;
-    Ok(Box::new(comm))
+    if pinned && local_size > 1 {
+        anyhow::bail!(
+            "--nccl: the {local_size} processes on this host all compute on one GPU (--device \
+             cuda:N), and NCCL takes one rank per GPU; use --device cuda (each process on its \
+             local rank's GPU)"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -134,8 +151,8 @@ pub fn in_process<T: Send>(
 
 #[cfg(not(feature = "cuda"))]
 pub fn over_mpi(
-    _carrier: &dyn Communicator,
-    _local: (usize, usize),
+    _carrier: Arc<dyn Communicator>,
+    _at: (usize, usize, bool),
     _options: CommOptions,
 ) -> anyhow::Result<Box<dyn Communicator>> {
     Err(not_built())

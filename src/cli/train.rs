@@ -163,7 +163,7 @@ impl ModelArgs {
 
 pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let backend = super::launch::resolve(args.backend, args.world_size)?;
-    check_nccl(&args)?;
+    check_nccl(&args, backend)?;
     let world = backend.world();
     let (hf, gpt, tokenizer) = what_to_train(&args)?;
     let settings = load_settings(&args, backend, &gpt)?;
@@ -211,8 +211,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         check_resumed_data(r, record);
     }
     let comm_options = comm_options(&args, &settings)?;
-    let (rank, _carrier);
-    (rank, trainer, save_dir_lock, _carrier) = join_ranks(
+    let rank;
+    (rank, trainer, save_dir_lock) = join_ranks(
         trainer,
         (&args, backend),
         comm_options.clone(),
@@ -289,47 +289,48 @@ fn open_metrics(path: &Path) -> anyhow::Result<MetricsFile> {
     MetricsFile::create(path).with_context(|| format!("creating metrics file {}", path.display()))
 }
 
-/// `--nccl` before any work: a `cuda` build, and the ranks on GPUs.
-fn check_nccl(args: &TrainArgs) -> anyhow::Result<()> {
+/// `--nccl` before any work: a `cuda` build, the ranks on GPUs, in-process one per GPU.
+fn check_nccl(args: &TrainArgs, backend: Resolved) -> anyhow::Result<()> {
     if args.nccl {
         super::bench_nccl::available()?;
         if !args.device.device.is_cuda() {
             bail!("--nccl runs the collectives between the ranks' GPUs: add --device cuda");
         }
+        if let Resolved::InProcess { world } = backend {
+            super::bench_nccl::check_one_rank_per_gpu(&nccl_ordinals(args, world)?)?;
+        }
     }
     Ok(())
 }
 
-/// What [`join_ranks`] hands back: this process's first rank, the trainer on its backend, the
-/// --save-dir lock, and under `--nccl` with MPI the MPI communicator that carried NCCL's id
-/// (kept until the run ends, when MPI shuts down).
-type Joined<'m> = (
-    usize,
-    Trainer<'m, TrainModel>,
-    Option<SaveDirLock>,
-    Option<Arc<dyn Communicator>>,
-);
+/// The GPU of each of `world` in-process ranks: the one its model computes on.
+fn nccl_ordinals(args: &TrainArgs, world: usize) -> anyhow::Result<Vec<usize>> {
+    let gpus = super::bench_nccl::gpus()?;
+    (0..world)
+        .map(|r| match args.device.device.rank_ordinal(gpus, r)? {
+            Some(ordinal) => Ok(ordinal),
+            None => bail!("--nccl runs the collectives between the ranks' GPUs: add --device cuda"),
+        })
+        .collect()
+}
 
 /// Under MPI: start the communication thread, this process's rank, and rank 0's lock on
 /// --save-dir for the job (taken once the ranks can agree); in-process runs keep `lock` and are
-/// rank 0. With `--nccl` the ranks' collectives run through NCCL instead, over MPI's carrier or
+/// rank 0. With `--nccl` the ranks' collectives run through NCCL instead: under MPI over the MPI
+/// communicator, which carries NCCL's id and stays with the NCCL rank (told of its failure), or
 /// as an in-process group.
 fn join_ranks<'m>(
     trainer: Trainer<'m, TrainModel>,
     (args, backend): (&TrainArgs, Resolved),
     comm_options: CommOptions,
     lock: Option<SaveDirLock>,
-) -> anyhow::Result<Joined<'m>> {
+) -> anyhow::Result<(usize, Trainer<'m, TrainModel>, Option<SaveDirLock>)> {
     let world = match backend {
         Resolved::InProcess { world } if args.nccl => {
-            let gpus = super::bench_nccl::gpus()?;
-            let ordinals = (0..world)
-                .map(|r| Ok(args.device.device.rank_ordinal(gpus, r)?.unwrap_or(0)))
-                .collect::<anyhow::Result<Vec<usize>>>()?;
-            let comms = super::bench_nccl::group(&ordinals, comm_options)?;
-            return Ok((0, trainer.with_backend(Backend::Group(comms)), lock, None));
+            let comms = super::bench_nccl::group(&nccl_ordinals(args, world)?, comm_options)?;
+            return Ok((0, trainer.with_backend(Backend::Group(comms)), lock));
         }
-        Resolved::InProcess { .. } => return Ok((0, trainer, lock, None)),
+        Resolved::InProcess { .. } => return Ok((0, trainer, lock)),
         Resolved::Mpi { world } => world,
     };
     let (comm, topo) = super::launch::start_mpi(comm_options.clone(), world)?;
@@ -338,22 +339,16 @@ fn join_ranks<'m>(
     let trainer =
         trainer.with_threads_per_rank(super::launch::threads_for_local_ranks(topo.local_size));
     if !args.nccl {
-        return Ok((
-            rank,
-            trainer.with_backend(Backend::Process(comm)),
-            lock,
-            None,
-        ));
+        return Ok((rank, trainer.with_backend(Backend::Process(comm)), lock));
     }
-    let local = (topo.local_rank, topo.local_size);
+    // The GPU this process's model computes on (its local rank's, or --device cuda:N's).
+    let device = args.device.device;
+    let ordinal = device.ordinal(super::bench_nccl::gpus()?)?.unwrap_or(0);
+    let pinned = matches!(device, zerodp::device::ComputeDevice::Cuda(Some(_)));
+    let at = (ordinal, topo.local_size, pinned);
     let nccl: Arc<dyn Communicator> =
-        Arc::from(super::bench_nccl::over_mpi(&*comm, local, comm_options)?);
-    Ok((
-        rank,
-        trainer.with_backend(Backend::Process(nccl)),
-        lock,
-        Some(comm),
-    ))
+        Arc::from(super::bench_nccl::over_mpi(comm, at, comm_options)?);
+    Ok((rank, trainer.with_backend(Backend::Process(nccl)), lock))
 }
 
 /// The end of a run that returned: a signal's exit code (after saying what was saved), else the

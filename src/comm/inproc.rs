@@ -656,12 +656,15 @@ where
 {
     let world = comms.len();
     if let Some(r) = (0..world).find(|&r| comms[r].rank() != r || comms[r].world_size() != world) {
-        let e = CommError::Closed(format!(
-            "the communicator at place {r} is rank {} of {}, not rank {r} of {world}: give one \
-             communicator per rank of one world, in rank order",
-            comms[r].rank(),
-            comms[r].world_size()
-        ));
+        let e = CommError::InvalidArgument {
+            rank: r,
+            what: format!(
+                "the communicator at place {r} is rank {} of {}, not rank {r} of {world}: give \
+                 one communicator per rank of one world, in rank order",
+                comms[r].rank(),
+                comms[r].world_size()
+            ),
+        };
         return Err(RanksError {
             first_failed: r,
             failures: vec![(r, RankFailure::Error(E::from(e)))],

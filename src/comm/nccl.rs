@@ -19,17 +19,25 @@
 //!   sums may differ from it in their last bits (they are still equal on every rank).
 //!
 //! Ranks are threads of one process ([`NcclComm::group`], one GPU each) or processes
-//! ([`NcclComm::over`]: another communicator, MPI's, carries NCCL's unique id from rank 0). Every
-//! rank opens its GPU before any enters NCCL's initialisation (which waits for all, without a
-//! timeout), so a rank that cannot start fails the group instead of hanging it. NCCL has no
-//! timeout and no way to tell peers that a rank failed outside a collective (`report_failure` does
-//! nothing here): a rank that dies leaves its peers waiting in NCCL, and under `mpirun` the job
-//! ends when the process exits non-zero. After a failed collective every later one on that rank
+//! ([`NcclComm::over`]: another communicator, MPI's, carries NCCL's unique id from rank 0, and
+//! stays with the rank). Every rank opens its GPU before any enters NCCL's initialisation (which
+//! waits for all, without a timeout), so a rank that cannot start fails the group instead of
+//! hanging it.
+//!
+//! NCCL itself has no timeout and no way to tell peers that a rank failed outside a collective;
+//! a collective a peer never joins waits forever. So each rank's thread waits for its collective
+//! by polling, and gives up by aborting its NCCL communicator (`ncclCommAbort`, which ends the
+//! waiting kernel): when the collective timeout passes ([`CommOptions::timeout`]), or when a rank
+//! of an in-process group reports a failure ([`Communicator::report_failure`], which every rank
+//! of the group sees: their collectives fail naming it, as the in-process backend's do). Under
+//! MPI a rank's report goes to the carrier too (whose peers are told, and which then skips
+//! `MPI_Finalize`, so the failed process exits and `mpirun` ends the job); peers waiting in NCCL
+//! in other processes see the timeout. After a failed collective every later one on that rank
 //! fails with the same error.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use cudarc::nccl::{Comm, Id};
@@ -38,8 +46,8 @@ use half::slice::HalfFloatSliceExt;
 use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::stats::CommStats;
 use crate::comm::{
-    shard_range, Buffer, CommError, CommHandle, CommOptions, Communicator, ReduceOp,
-    TrafficCounters,
+    shard_range, Buffer, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
+    ReduceOp, TrafficCounters,
 };
 
 /// What the communication thread shares with the handle the ranks' code holds.
@@ -49,12 +57,38 @@ struct Shared {
     stats: Mutex<CommStats>,
 }
 
+/// A world's failure notice, shared by the ranks of an in-process group (one per process under
+/// MPI): the first rank to report a failure and why. Every rank's thread reads it while it waits
+/// for a collective.
+#[derive(Default)]
+struct Abort {
+    failed: Mutex<Option<(usize, String)>>,
+}
+
+impl Abort {
+    fn set(&self, rank: usize, reason: String) {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        failed.get_or_insert((rank, reason));
+    }
+
+    fn get(&self) -> Option<(usize, String)> {
+        self.failed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
 /// One rank of a world whose collectives NCCL runs; see the [module docs](self).
 pub struct NcclComm {
     rank: usize,
     world: usize,
     ordinal: usize,
     shared: Arc<Shared>,
+    abort: Arc<Abort>,
+    /// Under MPI, the communicator that carried NCCL's id: told of this rank's failure, and kept
+    /// for as long as this rank lives.
+    carrier: Option<Arc<dyn Communicator>>,
     thread: CommThread<Job>,
 }
 
@@ -108,10 +142,12 @@ impl NcclComm {
         let world = ordinals.len();
         let (report, reports) = mpsc::channel();
         let (mut comms, mut gos) = (Vec::new(), Vec::new());
+        let abort = Arc::new(Abort::default());
         for (rank, &ordinal) in ordinals.iter().enumerate() {
             let (go, go_rx) = mpsc::channel();
             // On an error the ranks started so far see their `go` dropped and exit.
-            let comm = Self::start((ordinal, rank, world, id), &options, report.clone(), go_rx)?;
+            let at = (ordinal, rank, world, id);
+            let comm = Self::start(at, &options, (report.clone(), go_rx), abort.clone())?;
             comms.push(comm);
             gos.push(go);
         }
@@ -137,9 +173,10 @@ impl NcclComm {
     }
 
     /// This process's rank of `carrier`'s world (an MPI communicator: one process per GPU), on GPU
-    /// `ordinal`: rank 0 draws NCCL's unique id and `carrier` broadcasts it.
+    /// `ordinal`: rank 0 draws NCCL's unique id and `carrier` broadcasts it. The rank keeps
+    /// `carrier` (MPI stays up while it lives) and reports its failure there too.
     pub fn over(
-        carrier: &dyn Communicator,
+        carrier: Arc<dyn Communicator>,
         ordinal: usize,
         options: CommOptions,
     ) -> Result<NcclComm, CommError> {
@@ -171,10 +208,12 @@ impl NcclComm {
         let (report, reports) = mpsc::channel();
         let (go, go_rx) = mpsc::channel();
         let at = (ordinal, rank, world, Id::uninit(internal));
-        let comm = Self::start(at, &options, report, go_rx)?;
+        let abort = Arc::new(Abort::default());
+        let mut comm = Self::start(at, &options, (report, go_rx), abort)?;
         next_report(&reports)?;
         let _ = go.send(true);
         next_report(&reports)?;
+        comm.carrier = Some(carrier);
         Ok(comm)
     }
 
@@ -183,8 +222,8 @@ impl NcclComm {
     fn start(
         (ordinal, rank, world, id): (usize, usize, usize, Id),
         options: &CommOptions,
-        report: mpsc::Sender<Report>,
-        go: mpsc::Receiver<bool>,
+        (report, go): (mpsc::Sender<Report>, mpsc::Receiver<bool>),
+        abort: Arc<Abort>,
     ) -> Result<NcclComm, CommError> {
         let shared = Arc::new(Shared::default());
         shared
@@ -194,7 +233,7 @@ impl NcclComm {
             .world_size = world;
         let (tx, rx) = mpsc::channel::<Job>();
         let thread = {
-            let (shared, options) = (shared.clone(), options.clone());
+            let (shared, options, abort) = (shared.clone(), options.clone(), abort.clone());
             std::thread::Builder::new()
                 .name(format!("zerodp-nccl-{rank}"))
                 .spawn(move || {
@@ -206,7 +245,8 @@ impl NcclComm {
                     if go.recv() != Ok(true) {
                         return;
                     }
-                    let engine = match Engine::join(stream, (rank, world), id, options, shared) {
+                    let at = (rank, world);
+                    let engine = match Engine::join(stream, at, id, (options, shared, abort)) {
                         Ok(engine) => engine,
                         Err(e) => return drop(report.send(Err(e))),
                     };
@@ -224,6 +264,8 @@ impl NcclComm {
             world,
             ordinal,
             shared,
+            abort,
+            carrier: None,
             thread: CommThread::new(tx, thread),
         })
     }
@@ -271,6 +313,82 @@ impl Communicator for NcclComm {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+    /// Every rank of the group gives up its waiting collectives, naming this rank; under MPI the
+    /// carrier tells its peers too.
+    fn report_failure(&self, reason: String) {
+        self.abort.set(self.rank, reason.clone());
+        if let Some(carrier) = &self.carrier {
+            carrier.report_failure(reason);
+        }
+    }
+}
+
+/// Wait for the NCCL collective queued last on `stream`, polling, so that a reported failure or
+/// the collective timeout can end the wait: then abort NCCL's communicator (its kernel exits;
+/// `comm` becomes `None`) and fail. `at` is the rank and the collective (kind, sequence number).
+fn wait_queued(
+    stream: &CudaStream,
+    comm: &mut Option<Comm>,
+    (abort, timeout): (&Abort, Duration),
+    at: (usize, (CollectiveKind, u64)),
+    what: &str,
+) -> Result<(), CommError> {
+    let rank = at.0;
+    let event = (stream.record_event(None))
+        .map_err(|e| failed(rank, "recording the collective's end", e))?;
+    let started = Instant::now();
+    let mut polls: u32 = 0;
+    loop {
+        match event.try_is_complete() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(failed(rank, what, e)),
+        }
+        if let Some(failure) = abort.get() {
+            *comm = None;
+            return Err(peer_failed(at, failure));
+        }
+        if started.elapsed() > timeout {
+            *comm = None;
+            return Err(CommError::Closed(format!(
+                "NCCL on rank {rank}: {what} (collective #{}) did not finish within the \
+                 collective timeout of {timeout:?}, so its communicator was aborted: a peer may \
+                 have died or stopped issuing collectives. Raise the timeout with \
+                 ZERODP_TIMEOUT=<seconds> or --timeout if this is expected",
+                at.1 .1
+            )));
+        }
+        // Spin briefly (most collectives end within microseconds), then sleep.
+        polls = polls.saturating_add(1);
+        match polls < 1000 {
+            true => std::thread::yield_now(),
+            false => std::thread::sleep(Duration::from_micros(100)),
+        }
+    }
+}
+
+/// The error of collective `at.1` on rank `at.0`, given up because rank `failure.0` reported
+/// `failure.1`.
+fn peer_failed(
+    (rank, (op, seq)): (usize, (CollectiveKind, u64)),
+    (failed_rank, reason): (usize, String),
+) -> CommError {
+    CommError::PeerFailed {
+        rank,
+        failed_rank,
+        reason,
+        op,
+        seq,
+    }
+}
+
+/// NCCL's communicator, unless an earlier wait aborted it.
+fn live(comm: &Option<Comm>, rank: usize) -> Result<&Comm, CommError> {
+    comm.as_ref().ok_or_else(|| {
+        CommError::Closed(format!(
+            "NCCL on rank {rank}: the communicator was aborted after an earlier failure"
+        ))
+    })
 }
 
 /// GPU `ordinal`'s primary context, and a stream of this rank's own on it.
@@ -284,12 +402,17 @@ fn open_stream(ordinal: usize, rank: usize) -> Result<Arc<CudaStream>, CommError
 /// thread), its stream, and staging buffers grown to the largest collective so far, on the GPU
 /// and in host memory (steady-state collectives allocate nothing).
 struct Engine {
-    comm: Comm,
+    /// `None` once aborted (dropping a `Comm` calls `ncclCommAbort`).
+    comm: Option<Comm>,
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
     options: CommOptions,
     shared: Arc<Shared>,
+    /// The world's failure notice, read while waiting.
+    abort: Arc<Abort>,
+    /// The collective being run and its sequence number, for the errors of [`Engine::wait`].
+    current: (CollectiveKind, u64),
     /// The first failure: every later collective fails with it (NCCL's communicator may be
     /// broken).
     failure: Option<CommError>,
@@ -311,18 +434,19 @@ impl Engine {
         stream: Arc<CudaStream>,
         (rank, world): (usize, usize),
         id: Id,
-        options: CommOptions,
-        shared: Arc<Shared>,
+        (options, shared, abort): (CommOptions, Arc<Shared>, Arc<Abort>),
     ) -> Result<Engine, CommError> {
         let comm = Comm::from_rank(stream.clone(), rank, world, id)
             .map_err(|e| failed(rank, "ncclCommInitRank", e))?;
         Ok(Engine {
-            comm,
+            comm: Some(comm),
             stream,
             rank,
             world,
             options,
             shared,
+            abort,
+            current: (CollectiveKind::Barrier, 0),
             failure: None,
             floats: None,
             bytes: None,
@@ -357,6 +481,10 @@ impl Engine {
             return Err(failure.clone());
         }
         let desc = describe(&call);
+        self.current = (desc.kind, seq);
+        if let Some(failed) = self.abort.get() {
+            return Err(peer_failed((self.rank, self.current), failed));
+        }
         let started = Instant::now();
         let out = self.execute(call)?;
         let stats = (&self.shared.traffic, &self.shared.stats);
@@ -447,8 +575,16 @@ impl Engine {
         let mut view = staging.slice_mut(0..n);
         let copy = |e| failed(rank, "copying between host and GPU", e);
         stream.memcpy_htod(host, &mut view).map_err(copy)?;
-        (self.comm.all_reduce_in_place(&mut view, &nccl_op(op)))
+        (live(&self.comm, rank)?.all_reduce_in_place(&mut view, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclAllReduce", e))?;
+        let until = (&*self.abort, self.options.timeout);
+        wait_queued(
+            stream,
+            &mut self.comm,
+            until,
+            (rank, self.current),
+            "ncclAllReduce",
+        )?;
         stream.memcpy_dtoh(&view, host).map_err(copy)?;
         self.sync()?;
         self.finish_average(host, op);
@@ -494,8 +630,16 @@ impl Engine {
         let copy = |e| failed(rank, "copying between host and GPU", e);
         stream.memcpy_htod(padded, &mut send).map_err(copy)?;
         let mut recv = recv.slice_mut(0..stride);
-        (self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op)))
+        (live(&self.comm, rank)?.reduce_scatter(&send, &mut recv, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclReduceScatter", e))?;
+        let until = (&*self.abort, self.options.timeout);
+        wait_queued(
+            stream,
+            &mut self.comm,
+            until,
+            (rank, self.current),
+            "ncclReduceScatter",
+        )?;
         stream.memcpy_dtoh(&recv, shard).map_err(copy)?;
         self.sync()
     }
@@ -541,7 +685,16 @@ impl Engine {
             .memcpy_htod(shard, &mut send.slice_mut(0..shard.len()))
             .map_err(copy)?;
         let mut recv = recv.slice_mut(0..gathered.len());
-        (self.comm.all_gather(&send, &mut recv)).map_err(|e| failed(rank, "ncclAllGather", e))?;
+        (live(&self.comm, rank)?.all_gather(&send, &mut recv))
+            .map_err(|e| failed(rank, "ncclAllGather", e))?;
+        let until = (&*self.abort, self.options.timeout);
+        wait_queued(
+            stream,
+            &mut self.comm,
+            until,
+            (rank, self.current),
+            "ncclAllGather",
+        )?;
         stream.memcpy_dtoh(&recv, gathered).map_err(copy)?;
         self.sync()
     }
@@ -552,8 +705,16 @@ impl Engine {
         let mut view = staging.slice_mut(0..n);
         let copy = |e| failed(rank, "copying between host and GPU", e);
         stream.memcpy_htod(&*buf, &mut view).map_err(copy)?;
-        (self.comm.broadcast_in_place(&mut view, root as i32))
+        (live(&self.comm, rank)?.broadcast_in_place(&mut view, root as i32))
             .map_err(|e| failed(rank, "ncclBroadcast", e))?;
+        let until = (&*self.abort, self.options.timeout);
+        wait_queued(
+            stream,
+            &mut self.comm,
+            until,
+            (rank, self.current),
+            "ncclBroadcast",
+        )?;
         stream.memcpy_dtoh(&view, buf).map_err(copy)?;
         self.sync()
     }

@@ -346,6 +346,8 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.schedule = schedule;
         self
     }
+    /// The options of the in-process backend's communicators ([`Backend::InProcess`]); the
+    /// communicators of [`Backend::Group`] and [`Backend::Process`] come with their own.
     pub fn with_comm_options(mut self, options: CommOptions) -> Self {
         self.comm = options;
         self
