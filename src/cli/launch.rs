@@ -141,6 +141,7 @@ pub fn start_mpi(
 #[derive(Clone, Copy, Debug)]
 pub struct NoTopology {
     pub local_size: usize,
+    pub local_rank: usize,
 }
 
 /// Rayon threads for one rank process: the host's cores shared among the ranks on this host.

@@ -345,6 +345,15 @@ fn join_ranks<'m>(
     let device = args.device.device;
     let ordinal = device.ordinal(super::bench_nccl::gpus()?)?.unwrap_or(0);
     let pinned = matches!(device, zerodp::device::ComputeDevice::Cuda(Some(_)));
+    if !pinned && zerodp::device::local_rank() != topo.local_rank {
+        bail!(
+            "--nccl: the launcher's environment gives this process local rank {} but MPI says {}, \
+             so its model's GPU would not be its NCCL rank's; start it with mpirun (which sets \
+             OMPI_COMM_WORLD_LOCAL_RANK) or pin each process with --device cuda:N",
+            zerodp::device::local_rank(),
+            topo.local_rank
+        );
+    }
     let at = (ordinal, topo.local_size, pinned);
     let nccl: Arc<dyn Communicator> =
         Arc::from(super::bench_nccl::over_mpi(comm, at, comm_options)?);

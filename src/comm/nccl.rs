@@ -86,10 +86,12 @@ pub struct NcclComm {
     ordinal: usize,
     shared: Arc<Shared>,
     abort: Arc<Abort>,
+    /// Declared before `carrier`: fields drop in order, so the NCCL thread is joined (and its
+    /// communicator gone) before MPI can shut down.
+    thread: CommThread<Job>,
     /// Under MPI, the communicator that carried NCCL's id: told of this rank's failure, and kept
     /// for as long as this rank lives.
     carrier: Option<Arc<dyn Communicator>>,
-    thread: CommThread<Job>,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -140,6 +142,7 @@ impl NcclComm {
         }
         let id = Id::new().map_err(|e| failed(0, "ncclGetUniqueId", e))?;
         let world = ordinals.len();
+        eager_connections();
         let (report, reports) = mpsc::channel();
         let (mut comms, mut gos) = (Vec::new(), Vec::new());
         let abort = Arc::new(Abort::default());
@@ -209,12 +212,26 @@ impl NcclComm {
         let (go, go_rx) = mpsc::channel();
         let at = (ordinal, rank, world, Id::uninit(internal));
         let abort = Arc::new(Abort::default());
-        let mut comm = Self::start(at, &options, (report, go_rx), abort)?;
-        next_report(&reports)?;
-        let _ = go.send(true);
-        next_report(&reports)?;
-        comm.carrier = Some(carrier);
-        Ok(comm)
+        eager_connections();
+        let joined = Self::start(at, &options, (report, go_rx), abort).and_then(|comm| {
+            next_report(&reports)?;
+            let _ = go.send(true);
+            next_report(&reports)?;
+            Ok(comm)
+        });
+        match joined {
+            Ok(mut comm) => {
+                comm.carrier = Some(carrier);
+                Ok(comm)
+            }
+            Err(e) => {
+                // The peers may wait in NCCL's initialisation for good; the carrier's failure
+                // notice lets this process exit (MPI skips its finalisation) so mpirun ends the
+                // job.
+                carrier.report_failure(e.to_string());
+                Err(e)
+            }
+        }
     }
 
     /// Start rank `rank`'s thread on GPU `ordinal`: it opens the GPU and reports, waits for
@@ -265,8 +282,8 @@ impl NcclComm {
             ordinal,
             shared,
             abort,
-            carrier: None,
             thread: CommThread::new(tx, thread),
+            carrier: None,
         })
     }
 
@@ -323,6 +340,16 @@ impl Communicator for NcclComm {
     }
 }
 
+/// NCCL 2.28 makes a collective's connections when it first runs (`NCCL_RUNTIME_CONNECT=1`), on
+/// the host inside the call, waiting for the peers there, where no timeout or failure notice can
+/// reach it. Unless the user chose otherwise, make them all in `ncclCommInitRank` instead, whose
+/// wait is the initialisation's (every rank has opened its GPU by then).
+fn eager_connections() {
+    if std::env::var_os("NCCL_RUNTIME_CONNECT").is_none() {
+        std::env::set_var("NCCL_RUNTIME_CONNECT", "0");
+    }
+}
+
 /// Wait for the NCCL collective queued last on `stream`, polling, so that a reported failure or
 /// the collective timeout can end the wait: then abort NCCL's communicator (its kernel exits;
 /// `comm` becomes `None`) and fail. `at` is the rank and the collective (kind, sequence number).
@@ -362,7 +389,7 @@ fn wait_queued(
         polls = polls.saturating_add(1);
         match polls < 1000 {
             true => std::thread::yield_now(),
-            false => std::thread::sleep(Duration::from_micros(100)),
+            false => std::thread::sleep(Duration::from_micros(50)),
         }
     }
 }
@@ -411,7 +438,7 @@ struct Engine {
     shared: Arc<Shared>,
     /// The world's failure notice, read while waiting.
     abort: Arc<Abort>,
-    /// The collective being run and its sequence number, for the errors of [`Engine::wait`].
+    /// The collective being run and its sequence number, for the errors of [`wait_queued`].
     current: (CollectiveKind, u64),
     /// The first failure: every later collective fails with it (NCCL's communicator may be
     /// broken).

@@ -123,7 +123,9 @@ impl fmt::Debug for TraceSink {
 #[derive(Clone, Debug)]
 pub struct CommOptions {
     /// How long a rank waits inside one collective for the others before every waiting rank fails
-    /// with [`crate::comm::CommError::Timeout`]; [`NO_TIMEOUT`] waits as long as they take.
+    /// with [`crate::comm::CommError::Timeout`] (NCCL's ranks, which cannot tell which peers
+    /// arrived, with a `CommError::Closed` naming the timeout); [`NO_TIMEOUT`] waits as long as
+    /// they take.
     pub timeout: Duration,
     /// Per-collective trace lines (`ZERODP_DEBUG=INFO`, or `comms_logger.enabled`).
     pub trace: TraceLevel,
