@@ -39,7 +39,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, HostSlice};
 use cudarc::nccl::{Comm, Id};
 use half::slice::HalfFloatSliceExt;
 
@@ -340,6 +340,12 @@ impl Communicator for NcclComm {
     }
 }
 
+/// What ends a wait for a collective: the world's failure notice, and the collective timeout.
+type Until<'a> = (&'a Abort, Duration);
+
+/// A rank and the collective it runs (kind, sequence number), for the errors of a wait.
+type At = (usize, (CollectiveKind, u64));
+
 /// NCCL 2.28 makes a collective's connections when it first runs (`NCCL_RUNTIME_CONNECT=1`), on
 /// the host inside the call, waiting for the peers there, where no timeout or failure notice can
 /// reach it. Unless the user chose otherwise, make them all in `ncclCommInitRank` instead, whose
@@ -356,8 +362,8 @@ fn eager_connections() {
 fn wait_queued(
     stream: &CudaStream,
     comm: &mut Option<Comm>,
-    (abort, timeout): (&Abort, Duration),
-    at: (usize, (CollectiveKind, u64)),
+    (abort, timeout): Until<'_>,
+    at: At,
     what: &str,
 ) -> Result<(), CommError> {
     let rank = at.0;
@@ -394,12 +400,28 @@ fn wait_queued(
     }
 }
 
+/// The end of every collective: [`wait_queued`] for it (`what`, on rank and collective `at`),
+/// then its result from the GPU staging `src` into the host's `dst`, and the stream drained.
+fn finish_queued<T, Src, Dst>(
+    stream: &Arc<CudaStream>,
+    comm: &mut Option<Comm>,
+    (until, at, what): (Until<'_>, At, &str),
+    (src, dst): (&Src, &mut Dst),
+) -> Result<(), CommError>
+where
+    T: DeviceRepr,
+    Src: DevicePtr<T>,
+    Dst: HostSlice<T> + ?Sized,
+{
+    let rank = at.0;
+    wait_queued(stream, comm, until, at, what)?;
+    (stream.memcpy_dtoh(src, dst)).map_err(|e| failed(rank, "copying between host and GPU", e))?;
+    (stream.synchronize()).map_err(|e| failed(rank, "the collective's stream", e))
+}
+
 /// The error of collective `at.1` on rank `at.0`, given up because rank `failure.0` reported
 /// `failure.1`.
-fn peer_failed(
-    (rank, (op, seq)): (usize, (CollectiveKind, u64)),
-    (failed_rank, reason): (usize, String),
-) -> CommError {
+fn peer_failed((rank, (op, seq)): At, (failed_rank, reason): (usize, String)) -> CommError {
     CommError::PeerFailed {
         rank,
         failed_rank,
@@ -581,12 +603,6 @@ impl Engine {
         }
     }
 
-    fn sync(&self) -> Result<(), CommError> {
-        self.stream
-            .synchronize()
-            .map_err(|e| failed(self.rank, "the collective's stream", e))
-    }
-
     /// `ReduceOp::Avg` as the contract computes it, the f32 sum divided by the world size (NCCL's
     /// own average multiplies by `1/n`).
     fn finish_average(&self, values: &mut [f32], op: ReduceOp) {
@@ -605,15 +621,13 @@ impl Engine {
         (live(&self.comm, rank)?.all_reduce_in_place(&mut view, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclAllReduce", e))?;
         let until = (&*self.abort, self.options.timeout);
-        wait_queued(
+        let at = (rank, self.current);
+        finish_queued(
             stream,
             &mut self.comm,
-            until,
-            (rank, self.current),
-            "ncclAllReduce",
+            (until, at, "ncclAllReduce"),
+            (&view, host),
         )?;
-        stream.memcpy_dtoh(&view, host).map_err(copy)?;
-        self.sync()?;
         self.finish_average(host, op);
         Ok(())
     }
@@ -660,15 +674,13 @@ impl Engine {
         (live(&self.comm, rank)?.reduce_scatter(&send, &mut recv, &nccl_op(op)))
             .map_err(|e| failed(rank, "ncclReduceScatter", e))?;
         let until = (&*self.abort, self.options.timeout);
-        wait_queued(
+        let at = (rank, self.current);
+        finish_queued(
             stream,
             &mut self.comm,
-            until,
-            (rank, self.current),
-            "ncclReduceScatter",
-        )?;
-        stream.memcpy_dtoh(&recv, shard).map_err(copy)?;
-        self.sync()
+            (until, at, "ncclReduceScatter"),
+            (&recv, shard),
+        )
     }
 
     /// Every rank's shard (`shard`, elements of `size` bytes) into `full`, through NCCL's equal
@@ -715,15 +727,13 @@ impl Engine {
         (live(&self.comm, rank)?.all_gather(&send, &mut recv))
             .map_err(|e| failed(rank, "ncclAllGather", e))?;
         let until = (&*self.abort, self.options.timeout);
-        wait_queued(
+        let at = (rank, self.current);
+        finish_queued(
             stream,
             &mut self.comm,
-            until,
-            (rank, self.current),
-            "ncclAllGather",
-        )?;
-        stream.memcpy_dtoh(&recv, gathered).map_err(copy)?;
-        self.sync()
+            (until, at, "ncclAllGather"),
+            (&recv, gathered),
+        )
     }
 
     fn broadcast_bytes(&mut self, buf: &mut [u8], root: usize) -> Result<(), CommError> {
@@ -735,15 +745,13 @@ impl Engine {
         (live(&self.comm, rank)?.broadcast_in_place(&mut view, root as i32))
             .map_err(|e| failed(rank, "ncclBroadcast", e))?;
         let until = (&*self.abort, self.options.timeout);
-        wait_queued(
+        let at = (rank, self.current);
+        finish_queued(
             stream,
             &mut self.comm,
-            until,
-            (rank, self.current),
-            "ncclBroadcast",
-        )?;
-        stream.memcpy_dtoh(&view, buf).map_err(copy)?;
-        self.sync()
+            (until, at, "ncclBroadcast"),
+            (&view, buf),
+        )
     }
 }
 
