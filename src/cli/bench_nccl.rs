@@ -21,7 +21,7 @@ pub fn gpus() -> anyhow::Result<usize> {
         Ok(n) => Ok(n),
         Err(zerodp::device::DeviceError::NoGpu { reason }) => Err(anyhow::anyhow!(
             "--nccl found no usable GPU: {reason}. Check nvidia-smi and CUDA_VISIBLE_DEVICES, or \
-             drop --nccl to time the host backends"
+             drop --nccl to use the host backends"
         )),
         Err(e) => Err(anyhow::anyhow!("--nccl: {e}")),
     }
