@@ -430,49 +430,42 @@ fn gpu_train_over_nccl_equals_the_cpu() {
     }
 }
 
+/// `zerodp train` of the tiny GPT for a step with `args`, in a build without the `cuda`
+/// feature: refused before any work (exit 1, no panic); its stderr.
+#[cfg(not(feature = "cuda"))]
+fn refused_without_cuda(config: &str, args: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ds.json");
+    std::fs::write(&path, config).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["train", "--model", "tiny", "--steps", "1"])
+        .args(args)
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
 /// Without a GPU build, `--nccl` is refused before any work, saying how to get one.
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn train_over_nccl_without_the_feature_says_how_to_build_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ds.json");
-    std::fs::write(&config, r#"{"train_batch_size": 2}"#).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
-        .args(["train", "--model", "tiny", "--steps", "1", "--nccl"])
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = refused_without_cuda(r#"{"train_batch_size": 2}"#, &["--nccl"]);
     assert!(err.contains("--nccl needs a GPU build"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 /// Without a GPU build, `--device cuda` is refused before any work, saying how to get one.
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn train_on_cuda_without_the_feature_says_how_to_build_it() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ds.json");
-    std::fs::write(
-        &config,
-        r#"{"train_batch_size": 2, "zero_optimization": {"stage": 1}}"#,
-    )
-    .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
-        .args([
-            "train", "--model", "tiny", "--steps", "1", "--device", "cuda",
-        ])
-        .arg("--config")
-        .arg(&config)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let config = r#"{"train_batch_size": 2, "zero_optimization": {"stage": 1}}"#;
+    let err = refused_without_cuda(config, &["--device", "cuda"]);
     assert!(err.contains("--features cuda"), "{err}");
     assert!(err.contains("--device cpu"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
 }
 
 /// A device name zerodp does not know is refused by the argument parser, naming the choices.

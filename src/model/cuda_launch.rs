@@ -127,6 +127,39 @@ pub(super) fn per_row(rows: usize) -> LaunchConfig {
     }
 }
 
+/// The first kernel of a norm's backward (LayerNorm's, RMSNorm's):
+/// `zerodp_<op>_<dtype>(x, w, dy, dx, stats, rows, c, eps)` of PTX module `module`, all three
+/// inputs in x's dtype. Returns dx (`rows * c` elements of that dtype) and the rows' statistics
+/// (`stats_per_row * rows` f32), which the kernel of the weights' gradients reads.
+pub(super) fn norm_dx(
+    (module, ptx, op): (&str, &'static str, &str),
+    device: &CudaDevice,
+    (xa, wa, da): (&Arg, &Arg, &Arg),
+    (rows, c, eps, stats_per_row): (usize, usize, f64, usize),
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dtype = xa.dtype();
+    if wa.dtype() != dtype || da.dtype() != dtype {
+        bail!("{op}: input, weight and gradient in one dtype");
+    }
+    let dx = output(device, dtype, rows * c)?;
+    let stats = output(device, DType::F32, stats_per_row * rows)?;
+    let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
+    let name = kernel_name(op, dtype)?;
+    let func = device.get_or_load_custom_func(&name, module, ptx)?;
+    let mut b = func.builder();
+    for a in [xa, wa, da] {
+        push(&mut b, a);
+    }
+    push_slice(&mut b, &dx.slice)?;
+    push_slice(&mut b, &stats.slice)?;
+    b.arg(&rows64).arg(&c32).arg(&eps32);
+    // SAFETY: `zerodp_<op>_<dtype>(x, w, dy, dx, stats, rows, c, eps)`: x, dy, dx of `rows * c`
+    // elements of one dtype (checked above), w of `c` (checked by the caller), stats of
+    // `stats_per_row * rows` f32.
+    launched(op, unsafe { b.launch(per_row(rows)) })?;
+    Ok((dx, stats))
+}
+
 /// The driver's error of a launch, naming the kernel.
 pub(super) fn launched(
     op: &str,

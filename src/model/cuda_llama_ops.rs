@@ -9,7 +9,7 @@ use candle_core::cuda_backend::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
 use super::cuda_launch::{
-    arg, elementwise, kernel_name, launched, output, param_parts, per_part, per_row, push,
+    arg, elementwise, kernel_name, launched, norm_dx, output, param_parts, per_part, per_row, push,
     push_slice, rows_of, sum_parts, tensor, with_cuda, with_cuda3,
 };
 use super::kernels::Rope;
@@ -67,24 +67,10 @@ pub(super) fn rms_norm_bwd(
     let (dx, dw_parts) = with_cuda3(x, w, dy, |[(xs, xl), (ws, wl), (ds, dl)]| {
         let (device, dtype) = (&xs.device, xs.dtype());
         let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
-        if wa.dtype() != dtype || da.dtype() != dtype {
-            bail!("rms norm backward: input, weight and gradient in one dtype");
-        }
-        let dx = output(device, dtype, rows * c)?;
-        let stats = output(device, DType::F32, rows)?;
-        let (rows64, c32, eps32) = (rows as u64, c as i32, eps as f32);
-        let name = kernel_name("rms_norm_bwd", dtype)?;
-        let func = device.get_or_load_custom_func(&name, MODULE, PTX)?;
-        let mut b = func.builder();
-        for a in [&xa, &wa, &da] {
-            push(&mut b, a);
-        }
-        push_slice(&mut b, &dx.slice)?;
-        push_slice(&mut b, &stats.slice)?;
-        b.arg(&rows64).arg(&c32).arg(&eps32);
-        // SAFETY: `zerodp_rms_norm_bwd_<dtype>(x, w, dy, dx, stats, rows, c, eps)`:
-        // x, dy, dx of `rows * c` elements, w of `c`, stats of `rows` f32.
-        launched("rms_norm_bwd", unsafe { b.launch(per_row(rows)) })?;
+        // Each row's `1 / rms`.
+        let kernel = (MODULE, PTX, "rms_norm_bwd");
+        let (dx, stats) = norm_dx(kernel, device, (&xa, &wa, &da), (rows, c, eps, 1))?;
+        let (rows64, c32) = (rows as u64, c as i32);
 
         let dw_parts = output(device, DType::F32, parts * c)?;
         let per_part_rows = per_part_rows as u64;
