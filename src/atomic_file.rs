@@ -136,6 +136,99 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     f.commit()
 }
 
+/// A directory being built under a temporary name beside its target, then put in place whole by
+/// [`AtomicDir::commit`]: the target is either what it was or the complete new directory (an
+/// existing target is swapped out in one `renameat2(RENAME_EXCHANGE)` where the file system has
+/// it, else by two renames, and removed). Dropped without commit, the temporary is removed.
+pub struct AtomicDir {
+    target: PathBuf,
+    tmp: Option<PathBuf>,
+}
+
+impl AtomicDir {
+    /// Creates the temporary directory `.NAME.tmp-*` beside `target` (whose parent must exist).
+    pub fn create(target: &Path) -> io::Result<AtomicDir> {
+        let name = target
+            .file_name()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no directory name"))?;
+        let tmp = target.with_file_name(format!(
+            ".{}.tmp-{}-{}",
+            name.to_string_lossy(),
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir(&tmp)?;
+        Ok(AtomicDir {
+            target: target.to_path_buf(),
+            tmp: Some(tmp),
+        })
+    }
+
+    /// Where to write the directory's files until it is committed.
+    pub fn path(&self) -> &Path {
+        self.tmp.as_deref().unwrap_or(&self.target)
+    }
+
+    /// Puts the directory in place of the target (an empty or replaceable directory, or
+    /// nothing), then removes what the target held.
+    pub fn commit(mut self) -> io::Result<()> {
+        let Some(tmp) = self.tmp.clone() else {
+            return Ok(());
+        };
+        File::open(&tmp)?.sync_all()?;
+        if !self.target.exists() {
+            std::fs::rename(&tmp, &self.target)?;
+        } else if exchange(&tmp, &self.target).is_err() {
+            // No atomic exchange here: move the old directory aside (it stays whole under the
+            // temporary name), then the new one in.
+            let old = tmp.with_extension("old");
+            std::fs::rename(&self.target, &old)?;
+            std::fs::rename(&tmp, &self.target)?;
+            std::fs::rename(&old, &tmp)?;
+        }
+        self.tmp = None;
+        // The old directory now sits under the temporary name.
+        let _ = std::fs::remove_dir_all(&tmp);
+        sync_parent(&self.target)
+    }
+}
+
+impl Drop for AtomicDir {
+    fn drop(&mut self) {
+        if let Some(tmp) = &self.tmp {
+            let _ = std::fs::remove_dir_all(tmp);
+        }
+    }
+}
+
+/// Swaps two existing paths in one step (Linux `renameat2` with `RENAME_EXCHANGE`).
+#[cfg(target_os = "linux")]
+fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(io::Error::other);
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: both paths are NUL-terminated strings that outlive the call; AT_FDCWD resolves
+    // relative paths as rename(2) does.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    match rc {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange(_: &Path, _: &Path) -> io::Result<()> {
+    Err(io::Error::from(io::ErrorKind::Unsupported))
+}
+
 /// fsyncs the directory holding `path`, so that a name created or renamed in it is on disk.
 pub fn sync_parent(path: &Path) -> io::Result<()> {
     let dir = match path.parent() {

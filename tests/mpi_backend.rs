@@ -428,8 +428,9 @@ fn train_and_compare(hosts: Option<&NetnsHosts>, dir: &Path, np: usize, stage: u
     assert_eq!(a, b, "{tag}: MPI and in-process runs differ");
 }
 
-/// The pid of the process of `rank` among `mpirun`'s descendants (found by its environment).
-fn rank_pid(rank: usize) -> Option<u32> {
+/// The pid of the process of `rank` among `mpirun`'s descendants (found by its environment)
+/// whose command line holds `marker`.
+fn rank_pid(rank: usize, marker: &str) -> Option<u32> {
     let want = format!("OMPI_COMM_WORLD_RANK={rank}");
     let me = std::process::id();
     for e in std::fs::read_dir("/proc").ok()?.flatten() {
@@ -443,7 +444,7 @@ fn rank_pid(rank: usize) -> Option<u32> {
             continue;
         };
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let is_zerodp = String::from_utf8_lossy(&cmd).contains("kill-test-marker");
+        let is_zerodp = String::from_utf8_lossy(&cmd).contains(marker);
         if is_zerodp && env.split(|&b| b == 0).any(|v| v == want.as_bytes()) {
             return Some(pid);
         }
@@ -517,7 +518,7 @@ fn kill_one_rank(hosts: Option<&NetnsHosts>, victim: usize) {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let pid = rank_pid(victim).expect("the victim rank's process");
+    let pid = rank_pid(victim, "kill-test-marker").expect("the victim rank's process");
     // SAFETY: sending a signal to a process this test started (through mpirun).
     unsafe { libc_kill(pid as i32, 9) };
     let killed_at = Instant::now();
@@ -539,6 +540,134 @@ fn kill_one_rank(hosts: Option<&NetnsHosts>, victim: usize) {
     eprintln!(
         "job ended {:.1} s after rank {victim} was killed",
         killed_at.elapsed().as_secs_f64()
+    );
+}
+
+/// A job that a scheduler restarts after every death: one command line (`--resume` with
+/// `--save-dir`, a checkpoint each step) serves the first start and every restart. Rank 1 is
+/// killed (SIGKILL) at five different steps, the same command is run again after each death,
+/// and the final weights and every rank's loss and gradient norm at every step equal an
+/// uninterrupted run's bit for bit.
+#[test]
+fn a_job_restarted_after_five_rank_deaths_ends_as_if_never_stopped() {
+    if mpirun().is_none() {
+        eprintln!("SKIPPED: mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)");
+        return;
+    }
+    const STEPS: u64 = 36;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = &zerodp_bin(dir.path());
+    let text = corpus(dir.path());
+    let cfg = config(dir.path(), 2, false);
+    let command = |tag: &str, restartable: bool| -> Vec<String> {
+        let p = |name: &str| dir.path().join(name).display().to_string();
+        let mut a: Vec<String> = [
+            "train", "--model", "tiny", "--width", "160", "--layers", "2",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(["--seed", "5", "--no-progress", "--steps"].map(String::from));
+        a.push(STEPS.to_string());
+        a.extend(["--config".into(), cfg.display().to_string()]);
+        a.extend(["--data".into(), text.display().to_string()]);
+        a.extend(["--metrics".into(), p(&format!("{tag}.jsonl"))]);
+        a.extend(["--save".into(), p(&format!("{tag}.safetensors"))]);
+        if restartable {
+            a.extend([
+                "--save-dir".into(),
+                p("ck"),
+                "--save-every".into(),
+                "1".into(),
+            ]);
+            a.push("--resume".into());
+        }
+        a
+    };
+    let run_to_end = |args: &[String]| {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = mpirun_cmd(2, bin, &args, &[])
+            .unwrap()
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run_to_end(&command("straight", false));
+    let job = command("restart-marker", true);
+    let rank1_metrics = dir.path().join("restart-marker.rank1.jsonl");
+    let mut deaths = 0;
+    for kill_after in [3u64, 9, 15, 21, 27] {
+        let args: Vec<&str> = job.iter().map(String::as_str).collect();
+        let err = dir.path().join(format!("err-{kill_after}.txt"));
+        let mut child = Job(mpirun_cmd(2, bin, &args, &[])
+            .unwrap()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .unwrap());
+        let until = Instant::now() + Duration::from_secs(180);
+        let last_step = || {
+            let text = std::fs::read_to_string(&rank1_metrics).unwrap_or_default();
+            let last = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .last();
+            last.and_then(|j| j["step"].as_u64()).unwrap_or(0)
+        };
+        while last_step() < kill_after && child.0.try_wait().unwrap().is_none() {
+            assert!(
+                Instant::now() < until,
+                "{}",
+                std::fs::read_to_string(&err).unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if let Some(pid) = rank_pid(1, "restart-marker") {
+            // SAFETY: a signal to a process this test started (through mpirun).
+            unsafe { libc_kill(pid as i32, 9) };
+        }
+        let status = loop {
+            if let Some(s) = child.0.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                Instant::now() < until,
+                "the job did not end after rank 1's death"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let log = std::fs::read_to_string(&err).unwrap();
+        assert!(
+            !status.success(),
+            "the job finished before rank 1 was killed: {log}"
+        );
+        assert!(!log.contains("panicked"), "{log}");
+        deaths += 1;
+    }
+    assert_eq!(deaths, 5);
+    run_to_end(&job);
+    let files = |tag: &str| {
+        [
+            dir.path().join(format!("{tag}.jsonl")),
+            dir.path().join(format!("{tag}.rank1.jsonl")),
+        ]
+    };
+    let want = metrics(&files("straight"));
+    assert_eq!(want.len(), 2 * STEPS as usize);
+    assert_eq!(
+        metrics(&files("restart-marker")),
+        want,
+        "a restarted step differs"
+    );
+    assert_eq!(
+        std::fs::read(dir.path().join("restart-marker.safetensors")).unwrap(),
+        std::fs::read(dir.path().join("straight.safetensors")).unwrap(),
+        "the final weights differ"
     );
 }
 

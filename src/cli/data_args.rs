@@ -9,8 +9,7 @@
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use zerodp::model::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
-use zerodp::model::{Corpus, DataLoader, GptConfig, DEFAULT_CORPUS_PATH};
-use zerodp::trainer::outputs::NamedPath;
+use zerodp::model::{Corpus, DataError, DataLoader, GptConfig, DEFAULT_CORPUS_PATH};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct DataArgs {
@@ -45,7 +44,7 @@ impl DataArgs {
     }
 
     /// Loads the tokenizer, if any, and fits the model to it: a preset GPT (`from_config`
-    /// false) takes its vocabulary; a model from a config must have at least as many rows.
+    /// false) takes its vocabulary; a model from a config must have a row for its largest id.
     pub fn fit_model(
         &self,
         mut gpt: GptConfig,
@@ -56,16 +55,20 @@ impl DataArgs {
             self.check_byte_corpus()?;
             return Ok((gpt, None));
         };
+        warn_overridden_tokenizer(self.tokenizer.as_deref(), model_dir);
         let tokenizer = TextTokenizer::from_file(&path, self.eos_token.as_deref())?;
-        let vocab = tokenizer.vocab_size();
+        let bound = tokenizer.id_bound();
         if !from_config {
-            gpt.vocab_size = vocab;
-        } else if gpt.vocab_size < vocab {
+            gpt.vocab_size = bound;
+        } else if gpt.vocab_size < bound {
             bail!(
-                "the model's vocab_size {} is smaller than the tokenizer's vocabulary {vocab} ({}): \
-                 the tokenizer does not belong to this model",
+                "the model's vocab_size {} is smaller than the tokenizer's vocabulary {bound} ({}: \
+                 its largest id is {}, among {} tokens); the tokenizer does not belong to this \
+                 model: use the model's own tokenizer.json",
                 gpt.vocab_size,
-                path.display()
+                path.display(),
+                bound - 1,
+                tokenizer.vocab_size()
             );
         }
         Ok((gpt, Some(tokenizer)))
@@ -88,17 +91,35 @@ impl DataArgs {
         Ok(())
     }
 
-    /// The `--data` paths (and the tokenizer) as inputs of the output-path checks.
-    pub fn inputs(&self) -> Vec<NamedPath<'_>> {
-        let data = self.paths.iter().map(|path| NamedPath {
-            name: "--data",
-            path,
-        });
-        let tokenizer = self.tokenizer.as_deref().map(|path| NamedPath {
-            name: "--tokenizer",
-            path,
-        });
-        data.chain(tokenizer).collect()
+    /// Every file and directory the data flags make a run read, as inputs of the output-path
+    /// checks: the `--data` paths, the tokenizer and the `tokenizer_config.json` read beside it
+    /// (for its EOS token), and the token cache (`model_dir`'s tokenizer is the directory's).
+    pub fn inputs(&self, model_dir: Option<&Path>) -> Vec<(&'static str, PathBuf)> {
+        let mut inputs: Vec<(&'static str, PathBuf)> =
+            self.paths.iter().map(|p| ("--data", p.clone())).collect();
+        if let Some(t) = &self.tokenizer {
+            inputs.push(("--tokenizer", t.clone()));
+            let beside = t.with_file_name("tokenizer_config.json");
+            if beside.is_file() {
+                inputs.push(("the tokenizer_config.json beside --tokenizer", beside));
+            }
+        }
+        if self.tokenizer_path(model_dir).is_some() {
+            inputs.push(("the token cache", self.cache_dir()));
+        }
+        inputs
+    }
+
+    /// Where the token file is cached: `--data-cache`, else beside the first input.
+    fn cache_dir(&self) -> PathBuf {
+        match &self.data_cache {
+            Some(d) => d.clone(),
+            None => {
+                let first = self.default_paths().remove(0);
+                let first = std::fs::canonicalize(&first).unwrap_or(first);
+                zerodp::model::token_data::default_cache_dir(first)
+            }
+        }
     }
 
     /// Bytes of the input files, for the memory plan (a missing file counts 0; it is reported
@@ -124,14 +145,37 @@ impl DataArgs {
 
     /// The loader over the byte corpus or, with `tokenizer`, the token file of `--data` (of the
     /// demo corpus when none is given), built or reused: on rank 0 a note says which, and
-    /// `progress` draws the tokenizing bar.
+    /// `progress` draws the tokenizing bar. Its largest id is checked against `gpt`'s vocabulary
+    /// before any step; `context_flag` says whether `--context` can shorten the windows (a
+    /// preset's), for the hint of a corpus too short for one.
     pub fn loader(
+        &self,
+        tokenizer: Option<&TextTokenizer>,
+        (gpt, context_flag): (&GptConfig, bool),
+        seed: u64,
+        (rank0, progress): (bool, bool),
+    ) -> anyhow::Result<DataLoader> {
+        let loader = self.open_loader(tokenizer, gpt.context, seed, (rank0, progress));
+        let loader = loader.map_err(|e| match e.downcast_ref::<DataError>() {
+            Some(DataError::TooShort { .. } | DataError::TooFewTokens { .. }) => {
+                let hint = match context_flag {
+                    true => "a shorter context is --context N",
+                    false => "the Hugging Face model's context is its config's n_positions (GPT-2) or max_position_embeddings (Llama)",
+                };
+                e.context(format!("the data cannot fill one window ({hint})"))
+            }
+            _ => e,
+        })?;
+        loader.source().check_vocab(gpt.vocab_size)?;
+        Ok(loader)
+    }
+
+    fn open_loader(
         &self,
         tokenizer: Option<&TextTokenizer>,
         context: usize,
         seed: u64,
-        rank0: bool,
-        progress: bool,
+        (rank0, progress): (bool, bool),
     ) -> anyhow::Result<DataLoader> {
         let Some(tokenizer) = tokenizer else {
             let corpus = read_corpus(&self.default_paths()[0], self.paths.is_empty())?;
@@ -153,6 +197,27 @@ impl DataArgs {
             report(&corpus, tokenizer);
         }
         Ok(DataLoader::new(corpus, context, seed)?)
+    }
+}
+
+/// `--tokenizer T` beside a `--model-dir` whose own `tokenizer.json` differs: allowed (a new
+/// tokenizer for a model is a choice) but said, naming both.
+fn warn_overridden_tokenizer(flag: Option<&Path>, model_dir: Option<&Path>) {
+    let (Some(flag), Some(dir)) = (flag, model_dir) else {
+        return;
+    };
+    let own = dir.join("tokenizer.json");
+    let (Ok(a), Ok(b)) = (std::fs::read(flag), std::fs::read(&own)) else {
+        return;
+    };
+    if a != b {
+        errln!(
+            "warning: --tokenizer {} replaces the model directory's own tokenizer {}, which \
+             differs: the model's embeddings were trained on the ids of its own; drop \
+             --tokenizer to use it",
+            flag.display(),
+            own.display()
+        );
     }
 }
 

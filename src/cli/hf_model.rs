@@ -13,7 +13,7 @@ use candle_core::Tensor;
 use serde_json::Value;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use zerodp::atomic_file::AtomicFile;
+use zerodp::atomic_file::{AtomicDir, AtomicFile};
 use zerodp::checkpoint::{load_manifest, read_params, Manifest, ModelDescription};
 use zerodp::model::hf::{self, ExportDtype, HfConfig};
 use zerodp::model::llama::Llama;
@@ -62,19 +62,38 @@ impl HfModelArgs {
         Ok(Some(HfModel { config, dir }))
     }
 
-    /// The flags as inputs of the output-path checks.
-    pub fn inputs(&self) -> Vec<NamedPath<'_>> {
-        [
-            ("--model-dir", self.model_dir.as_deref()),
-            ("--model-config", self.model_config.as_deref()),
-        ]
-        .into_iter()
-        .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
-        .collect()
+    /// Every file the flags make a run read, as inputs of the output-path checks: `--model-config`,
+    /// or the model directory and each of its files (config, weights, index and shards, tokenizer
+    /// files), so that a link to one elsewhere is caught too.
+    pub fn inputs(&self) -> Vec<(&'static str, PathBuf)> {
+        let mut inputs = Vec::new();
+        if let Some(f) = &self.model_config {
+            inputs.push(("--model-config", f.clone()));
+        }
+        let Some(dir) = &self.model_dir else {
+            return inputs;
+        };
+        inputs.push(("--model-dir", dir.clone()));
+        let files = [hf::CONFIG_FILE, hf::WEIGHTS_FILE, hf::INDEX_FILE]
+            .into_iter()
+            .chain(hf::TOKENIZER_FILES)
+            .map(|n| dir.join(n))
+            .chain(hf::weight_files(dir).unwrap_or_default());
+        inputs.extend(files.filter(|p| p.is_file()).map(|p| ("--model-dir", p)));
+        inputs
     }
 }
 
 impl HfModel {
+    /// The directory's weight files checked against `spec` from their headers alone (names,
+    /// shapes, dtypes, sizes): a broken file is found before the data is tokenized.
+    pub fn check_weights(&self, spec: &ModelSpec) -> anyhow::Result<()> {
+        match &self.dir {
+            Some(dir) => Ok(hf::check_weights(dir, spec)?),
+            None => Ok(()),
+        }
+    }
+
     /// The directory's weights for `spec` (`None` from a bare config: the seeded start).
     pub fn initial_weights(&self, spec: &ModelSpec) -> anyhow::Result<Option<Vec<Vec<f32>>>> {
         let Some(dir) = &self.dir else {
@@ -380,16 +399,32 @@ pub fn run_export(a: ExportArgs) -> anyhow::Result<i32> {
     }
     let dtype = export_dtype(a.dtype.as_deref(), &source.config)?;
     check_export_paths(&a, &source)?;
+    // Built beside OUT_DIR and renamed into place: OUT_DIR is what it was or a whole export.
+    let building = AtomicDir::create(&a.out)
+        .with_context(|| format!("creating a directory beside {}", a.out.display()))?;
     let (_, params) = read_params(&a.dir)?;
-    let mut done = hf::export(
-        &a.out,
-        &source.config,
-        &spec,
-        &params,
-        dtype,
-        source.tokenizer_dir.as_deref(),
-    )?;
-    copy_tokenizer(&source, &a.out, &mut done.copied)?;
+    let built = || -> anyhow::Result<hf::Exported> {
+        let mut done = hf::export(
+            building.path(),
+            &source.config,
+            &spec,
+            &params,
+            dtype,
+            source.tokenizer_dir.as_deref(),
+        )?;
+        copy_tokenizer(&source, building.path(), &mut done.copied)?;
+        write_export_marker(building.path(), &a.dir)?;
+        Ok(done)
+    };
+    let done = built().with_context(|| {
+        format!(
+            "exporting to {} failed; it is as it was, and the partial export beside it is removed",
+            a.out.display()
+        )
+    })?;
+    building
+        .commit()
+        .with_context(|| format!("putting the export in place at {}", a.out.display()))?;
     errln!(
         "wrote {}: config.json, model.safetensors ({} bytes, {}){}",
         a.out.display(),
@@ -501,8 +536,69 @@ fn gpt_of(manifest: &Manifest, heads: usize) -> anyhow::Result<GptConfig> {
     })
 }
 
-/// The export's files may not land in the checkpoint read, a model directory read, or any other
-/// checkpoint; `OUT_DIR` is checked as a path before it is created, then each file in it.
+/// The file that marks a directory as a zerodp export (what it was exported from), so that a
+/// later export may replace it and nothing else.
+const EXPORT_MARKER: &str = ".zerodp-export.json";
+
+fn write_export_marker(dir: &Path, checkpoint: &Path) -> anyhow::Result<()> {
+    let checkpoint = std::fs::canonicalize(checkpoint).unwrap_or_else(|_| checkpoint.into());
+    let text = serde_json::json!({ "exported_from": checkpoint.to_string_lossy() }).to_string();
+    let path = dir.join(EXPORT_MARKER);
+    zerodp::atomic_file::write_atomic(&path, format!("{text}\n").as_bytes())
+        .with_context(|| format!("writing {}", path.display()))
+}
+
+/// An existing `OUT_DIR` may be replaced when it is empty, or an earlier export holding only the
+/// files an export writes; anything else would be lost, so it is refused, naming it.
+fn check_replaceable(out: &Path) -> anyhow::Result<()> {
+    if !out.is_dir() {
+        bail!("OUT_DIR {} exists and is not a directory", out.display());
+    }
+    let mut names: Vec<String> = std::fs::read_dir(out)
+        .with_context(|| format!("reading OUT_DIR {}", out.display()))?
+        .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("reading OUT_DIR {}", out.display()))?;
+    names.sort();
+    if names.is_empty() {
+        return Ok(());
+    }
+    if !names.iter().any(|n| n == EXPORT_MARKER) {
+        bail!(
+            "OUT_DIR {} is not empty and is not an earlier zerodp export (it holds {}): an export \
+             replaces the whole directory; choose a new or empty directory",
+            out.display(),
+            listed(&names)
+        );
+    }
+    let written = [hf::CONFIG_FILE, hf::WEIGHTS_FILE, EXPORT_MARKER];
+    let other: Vec<String> = names
+        .into_iter()
+        .filter(|n| !written.contains(&n.as_str()) && !hf::TOKENIZER_FILES.contains(&n.as_str()))
+        .collect();
+    if !other.is_empty() {
+        bail!(
+            "OUT_DIR {} is an earlier zerodp export that now also holds {}, which a new export \
+             would delete: move it out, or choose another directory",
+            out.display(),
+            listed(&other)
+        );
+    }
+    Ok(())
+}
+
+/// Up to three names, and how many more.
+fn listed(names: &[String]) -> String {
+    let mut text = names.iter().take(3).cloned().collect::<Vec<_>>().join(", ");
+    if names.len() > 3 {
+        text.push_str(&format!(" and {} more", names.len() - 3));
+    }
+    text
+}
+
+/// The export may not land in the checkpoint read, a model directory read, or any other
+/// checkpoint, and may replace only an empty directory or an earlier export
+/// ([`check_replaceable`]); it is built beside `OUT_DIR`, so that directory must be writable.
 fn check_export_paths(a: &ExportArgs, source: &Source) -> anyhow::Result<()> {
     let mut inputs = vec![NamedPath {
         name: "checkpoint",
@@ -518,30 +614,22 @@ fn check_export_paths(a: &ExportArgs, source: &Source) -> anyhow::Result<()> {
             inputs.push(NamedPath { name, path });
         }
     }
-    if !a.out.exists() {
-        check_outputs(
-            &inputs,
-            &[NamedPath {
-                name: "OUT_DIR",
-                path: &a.out,
-            }],
-        )?;
-        std::fs::create_dir(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    } else if !a.out.is_dir() {
-        bail!("OUT_DIR {} exists and is not a directory", a.out.display());
+    // OUT_DIR as a path (where it will be, not inside what is read or a checkpoint), checked
+    // as the file it replaces when it is new, else through a name inside it.
+    let probe = a.out.join(EXPORT_MARKER);
+    let as_output = match a.out.exists() {
+        false => &a.out,
+        true => &probe,
+    };
+    check_outputs(
+        &inputs,
+        &[NamedPath {
+            name: "OUT_DIR",
+            path: as_output,
+        }],
+    )?;
+    if a.out.exists() {
+        check_replaceable(&a.out)?;
     }
-    let names: Vec<String> = [hf::CONFIG_FILE, hf::WEIGHTS_FILE]
-        .into_iter()
-        .chain(hf::TOKENIZER_FILES)
-        .map(|n| a.out.join(n).to_string_lossy().into_owned())
-        .collect();
-    let outputs: Vec<NamedPath<'_>> = names
-        .iter()
-        .map(|n| NamedPath {
-            name: "the export",
-            path: Path::new(n),
-        })
-        .collect();
-    check_outputs(&inputs, &outputs)?;
     Ok(())
 }

@@ -27,7 +27,7 @@ pub struct PlanFlags {
     pub params: Option<String>,
     /// A Hugging Face GPT-2 or Llama `config.json` (or the model directory holding it): the model,
     /// from the config file alone.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads", "vocab", "context"])]
     pub model_config: Option<std::path::PathBuf>,
     /// Elements of the largest unit (one stage-3 gather); estimated from Ψ when left out.
     #[arg(long, value_name = "COUNT", requires = "params")]
@@ -162,20 +162,26 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
 }
 
 /// `--chart` is checked before any work as every output is ([`zerodp::trainer::outputs`]): not
-/// the `--config` read, not in or on a checkpoint.
+/// the `--config` or `--model-config` read (nor inside that model directory), not in or on a
+/// checkpoint.
 fn check_chart_path(args: &PlanFlags) -> anyhow::Result<()> {
     use zerodp::trainer::outputs::{check_outputs, NamedPath};
     let Some(chart) = &args.chart else {
         return Ok(());
     };
-    let inputs: Vec<NamedPath<'_>> = args
-        .config
-        .iter()
-        .map(|path| NamedPath {
-            name: "--config",
-            path,
-        })
-        .collect();
+    let config_file = args
+        .model_config
+        .as_ref()
+        .filter(|p| p.is_dir())
+        .map(|d| d.join("config.json"));
+    let inputs: Vec<NamedPath<'_>> = [
+        ("--config", args.config.as_deref()),
+        ("--model-config", args.model_config.as_deref()),
+        ("--model-config", config_file.as_deref()),
+    ]
+    .into_iter()
+    .filter_map(|(name, p)| p.map(|path| NamedPath { name, path }))
+    .collect();
     let output = NamedPath {
         name: "--chart",
         path: chart,

@@ -40,7 +40,7 @@ use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
 use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
 use zerodp::planner::TrainProcess;
-use zerodp::trainer::outputs::{check_outputs, prepare_save_dir, NamedPath};
+use zerodp::trainer::outputs::{check_outputs, check_save_dir, NamedPath};
 use zerodp::trainer::{
     step_log_line, Backend, CheckpointOptions, LrSchedule, MetricsFile, Resume, StepEvent,
     StepObserver, TrainOutcome, Trainer, TrainerError,
@@ -167,20 +167,15 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let world = backend.world();
     let (hf, gpt, tokenizer) = what_to_train(&args)?;
     let settings = load_settings(&args, backend, &gpt)?;
+    let device = args.device.open(settings.precision)?;
     // Outputs are checked before any work; under MPI with this rank's metrics file (the
-    // launcher's rank, before MPI is up; checked again below if MPI says otherwise).
+    // launcher's rank, before MPI is up; checked again below if MPI says otherwise). Nothing is
+    // created until every check has passed.
     let launch_rank = launch_rank(backend);
     check_paths(&args, metrics_path(&args, launch_rank).as_deref())?;
-    // The run owns --save-dir from here until it returns (the lock is released on drop); under
-    // MPI rank 0 takes it for the job once the ranks can agree, below.
-    let mut save_dir_lock = match backend {
-        Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
-        Resolved::Mpi { .. } => None,
-    };
     let resume = resume_from(&args, launch_rank == 0)?;
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
-    let device = args.device.open(settings.precision)?;
     let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
         .with_context(|| format!("config {}", args.config.display()))?;
     let models = super::hf_model::rank_models(
@@ -195,12 +190,21 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .with_schedule(LrSchedule::from_settings(&settings));
     configure_engine(&mut trainer, &args)?;
     let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;
+    if let Some(m) = &hf {
+        m.check_weights(trainer.model().spec())?;
+    }
+    // The run owns --save-dir from here until it returns (the lock is released on drop); under
+    // MPI rank 0 takes it for the job once the ranks can agree, below.
+    create_save_dir(&args)?;
+    let mut save_dir_lock = match backend {
+        Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
+        Resolved::Mpi { .. } => None,
+    };
     let data = args.data.loader(
         tokenizer.as_ref(),
-        gpt.context,
+        (&gpt, hf.is_none()),
         seed,
-        launch_rank == 0,
-        !args.no_progress,
+        (launch_rank == 0, !args.no_progress),
     )?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
     // What the checkpoints record of the data, and what a resumed run checks it against.
@@ -232,7 +236,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         (&settings, hf.as_ref(), data_record),
         resume,
     );
-    let metrics = metrics_path.as_deref().map(open_metrics).transpose()?;
+    let resumed_at = trainer.resume_step();
+    let metrics = metrics_path
+        .as_deref()
+        .map(|p| open_metrics(p, resumed_at))
+        .transpose()?;
     if rank == 0 {
         print_banner(&trainer, (backend, args.nccl, &settings, &gpt), &data);
         print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
@@ -284,9 +292,14 @@ fn what_to_train(
     Ok((hf, gpt, tokenizer))
 }
 
-/// `--metrics FILE`, created before the first step.
-fn open_metrics(path: &Path) -> anyhow::Result<MetricsFile> {
-    MetricsFile::create(path).with_context(|| format!("creating metrics file {}", path.display()))
+/// `--metrics FILE`, created before the first step; a resumed run keeps the lines of the steps
+/// its checkpoint holds ([`MetricsFile::resume`]).
+fn open_metrics(path: &Path, resumed_at: Option<u64>) -> anyhow::Result<MetricsFile> {
+    let file = match resumed_at {
+        Some(step) => MetricsFile::resume(path, step),
+        None => MetricsFile::create(path),
+    };
+    file.with_context(|| format!("creating metrics file {}", path.display()))
 }
 
 /// `--nccl` before any work: a `cuda` build, the ranks on GPUs, in-process one per GPU.
@@ -800,6 +813,12 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
     fn named<'a>(name: &'a str, p: Option<&'a Path>) -> Option<NamedPath<'a>> {
         p.map(|path| NamedPath { name, path })
     }
+    let read: Vec<(&str, PathBuf)> = args
+        .hf
+        .inputs()
+        .into_iter()
+        .chain(args.data.inputs(args.hf.model_dir.as_deref()))
+        .collect();
     let inputs: Vec<NamedPath<'_>> = [
         named("--config", Some(args.config.as_path())),
         named("--init", args.init.as_deref()),
@@ -807,8 +826,7 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
     ]
     .into_iter()
     .flatten()
-    .chain(args.hf.inputs())
-    .chain(args.data.inputs())
+    .chain(read.iter().map(|(name, path)| NamedPath { name, path }))
     .collect();
     let outputs: Vec<NamedPath<'_>> = [
         named("--save", args.save.as_deref()),
@@ -823,13 +841,25 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
             name: "--save-dir",
             path: dir,
         };
-        prepare_save_dir(dir, &inputs, &outputs)?;
+        check_save_dir(dir, &inputs, &outputs)?;
     }
     if args.save_every.is_some() && args.save_dir.is_none() {
         bail!("--save-every needs --save-dir DIR (where to put the checkpoints)");
     }
     if args.save_every == Some(0) || args.keep_last == Some(0) {
         bail!("--save-every and --keep-last must be at least 1");
+    }
+    Ok(())
+}
+
+/// Creates `--save-dir` (checked by [`check_paths`]) once nothing can refuse the run any more.
+fn create_save_dir(args: &TrainArgs) -> anyhow::Result<()> {
+    if let Some(path) = &args.save_dir {
+        let dir = NamedPath {
+            name: "--save-dir",
+            path,
+        };
+        zerodp::trainer::outputs::create_save_dir(dir)?;
     }
     Ok(())
 }
@@ -875,7 +905,10 @@ fn resume_dir(args: &TrainArgs) -> Option<&Path> {
 }
 
 /// The checkpoint to resume from: `--resume DIR`, or `--resume` alone with `--save-dir`; said
-/// once per job (by the `lead` process: rank 0 under MPI).
+/// once per job (by the `lead` process: rank 0 under MPI). `--resume` alone on a `--save-dir`
+/// that holds no checkpoint yet starts from the beginning, so that one command line serves a
+/// job's first start and every restart (a scheduler's requeue); `--resume DIR` must name a
+/// checkpoint (a mistyped path must not restart a run from scratch).
 fn resume_from(args: &TrainArgs, lead: bool) -> anyhow::Result<Option<Resume>> {
     if args.resume.is_none() {
         return Ok(None);
@@ -883,6 +916,16 @@ fn resume_from(args: &TrainArgs, lead: bool) -> anyhow::Result<Option<Resume>> {
     let Some(dir) = resume_dir(args) else {
         bail!("--resume without a directory needs --save-dir (or give --resume DIR)")
     };
+    if args.resume == Some(None) && !holds_checkpoint(dir) {
+        if lead {
+            errln!(
+                "--resume: {} holds no checkpoint yet, so training starts from the beginning; \
+                 the same command resumes from the checkpoints this run saves",
+                dir.display()
+            );
+        }
+        return Ok(None);
+    }
     let r = Resume::from_dir(dir)?;
     let m = &r.manifest;
     if lead {
@@ -905,6 +948,13 @@ fn resume_from(args: &TrainArgs, lead: bool) -> anyhow::Result<Option<Resume>> {
         );
     }
     Ok(Some(r))
+}
+
+/// Whether a save directory has committed a checkpoint (its `latest`) or `dir` is one: a step
+/// directory renamed into place whose `latest` was never written is not committed.
+fn holds_checkpoint(dir: &Path) -> bool {
+    use zerodp::checkpoint::{LATEST_FILE, MANIFEST_FILE};
+    dir.join(LATEST_FILE).exists() || dir.join(MANIFEST_FILE).exists()
 }
 
 /// What the checkpoints cost: how long saves blocked the step loop (the final save, made after

@@ -40,7 +40,7 @@ pub enum DataError {
     },
     #[error("corpus {name} is not valid UTF-8 (first bad byte at offset {offset}); convert it to UTF-8 text, for example with iconv")]
     NotUtf8 { name: String, offset: usize },
-    #[error("corpus {name} has {len} bytes, too short for one window of context {context} + 1 = {} bytes; use a longer text or a smaller --context", context + 1)]
+    #[error("corpus {name} has {len} bytes, too short for one window of context {context} + 1 = {} bytes; use a longer text or a model with a shorter context", context + 1)]
     TooShort {
         name: String,
         len: usize,
@@ -84,7 +84,21 @@ pub enum DataError {
         tokenizer: usize,
         path: PathBuf,
     },
-    #[error("{name} has {len} tokens, too few for one window of context {context} + 1 tokens; add text or use a smaller --context")]
+    #[error(
+        "the data {data} holds token id {id}, past the model's vocabulary of {model} (ids 0 to \
+         {last}){tokenizer}: it would fail the first step that reads it; train with the model's \
+         own tokenizer, or a model with at least {need} rows (vocab_size)",
+        last = .model.saturating_sub(1),
+        need = .id + 1
+    )]
+    TokenPastVocab {
+        data: String,
+        id: u64,
+        model: usize,
+        /// `, made by the tokenizer PATH` for a tokenized corpus, else empty.
+        tokenizer: String,
+    },
+    #[error("{name} has {len} tokens, too few for one window of context {context} + 1 tokens; add text or use a model with a shorter context")]
     TooFewTokens {
         name: String,
         len: usize,
@@ -163,7 +177,8 @@ impl Corpus {
 #[derive(Debug)]
 pub enum TokenSource {
     Bytes(Corpus),
-    Ids(TokenCorpus),
+    /// Boxed: a token file's manifest is far larger than a byte corpus's handle.
+    Ids(Box<TokenCorpus>),
 }
 
 impl From<Corpus> for TokenSource {
@@ -174,7 +189,7 @@ impl From<Corpus> for TokenSource {
 
 impl From<TokenCorpus> for TokenSource {
     fn from(c: TokenCorpus) -> Self {
-        TokenSource::Ids(c)
+        TokenSource::Ids(Box::new(c))
     }
 }
 
@@ -206,9 +221,47 @@ impl TokenSource {
         }
     }
 
+    /// The largest id in the stream (0 when it is empty).
+    pub fn max_id(&self) -> u64 {
+        match self {
+            TokenSource::Bytes(c) => c.tokens.iter().copied().max().map_or(0, u64::from),
+            TokenSource::Ids(c) => u64::from(c.max_id()),
+        }
+    }
+
+    /// Refuses a model with fewer embedding rows than the stream's largest id needs, naming the
+    /// data and the tokenizer: checked before any step, since the step that reads such a token
+    /// may come hours into a run.
+    pub fn check_vocab(&self, model_vocab: usize) -> Result<(), DataError> {
+        let id = self.max_id();
+        if id < model_vocab as u64 || self.is_empty() {
+            return Ok(());
+        }
+        let (data, tokenizer) = match self {
+            TokenSource::Bytes(c) => (
+                format!("{} (its bytes are the ids)", c.name()),
+                String::new(),
+            ),
+            TokenSource::Ids(c) => (
+                format!("{} (token file {})", c.name(), c.token_file().display()),
+                format!(
+                    ", made by the tokenizer {}",
+                    c.manifest().tokenizer.display()
+                ),
+            ),
+        };
+        Err(DataError::TokenPastVocab {
+            data,
+            id,
+            model: model_vocab,
+            tokenizer,
+        })
+    }
+
     /// SHA-256 of the token stream, each id as 4 little-endian bytes (as `sha256sum` prints it):
     /// the same for the same ids whether they came from bytes or a token file, on any machine.
-    /// Checkpoints record it, so that a resumed run can tell it was given other data.
+    /// Checkpoints record it, so that a resumed run can tell it was given other data. A token
+    /// file's is its manifest's, checked against its bytes when it was opened.
     pub fn fingerprint(&self) -> String {
         use sha2::{Digest, Sha256};
         let mut hash = Sha256::new();
@@ -222,7 +275,7 @@ impl TokenSource {
                     hash.update(&wide);
                 }
             }
-            TokenSource::Ids(c) => hash.update(c.id_bytes()),
+            TokenSource::Ids(c) => return c.sha256().to_string(),
         }
         super::token_data::hex(&hash.finalize())
     }

@@ -658,7 +658,7 @@ impl Gpt {
         }
         if batch.seq_len > self.config.context {
             return Err(ModelError::Invalid(format!(
-                "sequence length {} exceeds the model context {}; use shorter windows or a larger --context",
+                "sequence length {} exceeds the model context {}; use shorter windows or a model with a longer context",
                 batch.seq_len, self.config.context
             )));
         }

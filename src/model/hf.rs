@@ -479,6 +479,18 @@ fn to_f32(path: &Path, name: &str, view: &TensorView<'_>) -> Result<Vec<f32>, Hf
     })
 }
 
+/// A tensor's dtype is one [`to_f32`] converts.
+fn check_dtype(path: &Path, name: &str, view: &TensorView<'_>) -> Result<(), HfError> {
+    match view.dtype() {
+        Dtype::F32 | Dtype::F64 | Dtype::BF16 | Dtype::F16 => Ok(()),
+        other => Err(HfError::Dtype {
+            path: path.to_path_buf(),
+            name: name.into(),
+            dtype: format!("{other:?}"),
+        }),
+    }
+}
+
 /// The weight files of a model directory: `model.safetensors`, or every shard the index's
 /// `weight_map` names (each once, in name order).
 pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
@@ -553,17 +565,31 @@ pub fn load_weights(dir: &Path, spec: &ModelSpec) -> Result<Vec<Vec<f32>>, HfErr
     let mut buffers: Vec<Vec<f32>> = spec.units.iter().map(|u| vec![0.0; u.numel()]).collect();
     let mut found = Found::default();
     for file in weight_files(dir)? {
-        read_file_into(&file, &wanted, &mut buffers, &mut found)?;
+        read_file_into(&file, &wanted, Some(&mut buffers), &mut found)?;
     }
-    check_found(dir, &wanted, &buffers, found)?;
+    check_found(dir, &wanted, Some(&buffers), found)?;
     Ok(buffers)
 }
 
-/// Reads one safetensors file's tensors into `buffers`, noting names and problems in `found`.
+/// Checks the weights of the model directory `dir` against `spec` as [`load_weights`] does,
+/// from the files' headers alone (every file a valid safetensors file of the size its header
+/// says; every parameter once, of its shape and a float dtype; nothing unexpected), without
+/// reading or converting a value: a broken directory is refused before any slow work.
+pub fn check_weights(dir: &Path, spec: &ModelSpec) -> Result<(), HfError> {
+    let wanted = places(spec);
+    let mut found = Found::default();
+    for file in weight_files(dir)? {
+        read_file_into(&file, &wanted, None, &mut found)?;
+    }
+    check_found(dir, &wanted, None, found)
+}
+
+/// Reads one safetensors file's tensors into `buffers`, noting names and problems in `found`;
+/// without buffers, checks the tensors' names, shapes and dtypes only.
 fn read_file_into(
     path: &Path,
     wanted: &Places<'_>,
-    buffers: &mut [Vec<f32>],
+    mut buffers: Option<&mut [Vec<f32>]>,
     found: &mut Found,
 ) -> Result<(), HfError> {
     let read_err = |source| HfError::Read {
@@ -587,7 +613,10 @@ fn read_file_into(
         }
         // A model with its own head (an untied Llama) reads it like any parameter.
         if name == "lm_head.weight" && !wanted.contains_key(name) {
-            let values = to_f32(path, &hf_name, &view)?;
+            let values = match buffers {
+                Some(_) => to_f32(path, &hf_name, &view)?,
+                None => check_dtype(path, &hf_name, &view).map(|()| Vec::new())?,
+            };
             found.lm_head = Some((path.to_path_buf(), view.shape().to_vec(), values));
             continue;
         }
@@ -609,6 +638,11 @@ fn read_file_into(
             ));
             continue;
         }
+        let Some(buffers) = buffers.as_deref_mut() else {
+            check_dtype(path, &hf_name, &view)?;
+            found.names.push(name.to_string());
+            continue;
+        };
         let mut values = to_f32(path, &hf_name, &view)?;
         if let Some(index) = values.iter().position(|x| !x.is_finite()) {
             return Err(HfError::NonFinite {
@@ -627,11 +661,12 @@ fn read_file_into(
     Ok(())
 }
 
-/// Every parameter found exactly once, nothing unexpected, and a stored head equal to `wte`.
+/// Every parameter found exactly once, nothing unexpected, and a stored head equal to `wte` (its
+/// shape alone without `buffers`).
 fn check_found(
     dir: &Path,
     wanted: &Places<'_>,
-    buffers: &[Vec<f32>],
+    buffers: Option<&[Vec<f32>]>,
     found: Found,
 ) -> Result<(), HfError> {
     let mut problems = found.problems;
@@ -674,7 +709,7 @@ fn check_found(
         // Equal shapes make the lengths equal; a model without `wte.weight` has no tied head.
         let embedding = TIED_TO.iter().find_map(|n| wanted.get(n));
         let tied = embedding.is_some_and(|&(u, off, wte)| {
-            shape == wte && values == buffers[u][off..off + values.len()]
+            shape == wte && buffers.is_none_or(|b| values == b[u][off..off + values.len()])
         });
         if !tied {
             return Err(HfError::Mismatch {

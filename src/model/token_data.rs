@@ -15,7 +15,10 @@
 //!   [`Manifest`]) in the cache directory (`--data-cache`, default `.zerodp-tokens/` beside the
 //!   first input), `<key>` a hash of the input paths and the text field. The next run reuses them
 //!   when the tokenizer's SHA-256, the EOS id, the field and every file's size and modification
-//!   time are the manifest's; otherwise it rebuilds them in place and says why. Both files are
+//!   time are the manifest's and the token file's own SHA-256 is the one the manifest recorded
+//!   (so a file damaged in place, even with its size kept, is never trained on); otherwise it
+//!   rebuilds them in place and says why. The check reads the whole token file once per run
+//!   (SHA-256: about 0.5 s a GB with the CPU's SHA instructions, 2 s without). Both files are
 //!   written atomically, the manifest removed first and written last, so a run killed half way
 //!   leaves a cache that the next run rebuilds, never one that lies. Processes that find the cache
 //!   stale at once (an MPI job's ranks) build it one at a time under a lock beside it
@@ -43,7 +46,7 @@ pub const DEFAULT_TEXT_FIELD: &str = "text";
 pub const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
 
 /// Bumped whenever the token stream's definition changes, so that old caches are rebuilt.
-const FORMAT_VERSION: u32 = 1;
+const FORMAT_VERSION: u32 = 2;
 
 /// A Hugging Face `tokenizer.json`, its SHA-256 and the EOS id put between documents.
 pub struct TextTokenizer {
@@ -66,15 +69,11 @@ impl std::fmt::Debug for TextTokenizer {
 impl TextTokenizer {
     /// Loads `path`; `eos` names the EOS token (see the module docs for the default).
     pub fn from_file(path: &Path, eos: Option<&str>) -> Result<Self, DataError> {
-        let bytes = std::fs::read(path).map_err(|source| DataError::Read {
-            path: path.to_path_buf(),
-            source,
-            hint: "",
-        })?;
         let bad = |msg: String| DataError::Tokenizer {
             path: path.to_path_buf(),
             msg,
         };
+        let bytes = std::fs::read(path).map_err(|e| bad(format!("cannot read it: {e}")))?;
         let mut inner =
             tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| bad(e.to_string()))?;
         inner
@@ -98,9 +97,17 @@ impl TextTokenizer {
         })
     }
 
-    /// Vocabulary size, added tokens included: a model must have at least this many rows.
+    /// Vocabulary size, added tokens included.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// One past the largest id the tokenizer can produce, added tokens included: a model must
+    /// have at least this many embedding rows (more than [`Self::vocab_size`] where the ids have
+    /// gaps, as when an added token takes an id past the base vocabulary).
+    pub fn id_bound(&self) -> usize {
+        let largest = self.inner.get_vocab(true).into_values().max();
+        largest.map_or(0, |id| id as usize + 1)
     }
 
     pub fn eos_token(&self) -> &str {
@@ -154,6 +161,12 @@ fn default_eos(path: &Path, tok: &tokenizers::Tokenizer) -> Result<String, DataE
         })
 }
 
+/// The token file's checksum as its manifest records it: SHA-256 of its bytes, in hex (what
+/// `sha256sum` prints). Every reuse of a cache computes it over the whole file.
+pub fn checksum(bytes: &[u8]) -> String {
+    hex(&Sha256::digest(bytes))
+}
+
 pub(super) fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -171,6 +184,10 @@ pub struct Manifest {
     pub files: Vec<InputFile>,
     pub documents: u64,
     pub tokens: u64,
+    /// The largest id in the token file (0 when it is empty).
+    pub max_id: u32,
+    /// SHA-256 of the token file's bytes, as `sha256sum` prints it: checked on every reuse.
+    pub sha256: String,
 }
 
 impl Manifest {
@@ -273,15 +290,17 @@ impl TokenCorpus {
             files: inputs,
             documents: 0,
             tokens: 0,
+            max_id: 0,
+            sha256: String::new(),
         };
         let (token_file, manifest_file) = cache_paths(files, &want, options.cache_dir.as_deref())?;
-        if let Ok(old) = usable_cache(&manifest_file, &token_file, &want) {
-            return Self::open(token_file, old, CacheStatus::Reused);
+        if let Ok(corpus) = Self::reuse(&manifest_file, &token_file, &want)? {
+            return Ok(corpus);
         }
         // Another process may be building this very file: wait for it, then look again.
         let _lock = build_lock(&token_file.with_extension("lock"), options.progress);
-        let status = match usable_cache(&manifest_file, &token_file, &want) {
-            Ok(old) => return Self::open(token_file, old, CacheStatus::Reused),
+        let status = match Self::reuse(&manifest_file, &token_file, &want)? {
+            Ok(corpus) => return Ok(corpus),
             Err(reason) => reason,
         };
         let _ = std::fs::remove_file(&manifest_file);
@@ -290,6 +309,30 @@ impl TokenCorpus {
         json.and_then(|j| write_atomic(&manifest_file, &j))
             .map_err(|e| cache_error(&manifest_file, "writing", e))?;
         Self::open(token_file, manifest, CacheStatus::Built(status))
+    }
+
+    /// The cached token file when it fits `want` and its bytes are still the ones its manifest
+    /// recorded (`Ok(Err(why))` when it must be rebuilt).
+    fn reuse(
+        manifest_file: &Path,
+        token_file: &Path,
+        want: &Manifest,
+    ) -> Result<Result<TokenCorpus, String>, DataError> {
+        let old = match usable_cache(manifest_file, token_file, want) {
+            Ok(old) => old,
+            Err(reason) => return Ok(Err(reason)),
+        };
+        let corpus = Self::open(token_file.to_path_buf(), old, CacheStatus::Reused)?;
+        // Hashed on the mapping itself: what is checked is what training will read.
+        let sha256 = checksum(corpus.id_bytes());
+        if sha256 != corpus.manifest.sha256 {
+            return Ok(Err(format!(
+                "the token file was damaged since it was built (sha256 {sha256:.12}, the \
+                 manifest's {:.12})",
+                corpus.manifest.sha256
+            )));
+        }
+        Ok(Ok(corpus))
     }
 
     /// Maps `token_file`, which `manifest` describes.
@@ -354,6 +397,17 @@ impl TokenCorpus {
         self.manifest.vocab_size
     }
 
+    /// The largest id in the token file.
+    pub fn max_id(&self) -> u32 {
+        self.manifest.max_id
+    }
+
+    /// SHA-256 of the token file (checked against the bytes when the cache was reused, computed
+    /// while writing when it was built).
+    pub fn sha256(&self) -> &str {
+        &self.manifest.sha256
+    }
+
     pub fn manifest(&self) -> &Manifest {
         &self.manifest
     }
@@ -411,6 +465,18 @@ fn cache_error(path: &Path, action: &'static str, source: std::io::Error) -> Dat
     }
 }
 
+/// The cache directory when none is named: `.zerodp-tokens/` in the first input (a directory) or
+/// beside it (a file).
+pub fn default_cache_dir(first_input: PathBuf) -> PathBuf {
+    let base = match first_input.is_dir() {
+        true => first_input,
+        false => first_input
+            .parent()
+            .map_or(first_input.clone(), Path::to_path_buf),
+    };
+    base.join(".zerodp-tokens")
+}
+
 /// The token file and manifest paths: `tokens-<key>.{u32,json}` in the cache directory.
 fn cache_paths(
     args: &[PathBuf],
@@ -421,13 +487,7 @@ fn cache_paths(
     let dir = match cache_dir {
         Some(d) => d.to_path_buf(),
         None => {
-            let arg = std::fs::canonicalize(&args[0]).unwrap_or_else(|_| first.clone());
-            let base = if arg.is_dir() {
-                arg
-            } else {
-                arg.parent().map_or(arg.clone(), Path::to_path_buf)
-            };
-            base.join(".zerodp-tokens")
+            default_cache_dir(std::fs::canonicalize(&args[0]).unwrap_or_else(|_| first.clone()))
         }
     };
     std::fs::create_dir_all(&dir)
@@ -499,6 +559,7 @@ const BATCH_BYTES: usize = 4 << 20;
 /// Streams the ids into the token file: EOS between documents, counts for the manifest.
 struct TokenWriter<'a> {
     out: BufWriter<AtomicFile>,
+    hash: Sha256,
     path: &'a Path,
     tokenizer: &'a TextTokenizer,
     bar: &'a indicatif::ProgressBar,
@@ -550,6 +611,7 @@ impl TokenWriter<'_> {
     fn push(&mut self, id: u32) -> Result<(), DataError> {
         self.tokens += 1;
         self.max_id = self.max_id.max(id);
+        self.hash.update(id.to_le_bytes());
         self.out
             .write_all(&id.to_le_bytes())
             .map_err(|e| cache_error(self.path, "writing", e))
@@ -577,6 +639,7 @@ fn write_tokens(
     let out = AtomicFile::create(token_file).map_err(|e| cache_error(token_file, "creating", e))?;
     let mut writer = TokenWriter {
         out: BufWriter::with_capacity(1 << 20, out),
+        hash: Sha256::new(),
         path: token_file,
         tokenizer,
         bar: &bar,
@@ -607,6 +670,8 @@ fn write_tokens(
     if writer.tokens > 0 {
         want.vocab_size = want.vocab_size.max(writer.max_id as usize + 1);
     }
+    want.max_id = writer.max_id;
+    want.sha256 = hex(&writer.hash.clone().finalize());
     writer.commit()?;
     Ok(want)
 }

@@ -385,6 +385,10 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.resume = Some(resume);
         self
     }
+    /// The optimizer step of the checkpoint the run resumes from, if it resumes.
+    pub fn resume_step(&self) -> Option<u64> {
+        self.resume.as_ref().map(|r| r.manifest.step)
+    }
     /// Where the ranks run [default: in-process threads].
     pub fn with_backend(mut self, backend: Backend) -> Self {
         self.backend = backend;

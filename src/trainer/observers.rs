@@ -139,6 +139,36 @@ impl MetricsFile {
         })
     }
 
+    /// Continues `path` for a run resumed after optimizer step `step`: the whole lines of steps up
+    /// to `step` are kept and the rest dropped (the resumed run trains those steps again), in a
+    /// new file renamed into place as [`MetricsFile::create`] does; the run's lines then follow.
+    /// A job restarted any number of times so ends with the file an unbroken run writes.
+    pub fn resume(path: &Path, step: u64) -> std::io::Result<Self> {
+        let old = match std::fs::read(path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e),
+        };
+        let kept: Vec<u8> = old
+            .split_inclusive(|&b| b == b'\n')
+            .filter(|line| line.ends_with(b"\n") && line_step(line).is_some_and(|s| s <= step))
+            .flatten()
+            .copied()
+            .collect();
+        let mut new = crate::atomic_file::AtomicFile::create(path)?;
+        new.write_all(&kept)?;
+        let file = new.publish()?;
+        Ok(MetricsFile {
+            path: path.to_path_buf(),
+            state: Mutex::new(MetricsState {
+                file,
+                good_len: kept.len() as u64,
+                failed: None,
+                line: String::new(),
+            }),
+        })
+    }
+
     /// The write error that stopped the metrics, if any.
     pub fn failure(&self) -> Option<String> {
         self.lock().failed.clone()
@@ -152,6 +182,12 @@ impl MetricsFile {
     fn lock(&self) -> std::sync::MutexGuard<'_, MetricsState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// The `step` of one metrics line (`None` for a line that is not one).
+fn line_step(line: &[u8]) -> Option<u64> {
+    let value: serde_json::Value = serde_json::from_slice(line).ok()?;
+    value.get("step")?.as_u64()
 }
 
 impl StepObserver for MetricsFile {

@@ -62,8 +62,8 @@ pub enum OutputPathError {
         dir: PathBuf,
     },
     #[error(
-        "{output} {path} lies inside {input} {dir}, which this command reads or writes as a \
-         checkpoint directory; choose a path outside it",
+        "{output} {path} lies inside {input} {dir}, a directory this command reads or writes; \
+         choose a path outside it",
         path = .output_path.display(),
         dir = .dir.display()
     )]
@@ -83,6 +83,19 @@ pub enum OutputPathError {
         output: String,
         output_path: PathBuf,
         file: PathBuf,
+    },
+    #[error(
+        "{output} {path} would replace the weights of the Hugging Face model directory {dir}, \
+         which would then load nowhere (zerodp's own names and layouts are not Hugging Face's); \
+         write a Hugging Face directory with `zerodp ckpt export` from a --save-dir checkpoint, \
+         or choose another {output} path",
+        path = .output_path.display(),
+        dir = .dir.display()
+    )]
+    ModelWeights {
+        output: String,
+        output_path: PathBuf,
+        dir: PathBuf,
     },
     #[error("{output} {path} is a directory; give a file name inside it", path = .path.display())]
     IsDirectory { output: String, path: PathBuf },
@@ -112,6 +125,7 @@ pub fn check_outputs(
     for (i, out) in outputs.iter().enumerate() {
         let place = check_place(out)?;
         check_not_in_checkpoint(out, &place)?;
+        check_not_model_weights(out, &place)?;
         for input in inputs {
             check_against_input(out, &place, input)?;
         }
@@ -139,11 +153,22 @@ fn is_special(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
 }
 
-/// Checks (and creates, if missing) the checkpoint directory a run writes: not a file, not
-/// inside a checkpoint or strictly inside a directory the run reads (resuming from the save
-/// directory itself is the usual case), writable; and no output of the run inside it or on one
-/// of its files.
+/// Checks and creates (if missing) the checkpoint directory a run writes: [`check_save_dir`],
+/// then [`create_save_dir`].
 pub fn prepare_save_dir(
+    dir: NamedPath<'_>,
+    inputs: &[NamedPath<'_>],
+    outputs: &[NamedPath<'_>],
+) -> Result<(), OutputPathError> {
+    check_save_dir(dir, inputs, outputs)?;
+    create_save_dir(dir)
+}
+
+/// Checks the checkpoint directory a run writes, without creating it (a run refused later
+/// leaves nothing behind): not a file, not inside a checkpoint or strictly inside a directory
+/// the run reads (resuming from the save directory itself is the usual case), in a writable
+/// place; and no output of the run inside it or on one of its files.
+pub fn check_save_dir(
     dir: NamedPath<'_>,
     inputs: &[NamedPath<'_>],
     outputs: &[NamedPath<'_>],
@@ -167,6 +192,15 @@ pub fn prepare_save_dir(
     for out in outputs {
         check_against_input(out, &resolved(out.path).unwrap_or_default(), &dir)?;
     }
+    match dir.path.is_dir() {
+        true => probe_writable(&dir, dir.path),
+        false => probe_writable(&dir, parent_of(dir.path)),
+    }
+}
+
+/// Creates the checked checkpoint directory if missing, and makes sure a file can be written in
+/// it.
+pub fn create_save_dir(dir: NamedPath<'_>) -> Result<(), OutputPathError> {
     create_dir(&dir)?;
     probe_writable(&dir, dir.path)
 }
@@ -210,6 +244,55 @@ fn check_not_in_checkpoint(out: &NamedPath<'_>, place: &Path) -> Result<(), Outp
         return Err(checkpoint_file(out, place));
     }
     Ok(())
+}
+
+/// Not a file `transformers` loads weights from (`model.safetensors`, its index and shards,
+/// `pytorch_model.bin`) in a Hugging Face model directory (one with a `config.json`): zerodp's own
+/// weight files would leave the directory loading nowhere, whether or not the command reads it.
+fn check_not_model_weights(out: &NamedPath<'_>, place: &Path) -> Result<(), OutputPathError> {
+    let Some(dir) = place.parent().filter(|d| d.join("config.json").is_file()) else {
+        return Ok(());
+    };
+    let name = place.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    if is_model_weights_name(name) || shard_names(dir).iter().any(|s| s == name) {
+        return Err(OutputPathError::ModelWeights {
+            output: out.name.into(),
+            output_path: out.path.into(),
+            dir: dir.into(),
+        });
+    }
+    Ok(())
+}
+
+/// The names `transformers` reads a model's weights from, shards by their usual pattern
+/// (`model-00001-of-00002.safetensors`).
+fn is_model_weights_name(name: &str) -> bool {
+    const NAMES: [&str; 4] = [
+        "model.safetensors",
+        "model.safetensors.index.json",
+        "pytorch_model.bin",
+        "pytorch_model.bin.index.json",
+    ];
+    let shard = |ext: &str| {
+        name.strip_suffix(ext)
+            .is_some_and(|stem| stem.starts_with("model-") || stem.starts_with("pytorch_model-"))
+            && name.contains("-of-")
+    };
+    NAMES.contains(&name) || shard(".safetensors") || shard(".bin")
+}
+
+/// The shard files a directory's weight index names, whatever they are called.
+fn shard_names(dir: &Path) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(dir.join("model.safetensors.index.json")) else {
+        return Vec::new();
+    };
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+    let Some(map) = json.get("weight_map").and_then(|m| m.as_object()) else {
+        return Vec::new();
+    };
+    map.values()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect()
 }
 
 /// Not the input itself (same file); for a directory input (a checkpoint read, or the save
