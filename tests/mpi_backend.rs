@@ -599,7 +599,7 @@ fn a_job_restarted_after_five_rank_deaths_ends_as_if_never_stopped() {
     run_to_end(&command("straight", false));
     let job = command("restart-marker", true);
     let rank1_metrics = dir.path().join("restart-marker.rank1.jsonl");
-    let mut deaths = 0;
+    let (mut deaths, mut starts) = (0, Vec::new());
     for kill_after in [3u64, 9, 15, 21, 27] {
         let args: Vec<&str> = job.iter().map(String::as_str).collect();
         let err = dir.path().join(format!("err-{kill_after}.txt"));
@@ -647,9 +647,14 @@ fn a_job_restarted_after_five_rank_deaths_ends_as_if_never_stopped() {
             "the job finished before rank 1 was killed: {log}"
         );
         assert!(!log.contains("panicked"), "{log}");
+        starts.push(resumed_at(&log));
         deaths += 1;
     }
     assert_eq!(deaths, 5);
+    // The first start began at step 0; each restart went on from a later checkpoint.
+    eprintln!("the five starts began after steps {starts:?}");
+    assert_eq!(starts[0], Some(0));
+    assert!(starts.windows(2).all(|w| w[0] < w[1]), "{starts:?}");
     run_to_end(&job);
     let files = |tag: &str| {
         [
@@ -669,6 +674,16 @@ fn a_job_restarted_after_five_rank_deaths_ends_as_if_never_stopped() {
         std::fs::read(dir.path().join("straight.safetensors")).unwrap(),
         "the final weights differ"
     );
+}
+
+/// The step a run's log says it resumed after (0 for a start from the beginning).
+fn resumed_at(log: &str) -> Option<u64> {
+    if log.contains("holds no checkpoint yet") {
+        return Some(0);
+    }
+    let rest = log.split("resuming from ").nth(1)?;
+    let step = rest.split(" at step ").nth(1)?;
+    step.split_whitespace().next()?.parse().ok()
 }
 
 /// Kills the job (mpirun, which takes its ranks down) if the test ends early.
