@@ -615,8 +615,8 @@ fn a_job_restarted_after_five_rank_deaths_ends_as_if_never_stopped() {
             let text = std::fs::read_to_string(&rank1_metrics).unwrap_or_default();
             let last = text
                 .lines()
-                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-                .last();
+                .rev()
+                .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok());
             last.and_then(|j| j["step"].as_u64()).unwrap_or(0)
         };
         while last_step() < kill_after && child.0.try_wait().unwrap().is_none() {
