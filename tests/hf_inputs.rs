@@ -501,6 +501,17 @@ fn an_export_is_put_in_place_whole_or_not_at_all() {
     );
     ok(&out);
     let export = |to: &Path| zerodp(&[os("ckpt"), os("export"), os(&ckpt), os(to)]);
+    // --heads is meaningless for a checkpoint that records its Hugging Face config.
+    let out = zerodp(&[
+        os("ckpt"),
+        os("export"),
+        os("--heads"),
+        os("2"),
+        os(&ckpt),
+        os(&s.path("h")),
+    ]);
+    refused(&out, &["--heads", "drop --heads"]);
+    assert!(!s.path("h").exists());
     // A full disk: no directory appears, nothing is left beside it.
     let new = s.path("new");
     let out = export_with_a_full_disk(&ckpt, &new);

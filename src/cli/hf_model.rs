@@ -364,7 +364,7 @@ pub struct ExportArgs {
     pub model_config: Option<PathBuf>,
     /// For a checkpoint of a zerodp preset (no Hugging Face config): the head count, the one size
     /// its tensors do not show.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["model_dir", "model_config"])]
     pub heads: Option<usize>,
 }
 
@@ -468,6 +468,13 @@ fn export_source(a: &ExportArgs, manifest: &Manifest) -> anyhow::Result<Source> 
     } else if let Some(file) = &a.model_config {
         (HfConfig::read(file)?, None)
     } else if let Some(json) = recorded_config {
+        if a.heads.is_some() {
+            bail!(
+                "--heads is for a checkpoint of a zerodp preset; checkpoint {} records the Hugging \
+                 Face config it was trained from, whose head count is exported: drop --heads",
+                a.dir.display()
+            );
+        }
         let config = HfConfig::from_json(json.clone(), &a.dir.join("manifest.json"))?;
         (config, recorded("model_dir").filter(|d| d.is_dir()))
     } else if let Some(heads) = a.heads {
