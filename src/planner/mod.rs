@@ -674,7 +674,9 @@ fn validate_step(input: &PlanInput) -> Result<(), PlanError> {
     if let Some(s) = input.model.shape {
         if input.seq_len > s.context {
             return Err(PlanError::Input(format!(
-                "--seq-len {} is longer than the model's context {}; lower it or raise --context",
+                "--seq-len {} is longer than the model's context {}; lower it, or plan a model with a \
+                 longer context (--context with --layers, or the n_positions or \
+                 max_position_embeddings of a --model-config)",
                 input.seq_len, s.context
             )));
         }
