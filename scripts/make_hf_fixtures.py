@@ -10,8 +10,8 @@ weights [in, out], the tied lm_head left out) to OUT/gpt2-tiny/, and OUT/gpt2-ti
 fixed token batches and the losses `transformers` computes on them, in fp32, at step 0 and over
 10 steps of torch.optim.AdamW (no warmup, constant learning rate, every parameter decayed, as
 zerodp's AdamW decays every parameter); the same for a tiny Llama (grouped-query attention, 4
-query heads on 2 key/value heads, an untied head) in OUT/llama-tiny/. `cargo test --test hf_gpt2`
-and `--test hf_llama` read them; they need no Python.
+query heads on 2 key/value heads, an untied head) in OUT/llama-tiny/. `cargo test --test it model::hf_gpt2`
+and `--test it model::hf_llama` read them; they need no Python.
 
 `check` loads EXPORT_DIR (what `zerodp ckpt export` wrote) with AutoModelForCausalLM and compares
 its logits on the fixture's tokens with a GPT-2 or Llama built here from FILE.safetensors (what

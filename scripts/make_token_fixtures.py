@@ -9,7 +9,7 @@ Writes three small tokenizers (a GPT-2-style byte-level BPE trained on a few sen
 has `</s>` as its end of sequence; and a Llama-3-style one, its pre-tokenizer a regex split with
 look-ahead and Unicode classes, `<|begin_of_text|>` first, 300 ids), the text and JSONL inputs, and `expected.json`: the
 token ids `zerodp`'s token file must hold for each case. The committed fixtures are what
-`cargo test --test token_data` reads, so the tests need no Python.
+`cargo test --test it model::token_data` reads, so the tests need no Python.
 
 The token stream is the one `zerodp::model::token_data` documents: every document encoded on
 its own with the tokenizer's special tokens (`encode(text)`, as `tokenizer(text)` does in

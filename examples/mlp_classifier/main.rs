@@ -9,7 +9,7 @@
 //! scheduler, clipping), `--world-size N` [1], `--steps N` [300], `--seed N` [42]. The data are
 //! three spiral arms in the plane, generated from the seed; the loss of every step is printed, and
 //! the accuracy on 3000 held-out points at the end. The model lives in `model.rs`, which
-//! `tests/example_mlp.rs` shares.
+//! `tests/it/zero/example_mlp.rs` shares.
 
 mod model;
 

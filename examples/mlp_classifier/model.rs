@@ -1,6 +1,6 @@
 //! An MLP classifier written on zerodp's candle helper, as a user would write it outside the
 //! crate (only `zerodp::` public API, `candle_core` and `candle_nn`). Shared by the example's
-//! `main.rs` and by `tests/example_mlp.rs`.
+//! `main.rs` and by `tests/it/zero/example_mlp.rs`.
 //!
 //! # Model
 //! `features -> hidden` (ReLU), `layers` times `hidden -> hidden` (ReLU), `hidden -> classes`,

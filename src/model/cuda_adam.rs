@@ -4,7 +4,7 @@
 //! parameters in place, where candle's
 //! element-wise ops take about a dozen passes and allocate each intermediate. The kernel's
 //! arithmetic is the CPU kernel's operation for operation (`kernels/adam_math.h`, checked bit for
-//! bit against it by `tests/kernel_math.rs`), so the GPU's update is the host tier's.
+//! bit against it by `tests/it/model/kernel_math.rs`), so the GPU's update is the host tier's.
 
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
 use candle_core::{DType, Device, Storage, Tensor};

@@ -12,7 +12,7 @@
 //! The arithmetic is the candle path's, op for op: the same kernel functions, the residual sums as
 //! `input + branch`, and each tensor with two consumers (the block input, the first residual)
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
-//! the same bits; `tests/model_gpt.rs` checks it against the candle path.
+//! the same bits; `tests/it/model/gpt.rs` checks it against the candle path.
 
 use super::kernels::{
     par_add_into, par_copy, with_slice, CausalAttention, Finish, Gelu, LayerNorm, Linear,

@@ -7,7 +7,7 @@
 //! forward on tensors) and is wrapped in [`crate::model::Candle`], which does the rest of this
 //! contract (tensors from the flat slices, backward, gradient write-back); the GPT reference model
 //! is built that way. Implement [`UnitModel`] directly for compute written by hand or on another
-//! tensor library (the engine tests' toy model in `tests/common` does).
+//! tensor library (the engine tests' toy model in `tests/it/common.rs` does).
 //!
 //! # What a unit is
 //! A unit is the granularity of ZeRO-3: its parameters are all-gathered together before it runs

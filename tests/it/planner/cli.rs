@@ -322,7 +322,7 @@ fn offload_costs_follow_the_host_adam_rate() {
 }
 
 /// When only parameter offload to NVMe fits, the planner recommends it (and `zerodp train` runs
-/// it: tests/offload.rs), pricing the shards' NVMe traffic.
+/// it: tests/it/offload/engine.rs), pricing the shards' NVMe traffic.
 #[test]
 fn a_param_nvme_recommendation_is_one_train_runs() {
     let (code, out, err) = zerodp(&[

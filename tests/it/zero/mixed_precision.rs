@@ -2,7 +2,7 @@
 //! memory by the ZeRO formulas, loss curves against fp32, halved traffic, and Inf/NaN steps
 //! skipped on every rank.
 
-mod common;
+use crate::common;
 
 use common::*;
 use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, DType};

@@ -2,7 +2,7 @@
 //! from the CLI): every stage agrees with one rank, the scheduler drives the learning rate, and
 //! OneCycle's `cycle_momentum` cycles Adam's betas as DeepSpeed does.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::Path;

@@ -3,7 +3,7 @@
 //! at world sizes 1, 2 and 4; the bytes leave the device tier as the tiers say; the NVMe swap
 //! files exist only during the run; a bad `nvme_path` is a clear error before any step.
 
-mod common;
+use crate::common;
 
 use common::*;
 use zerodp::comm::DType;

@@ -2,7 +2,7 @@
 //! for bit at every stage and precision; a checkpoint loads at any world size and stage; the
 //! consolidated weights equal the trained ones; damage is caught.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::Path;

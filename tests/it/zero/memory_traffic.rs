@@ -1,7 +1,7 @@
 //! Memory and traffic per rank match the ZeRO formulas (fp32 Adam), measured from the engine's
 //! ledger and the communicator's counters.
 
-mod common;
+use crate::common;
 
 use common::*;
 use zerodp::comm::{shard_range, CollectiveKind};

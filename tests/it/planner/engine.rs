@@ -13,7 +13,7 @@
 //!   all-reduce bytes are compared as the sum over ranks (the planner gives the mean per device);
 //!   reduce-scatter and all-gather bytes, and the calls of every kind, are compared rank by rank.
 
-mod common;
+use crate::common;
 
 use common::*;
 use zerodp::comm::{CollectiveKind, DType};

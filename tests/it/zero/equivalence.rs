@@ -1,6 +1,6 @@
 //! Every stage at every world size trains to the same losses and parameters as one rank.
 
-mod common;
+use crate::common;
 
 use common::*;
 use zerodp::zero::Stage;

@@ -1,0 +1,4 @@
+//! Checkpoints: saved, verified, resumed at any world size (`src/checkpoint`).
+
+mod cli;
+mod engine;

@@ -1,0 +1,3 @@
+//! Command-line tools that belong to no one module (`src/cli`).
+
+mod bench_ops;

@@ -1,0 +1,6 @@
+//! The collectives and their command line (`src/comm`).
+
+mod bench_cli;
+mod collectives;
+mod faults;
+mod in_place;

@@ -1,0 +1,4 @@
+//! Offload to host memory and NVMe (`src/offload`).
+
+mod cli;
+mod engine;

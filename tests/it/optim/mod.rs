@@ -1,0 +1,3 @@
+//! The optimizer and its benchmark (`src/optim`).
+
+mod bench_cli;
