@@ -3,6 +3,9 @@
 //! mpi`, under `mpirun`) and `tests/gpu.rs` (a GPU; each test skips without one).
 
 mod common;
+/// The model of `examples/mlp_classifier`, included as is (tests of the library path use it).
+#[path = "../../examples/mlp_classifier/model.rs"]
+mod mlp;
 
 mod checkpoint;
 mod cli;

@@ -4,8 +4,7 @@
 //! (no parameters, a name twice, a shape that changes, a fused op without backward) are refused
 //! naming the unit and the parameter.
 
-#[path = "../../../examples/mlp_classifier/model.rs"]
-mod mlp;
+use crate::mlp;
 
 use candle_core::{Device, Tensor, D};
 use candle_nn::{linear, Init, Module, VarBuilder};

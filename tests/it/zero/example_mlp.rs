@@ -2,8 +2,7 @@
 //! included as is) trains alike at every stage and world size and learns; and a model defined here
 //! trains through a `Trainer` built from a DeepSpeed config file, using nothing from the CLI.
 
-#[path = "../../../examples/mlp_classifier/model.rs"]
-mod mlp;
+use crate::mlp;
 
 use candle_core::{Device, Tensor};
 use mlp::{accuracy, mlp_units, predict, MlpConfig, Rows, Spirals};
