@@ -41,6 +41,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod device;
+pub mod flat;
 pub mod limits;
 pub mod memory;
 pub mod model;

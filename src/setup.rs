@@ -9,8 +9,8 @@
 //! Layering: this module sits above `config` and `zero` and below the trainer and the planner; it
 //! is the only place that knows both the config's and the engine's vocabulary.
 
-use crate::comm::DType;
 use crate::config::{OffloadDevice, Precision, Settings};
+use crate::flat::DType;
 use crate::optim::adam::AdamParams;
 use crate::zero::loss_scaler::DynamicScaleParams;
 use crate::zero::precision::OverflowPolicy;

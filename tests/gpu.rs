@@ -323,9 +323,9 @@ fn gpu_bf16_trains() {
     let data = loader(GptConfig::tiny().context);
     let mut cfg = EngineConfig::new(Stage::Zero2, 1);
     cfg.micro_batch = GLOBAL;
-    cfg.param_dtype = zerodp::comm::DType::BF16;
-    cfg.comm_dtype = zerodp::comm::DType::BF16;
-    cfg.grad_accum_dtype = zerodp::comm::DType::BF16;
+    cfg.param_dtype = zerodp::flat::DType::BF16;
+    cfg.comm_dtype = zerodp::flat::DType::BF16;
+    cfg.grad_accum_dtype = zerodp::flat::DType::BF16;
     let log = ReportLog::new();
     Trainer::new(&model, cfg)
         .with_schedule(LrSchedule::Constant(3e-3))
@@ -484,7 +484,8 @@ fn an_unknown_device_is_refused_naming_the_choices() {
 /// each rank sees the results (bits) and its traffic counters.
 #[cfg(feature = "cuda")]
 fn exercise(c: &dyn zerodp::comm::Communicator) -> (Vec<Vec<u32>>, zerodp::comm::TrafficCounters) {
-    use zerodp::comm::{shard_range, Buffer, ReduceOp};
+    use zerodp::comm::{shard_range, ReduceOp};
+    use zerodp::flat::Buffer;
     let (rank, world) = (c.rank(), c.world_size());
     let values: Vec<f32> = (0..7)
         .map(|i| ((i * 3 + rank * 5) as f32 * 0.37).sin() * 3.0)
@@ -509,7 +510,7 @@ fn exercise(c: &dyn zerodp::comm::Communicator) -> (Vec<Vec<u32>>, zerodp::comm:
             .unwrap(),
     ));
     let mine = shard_range(7, world, rank);
-    let shard = Buffer::zeros(zerodp::comm::DType::F32, mine.len());
+    let shard = Buffer::zeros(zerodp::flat::DType::F32, mine.len());
     let (_, out) = (c.reduce_scatter(Buffer::F32(values.clone()), shard, ReduceOp::Sum))
         .wait_pair()
         .unwrap();
@@ -518,7 +519,7 @@ fn exercise(c: &dyn zerodp::comm::Communicator) -> (Vec<Vec<u32>>, zerodp::comm:
         .wait_one()
         .unwrap();
     seen.push(bits(&out.copy_range(mine.clone())));
-    let full = Buffer::zeros(zerodp::comm::DType::BF16, 7);
+    let full = Buffer::zeros(zerodp::flat::DType::BF16, 7);
     let (_, out) = c
         .all_gather(bf16.copy_range(mine.clone()), full)
         .wait_pair()

@@ -13,9 +13,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use zerodp::comm::kernels::reduce_reference;
 use zerodp::comm::{
-    shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType, MpiComm,
-    ReduceOp,
+    shard_range, CollectiveKind, CommError, CommOptions, Communicator, MpiComm, ReduceOp,
 };
+use zerodp::flat::{Buffer, DType};
 
 // As in the zerodp binary: large buffers in shared memory under mpirun.
 #[global_allocator]

@@ -17,7 +17,8 @@
 //! rank learns the outcome before the first step ([`acquire_for_job`]). In-process ranks are
 //! threads of the one process that took it.
 
-use crate::comm::{Buffer, CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::flat::Buffer;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;

@@ -6,7 +6,8 @@ use super::manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 use super::{
     rank_file_name, step_dir_name, tensor_names, CheckpointError, LATEST_FILE, MANIFEST_FILE,
 };
-use crate::comm::{Buffer, Communicator, ReduceOp};
+use crate::comm::{Communicator, ReduceOp};
+use crate::flat::Buffer;
 use crate::zero::{Engine, EngineCounters, UnitModel};
 use std::path::{Path, PathBuf};
 use std::thread::JoinHandle;

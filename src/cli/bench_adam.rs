@@ -20,7 +20,7 @@ use anyhow::{bail, Context};
 use half::bf16;
 use rayon::prelude::*;
 use std::time::Instant;
-use zerodp::comm::zeroed_vec;
+use zerodp::flat::zeroed_vec;
 use zerodp::optim::adam::{
     adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
 };

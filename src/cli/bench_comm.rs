@@ -22,9 +22,9 @@ use anyhow::{bail, Context};
 use std::time::{Duration, Instant};
 use zerodp::comm::stats::bandwidths;
 use zerodp::comm::{
-    run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
-    ReduceOp,
+    run_ranks, shard_range, CollectiveKind, CommError, CommOptions, Communicator, ReduceOp,
 };
+use zerodp::flat::{Buffer, DType};
 use zerodp::zero::precision::FlatBuffer;
 
 #[derive(clap::Args, Debug)]
@@ -652,8 +652,8 @@ fn mpi_times(
         .collect();
     let slowest = comm
         .all_reduce(Buffer::F32(flat), ReduceOp::Max)
-        .wait_one()?
-        .into_returned_f32(rank)?;
+        .wait_one()?;
+    let slowest = zerodp::comm::returned_f32(slowest, rank)?;
     if rank != 0 {
         return Ok(None);
     }

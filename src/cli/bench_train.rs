@@ -14,8 +14,9 @@ use super::hf_model::TrainModel;
 use super::train::ModelArgs;
 use anyhow::bail;
 use std::sync::Arc;
-use zerodp::comm::{Buffer, CommOptions, Communicator, ReduceOp};
+use zerodp::comm::{CommOptions, Communicator, ReduceOp};
 use zerodp::config::{defaults, Precision};
+use zerodp::flat::Buffer;
 use zerodp::model::{Corpus, DataLoader, GptConfig, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
@@ -574,7 +575,7 @@ fn case_config(
     cfg.activation_checkpointing = args.checkpoint_activations;
     cfg.max_reuse_distance = args.max_reuse_distance;
     if args.optimizer_states == "bf16" {
-        cfg.optimizer_states_dtype = zerodp::comm::DType::BF16;
+        cfg.optimizer_states_dtype = zerodp::flat::DType::BF16;
     }
     let precision = precision_of(args);
     cfg.param_dtype = zerodp::setup::dtype_of(precision);

@@ -6,178 +6,20 @@
 //! without lifetimes or locks. No collective allocates a result: the caller provides every output
 //! buffer up front (llm.c style), so steady-state training allocates nothing here.
 
-use half::{bf16, f16};
+use crate::flat::Buffer;
 use std::fmt;
 use std::sync::mpsc;
 use std::time::Duration;
 
-/// Element type of a communication buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    F32,
-    BF16,
-    F16,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::BF16 | DType::F16 => 2,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-        }
-    }
-}
-
-impl fmt::Display for DType {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// An owned, typed communication buffer.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Buffer {
-    F32(Vec<f32>),
-    BF16(Vec<bf16>),
-    F16(Vec<f16>),
-}
-
-/// Buffers of at least this many bytes ask for transparent huge pages (see [`zeroed_vec`]).
-pub const HUGE_PAGE_MIN_BYTES: usize = 2 << 20;
-
-/// `len` zeroed elements, in fresh memory that the kernel is asked to back with transparent huge
-/// pages (`madvise(MADV_HUGEPAGE)`, before any page is touched) when the buffer spans at least
-/// [`HUGE_PAGE_MIN_BYTES`]. Flat buffers are streamed end to end (the optimizer step touches
-/// 28 bytes per parameter), and with 4 KiB pages every 4 KiB of each stream is a TLB miss: on
-/// 100M parameters the CPU Adam step ran 10-12% faster with huge pages. The advice is only that:
-/// on a kernel with THP off, or where it fails, the buffer is ordinary memory. Linux only.
-pub fn zeroed_vec<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
-    // `alloc_zeroed` (calloc): a large block is fresh mmap'd memory, not yet touched.
-    let v: Vec<T> = bytemuck::allocation::zeroed_vec(len);
-    advise_huge_pages(&v);
-    v
-}
-
-/// Advises huge pages for the whole 4 KiB pages of `buf` (best effort, errors ignored).
-fn advise_huge_pages<T>(buf: &[T]) {
-    let bytes = std::mem::size_of_val(buf);
-    #[cfg(target_os = "linux")]
-    if bytes >= HUGE_PAGE_MIN_BYTES {
-        const PAGE: usize = 4096;
-        let start = buf.as_ptr() as usize;
-        let first = start.next_multiple_of(PAGE);
-        let end = (start + bytes) / PAGE * PAGE;
-        if end > first {
-            // SAFETY: [first, end) lies inside `buf`'s allocation; MADV_HUGEPAGE changes how the
-            // kernel backs the range, never its contents.
-            unsafe { libc::madvise(first as *mut libc::c_void, end - first, libc::MADV_HUGEPAGE) };
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = bytes;
-}
-
-impl Buffer {
-    /// `len` zeroed elements of `dtype` (huge pages for a large buffer, see [`zeroed_vec`]).
-    pub fn zeros(dtype: DType, len: usize) -> Buffer {
-        match dtype {
-            DType::F32 => Buffer::F32(zeroed_vec(len)),
-            DType::BF16 => Buffer::BF16(zeroed_vec(len)),
-            DType::F16 => Buffer::F16(zeroed_vec(len)),
-        }
-    }
-    pub fn dtype(&self) -> DType {
-        match self {
-            Buffer::F32(_) => DType::F32,
-            Buffer::BF16(_) => DType::BF16,
-            Buffer::F16(_) => DType::F16,
-        }
-    }
-    pub fn len(&self) -> usize {
-        match self {
-            Buffer::F32(v) => v.len(),
-            Buffer::BF16(v) => v.len(),
-            Buffer::F16(v) => v.len(),
-        }
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// Size in bytes.
-    pub fn bytes(&self) -> usize {
-        self.len() * self.dtype().size()
-    }
-    /// The f32 vector inside, or `None` for a 16-bit buffer.
-    pub fn into_f32(self) -> Option<Vec<f32>> {
-        match self {
-            Buffer::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    /// The f32 vector of a buffer a collective handed back on `rank`, which is the f32 buffer it
-    /// was given: a backend returning another dtype breaks the [`Communicator`] contract, and that
-    /// is an error, not a panic.
-    pub fn into_returned_f32(self, rank: usize) -> Result<Vec<f32>, CommError> {
-        let dtype = self.dtype();
-        self.into_f32().ok_or_else(|| CommError::InvalidArgument {
-            rank,
-            what: format!("a collective given an f32 buffer returned a {dtype:?} one"),
-        })
-    }
-    pub fn as_f32(&self) -> Option<&[f32]> {
-        match self {
-            Buffer::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    pub fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
-        match self {
-            Buffer::F32(v) => Some(v),
-            _ => None,
-        }
-    }
-    /// A new buffer holding a copy of elements `range` (allocates; for fallbacks and tests).
-    pub fn copy_range(&self, range: std::ops::Range<usize>) -> Buffer {
-        match self {
-            Buffer::F32(v) => Buffer::F32(v[range].to_vec()),
-            Buffer::BF16(v) => Buffer::BF16(v[range].to_vec()),
-            Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
-        }
-    }
-    /// Copies all of `src` into `self` from element `start` on.
-    ///
-    /// # Panics
-    /// If the dtypes differ or `src` does not fit.
-    pub fn write_at(&mut self, start: usize, src: &Buffer) {
-        let end = start + src.len();
-        match (self, src) {
-            (Buffer::F32(d), Buffer::F32(s)) => d[start..end].copy_from_slice(s),
-            (Buffer::BF16(d), Buffer::BF16(s)) => d[start..end].copy_from_slice(s),
-            (Buffer::F16(d), Buffer::F16(s)) => d[start..end].copy_from_slice(s),
-            (d, s) => panic!(
-                "Buffer::write_at: a {} buffer cannot take {} elements",
-                d.dtype(),
-                s.dtype()
-            ),
-        }
-    }
-    /// Element `i` widened to f32 (for tests and small reads; not for hot loops).
-    pub fn get_f32(&self, i: usize) -> f32 {
-        match self {
-            Buffer::F32(v) => v[i],
-            Buffer::BF16(v) => v[i].to_f32(),
-            Buffer::F16(v) => v[i].to_f32(),
-        }
-    }
+/// The f32 vector of a buffer a collective handed back on `rank`, which is the f32 buffer it was
+/// given: a backend returning another dtype breaks the [`Communicator`] contract, and that is an
+/// error, not a panic.
+pub fn returned_f32(buf: Buffer, rank: usize) -> Result<Vec<f32>, CommError> {
+    let dtype = buf.dtype();
+    buf.into_f32().ok_or_else(|| CommError::InvalidArgument {
+        rank,
+        what: format!("a collective given an f32 buffer returned a {dtype:?} one"),
+    })
 }
 
 /// Reduction applied by `all_reduce` and `reduce_scatter`. 16-bit inputs are accumulated in f32 and
@@ -478,52 +320,5 @@ pub trait Communicator: Send + Sync {
                 buf.write_at(mine.start, &output);
                 vec![buf]
             })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The `THPeligible` flag of the mapping of `/proc/self/smaps` that holds `addr`.
-    #[cfg(target_os = "linux")]
-    fn thp_eligible(addr: usize) -> Option<bool> {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
-        let mut inside = false;
-        for line in smaps.lines() {
-            let first = line.split_whitespace().next().unwrap_or("");
-            if let Some((lo, hi)) = first.split_once('-') {
-                if let (Ok(lo), Ok(hi)) =
-                    (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
-                {
-                    inside = (lo..hi).contains(&addr);
-                    continue;
-                }
-            }
-            if inside {
-                if let Some(flag) = line.strip_prefix("THPeligible:") {
-                    return Some(flag.trim() == "1");
-                }
-            }
-        }
-        None
-    }
-
-    #[test]
-    fn large_buffers_are_zeroed_and_advised_huge_pages() {
-        let big: Vec<f32> = zeroed_vec(HUGE_PAGE_MIN_BYTES); // 4x the threshold in bytes
-        assert_eq!(big.len(), HUGE_PAGE_MIN_BYTES);
-        assert!(big.iter().all(|&x| x == 0.0));
-        let b = Buffer::zeros(DType::BF16, 3 << 20);
-        assert_eq!(b.len(), 3 << 20);
-        #[cfg(target_os = "linux")]
-        {
-            let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled");
-            // Only a kernel whose THP mode is `madvise` or `always` can honour the advice.
-            if mode.is_ok_and(|m| !m.contains("[never]")) {
-                let middle = big.as_ptr() as usize + HUGE_PAGE_MIN_BYTES * 2;
-                assert_eq!(thp_eligible(middle), Some(true), "f32 buffer not advised");
-            }
-        }
     }
 }

@@ -35,9 +35,10 @@ use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::CommStats;
 use crate::comm::{
-    shard_range, Buffer, CommError, CommHandle, CommOptions, Communicator, Completion, DType,
-    ReduceOp, TrafficCounters,
+    shard_range, CommError, CommHandle, CommOptions, Communicator, Completion, ReduceOp,
+    TrafficCounters,
 };
+use crate::flat::{Buffer, DType};
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -606,7 +607,8 @@ impl<E: fmt::Display + fmt::Debug> std::error::Error for RanksError<E> {}
 /// `Arc<dyn Communicator>`.
 ///
 /// ```
-/// use zerodp::comm::{run_ranks, Buffer, CommError, CommOptions, Communicator, ReduceOp};
+/// use zerodp::comm::{run_ranks, CommError, CommOptions, Communicator, ReduceOp};
+/// use zerodp::flat::Buffer;
 ///
 /// let sums = run_ranks(4, CommOptions::default(), |comm, rank| {
 ///     let grads = Buffer::F32(vec![rank as f32; 1000]);

@@ -79,8 +79,9 @@ use crate::comm::rendezvous::CallDesc;
 use crate::comm::stats::CommStats;
 use crate::comm::{
     shard_range, CollectiveKind, CommError, CommHandle, CommOptions, Communicator, Completion,
-    DType, ReduceOp, TrafficCounters,
+    ReduceOp, TrafficCounters,
 };
+use crate::flat::DType;
 use ::mpi::ffi;
 use std::ffi::c_void;
 use std::fmt;
@@ -947,7 +948,7 @@ impl Engine {
 
     /// The departure of a collective that used shared memory: an empty message to and from every
     /// near peer, so that no buffer is handed back while one of them may still read or write it.
-    fn depart(&mut self, w: &Wait, out: Vec<crate::comm::Buffer>) -> Completion {
+    fn depart(&mut self, w: &Wait, out: Vec<crate::flat::Buffer>) -> Completion {
         self.shared.shm_calls.fetch_add(1, Ordering::Relaxed);
         // Every write into a peer's buffer happens before this rank's departure messages.
         std::sync::atomic::fence(Ordering::SeqCst);
@@ -1006,7 +1007,7 @@ impl Engine {
     /// A collective failed with requests possibly still pointing into `buffers`: MPI may write
     /// into them later, so they are leaked rather than freed (the world is failed; the process is
     /// about to exit).
-    fn leak_on(&mut self, e: CommError, buffers: Vec<crate::comm::Buffer>) -> CommError {
+    fn leak_on(&mut self, e: CommError, buffers: Vec<crate::flat::Buffer>) -> CommError {
         if !self.reqs.is_empty() || self.near.iter().any(|&x| x) {
             std::mem::forget(buffers);
             std::mem::forget(std::mem::take(&mut self.staging));
@@ -1462,7 +1463,7 @@ const STREAMING_STORE_BYTES: usize = 4 << 20;
 type Span = Option<(usize, usize)>;
 
 fn exposed(call: &Call) -> (Span, Span) {
-    let whole = |b: &crate::comm::Buffer| Some((buffer_addr(b), b.bytes()));
+    let whole = |b: &crate::flat::Buffer| Some((buffer_addr(b), b.bytes()));
     match call {
         Call::AllReduce(b, _) | Call::ReduceScatterInPlace(b, _) | Call::Broadcast(b, _) => {
             (whole(b), None)

@@ -46,9 +46,10 @@ use half::slice::HalfFloatSliceExt;
 use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::stats::CommStats;
 use crate::comm::{
-    shard_range, Buffer, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
-    ReduceOp, TrafficCounters,
+    shard_range, CollectiveKind, CommError, CommHandle, CommOptions, Communicator, ReduceOp,
+    TrafficCounters,
 };
+use crate::flat::Buffer;
 
 /// What the communication thread shares with the handle the ranks' code holds.
 #[derive(Default)]
@@ -197,10 +198,8 @@ impl NcclComm {
         let words: Vec<f32> = (id_bytes.chunks_exact(4))
             .map(|w| f32::from_bits(u32::from_le_bytes([w[0], w[1], w[2], w[3]])))
             .collect();
-        let words = carrier
-            .broadcast(Buffer::F32(words), 0)
-            .wait_one()?
-            .into_returned_f32(rank)?;
+        let words = carrier.broadcast(Buffer::F32(words), 0).wait_one()?;
+        let words = crate::comm::returned_f32(words, rank)?;
         let mut internal = [0 as std::ffi::c_char; 128];
         for (c, b) in internal
             .iter_mut()

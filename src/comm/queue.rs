@@ -4,9 +4,10 @@
 use crate::comm::rendezvous::{CallDesc, Straggler};
 use crate::comm::stats::{bandwidths, count_traffic, CommStats};
 use crate::comm::{
-    shard_range, Buffer, CollectiveKind, CommError, CommOptions, Completion, ReduceOp, TraceLevel,
+    shard_range, CollectiveKind, CommError, CommOptions, Completion, ReduceOp, TraceLevel,
     TrafficCounters,
 };
+use crate::flat::Buffer;
 use std::sync::{mpsc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -68,38 +69,38 @@ macro_rules! queued_collectives {
     () => {
         fn all_reduce(
             &self,
-            buf: $crate::comm::Buffer,
+            buf: $crate::flat::Buffer,
             op: $crate::comm::ReduceOp,
         ) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::AllReduce(buf, op))
         }
         fn reduce_scatter(
             &self,
-            input: $crate::comm::Buffer,
-            output: $crate::comm::Buffer,
+            input: $crate::flat::Buffer,
+            output: $crate::flat::Buffer,
             op: $crate::comm::ReduceOp,
         ) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::ReduceScatter(input, output, op))
         }
         fn all_gather(
             &self,
-            input: $crate::comm::Buffer,
-            output: $crate::comm::Buffer,
+            input: $crate::flat::Buffer,
+            output: $crate::flat::Buffer,
         ) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::AllGather(input, output))
         }
-        fn broadcast(&self, buf: $crate::comm::Buffer, root: usize) -> $crate::comm::CommHandle {
+        fn broadcast(&self, buf: $crate::flat::Buffer, root: usize) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::Broadcast(buf, root))
         }
         fn barrier(&self) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::Barrier)
         }
-        fn all_gather_in_place(&self, buf: $crate::comm::Buffer) -> $crate::comm::CommHandle {
+        fn all_gather_in_place(&self, buf: $crate::flat::Buffer) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::AllGatherInPlace(buf))
         }
         fn reduce_scatter_in_place(
             &self,
-            buf: $crate::comm::Buffer,
+            buf: $crate::flat::Buffer,
             op: $crate::comm::ReduceOp,
         ) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::ReduceScatterInPlace(buf, op))

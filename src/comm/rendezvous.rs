@@ -6,7 +6,8 @@
 //! One mutex and one condition variable guard the whole state. Collectives meet here two or three
 //! times each, so the state is tiny and the critical sections are a few dozen instructions.
 
-use crate::comm::{CollectiveKind, CommError, DType, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, ReduceOp};
+use crate::flat::DType;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};

@@ -1,7 +1,8 @@
 //! Bandwidth conventions (nccl-tests'), the ring-formula byte counts, and the per-op/per-size
 //! statistics behind the on-demand summary table.
 
-use crate::comm::{shard_range, CollectiveKind, DType, TrafficCounters};
+use crate::comm::{shard_range, CollectiveKind, TrafficCounters};
+use crate::flat::DType;
 use std::fmt::Write as _;
 use std::time::Duration;
 

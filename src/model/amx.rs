@@ -942,7 +942,7 @@ unsafe fn write_out(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::kernels::f32_to_bf16_bits as bf16_bits;
+    use crate::flat::f32_to_bf16_bits as bf16_bits;
 
     fn widen(h: u16) -> f32 {
         f32::from_bits(u32::from(h) << 16)

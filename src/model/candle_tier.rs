@@ -67,7 +67,7 @@ impl TierUnit {
     #[cfg(feature = "cuda")]
     fn params_are_master(&self) -> bool {
         self.params.dtype() == DType::F32
-            && self.dtypes.params == crate::comm::DType::F32
+            && self.dtypes.params == crate::flat::DType::F32
             && self.is_whole()
     }
 
@@ -124,7 +124,7 @@ impl CandleTier {
 
     /// The parameters of `master`: rounded to the dtype the engine stores them in, then in the
     /// compute dtype (no copy where both are f32).
-    fn rounded(&self, master: &Tensor, stored: crate::comm::DType) -> candle_core::Result<Tensor> {
+    fn rounded(&self, master: &Tensor, stored: crate::flat::DType) -> candle_core::Result<Tensor> {
         let t = match super::candle_dtype(stored) {
             DType::F32 => master.clone(),
             dtype => master.to_dtype(dtype)?,
@@ -317,7 +317,7 @@ impl DeviceTier for CandleTier {
                 .and_then(|t| t.to_dtype(super::candle_dtype(dtype)))
                 .map_err(&err)
         };
-        let master = put(&values.master, crate::comm::DType::F32)?;
+        let master = put(&values.master, crate::flat::DType::F32)?;
         let params = match (up.is_whole(), up.params) {
             (true, _) => self.rounded(&master, up.dtypes.params).map_err(&err)?,
             (false, Some(src)) => (copy_up(unit, "parameters", src, up.numel, &self.device)?)

@@ -28,7 +28,7 @@ pub(super) struct AdamTensors<'a> {
     /// itself (fp32), or the master is a shard of the unit (the all-gather sets them).
     pub params: Option<&'a Tensor>,
     /// The dtype the engine stores parameters in: the compute copy is rounded through it.
-    pub stored: crate::comm::DType,
+    pub stored: crate::flat::DType,
 }
 
 /// Update `t` in place with one fused kernel when its tensors are on a CUDA device; `Ok(false)`
@@ -53,8 +53,8 @@ pub(super) fn fused_adam(t: &AdamTensors, c: &StepConsts) -> candle_core::Result
     );
     let func = device.get_or_load_custom_func(&name, "zerodp_adam", PTX)?;
     let stored: i32 = match t.stored {
-        crate::comm::DType::BF16 => 1,
-        crate::comm::DType::F16 => 2,
+        crate::flat::DType::BF16 => 1,
+        crate::flat::DType::F16 => 2,
         _ => 0,
     };
     let consts = KernelConsts::new(c, moments != DType::F32);

@@ -36,11 +36,11 @@ pub fn compute_dtype(device: &Device, half: Option<DType>) -> DType {
 }
 
 /// The candle dtype of the engine's element type `dtype`.
-pub fn candle_dtype(dtype: crate::comm::DType) -> DType {
+pub fn candle_dtype(dtype: crate::flat::DType) -> DType {
     match dtype {
-        crate::comm::DType::F32 => DType::F32,
-        crate::comm::DType::BF16 => DType::BF16,
-        crate::comm::DType::F16 => DType::F16,
+        crate::flat::DType::F32 => DType::F32,
+        crate::flat::DType::BF16 => DType::BF16,
+        crate::flat::DType::F16 => DType::F16,
     }
 }
 

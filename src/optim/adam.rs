@@ -334,7 +334,7 @@ impl StateElement for bf16 {
     }
     #[inline(always)]
     fn store(x: f32) -> bf16 {
-        bf16::from_bits(crate::comm::kernels::f32_to_bf16_bits(x))
+        bf16::from_bits(crate::flat::f32_to_bf16_bits(x))
     }
 }
 

@@ -101,7 +101,7 @@ impl Element for bf16 {
         assert_eq!(src.len(), dst.len(), "bf16 narrow: lengths differ");
         let bits: &mut [u16] = bytemuck::cast_slice_mut(dst);
         for (d, &x) in bits.iter_mut().zip(src) {
-            *d = crate::comm::kernels::f32_to_bf16_bits(x);
+            *d = crate::flat::f32_to_bf16_bits(x);
         }
     }
 

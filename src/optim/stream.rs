@@ -8,11 +8,11 @@
 //! `optim::adam`), and must end each thread's run of them with a store fence (`_mm_sfence`) before
 //! another thread may read the copy.
 //!
-//! The rounding is [`crate::comm::kernels::f32_to_bf16_bits`], vectorised: ties to even, NaNs
+//! The rounding is [`crate::flat::f32_to_bf16_bits`], vectorised: ties to even, NaNs
 //! quietened, denormals kept (AVX-512 BF16's `vcvtneps2bf16` would flush them, so it is not used).
 
 #[cfg(target_arch = "x86_64")]
-use crate::comm::kernels::f32_to_bf16_bits;
+use crate::flat::f32_to_bf16_bits;
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 

@@ -395,7 +395,7 @@ pub fn model_state_bytes(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::DType;
+    use crate::flat::DType;
 
     #[test]
     fn fp32_training_is_16_bytes_per_param_without_master() {

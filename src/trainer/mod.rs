@@ -31,10 +31,9 @@ pub mod outputs;
 pub use checkpoints::{CheckpointOptions, Resume};
 pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
 
-use crate::comm::{
-    run_ranks, run_ranks_on, Buffer, CommError, CommOptions, Communicator, ReduceOp,
-};
+use crate::comm::{run_ranks, run_ranks_on, CommError, CommOptions, Communicator, ReduceOp};
 use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settings};
+use crate::flat::Buffer;
 use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
 use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};

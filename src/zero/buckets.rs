@@ -41,7 +41,8 @@ use super::precision::{FlatBuffer, Slice};
 use super::state::FlatState;
 use std::collections::VecDeque;
 
-use crate::comm::{Buffer, CommError, CommHandle, Communicator, ReduceOp};
+use crate::comm::{CommError, CommHandle, Communicator, ReduceOp};
+use crate::flat::Buffer;
 
 /// Which reduction the buckets do and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -284,7 +285,7 @@ impl Buckets {
                 let own = layout.own_shard(unit);
                 let at = layout.shard_slot(unit);
                 state.grad_shards_mut().slice_mut(at).add(buf.slice(own));
-                let mut grad = buf.into_returned_f32(layout.rank)?;
+                let mut grad = crate::comm::returned_f32(buf, layout.rank)?;
                 state.grad_pool.give(&mut grad);
             }
         }

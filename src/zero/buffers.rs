@@ -32,7 +32,7 @@
 use super::config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::schedule;
-use crate::comm::DType;
+use crate::flat::DType;
 use crate::zero::unit::ModelSpec;
 
 /// The buffers a configuration allocates, in elements, with their dtypes.

@@ -1,8 +1,8 @@
 //! The engine's own configuration: a plain struct, so that the engine does not depend on the
 //! DeepSpeed config parser (`zerodp train` maps resolved settings onto it).
 
-use crate::comm::DType;
 use crate::config::defaults;
+use crate::flat::DType;
 use crate::optim::adam::AdamParams;
 use crate::zero::precision::OverflowPolicy;
 

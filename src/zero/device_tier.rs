@@ -36,7 +36,7 @@ use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use super::flat::FlatLayout;
 use super::precision::{Slice, SliceMut};
 use super::unit::{ModelError, ModelSpec};
-use crate::comm::DType;
+use crate::flat::DType;
 use crate::optim::adam::StepConsts;
 
 /// One unit's fp32 state as the engine's host mirror holds it (unpadded, the whole unit).

@@ -55,7 +55,8 @@ use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
 use super::state::{FlatState, GradPool, StageState};
 use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
-use crate::comm::{Buffer, CommError, Communicator, DType, ReduceOp, TrafficCounters};
+use crate::comm::{CommError, Communicator, ReduceOp, TrafficCounters};
+use crate::flat::{Buffer, DType};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::offload::OffloadError;
 use crate::optim::adam::StepConsts;
@@ -857,7 +858,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             .comm
             .all_reduce(Buffer::F32(scalars), ReduceOp::Sum)
             .wait_one()?;
-        self.scalars = reduced.into_returned_f32(self.layout.rank)?;
+        self.scalars = crate::comm::returned_f32(reduced, self.layout.rank)?;
         let sq = match local {
             true => unit_sq.iter().sum::<f64>(),
             false => f64::from(self.scalars[1]),
@@ -934,7 +935,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 .comm
                 .all_reduce(Buffer::F32(flags), ReduceOp::Max)
                 .wait_one()?;
-            flags = reduced.into_returned_f32(self.layout.rank)?;
+            flags = crate::comm::returned_f32(reduced, self.layout.rank)?;
         }
         Ok(flags
             .iter()
@@ -1195,7 +1196,7 @@ fn init_params<M: UnitModel>(
         model.init_params(u, cfg.seed, &mut full[..ul.numel]);
         let updated = updated_part(layout, stage, u);
         masters.push(cfg.keeps_fp32_master().then(|| {
-            let mut master = crate::comm::zeroed_vec(updated.len());
+            let mut master = crate::flat::zeroed_vec(updated.len());
             master.copy_from_slice(&full[updated]);
             master
         }));
@@ -1270,7 +1271,7 @@ fn flat_state(
             let grads = layout
                 .units
                 .iter()
-                .map(|u| crate::comm::zeroed_vec(u.padded));
+                .map(|u| crate::flat::zeroed_vec(u.padded));
             (
                 StageState::Replicated { params, kept_grads },
                 grads.collect(),

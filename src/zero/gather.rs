@@ -17,7 +17,8 @@
 use super::flat::FlatLayout;
 use super::precision::FlatBuffer;
 use super::shards::ShardStore;
-use crate::comm::{Buffer, CommError, CommHandle, Communicator, DType};
+use crate::comm::{CommError, CommHandle, Communicator};
+use crate::flat::{Buffer, DType};
 use crate::memory::accounting::{MemoryKind, MemoryLedger};
 use crate::offload::OffloadError;
 

@@ -14,7 +14,7 @@
 //! scale) a [`NonFiniteGuard`] that stops the run after too many skipped steps in a row.
 
 use super::loss_scaler::{DynamicScaleParams, LossScaleError, LossScaler, NonFiniteGuard};
-use crate::comm::{Buffer, DType};
+use crate::flat::{Buffer, DType};
 use crate::optim::adam::{AdamParams, RoundingKey, StateElement};
 use crate::optim::kernels;
 use half::{bf16, f16};

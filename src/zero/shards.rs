@@ -22,7 +22,7 @@
 //! or needing its staging buffer, waits for the write; other reads go on beside it.
 
 use super::precision::FlatBuffer;
-use crate::comm::{Buffer, DType};
+use crate::flat::{Buffer, DType};
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use std::path::Path;
 use std::sync::Arc;

@@ -8,7 +8,8 @@
 use super::buffers::BufferPlan;
 use super::gather::Coordinator;
 use super::precision::{FlatBuffer, Slice, SliceMut};
-use crate::comm::{Buffer, CommError};
+use crate::comm::CommError;
+use crate::flat::Buffer;
 use std::ops::Range;
 
 /// A rank's flat buffers.
@@ -158,7 +159,7 @@ impl FlatState {
                 kept_grads: Some(kept),
                 ..
             } => kept[unit] = buf,
-            _ => self.grads[unit] = buf.into_returned_f32(rank)?,
+            _ => self.grads[unit] = crate::comm::returned_f32(buf, rank)?,
         }
         Ok(())
     }

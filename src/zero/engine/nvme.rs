@@ -13,7 +13,7 @@
 //! what the parameters are rebuilt from, and it is 4 of the 12 optimizer bytes per parameter.
 
 use super::super::precision::{Slice, SliceMut};
-use crate::comm::DType;
+use crate::flat::DType;
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use half::{bf16, f16};
 use std::ops::Range;

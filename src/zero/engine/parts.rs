@@ -7,7 +7,7 @@
 //! on a thread while the next one updates.
 
 use super::UnitState;
-use crate::comm::Buffer;
+use crate::flat::Buffer;
 use crate::offload::OffloadError;
 use crate::zero::flat::FlatLayout;
 use crate::zero::precision::{FlatBuffer, Slice, SliceMut};

@@ -6,9 +6,10 @@
 use half::{bf16, f16};
 use std::sync::Arc;
 use zerodp::comm::{
-    run_ranks, shard_range, Buffer, CollectiveKind, CommError, CommOptions, Communicator, DType,
-    InprocComm, ReduceOp,
+    run_ranks, shard_range, CollectiveKind, CommError, CommOptions, Communicator, InprocComm,
+    ReduceOp,
 };
+use zerodp::flat::{Buffer, DType};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max];

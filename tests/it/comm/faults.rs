@@ -5,9 +5,10 @@
 use std::thread::sleep;
 use std::time::Duration;
 use zerodp::comm::{
-    run_ranks, run_ranks_on, shard_range, Buffer, CollectiveKind, CommError, CommOptions,
-    Communicator, DType, RankFailure, ReduceOp, TraceLevel, TraceSink,
+    run_ranks, run_ranks_on, shard_range, CollectiveKind, CommError, CommOptions, Communicator,
+    RankFailure, ReduceOp, TraceLevel, TraceSink,
 };
+use zerodp::flat::{Buffer, DType};
 
 fn opts(timeout: Duration) -> CommOptions {
     CommOptions {

@@ -6,7 +6,7 @@
 use crate::common;
 
 use common::*;
-use zerodp::comm::DType;
+use zerodp::flat::DType;
 use zerodp::model::TokenBatch as Batch;
 use zerodp::trainer::{ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;

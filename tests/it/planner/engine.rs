@@ -16,7 +16,8 @@
 use crate::common;
 
 use common::*;
-use zerodp::comm::{CollectiveKind, DType};
+use zerodp::comm::CollectiveKind;
+use zerodp::flat::DType;
 use zerodp::planner::{
     interconnect, plan_option, planned_engine_config, BufferOverrides, Cluster, Collective,
     DtypeOverrides, HostLinks, ModelSize, Offload, PlanInput, PlanOption, Precision, ZeroChoice,

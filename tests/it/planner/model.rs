@@ -1,7 +1,7 @@
 //! The planner's memory, traffic and time model against the ZeRO paper's formulas, DeepSpeed's
 //! estimators and the classic worked examples.
 
-use zerodp::comm::DType;
+use zerodp::flat::DType;
 use zerodp::planner::{
     engine_buffer_bytes, interconnect, model_state_bytes, plan, plan_option, BufferOverrides,
     Cluster, Collective, HostLinks, ModelSize, Offload, PlanInput, Precision, ReductionDtypes,

@@ -93,7 +93,7 @@ fn stages_match_one_rank_with_no_bucket() {
 /// sums in the same rank order as the buckets, so the same bits, at every stage.
 #[test]
 fn no_bucket_trains_bit_for_bit_as_the_default_bucket() {
-    use zerodp::comm::DType;
+    use zerodp::flat::DType;
     let model = Toy::new(16, 8, 2, true);
     // (parameter and communication dtype, gradients kept in f32)
     let precisions = [

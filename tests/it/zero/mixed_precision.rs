@@ -5,7 +5,8 @@
 use crate::common;
 
 use common::*;
-use zerodp::comm::{run_ranks, CollectiveKind, CommOptions, DType};
+use zerodp::comm::{run_ranks, CollectiveKind, CommOptions};
+use zerodp::flat::DType;
 use zerodp::model::TokenBatch as Batch;
 use zerodp::zero::buffers::plan;
 use zerodp::zero::flat::FlatLayout;
