@@ -24,14 +24,20 @@
 //!   under the `cuda` feature).
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
-//! * [`atomic_file`]: files written under a temporary name and renamed into place, so that a
-//!   failed or killed write leaves what was there before. Depends on nothing.
+//! * [`flat`]: the foundation below `comm`, `optim`, `zero` and `model`: the dtype tag, owned flat
+//!   buffers, zeroed huge-page memory, the 16-bit rounding, widening and narrowing. Depends on
+//!   nothing.
+//! * [`atomic_file`]: files and directories written under a temporary name and renamed into
+//!   place, so that a failed or killed write leaves what was there before. Depends on nothing.
+//! * [`outputs`]: the check every command's output paths pass before any work (not an input, not
+//!   in a checkpoint, not a Hugging Face directory's weights), beside `atomic_file`, which then
+//!   writes them.
 //! * [`affinity`]: which cores a rank's threads are pinned to (the process's affinity mask shared
 //!   out among in-process ranks). Depends on nothing.
 //! * `prefetch` (crate-private): software prefetch hints for the streaming loops of `optim` and
 //!   `model` (the CPU Adam, the element-wise kernels). Depends on nothing.
 //!
-//! Dependencies point one way: `config` <- `optim`, `comm` <- `memory`, `offload` <- `zero` <- `setup`,
+//! Dependencies point one way: `flat` <- {`comm`, `optim`, `model`}, `config` <- `optim`, `comm` <- `memory`, `offload` <- `zero` <- `setup`,
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 
@@ -47,6 +53,7 @@ pub mod memory;
 pub mod model;
 pub mod offload;
 pub mod optim;
+pub mod outputs;
 pub mod planner;
 mod prefetch;
 pub mod setup;

@@ -1,5 +1,5 @@
 //! Recognising checkpoints on disk by their layout (see the [module docs](super)), so that a
-//! command can refuse to write into one ([`crate::trainer::outputs`]) whether or not it was told
+//! command can refuse to write into one ([`crate::outputs`]) whether or not it was told
 //! the directory is a checkpoint.
 //!
 //! A *save directory* holds a `latest` that names a step directory, a lock, or a step directory

@@ -158,7 +158,7 @@ pub fn restore_engine<M: UnitModel>(
 /// `out` is written under a temporary name and renamed over it only once whole and on disk: a
 /// damaged checkpoint found half way, a full disk or a kill leaves what `out` held before. That
 /// `out` is not inside or on a checkpoint is the caller's check
-/// (`zerodp::trainer::outputs::check_outputs`, as `zerodp ckpt consolidate` does).
+/// (`zerodp::outputs::check_outputs`, as `zerodp ckpt consolidate` does).
 pub fn consolidate(dir: &Path, out: &Path, bf16: bool) -> Result<u64, CheckpointError> {
     let (manifest, step_dir) = load_manifest(dir)?;
     let mut files = Files::new(&step_dir, &manifest);

@@ -4,7 +4,7 @@
 use anyhow::bail;
 use std::path::PathBuf;
 use zerodp::checkpoint::{consolidate, inspect};
-use zerodp::trainer::outputs::{check_outputs, NamedPath};
+use zerodp::outputs::{check_outputs, NamedPath};
 
 #[derive(clap::Subcommand, Debug)]
 pub enum CkptCommand {
@@ -99,7 +99,7 @@ fn run_consolidate(a: ConsolidateArgs) -> anyhow::Result<i32> {
         other => bail!("--dtype must be fp32 or bf16, got {other}"),
     };
     // Before any work: the output must not be the checkpoint read, lie in it or in any other
-    // checkpoint, or be one of a checkpoint's files (see `zerodp::trainer::outputs`).
+    // checkpoint, or be one of a checkpoint's files (see `zerodp::outputs`).
     let input = NamedPath {
         name: "checkpoint",
         path: &a.dir,

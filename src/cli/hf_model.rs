@@ -19,7 +19,7 @@ use zerodp::model::hf::{self, ExportDtype, HfConfig};
 use zerodp::model::llama::Llama;
 use zerodp::model::TokenBatch;
 use zerodp::model::{Candle, CandleSaved, CandleUnits, Gpt, GptConfig, GptModel, GptSaved};
-use zerodp::trainer::outputs::{check_outputs, NamedPath};
+use zerodp::outputs::{check_outputs, NamedPath};
 use zerodp::zero::unit::ModelSpec;
 use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, UnitForward, UnitModel};
 

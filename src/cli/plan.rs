@@ -161,11 +161,11 @@ pub fn run(args: PlanArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-/// `--chart` is checked before any work as every output is ([`zerodp::trainer::outputs`]): not
+/// `--chart` is checked before any work as every output is ([`zerodp::outputs`]): not
 /// the `--config` or `--model-config` read (nor inside that model directory), not in or on a
 /// checkpoint.
 fn check_chart_path(args: &PlanFlags) -> anyhow::Result<()> {
-    use zerodp::trainer::outputs::{check_outputs, NamedPath};
+    use zerodp::outputs::{check_outputs, NamedPath};
     let Some(chart) = &args.chart else {
         return Ok(());
     };

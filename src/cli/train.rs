@@ -21,7 +21,7 @@
 //! sets no dynamic key), bf16 and fp32 stop after `--max-skipped-steps` such steps in a row.
 //!
 //! Reliability: output paths are checked against the inputs and any checkpoint before any work
-//! ([`zerodp::trainer::outputs`]); the run holds `--save-dir`'s lock from before the first step
+//! ([`zerodp::outputs`]); the run holds `--save-dir`'s lock from before the first step
 //! until it returns, so a second run on the directory is refused at once
 //! ([`zerodp::checkpoint::SaveDirLock`]); SIGINT/SIGTERM end the run after the current step (exit
 //! 130 / 143, the lock released on the way out); a run whose loss ends non-finite or whose every
@@ -39,8 +39,8 @@ use zerodp::checkpoint::{acquire_for_job, SaveDirLock};
 use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
 use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
+use zerodp::outputs::{check_outputs, check_save_dir, NamedPath};
 use zerodp::planner::TrainProcess;
-use zerodp::trainer::outputs::{check_outputs, check_save_dir, NamedPath};
 use zerodp::trainer::{
     step_log_line, Backend, CheckpointOptions, LrSchedule, MetricsFile, Resume, StepEvent,
     StepObserver, TrainOutcome, Trainer, TrainerError,
@@ -807,7 +807,7 @@ fn breakdown_line(report: &zerodp::zero::StepReport) -> String {
 }
 
 /// Every output must be a new or replaceable file in a writable directory, and none may be an
-/// input or lie in a checkpoint ([`zerodp::trainer::outputs`]): checked before the first step, so
+/// input or lie in a checkpoint ([`zerodp::outputs`]): checked before the first step, so
 /// no input or checkpoint is ever overwritten and no run fails to save at its end.
 fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
     fn named<'a>(name: &'a str, p: Option<&'a Path>) -> Option<NamedPath<'a>> {
@@ -859,7 +859,7 @@ fn create_save_dir(args: &TrainArgs) -> anyhow::Result<()> {
             name: "--save-dir",
             path,
         };
-        zerodp::trainer::outputs::create_save_dir(dir)?;
+        zerodp::outputs::create_save_dir(dir)?;
     }
     Ok(())
 }

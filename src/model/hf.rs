@@ -789,7 +789,7 @@ pub struct Exported {
 /// original config with the dtype set), `model.safetensors` (Hugging Face names and `Conv1D`
 /// layout, no `lm_head.weight`: it is tied) and the tokenizer files found in `copy_from`. Each
 /// file is written whole or not at all ([`AtomicFile`]); that `out` is a safe place to write is
-/// the caller's check ([`crate::trainer::outputs`]).
+/// the caller's check ([`crate::outputs`]).
 pub fn export(
     out: &Path,
     config: &HfConfig,

@@ -26,7 +26,6 @@
 
 mod checkpoints;
 mod observers;
-pub mod outputs;
 
 pub use checkpoints::{CheckpointOptions, Resume};
 pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
