@@ -10,13 +10,13 @@
 //! process count (`--world-sizes` is ignored), each step counts as its slowest rank's time (the
 //! ranks' times are max-reduced) and rank 0 prints.
 
-use super::hf_model::TrainModel;
 use super::train::ModelArgs;
 use anyhow::bail;
 use std::sync::Arc;
 use zerodp::comm::{CommOptions, Communicator, ReduceOp};
 use zerodp::config::{defaults, Precision};
 use zerodp::flat::Buffer;
+use zerodp::model::train_model::{self, TrainModel};
 use zerodp::model::{Corpus, DataLoader, GptConfig, SplitMix64};
 use zerodp::trainer::{Backend, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
@@ -260,7 +260,7 @@ fn ranks(args: &BenchTrainArgs) -> anyhow::Result<(Vec<usize>, Option<MpiRank>)>
 /// The benchmarked model, where it computes, and what builds it again (a GPU case builds its own).
 struct BenchModel {
     gpt: GptConfig,
-    hf: Option<super::hf_model::HfModel>,
+    hf: Option<train_model::HfModel>,
     device: super::device_args::OpenDevice,
     model: TrainModel,
     /// `--device` and the precision, which open each rank's GPU.
@@ -287,7 +287,7 @@ impl BenchModel {
         if device.gpu.is_some() {
             errln!("device: {}", device.describe());
         }
-        let mut model = super::hf_model::build_model(&gpt, hf.as_ref(), &device)?;
+        let mut model = train_model::build_model(&gpt, hf.as_ref(), device.on())?;
         if args.composite_ops {
             if device.gpu.is_some() {
                 bail!("--composite-ops is the CPU's reference: on a GPU every model runs on composite ops");
@@ -616,7 +616,7 @@ fn measure(
 ) -> anyhow::Result<Samples> {
     let (stage, world) = (cfg.stage, cfg.world_size);
     let mut trainer = Trainer::new(models[0], cfg)
-        .with_rank_models(super::hf_model::per_rank(models.iter().copied()))
+        .with_rank_models(train_model::per_rank(models.iter().copied()))
         .with_schedule(LrSchedule::Constant(1e-4))
         .with_comm_options(CommOptions::from_env()?);
     if let Some((comm, threads)) = mpi {

@@ -37,6 +37,13 @@ pub struct OpenDevice {
     pub gpu: Option<GpuInfo>,
 }
 
+impl OpenDevice {
+    /// Where a model is built: the device and the dtype its units compute in.
+    pub fn on(&self) -> (Device, DType) {
+        (self.device.clone(), self.dtype)
+    }
+}
+
 /// How many in-process ranks of `args.device` compute on its busiest GPU (0 on the CPU).
 pub fn ranks_per_gpu(args: &DeviceArgs, ranks: usize) -> anyhow::Result<usize> {
     if !args.device.is_cuda() {

@@ -27,7 +27,6 @@
 //! 130 / 143, the lock released on the way out); a run whose loss ends non-finite or whose every
 //! step was skipped exits 1.
 
-use super::hf_model::TrainModel;
 use super::launch::Resolved;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -38,6 +37,7 @@ use std::time::Instant;
 use zerodp::checkpoint::{acquire_for_job, SaveDirLock};
 use zerodp::comm::{CommOptions, Communicator, TraceLevel};
 use zerodp::config::{self, ResolveContext};
+use zerodp::model::train_model::{self, TrainModel};
 use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
 use zerodp::outputs::{check_outputs, check_save_dir, NamedPath};
 use zerodp::planner::TrainProcess;
@@ -186,7 +186,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     )?;
     // What Trainer::from_settings builds, from the configuration already resolved above.
     let mut trainer = Trainer::new(&models[0], engine_cfg)
-        .with_rank_models(super::hf_model::per_rank(&models))
+        .with_rank_models(train_model::per_rank(&models))
         .with_schedule(LrSchedule::from_settings(&settings));
     configure_engine(&mut trainer, &args)?;
     let gpu_memory = preflight(&args, &settings, &trainer, (&gpt, &device, backend))?;
@@ -277,7 +277,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
 fn what_to_train(
     args: &TrainArgs,
 ) -> anyhow::Result<(
-    Option<super::hf_model::HfModel>,
+    Option<train_model::HfModel>,
     GptConfig,
     Option<zerodp::model::TextTokenizer>,
 )> {
@@ -535,14 +535,17 @@ fn preflight(
 fn with_initial_weights<'m>(
     mut trainer: Trainer<'m, TrainModel>,
     args: &TrainArgs,
-    hf: Option<&super::hf_model::HfModel>,
+    hf: Option<&train_model::HfModel>,
 ) -> anyhow::Result<Trainer<'m, TrainModel>> {
     let spec = trainer.model().spec().clone();
     if let Some(p) = &args.init {
         trainer = trainer.with_init(load_safetensors(p, &spec)?);
     }
-    if let Some(Some(weights)) = hf.map(|m| m.initial_weights(&spec)).transpose()? {
-        trainer = trainer.with_init(weights);
+    if let Some(m) = hf {
+        if let (Some(weights), Some(dir)) = (m.initial_weights(&spec)?, &m.dir) {
+            errln!("loaded the weights of {}", dir.display());
+            trainer = trainer.with_init(weights);
+        }
     }
     Ok(trainer)
 }
@@ -554,7 +557,7 @@ fn with_outputs<'m>(
     args: &TrainArgs,
     (settings, hf, data): (
         &config::Settings,
-        Option<&super::hf_model::HfModel>,
+        Option<&train_model::HfModel>,
         Option<serde_json::Value>,
     ),
     resume: Option<Resume>,
@@ -562,7 +565,7 @@ fn with_outputs<'m>(
     let mut trainer = trainer.keep_params(args.save.is_some());
     if let Some(dir) = &args.save_dir {
         let tokenizer = args.data.tokenizer.as_deref();
-        let mut config = super::hf_model::checkpoint_config(settings.to_json(), hf, tokenizer);
+        let mut config = train_model::checkpoint_config(settings.to_json(), hf, tokenizer);
         if let (Some(map), Some(data)) = (config.as_object_mut(), data) {
             map.insert(DATA_KEY.into(), data);
         }

@@ -31,6 +31,7 @@ pub mod llama;
 mod rng;
 pub mod token_data;
 pub mod token_inputs;
+pub mod train_model;
 pub mod var_units;
 pub mod weights;
 
