@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 16-core checks of README "On a many-core server (16 cores)", as one script for a machine with
+# The 16-core checks of docs/benchmarks.md, "On a many-core server (16 cores)", as one script for a machine with
 # many cores and no Rust (the GPU test machine's Xeon): zerodp against PyTorch at every ranks x
 # threads split, one rank's scaling from 2 to all cores, the per-op scaling table over the same
 # span, and the collectives at 8 ranks beside STREAM. Prepare on the build machine:

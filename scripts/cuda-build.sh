@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build zerodp with the `cuda` feature on a Linux machine without a GPU or a CUDA toolkit, for a
 # GPU machine with the NVIDIA driver of CUDA 13.0 (580) or newer and the CUDA 13.0 runtime
-# libraries in /usr/local/cuda-13.0/lib64 (README "GPUs").
+# libraries in /usr/local/cuda-13.0/lib64 (docs/gpus.md).
 #
 #   scripts/cuda-build.sh                 # zerodp, stripped, in target/cuda/zerodp
 #   scripts/cuda-build.sh --tests         # and the test binaries, in target/cuda/tests/

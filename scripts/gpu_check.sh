@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of README "GPUs", as one script for a GPU machine without Rust: the parity tests
+# The GPU checks of docs/gpus.md, as one script for a GPU machine without Rust: the parity tests
 # and the speed anchors beside PyTorch eager, in one run. Prepare on the build machine:
 #
 #   scripts/cuda-build.sh --tests --pack DIR     # DIR/zerodp.xz, DIR/gpu.xz (xz: 61 MB -> 8 MB each)

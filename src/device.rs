@@ -118,7 +118,7 @@ pub enum DeviceError {
     #[error(
         "--device {0} needs a GPU build: this zerodp was built without the `cuda` feature. \
          Rebuild with `cargo build --release --features cuda` on a machine with the CUDA 13.0 \
-         toolkit, or use scripts/cuda-build.sh (README \"GPUs\"); or run with --device cpu"
+         toolkit, or use scripts/cuda-build.sh (docs/gpus.md); or run with --device cpu"
     )]
     NotBuilt(ComputeDevice),
     #[error(

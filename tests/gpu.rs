@@ -3,7 +3,7 @@
 //!
 //! The parity tests need a build with `--features cuda` and a GPU; elsewhere they print why they
 //! skip and pass. Run them on a GPU machine with
-//! `cargo test --release --features cuda --test gpu -- --nocapture` (README "GPUs").
+//! `cargo test --release --features cuda --test gpu -- --nocapture` (docs/gpus.md).
 
 use candle_core::DType;
 use zerodp::device::{ComputeDevice, GpuInfo};

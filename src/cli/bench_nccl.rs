@@ -30,7 +30,7 @@ pub fn gpus() -> anyhow::Result<usize> {
 fn not_built() -> anyhow::Error {
     anyhow::anyhow!(
         "--nccl needs a GPU build: this zerodp was built without the `cuda` feature (NCCL comes \
-         with it); build it with scripts/cuda-build.sh (README \"GPUs\")"
+         with it); build it with scripts/cuda-build.sh (docs/gpus.md)"
     )
 }
 

@@ -11,7 +11,7 @@ pub struct DeviceArgs {
     /// model's forward and backward run there (bf16/fp16 runs compute in 16 bits); without
     /// offload at stages 0-2, or on one rank, Adam and its state too (at stages 1-2 each rank's
     /// shard of it). Needs a build with the `cuda`
-    /// feature (README "GPUs").
+    /// feature (docs/gpus.md).
     #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: ComputeDevice,
     /// Let f32 matrix products on a GPU use TF32 tensor cores (as torch.backends.cuda.matmul.
