@@ -6,7 +6,7 @@
 //! order, so the result is bit-identical whoever computes it), and the result is written once. 16-bit
 //! inputs are widened to f32, accumulated in f32 and rounded once (round to nearest even).
 //!
-//! Every dtype takes the lane path ([`reduce_lanes`]): the large reductions are memory-bound only
+//! Every dtype takes the lane path (`reduce_lanes`): the large reductions are memory-bound only
 //! if the core does little more than one packed operation per loaded vector, and the generic
 //! path's extra copies through L1 scratch (load into the accumulator, round into a block, copy
 //! out) made the 1 GiB reduce-scatter compute-bound on this machine's cores. The generic path,
@@ -102,7 +102,7 @@ pub(crate) enum Store {
 /// writes the result to every destination.
 ///
 /// # Safety
-/// As [`reduce_lanes`].
+/// As `reduce_lanes`.
 #[cfg(test)]
 unsafe fn reduce_typed<T: Elem>(
     op: ReduceOp,
@@ -190,7 +190,7 @@ unsafe fn reduce_lanes<T: Lane>(
 /// [`reduce_lanes_body`] compiled with AVX2 and F16C enabled.
 ///
 /// # Safety
-/// As [`reduce_lanes`], on a CPU with AVX2 and F16C.
+/// As `reduce_lanes`, on a CPU with AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_lanes_avx2<T: Lane>(
@@ -203,10 +203,10 @@ unsafe fn reduce_lanes_avx2<T: Lane>(
     reduce_lanes_body::<T, true>(op, srcs, dsts, len, store)
 }
 
-/// The body of [`reduce_lanes`], inlined into each instruction-set variant.
+/// The body of `reduce_lanes`, inlined into each instruction-set variant.
 ///
 /// # Safety
-/// As [`reduce_lanes`].
+/// As `reduce_lanes`.
 #[inline(always)]
 unsafe fn reduce_lanes_body<T: Lane, const F16C: bool>(
     op: ReduceOp,
@@ -369,10 +369,10 @@ unsafe fn stream_lanes<D: Lane>(dst: *mut D, v: &[D; LANES]) {
     std::ptr::write_unaligned(dst as *mut [D; LANES], *v);
 }
 
-/// Type-erased [`reduce_lanes`]: addresses are of element 0 of each slice.
+/// Type-erased `reduce_lanes`: addresses are of element 0 of each slice.
 ///
 /// # Safety
-/// As [`reduce_lanes`], with `len` elements of `dtype` at every address, suitably aligned.
+/// As `reduce_lanes`, with `len` elements of `dtype` at every address, suitably aligned.
 pub(crate) unsafe fn reduce_into(
     dtype: DType,
     op: ReduceOp,

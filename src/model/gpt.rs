@@ -23,7 +23,7 @@
 //! the rest of the contract (tensors from the flat slices, backward, gradient write-back), the
 //! same helper any other candle model uses (see [`super::candle_unit`]). In f32 on the fused
 //! kernels [`GptModel`] runs the blocks on the kernels' slice functions instead, without a candle
-//! graph ([`super::gpt_block`]), with the same bits.
+//! graph (`gpt_block`), with the same bits.
 //!
 //! Activations between units ([`UnitModel::Act`]) are `[batch * seq, width]` tensors in the
 //! compute dtype, rows in (sequence, position) order.
@@ -244,7 +244,7 @@ enum UnitKind {
 }
 
 /// What a `Train` forward of the GPT keeps for backward: the candle helper's saved state (the
-/// embeddings and the head), or a block's activations ([`super::gpt_block`]).
+/// embeddings and the head), or a block's activations (`gpt_block`).
 pub struct GptSaved(SavedBy);
 
 enum SavedBy {
@@ -757,10 +757,10 @@ impl CandleUnits for Gpt {
 /// The GPT as a [`UnitModel`]: [`Gpt`] on the candle helper ([`Candle`]), which turns the flat
 /// parameter slices into tensors, runs backward and writes the gradients back; in f32 on the fused
 /// kernels (the default) the transformer blocks skip candle's graph and run the same kernels on
-/// slices ([`super::gpt_block`]), with the same bits.
+/// slices (`gpt_block`), with the same bits.
 pub struct GptModel {
     inner: Candle<Gpt>,
-    /// Blocks on [`super::gpt_block`] rather than through candle's graph.
+    /// Blocks on `gpt_block` rather than through candle's graph.
     direct_blocks: bool,
 }
 
@@ -819,7 +819,7 @@ impl GptModel {
 
     /// Hold the engine's device tier in the device's memory ([`Candle::with_device_tier`]). The
     /// blocks then run through candle's graph on the tier's parameters (on the CPU too, where
-    /// they would otherwise run on slices, [`super::gpt_block`]).
+    /// they would otherwise run on slices, `gpt_block`).
     pub fn with_device_tier(mut self, on: bool) -> Self {
         self.inner = self.inner.with_device_tier(on);
         self.direct_blocks &= !on;
@@ -835,7 +835,7 @@ impl GptModel {
         Ok(model)
     }
 
-    /// Whether unit `unit` runs on [`super::gpt_block`].
+    /// Whether unit `unit` runs on `gpt_block`.
     fn runs_direct(&self, unit: usize) -> bool {
         self.direct_blocks && matches!(self.gpt().kind(unit), Ok(UnitKind::Block))
     }

@@ -30,7 +30,7 @@
 //! traffic): each step widens them exactly, runs the same `f32` formulas and rounds them to
 //! nearest even once.
 //!
-//! The update asks for the cache lines it will need a few KiB ahead ([`crate::prefetch`]): with
+//! The update asks for the cache lines it will need a few KiB ahead (`crate::prefetch`): with
 //! the hardware prefetchers alone the bf16-state step drew only about 80% of the bandwidth its
 //! streams allow.
 //!
@@ -160,7 +160,7 @@ pub struct KernelConsts {
     pub neg_step_size: f32,
     /// AdamW (1) or classic Adam's L2 (0).
     pub adamw: i32,
-    /// `w1 < 0.5`: [`adam_block`]'s `LERP_LOW` form of the first moment's update.
+    /// `w1 < 0.5`: `adam_block`'s `LERP_LOW` form of the first moment's update.
     pub lerp_low: i32,
     /// 16-bit moments: the denominator multiplies by `inv_bc2_sqrt` (the CPU kernel's 16-bit form).
     pub moments_16: i32,

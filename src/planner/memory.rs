@@ -238,7 +238,7 @@ pub fn persistent_elements(model: &ModelSize, s: &BufferSettings) -> u64 {
 /// output (heads·s² per row), attention output, ln_2 input, c_fc input, c_fc output (4w), GELU
 /// output (4w): b·s·(16w + heads·s) elements. The head keeps ln_f's input and output and the logits
 /// with their softmax: b·s·(2w + 2·vocab) (a framework that materialises them; zerodp's own head
-/// holds one chunk of rows at a time, see [`super::process`]). With activation checkpointing each block keeps only its
+/// holds one chunk of rows at a time, see [`super::TrainProcess`]). With activation checkpointing each block keeps only its
 /// input (b·s·w) and one block at a time is recomputed in full during backward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Activations {

@@ -126,7 +126,7 @@ pub struct ModelSize {
     /// True when `largest_unit` was estimated rather than given (see [`ModelSize::from_count`]).
     pub largest_unit_estimated: bool,
     /// The engine's own layout, when planning the model `train` builds: buffers, model states and
-    /// traffic then follow the engine exactly (see [`super::engine`]) instead of the estimates.
+    /// traffic then follow the engine exactly (see `planner::engine`) instead of the estimates.
     #[serde(skip)]
     pub spec: Option<ModelSpec>,
 }

@@ -190,7 +190,7 @@ pub enum Backend {
     #[default]
     InProcess,
     /// This process is one rank of a world that `comm` spans (one rank per process, as under
-    /// `mpirun` with [`crate::comm::MpiComm`]): [`Trainer::run`] runs the rank loop once, as rank
+    /// `mpirun` with `comm::MpiComm`): [`Trainer::run`] runs the rank loop once, as rank
     /// `comm.rank()`. The communicator's world size must equal the engine's.
     Process(Arc<dyn Communicator>),
     /// `world_size` ranks as threads of this process, rank r on the caller's `comms[r]` (one

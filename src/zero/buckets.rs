@@ -30,7 +30,7 @@
 //! With two buckets (`overlap_comm`) one fills while the other is in flight; with one, each bucket
 //! is waited for as soon as it is launched. In-place unit collectives stay in flight until the
 //! flush with `overlap_comm` (the stage 2-3 ones, which hold transient buffers, at most
-//! [`units_in_flight`](super::buffers::units_in_flight) of them: the oldest is waited for before
+//! `buffers::units_in_flight` of them: the oldest is waited for before
 //! another is issued), and are waited for one by one without it. Every decision depends only on
 //! the layout and the order of pushes, never on timing, so every rank issues the same collectives
 //! in the same order.

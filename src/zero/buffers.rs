@@ -16,7 +16,7 @@
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
-//!   [`units_in_flight`] more, in reduce-scatters still in flight.
+//!   `units_in_flight` more, in reduce-scatters still in flight.
 //! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
 //!   place in a visit's reads (the unit, then the units it uses), each the size of the largest unit
 //!   read at that place. Stages 0-1 with 16-bit gradients
@@ -49,7 +49,7 @@ pub struct BufferPlan {
     /// unit (a bucket, where there is one, holds one unit and is launched at once).
     pub per_unit: bool,
     /// Stages 2-3 reducing in place: transient gradients in reduce-scatters in flight at most
-    /// ([`units_in_flight`]; counted in `grad_scratch_count`).
+    /// (`units_in_flight`; counted in `grad_scratch_count`).
     pub units_in_flight: usize,
     /// Dtype of the buckets.
     pub comm_dtype: DType,
@@ -69,7 +69,7 @@ pub struct BufferPlan {
     /// Dtype of the gathered parameters.
     pub param_dtype: DType,
     /// Mixed precision: elements of each f32 scratch 16-bit parameters are widened into before
-    /// the model runs, one per place in a visit's reads ([`param_scratch`]).
+    /// the model runs, one per place in a visit's reads (`param_scratch`).
     pub param_scratch: Vec<usize>,
 }
 
@@ -137,7 +137,7 @@ pub struct ReductionPlan {
     pub bucket_elems: usize,
     /// Buckets: 2 with `overlap_comm`, else 1; none in place.
     pub bucket_count: usize,
-    /// Stages 2-3 in place: transient gradients in flight at most ([`units_in_flight`]).
+    /// Stages 2-3 in place: transient gradients in flight at most (`units_in_flight`).
     pub units_in_flight: usize,
 }
 
@@ -179,7 +179,7 @@ pub fn reduction_plan(
 ///   communication dtype: it costs nothing, the kept gradient is the buffer;
 /// - stages 2-3 (which reduce the transient f32 gradients of every micro-step) when the
 ///   communication dtype is f32 and the largest unit is no larger than a bucket: each transient
-///   buffer is held until its reduce-scatter is done, up to [`units_in_flight`] of them beside
+///   buffer is held until its reduce-scatter is done, up to `units_in_flight` of them beside
 ///   those the backward holds, in place of the buckets, so never more memory; or when no bucket
 ///   is asked for (`bucket_elems` 0), at any unit size, as DeepSpeed then reduces each gradient
 ///   in its own tensor.

@@ -173,7 +173,7 @@ pub trait DeviceTier: Send + Sync {
     fn params_from_host(&self, unit: usize, src: Slice<'_>) -> Result<(), ModelError>;
 
     /// Reserve the tier for one engine: `false` while another engine holds it (two in-process
-    /// ranks given one model). The engine gives it back when dropped ([`Claim`]).
+    /// ranks given one model). The engine gives it back when dropped (`Claim`).
     fn claim(&self) -> bool;
 
     /// Give back what [`DeviceTier::claim`] reserved.
