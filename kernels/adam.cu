@@ -4,7 +4,7 @@
 // arithmetic is adam_math.h's, the CPU kernel's operation for operation.
 //
 // Kernels are named zerodp_adam_<gradient>_<moments>_<parameters> (f32, bf16 or f16;
-// moments f32 or bf16); src/model/cuda_adam.rs picks one by the tensors' dtypes.
+// moments f32 or bf16); src/model/cuda/adam.rs picks one by the tensors' dtypes.
 #include <stddef.h>
 
 #include "adam_math.h"

@@ -2,7 +2,7 @@
 // composite ops take several (and their autograd several more): GELU forward and backward, the
 // causal softmax of attention forward and backward, LayerNorm forward and backward. Each computes
 // in f32 from f32, bf16 or f16 tensors and rounds once on store (PyTorch's 16-bit kernels do the
-// same); src/model/cuda_ops.rs launches them. Kernels are named zerodp_<op>_<dtype>.
+// same); src/model/cuda/gpt_ops.rs launches them. Kernels are named zerodp_<op>_<dtype>.
 //
 // Row kernels give each row to one warp (blockDim (32, ROWS_PER_BLOCK)): lanes stride along the
 // row, and warp shuffles reduce it.

@@ -3,7 +3,7 @@
 // rotary embeddings (forward, and backward as the opposite rotation), and SwiGLU's gate forward
 // and backward. Each computes in f32 from f32, bf16 or f16 tensors and rounds as transformers'
 // LlamaRMSNorm and LlamaMLP do in 16 bits (the normalised rows and silu(gate) rounded before the
-// product with the weight or up, the rest once on store); src/model/cuda_llama_ops.rs launches
+// product with the weight or up, the rest once on store); src/model/cuda/llama_ops.rs launches
 // them. Kernels are named zerodp_<op>_<dtype>.
 #include <math.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-// Row kernels give each row to one warp (blockDim (32, ROWS_PER_BLOCK) in src/model/cuda_launch.rs):
+// Row kernels give each row to one warp (blockDim (32, ROWS_PER_BLOCK) in src/model/cuda/launch.rs):
 // lanes stride along the row, and warp shuffles reduce it.
 #ifndef ZERODP_ROWS_CUH
 #define ZERODP_ROWS_CUH

@@ -4,7 +4,7 @@
 //! rank updates (in the engine's dtypes for them), as flat tensors on the model's device; and the
 //! engine's arithmetic on them as candle ops: gradient accumulation, the squared sums, and Adam
 //! with the CPU kernel's constants ([`StepConsts`]) and formula (on a GPU one fused kernel per
-//! unit, `cuda_adam`). On one GPU a step then moves no parameter or gradient between host and
+//! unit, `cuda::adam`). On one GPU a step then moves no parameter or gradient between host and
 //! device. The same code runs on candle's CPU backend, where the tests compare it with the
 //! engine's own host tier.
 
@@ -76,7 +76,7 @@ impl TierUnit {
     #[cfg(feature = "cuda")]
     fn fused_adam(&self, grad: &Tensor, c: &StepConsts) -> candle_core::Result<bool> {
         let writes_params = self.is_whole() && !self.params_are_master();
-        let tensors = super::cuda_adam::AdamTensors {
+        let tensors = super::cuda::adam::AdamTensors {
             grad,
             master: &self.master,
             exp_avg: &self.exp_avg,
@@ -84,7 +84,7 @@ impl TierUnit {
             params: writes_params.then_some(&self.params),
             stored: self.dtypes.params,
         };
-        super::cuda_adam::fused_adam(&tensors, c)
+        super::cuda::adam::fused_adam(&tensors, c)
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -62,7 +62,7 @@
 //! `candle_nn::loss::cross_entropy`), which is the reference the fused kernels are tested against.
 //! On a GPU the matrix products are cuBLAS's through candle and the LayerNorm, the GELU and the
 //! attention's causal softmax are the same custom ops run by zerodp's CUDA kernels
-//! (`cuda_ops`, `kernels/gpt_ops.cu`; `ZERODP_CUDA_KERNELS=0` keeps the composite ops).
+//! (`cuda::gpt_ops`, `kernels/gpt_ops.cu`; `ZERODP_CUDA_KERNELS=0` keeps the composite ops).
 //! candle-nn's own fused `softmax_last_dim`, `layer_norm` and `rms_norm` are never used: they have
 //! no backward and drop gradients silently. The tests check that every parameter gets a gradient
 //! and that both paths match finite differences in F64.

@@ -1,5 +1,5 @@
 //! Fused CPU kernels with hand-written backward passes, as candle custom ops (LayerNorm, GELU and
-//! the causal softmax also run on a GPU: their `cuda_fwd` and GPU backward are `cuda_ops`).
+//! the causal softmax also run on a GPU: their `cuda_fwd` and GPU backward are `cuda::gpt_ops`).
 //!
 //! WHY: candle's autograd turns every primitive op into a graph node whose backward allocates a
 //! zero tensor and adds into it, and a LayerNorm, a softmax or the tanh-GELU's backward take 5-20
@@ -469,7 +469,7 @@ impl CustomOp3 for LayerNorm {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_ops::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)
+        super::cuda::gpt_ops::layer_norm_fwd((s1, l1), (s2, l2), (s3, l3), self.eps)
     }
 
     fn bwd(
@@ -482,7 +482,7 @@ impl CustomOp3 for LayerNorm {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let (dx, dw, db) = super::cuda_ops::layer_norm_bwd(x, w, dy, self.eps)?;
+            let (dx, dw, db) = super::cuda::gpt_ops::layer_norm_bwd(x, w, dy, self.eps)?;
             return Ok((Some(dx), Some(dw), Some(db)));
         }
         by_dtype!(x.dtype(), self.name(), |T| {
@@ -607,13 +607,13 @@ impl CustomOp1 for Gelu {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_ops::gelu_fwd(s, l)
+        super::cuda::gpt_ops::gelu_fwd(s, l)
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            return Ok(Some(super::cuda_ops::gelu_bwd(x, dy)?));
+            return Ok(Some(super::cuda::gpt_ops::gelu_bwd(x, dy)?));
         }
         by_dtype!(x.dtype(), self.name(), |T| {
             let dx = with_slice::<T, _>(x, |x| with_slice::<T, _>(dy, |dy| Self::bwd(x, dy)))?;
@@ -679,14 +679,14 @@ impl CustomOp1 for CausalSoftmax {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::cuda_ops::causal_softmax_fwd(s, l)
+        super::cuda::gpt_ops::causal_softmax_fwd(s, l)
     }
 
     /// `y (dy - sum(y dy))` per row: one kernel on a GPU, candle's ops elsewhere.
     fn bwd(&self, _x: &Tensor, y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if y.device().is_cuda() {
-            return Ok(Some(super::cuda_ops::softmax_bwd(y, dy)?));
+            return Ok(Some(super::cuda::gpt_ops::softmax_bwd(y, dy)?));
         }
         let dot = (y * dy)?.sum_keepdim(candle_core::D::Minus1)?;
         Ok(Some((dy.broadcast_sub(&dot)? * y)?))

@@ -13,13 +13,7 @@ mod bf16_gemm;
 mod candle_tier;
 pub mod candle_unit;
 #[cfg(feature = "cuda")]
-mod cuda_adam;
-#[cfg(feature = "cuda")]
-mod cuda_launch;
-#[cfg(feature = "cuda")]
-mod cuda_llama_ops;
-#[cfg(feature = "cuda")]
-mod cuda_ops;
+mod cuda;
 pub mod data;
 pub mod device;
 pub mod gpt;

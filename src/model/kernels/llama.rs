@@ -1,5 +1,5 @@
 //! The Llama's fused ops, each one graph node with its backward on the rayon pool, as the GPT's
-//! are (RMSNorm, rotary embeddings and SwiGLU also on a GPU: `cuda_llama_ops`): a product without bias ([`MatMulT`]), RMSNorm ([`RmsNorm`]), rotary embeddings ([`Rope`])
+//! are (RMSNorm, rotary embeddings and SwiGLU also on a GPU: `cuda::llama_ops`): a product without bias ([`MatMulT`]), RMSNorm ([`RmsNorm`]), rotary embeddings ([`Rope`])
 //! and SwiGLU's gate ([`SwiGlu`]). Attention is the GPT's fused causal attention on the rotated
 //! queries and the keys and values repeated to every query head (`super::super::llama`).
 //!
@@ -173,7 +173,7 @@ impl CustomOp2 for RmsNorm {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::super::cuda_llama_ops::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
+        super::super::cuda::llama_ops::rms_norm_fwd((s1, l1), (s2, l2), self.eps)
     }
 
     fn bwd(
@@ -185,7 +185,7 @@ impl CustomOp2 for RmsNorm {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() {
-            let (dx, dw) = super::super::cuda_llama_ops::rms_norm_bwd(x, w, dy, self.eps)?;
+            let (dx, dw) = super::super::cuda::llama_ops::rms_norm_bwd(x, w, dy, self.eps)?;
             return Ok((Some(dx), Some(dw)));
         }
         by_dtype!(x.dtype(), self.name(), |T| {
@@ -211,7 +211,7 @@ pub(crate) struct Rope {
     pub sin: std::sync::Arc<Vec<f32>>,
     /// `cos` and `sin` in GPU memory, copied there by the first GPU call of the op or a clone.
     #[cfg(feature = "cuda")]
-    pub gpu_tables: std::sync::Arc<std::sync::OnceLock<super::super::cuda_llama_ops::GpuTables>>,
+    pub gpu_tables: std::sync::Arc<std::sync::OnceLock<super::super::cuda::llama_ops::GpuTables>>,
 }
 
 impl Rope {
@@ -294,13 +294,13 @@ impl CustomOp1 for Rope {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::super::cuda_llama_ops::rope((s, l), self, false)
+        super::super::cuda::llama_ops::rope((s, l), self, false)
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<Option<Tensor>> {
         #[cfg(feature = "cuda")]
         if dy.device().is_cuda() {
-            return Ok(Some(super::super::cuda_llama_ops::rope_bwd(dy, self)?));
+            return Ok(Some(super::super::cuda::llama_ops::rope_bwd(dy, self)?));
         }
         let (_, width) = x.dims2()?;
         by_dtype!(x.dtype(), self.name(), |T| {
@@ -399,7 +399,7 @@ impl CustomOp2 for SwiGlu {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::super::cuda_llama_ops::swiglu_fwd((s1, l1), (s2, l2))
+        super::super::cuda::llama_ops::swiglu_fwd((s1, l1), (s2, l2))
     }
 
     fn bwd(
@@ -411,7 +411,7 @@ impl CustomOp2 for SwiGlu {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
         if g.device().is_cuda() {
-            let (dg, du) = super::super::cuda_llama_ops::swiglu_bwd(g, u, dy)?;
+            let (dg, du) = super::super::cuda::llama_ops::swiglu_bwd(g, u, dy)?;
             return Ok((Some(dg), Some(du)));
         }
         by_dtype!(g.dtype(), self.name(), |T| {

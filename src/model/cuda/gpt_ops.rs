@@ -1,5 +1,5 @@
 //! The GPT's fused operations on a GPU (`kernels/gpt_ops.cu`): the `cuda_fwd` of
-//! [`super::kernels::Gelu`], [`super::kernels::LayerNorm`] and [`super::kernels::CausalSoftmax`]
+//! [`super::super::kernels::Gelu`], [`super::super::kernels::LayerNorm`] and [`super::super::kernels::CausalSoftmax`]
 //! and their backward passes, each one kernel (LayerNorm's backward two, and a sum of parts for
 //! the weight's and bias's gradients) where candle's composite ops and their autograd take five
 //! to twenty full passes each. They compute in f32 from f32, bf16 or f16 and round once on store.
@@ -9,7 +9,7 @@ use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
-use super::cuda_launch::{
+use super::launch::{
     arg, elementwise, kernel_name, launched, norm_dx, output, per_row, push, push_slice, rows_of,
     sum_parts, tensor, with_cuda2, with_cuda3,
 };
@@ -18,7 +18,7 @@ const MODULE: &str = "zerodp_gpt_ops";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/gpt_ops.ptx"));
 
 /// GELU (tanh approximation), forward.
-pub(super) fn gelu_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
+pub(in crate::model) fn gelu_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
     let n = l.shape().elem_count();
     let device = &x.device;
     let dtype = x.dtype();
@@ -36,7 +36,7 @@ pub(super) fn gelu_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shap
 }
 
 /// GELU's backward: `dy * gelu'(x)`.
-pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
+pub(in crate::model) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let n = x.elem_count();
     if dy.elem_count() != n || dy.dtype() != x.dtype() {
         bail!(
@@ -65,8 +65,11 @@ pub(super) fn gelu_bwd(x: &Tensor, dy: &Tensor) -> Result<Tensor> {
 }
 
 /// The causal softmax of attention scores `[.., t, t]`, forward.
-pub(super) fn causal_softmax_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaStorage, Shape)> {
-    let (rows, t) = super::kernels::causal_rows(l.shape())?;
+pub(in crate::model) fn causal_softmax_fwd(
+    x: &CudaStorage,
+    l: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let (rows, t) = super::super::kernels::causal_rows(l.shape())?;
     let device = &x.device;
     let dtype = x.dtype();
     let x = arg(x, l)?;
@@ -84,7 +87,7 @@ pub(super) fn causal_softmax_fwd(x: &CudaStorage, l: &Layout) -> Result<(CudaSto
 }
 
 /// A softmax's backward from its output `y`: `y (dy - sum(y dy))` per row.
-pub(super) fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
+pub(in crate::model) fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
     let (rows, t) = rows_of(y.shape())?;
     if dy.shape() != y.shape() || dy.dtype() != y.dtype() {
         bail!(
@@ -113,7 +116,7 @@ pub(super) fn softmax_bwd(y: &Tensor, dy: &Tensor) -> Result<Tensor> {
 }
 
 /// LayerNorm over the last dimension, forward: `x` `[.., c]`, `w` and `b` `[c]`.
-pub(super) fn layer_norm_fwd(
+pub(in crate::model) fn layer_norm_fwd(
     (x, xl): (&CudaStorage, &Layout),
     (w, wl): (&CudaStorage, &Layout),
     (b, bl): (&CudaStorage, &Layout),
@@ -151,9 +154,9 @@ pub(super) fn layer_norm_fwd(
 }
 
 /// LayerNorm's backward: `(dx, dw, db)`. One kernel gives dx and each row's statistics, a second
-/// the weight's and bias's gradients in parts of [`super::cuda_launch::PARAM_PART_ROWS`] rows (f32), which candle
+/// the weight's and bias's gradients in parts of [`super::launch::PARAM_PART_ROWS`] rows (f32), which candle
 /// sums.
-pub(super) fn layer_norm_bwd(
+pub(in crate::model) fn layer_norm_bwd(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
@@ -168,7 +171,7 @@ pub(super) fn layer_norm_bwd(
             dy.shape()
         );
     }
-    let (per_part, parts) = super::cuda_launch::param_parts(rows);
+    let (per_part, parts) = super::launch::param_parts(rows);
     let (dx, dw_parts, db_parts) = with_cuda3(x, w, dy, |[(xs, xl), (ws, wl), (ds, dl)]| {
         let (device, dtype) = (&xs.device, xs.dtype());
         let (xa, wa, da) = (arg(xs, xl)?, arg(ws, wl)?, arg(ds, dl)?);
@@ -189,7 +192,7 @@ pub(super) fn layer_norm_bwd(
         push_slice(&mut b, &dw_parts.slice)?;
         push_slice(&mut b, &db_parts.slice)?;
         b.arg(&rows64).arg(&c32).arg(&per_part);
-        let cfg = super::cuda_launch::per_part(c, parts);
+        let cfg = super::launch::per_part(c, parts);
         // SAFETY: `zerodp_layer_norm_param_parts_<dtype>(x, dy, stats, dw_parts,
         // db_parts, rows, c, rows_per_part)`: the parts of `parts * c` f32, one block
         // row per part.

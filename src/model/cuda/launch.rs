@@ -12,10 +12,10 @@ use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
 /// Rows a block of the row kernels takes: one warp each.
-pub(super) const ROWS_PER_BLOCK: u32 = 8;
+pub(in crate::model) const ROWS_PER_BLOCK: u32 = 8;
 
 /// The kernels' name for `dtype`.
-pub(super) fn dtype_name(dtype: DType) -> Result<&'static str> {
+pub(in crate::model) fn dtype_name(dtype: DType) -> Result<&'static str> {
     match dtype {
         DType::F32 | DType::BF16 | DType::F16 => Ok(dtype.as_str()),
         other => bail!("zerodp's CUDA kernels take f32, bf16 or f16, not {other:?}"),
@@ -24,19 +24,19 @@ pub(super) fn dtype_name(dtype: DType) -> Result<&'static str> {
 
 /// The name of kernel `op` for `dtype`: `zerodp_<op>_<dtype>` (load it with candle's
 /// `CudaDevice::get_or_load_custom_func`, once per device and module).
-pub(super) fn kernel_name(op: &str, dtype: DType) -> Result<String> {
+pub(in crate::model) fn kernel_name(op: &str, dtype: DType) -> Result<String> {
     Ok(format!("zerodp_{op}_{}", dtype_name(dtype)?))
 }
 
 /// A tensor's elements as a kernel argument: a view from its layout's start.
-pub(super) enum Arg<'a> {
+pub(in crate::model) enum Arg<'a> {
     F32(CudaView<'a, f32>),
     BF16(CudaView<'a, bf16>),
     F16(CudaView<'a, f16>),
 }
 
 impl Arg<'_> {
-    pub(super) fn dtype(&self) -> DType {
+    pub(in crate::model) fn dtype(&self) -> DType {
         match self {
             Arg::F32(_) => DType::F32,
             Arg::BF16(_) => DType::BF16,
@@ -46,7 +46,7 @@ impl Arg<'_> {
 }
 
 /// The elements `layout` covers in `storage`, which must be contiguous.
-pub(super) fn arg<'a>(storage: &'a CudaStorage, layout: &Layout) -> Result<Arg<'a>> {
+pub(in crate::model) fn arg<'a>(storage: &'a CudaStorage, layout: &Layout) -> Result<Arg<'a>> {
     let Some((start, end)) = layout.contiguous_offsets() else {
         bail!("zerodp's CUDA kernels take contiguous tensors");
     };
@@ -62,7 +62,7 @@ pub(super) fn arg<'a>(storage: &'a CudaStorage, layout: &Layout) -> Result<Arg<'
 }
 
 /// Push `arg` as a pointer argument.
-pub(super) fn push<'a>(builder: &mut LaunchArgs<'a>, arg: &'a Arg<'a>) {
+pub(in crate::model) fn push<'a>(builder: &mut LaunchArgs<'a>, arg: &'a Arg<'a>) {
     match arg {
         Arg::F32(v) => builder.arg(v),
         Arg::BF16(v) => builder.arg(v),
@@ -71,7 +71,7 @@ pub(super) fn push<'a>(builder: &mut LaunchArgs<'a>, arg: &'a Arg<'a>) {
 }
 
 /// Push a whole float storage slice as a pointer argument.
-pub(super) fn push_slice<'a>(
+pub(in crate::model) fn push_slice<'a>(
     builder: &mut LaunchArgs<'a>,
     slice: &'a CudaStorageSlice,
 ) -> Result<()> {
@@ -86,7 +86,7 @@ pub(super) fn push_slice<'a>(
 
 /// `n` elements of `dtype` on `device`, not initialised: for a kernel's output that it writes
 /// whole.
-pub(super) fn output(device: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+pub(in crate::model) fn output(device: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
     // SAFETY: the kernels given this storage write each of its `n` elements before anything
     // reads it.
     let slice = unsafe {
@@ -104,12 +104,12 @@ pub(super) fn output(device: &CudaDevice, dtype: DType, n: usize) -> Result<Cuda
 }
 
 /// A tensor of `shape` over a kernel's output storage (no autograd: backward passes' results).
-pub(super) fn tensor(storage: CudaStorage, shape: impl Into<Shape>) -> Tensor {
+pub(in crate::model) fn tensor(storage: CudaStorage, shape: impl Into<Shape>) -> Tensor {
     Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false)
 }
 
 /// One thread per element, grid-stride past 65,535 blocks of 256.
-pub(super) fn elementwise(n: usize) -> LaunchConfig {
+pub(in crate::model) fn elementwise(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -118,7 +118,7 @@ pub(super) fn elementwise(n: usize) -> LaunchConfig {
 }
 
 /// One warp per row.
-pub(super) fn per_row(rows: usize) -> LaunchConfig {
+pub(in crate::model) fn per_row(rows: usize) -> LaunchConfig {
     let blocks = rows.div_ceil(ROWS_PER_BLOCK as usize).max(1);
     LaunchConfig {
         grid_dim: (blocks as u32, 1, 1),
@@ -131,7 +131,7 @@ pub(super) fn per_row(rows: usize) -> LaunchConfig {
 /// `zerodp_<op>_<dtype>(x, w, dy, dx, stats, rows, c, eps)` of PTX module `module`, all three
 /// inputs in x's dtype. Returns dx (`rows * c` elements of that dtype) and the rows' statistics
 /// (`stats_per_row * rows` f32), which the kernel of the weights' gradients reads.
-pub(super) fn norm_dx(
+pub(in crate::model) fn norm_dx(
     (module, ptx, op): (&str, &'static str, &str),
     device: &CudaDevice,
     (xa, wa, da): (&Arg, &Arg, &Arg),
@@ -161,7 +161,7 @@ pub(super) fn norm_dx(
 }
 
 /// The driver's error of a launch, naming the kernel.
-pub(super) fn launched(
+pub(in crate::model) fn launched(
     op: &str,
     result: std::result::Result<
         Option<(
@@ -177,7 +177,7 @@ pub(super) fn launched(
 }
 
 /// Run `f` on the CUDA storage and layout of `t` (contiguous).
-pub(super) fn with_cuda<R>(
+pub(in crate::model) fn with_cuda<R>(
     t: &Tensor,
     f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>,
 ) -> Result<R> {
@@ -190,7 +190,7 @@ pub(super) fn with_cuda<R>(
 }
 
 /// [`with_cuda`] on two tensors at once.
-pub(super) fn with_cuda2<R>(
+pub(in crate::model) fn with_cuda2<R>(
     a: &Tensor,
     b: &Tensor,
     f: impl FnOnce([(&CudaStorage, &Layout); 2]) -> Result<R>,
@@ -199,7 +199,7 @@ pub(super) fn with_cuda2<R>(
 }
 
 /// [`with_cuda`] on three tensors at once.
-pub(super) fn with_cuda3<R>(
+pub(in crate::model) fn with_cuda3<R>(
     a: &Tensor,
     b: &Tensor,
     c: &Tensor,
@@ -211,7 +211,7 @@ pub(super) fn with_cuda3<R>(
 }
 
 /// The rows and row length of a tensor whose last dimension is the row.
-pub(super) fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
+pub(in crate::model) fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
     let cols = shape.dims().last().copied().unwrap_or(0);
     if cols == 0 || cols > i32::MAX as usize {
         bail!("zerodp's row kernels need rows of 1 to 2^31 elements, got shape {shape:?}");
@@ -220,17 +220,17 @@ pub(super) fn rows_of(shape: &Shape) -> Result<(usize, usize)> {
 }
 
 /// Rows each part of a norm's weight (and bias) gradient sums at least.
-pub(super) const PARAM_PART_ROWS: usize = 256;
+pub(in crate::model) const PARAM_PART_ROWS: usize = 256;
 
 /// `(rows per part, parts)` for a norm's weight gradient over `rows` rows: one part per block row
 /// of the grid, at most 65,535 of them.
-pub(super) fn param_parts(rows: usize) -> (usize, usize) {
+pub(in crate::model) fn param_parts(rows: usize) -> (usize, usize) {
     let per_part = PARAM_PART_ROWS.max(rows.div_ceil(65_535));
     (per_part, rows.div_ceil(per_part).max(1))
 }
 
 /// The launch of a parts kernel: a thread per column of `c`, a block row per part.
-pub(super) fn per_part(c: usize, parts: usize) -> LaunchConfig {
+pub(in crate::model) fn per_part(c: usize, parts: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (c.div_ceil(128) as u32, parts as u32, 1),
         block_dim: (128, 1, 1),
@@ -239,7 +239,7 @@ pub(super) fn per_part(c: usize, parts: usize) -> LaunchConfig {
 }
 
 /// A parameter's gradient from its f32 parts `[parts, c]`: summed, in `param`'s dtype and shape.
-pub(super) fn sum_parts(
+pub(in crate::model) fn sum_parts(
     parts: CudaStorage,
     (n, c): (usize, usize),
     param: &Tensor,

@@ -1,5 +1,5 @@
 //! The Llama's fused operations on a GPU (`kernels/llama_ops.cu`): the `cuda_fwd` of
-//! [`super::kernels::RmsNorm`], [`super::kernels::Rope`] and [`super::kernels::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
+//! [`super::super::kernels::RmsNorm`], [`super::super::kernels::Rope`] and [`super::super::kernels::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
 //! backward two, and a sum of parts for the weight's gradient) where candle's composite ops and
 //! their autograd take several full passes each. They compute in f32 from f32, bf16 or f16.
 
@@ -8,17 +8,17 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
-use super::cuda_launch::{
+use super::super::kernels::Rope;
+use super::launch::{
     arg, elementwise, kernel_name, launched, norm_dx, output, param_parts, per_part, per_row, push,
     push_slice, rows_of, sum_parts, tensor, with_cuda, with_cuda3,
 };
-use super::kernels::Rope;
 
 const MODULE: &str = "zerodp_llama_ops";
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/llama_ops.ptx"));
 
 /// RMSNorm over the last dimension, forward: `x` `[.., c]`, `w` `[c]`.
-pub(super) fn rms_norm_fwd(
+pub(in crate::model) fn rms_norm_fwd(
     (x, xl): (&CudaStorage, &Layout),
     (w, wl): (&CudaStorage, &Layout),
     eps: f64,
@@ -48,7 +48,7 @@ pub(super) fn rms_norm_fwd(
 
 /// RMSNorm's backward: `(dx, dw)`. One kernel gives dx and each row's `1 / rms`, a second the
 /// weight's gradient in f32 parts of rows, which candle sums.
-pub(super) fn rms_norm_bwd(
+pub(in crate::model) fn rms_norm_bwd(
     x: &Tensor,
     w: &Tensor,
     dy: &Tensor,
@@ -104,7 +104,7 @@ pub(crate) struct GpuTables {
 /// The rotary embedding of rows `[n, width]` (heads of `op.head_dim`), or its backward (the
 /// opposite rotation) when `inverse`. The op's f32 cosine and sine tables go to the GPU at its
 /// first call (the model keeps the op per sequence length).
-pub(super) fn rope(
+pub(in crate::model) fn rope(
     (x, l): (&CudaStorage, &Layout),
     op: &Rope,
     inverse: bool,
@@ -157,13 +157,13 @@ pub(super) fn rope(
 }
 
 /// [`rope`]'s backward on a tensor: the gradient rotated by the opposite angles.
-pub(super) fn rope_bwd(dy: &Tensor, op: &Rope) -> Result<Tensor> {
+pub(in crate::model) fn rope_bwd(dy: &Tensor, op: &Rope) -> Result<Tensor> {
     let (dx, shape) = with_cuda(dy, |s, l| rope((s, l), op, true))?;
     Ok(tensor(dx, shape))
 }
 
 /// SwiGLU's gate, forward: `silu(g) * u`.
-pub(super) fn swiglu_fwd(
+pub(in crate::model) fn swiglu_fwd(
     (g, gl): (&CudaStorage, &Layout),
     (u, ul): (&CudaStorage, &Layout),
 ) -> Result<(CudaStorage, Shape)> {
@@ -191,7 +191,11 @@ pub(super) fn swiglu_fwd(
 }
 
 /// SwiGLU's backward: `(dg, du)`.
-pub(super) fn swiglu_bwd(g: &Tensor, u: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+pub(in crate::model) fn swiglu_bwd(
+    g: &Tensor,
+    u: &Tensor,
+    dy: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let n = g.elem_count();
     if u.shape() != g.shape() || dy.shape() != g.shape() {
         bail!(

@@ -9,7 +9,7 @@
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, PushKernelArg};
 use candle_core::{DType, Device, Storage, Tensor};
 
-use super::cuda_launch::{dtype_name, elementwise, launched, push_slice};
+use super::launch::{dtype_name, elementwise, launched, push_slice};
 use crate::optim::adam::{KernelConsts, StepConsts};
 
 /// The kernels' PTX, which the driver compiles for the GPU at the first step.
@@ -19,7 +19,7 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adam.ptx"));
 unsafe impl DeviceRepr for KernelConsts {}
 
 /// One unit's flat tensors, which [`fused_adam`] updates in place.
-pub(super) struct AdamTensors<'a> {
+pub(in crate::model) struct AdamTensors<'a> {
     pub grad: &'a Tensor,
     pub master: &'a Tensor,
     pub exp_avg: &'a Tensor,
@@ -33,7 +33,7 @@ pub(super) struct AdamTensors<'a> {
 
 /// Update `t` in place with one fused kernel when its tensors are on a CUDA device; `Ok(false)`
 /// (nothing done) on any other device, where the caller runs candle's ops.
-pub(super) fn fused_adam(t: &AdamTensors, c: &StepConsts) -> candle_core::Result<bool> {
+pub(in crate::model) fn fused_adam(t: &AdamTensors, c: &StepConsts) -> candle_core::Result<bool> {
     let Device::Cuda(device) = t.master.device() else {
         return Ok(false);
     };
