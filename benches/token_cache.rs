@@ -1,5 +1,5 @@
 //! What reusing a token cache costs: the SHA-256 of the token file that every reuse computes over
-//! the mapped file before training reads it (`zerodp::model::token_data::checksum`).
+//! the mapped file before training reads it (`zerodp::data::token_data::checksum`).
 //!
 //! `cargo bench --bench token_cache` (optional: `ZERODP_BENCH_MB=N`, the file's size, default
 //! 512; `ZERODP_BENCH_RUNS=N`, default 3). Writes a file of random ids in the system's temporary
@@ -36,7 +36,7 @@ fn main() -> std::io::Result<()> {
     let mut times: Vec<f64> = (0..=runs)
         .map(|_| {
             let t = Instant::now();
-            let sum = zerodp::model::token_data::checksum(&map);
+            let sum = zerodp::data::token_data::checksum(&map);
             std::hint::black_box(sum);
             t.elapsed().as_secs_f64()
         })

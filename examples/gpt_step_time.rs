@@ -6,7 +6,9 @@
 use std::time::Instant;
 
 use candle_core::Tensor;
-use zerodp::model::{GptConfig, GptModel, SplitMix64, TokenBatch as Batch};
+use zerodp::data::TokenBatch as Batch;
+use zerodp::model::{GptConfig, GptModel};
+use zerodp::rng::SplitMix64;
 use zerodp::zero::unit::{ForwardMode, UnitModel};
 
 /// CPU time of the whole process (all threads) in seconds, from /proc/self/stat (Linux; 0 elsewhere).

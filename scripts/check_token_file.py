@@ -4,7 +4,7 @@
     pip install tokenizers
     python3 scripts/check_token_file.py DATA/.zerodp-tokens/tokens-<key>.json
 
-Reads the manifest (`zerodp::model::token_data::Manifest`), re-tokenizes its files with the
+Reads the manifest (`zerodp::data::token_data::Manifest`), re-tokenizes its files with the
 tokenizer it names, following the documented stream (each document encoded on its own with the
 tokenizer's special tokens, truncation and padding off; EOS between documents; a text file is
 one document, a JSONL line one, blank lines and empty texts skipped), and compares the ids with

@@ -9,9 +9,9 @@ Writes three small tokenizers (a GPT-2-style byte-level BPE trained on a few sen
 has `</s>` as its end of sequence; and a Llama-3-style one, its pre-tokenizer a regex split with
 look-ahead and Unicode classes, `<|begin_of_text|>` first, 300 ids), the text and JSONL inputs, and `expected.json`: the
 token ids `zerodp`'s token file must hold for each case. The committed fixtures are what
-`cargo test --test it model::token_data` reads, so the tests need no Python.
+`cargo test --test it data::token_data` reads, so the tests need no Python.
 
-The token stream is the one `zerodp::model::token_data` documents: every document encoded on
+The token stream is the one `zerodp::data::token_data` documents: every document encoded on
 its own with the tokenizer's special tokens (`encode(text)`, as `tokenizer(text)` does in
 `transformers`), the documents joined with the EOS id between them (none after the last). A text
 file is one document; a JSONL line is one document (its `text` field, or the field named), blank

@@ -18,7 +18,11 @@
 //! * [`trainer`]: the [`trainer::Trainer`], the one rank loop (launch, steps, reports, saves).
 //! * [`planner`]: bytes, traffic and time per device before a run, from the engine's own rules.
 //! * [`model`]: the candle helper that makes any candle model a unit model
-//!   ([`model::CandleUnits`], [`model::Candle`]), a GPT reference model on it, and data loading.
+//!   ([`model::CandleUnits`], [`model::Candle`]), the GPT, GPT-2 and Llama on it.
+//! * [`data`]: what a run trains on: the byte corpus, text and JSONL through a `tokenizer.json`
+//!   into a cached token file, and the seeded windows over either ([`data::DataLoader`]); serves
+//!   the trainer, not a model.
+//! * [`rng`]: the seeded generators of the initialisation and the data order. Depends on nothing.
 //! * [`device`]: where a rank computes (`--device cpu|cuda|cuda:N`), which GPU a rank takes, and
 //!   a GPU's memory for the pre-flight and the planner. Depends on nothing (cudarc's driver API
 //!   under the `cuda` feature).
@@ -46,6 +50,7 @@ pub mod atomic_file;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod data;
 pub mod device;
 pub mod flat;
 pub mod limits;
@@ -56,6 +61,7 @@ pub mod optim;
 pub mod outputs;
 pub mod planner;
 mod prefetch;
+pub mod rng;
 pub mod setup;
 pub mod trainer;
 pub mod zero;

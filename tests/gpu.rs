@@ -6,9 +6,10 @@
 //! `cargo test --release --features cuda --test gpu -- --nocapture` (docs/gpus.md).
 
 use candle_core::DType;
+use zerodp::data::{Corpus, DataLoader, TokenBatch};
 use zerodp::device::{ComputeDevice, GpuInfo};
 use zerodp::model::llama::{Llama, LlamaConfig};
-use zerodp::model::{Candle, Corpus, DataLoader, Gpt, GptConfig, GptModel, TokenBatch};
+use zerodp::model::{Candle, Gpt, GptConfig, GptModel};
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};

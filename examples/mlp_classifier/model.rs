@@ -29,7 +29,8 @@
 
 use candle_core::{Device, Tensor};
 use candle_nn::{linear, Module};
-use zerodp::model::{mix_seed, SplitMix64, VarUnits};
+use zerodp::model::VarUnits;
+use zerodp::rng::{mix_seed, SplitMix64};
 use zerodp::trainer::BatchIndex;
 use zerodp::zero::unit::{BatchCounts, ModelError};
 

@@ -11,7 +11,8 @@
 use super::train::ModelArgs;
 use anyhow::Context as _;
 use candle_core::{Device, Tensor, Var};
-use zerodp::model::{Gpt, GptConfig, GptModel, SplitMix64};
+use zerodp::model::{Gpt, GptConfig, GptModel};
+use zerodp::rng::SplitMix64;
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::{EngineConfig, Stage};
 

@@ -1,6 +1,6 @@
 //! `train`'s data flags: the byte corpus (one UTF-8 file, bytes are tokens) or, with a tokenizer,
 //! text and JSONL files tokenized once into a cached token file
-//! ([`zerodp::model::token_data`]).
+//! ([`zerodp::data::token_data`]).
 //!
 //! The tokenizer is `--tokenizer FILE`, else `DIR/tokenizer.json` of `--model-dir DIR`. It is
 //! loaded before the model is built, because it sizes the model: a preset GPT takes the
@@ -8,8 +8,9 @@
 
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
-use zerodp::model::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
-use zerodp::model::{Corpus, DataError, DataLoader, GptConfig, DEFAULT_CORPUS_PATH};
+use zerodp::data::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
+use zerodp::data::{Corpus, DataError, DataLoader, DEFAULT_CORPUS_PATH};
+use zerodp::model::GptConfig;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct DataArgs {
@@ -117,7 +118,7 @@ impl DataArgs {
             None => {
                 let first = self.default_paths().remove(0);
                 let first = std::fs::canonicalize(&first).unwrap_or(first);
-                zerodp::model::token_data::default_cache_dir(first)
+                zerodp::data::token_data::default_cache_dir(first)
             }
         }
     }
@@ -126,7 +127,7 @@ impl DataArgs {
     /// when it is read).
     pub fn input_bytes(&self) -> u64 {
         let paths = self.default_paths();
-        zerodp::model::token_inputs::resolve_inputs(&paths)
+        zerodp::data::token_inputs::resolve_inputs(&paths)
             .map(|files| files.iter().map(|f| f.size).sum())
             .unwrap_or_else(|_| {
                 paths

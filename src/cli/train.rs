@@ -279,7 +279,7 @@ fn what_to_train(
 ) -> anyhow::Result<(
     Option<train_model::HfModel>,
     GptConfig,
-    Option<zerodp::model::TextTokenizer>,
+    Option<zerodp::data::TextTokenizer>,
 )> {
     let hf = args.hf.read()?;
     let gpt = match &hf {
@@ -588,7 +588,7 @@ pub const DATA_KEY: &str = "zerodp_data";
 
 /// What checkpoints record of the data a run trains on: its name, size and vocabulary, the window
 /// length, and the SHA-256 of its token stream.
-fn data_record(data: &zerodp::model::DataLoader) -> serde_json::Value {
+fn data_record(data: &zerodp::data::DataLoader) -> serde_json::Value {
     let source = data.source();
     serde_json::json!({
         "source": source.name(),
@@ -647,7 +647,7 @@ fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result
 fn print_banner(
     trainer: &Trainer<'_, TrainModel>,
     (backend, nccl, settings, gpt): (Resolved, bool, &config::Settings, &GptConfig),
-    data: &zerodp::model::DataLoader,
+    data: &zerodp::data::DataLoader,
 ) {
     let world = backend.world();
     let batch = &settings.batch;

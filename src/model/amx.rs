@@ -959,7 +959,7 @@ mod tests {
     }
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut rng = crate::model::SplitMix64::new(seed);
+        let mut rng = crate::rng::SplitMix64::new(seed);
         (0..n)
             .map(|_| (rng.next_f64() as f32 - 0.5) * 0.2)
             .collect()

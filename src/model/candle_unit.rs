@@ -60,7 +60,8 @@
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
-//! use zerodp::model::{Candle, CandleUnits, SplitMix64, mix_seed};
+//! use zerodp::model::{Candle, CandleUnits};
+//! use zerodp::rng::{SplitMix64, mix_seed};
 //! use zerodp::zero::unit::{BatchCounts, ModelSpec, ParamSpec, UnitSpec};
 //!
 //! /// One micro-batch: `n` rows of 3 features and one target each.
@@ -167,7 +168,7 @@ pub trait CandleUnits: Send + Sync {
 
     /// Deterministic initial values of unit `unit`'s own flat parameters (the concatenation of
     /// its [`ParamSpec`](crate::zero::unit::ParamSpec)s, row-major), a function of `seed` alone.
-    /// [`crate::model::SplitMix64`] and [`crate::model::mix_seed`] give a stream per tensor.
+    /// [`crate::rng::SplitMix64`] and [`crate::rng::mix_seed`] give a stream per tensor.
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]);
 
     /// The forward of unit `unit` on tensors: the output activation (every unit but the last) or

@@ -78,10 +78,10 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor, D};
 
 use super::candle_unit::{compute_err, Candle, CandleSaved, CandleUnits};
-use super::data::TokenBatch;
 use super::gpt_block::{self, BlockSaved, BlockShape};
 use super::kernels;
-use super::rng::{fill_normal, mix_seed};
+use crate::data::TokenBatch;
+use crate::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };

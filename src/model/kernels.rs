@@ -1758,7 +1758,7 @@ mod tests {
         for (n, c, v) in [(96, 16, 256), (256, 8, 40_000)] {
             assert_eq!(n > HeadLoss::chunk_rows(v), v > 256, "chunks as intended");
             let val = |len: usize, s: u64| {
-                let mut r = crate::model::SplitMix64::new(s);
+                let mut r = crate::rng::SplitMix64::new(s);
                 (0..len)
                     .map(|_| r.next_f64() as f32 - 0.5)
                     .collect::<Vec<f32>>()
@@ -1822,7 +1822,7 @@ mod tests {
         use candle_core::Var;
         let (vocab, positions, c, b, t) = (11, 9, 40, 3, 7);
         let val = |n: usize, s: u64| {
-            let mut r = crate::model::SplitMix64::new(s);
+            let mut r = crate::rng::SplitMix64::new(s);
             (0..n)
                 .map(|_| r.next_f64() as f32 - 0.5)
                 .collect::<Vec<f32>>()
@@ -1885,7 +1885,7 @@ mod tests {
 
     #[test]
     fn fused_write_outs_equal_the_unfused_ops_bit_for_bit() -> candle_core::Result<()> {
-        let mut rng = crate::model::SplitMix64::new(5);
+        let mut rng = crate::rng::SplitMix64::new(5);
         let mut values = |n: usize| -> Vec<f32> {
             (0..n)
                 .map(|_| (rng.next_f64() as f32 - 0.5) * 2.0)

@@ -27,11 +27,11 @@ use candle_core::{DType, Device, Tensor, D};
 use serde_json::Value;
 
 use super::candle_unit::CandleUnits;
-use super::data::TokenBatch;
 use super::gpt::GptConfig;
 use super::hf::{field_err, unsupported, Fields, HfError};
 use super::kernels;
-use super::rng::{fill_normal, mix_seed};
+use crate::data::TokenBatch;
+use crate::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
 
 /// A Llama's sizes and the constants of its math.

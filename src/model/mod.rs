@@ -1,7 +1,9 @@
 //! The model side: the candle helper that turns a model written as per-unit tensor code into the
 //! engine's unit contract ([`candle_unit`]: [`CandleUnits`], [`Candle`]; the contract itself is
 //! [`crate::zero::unit`]), units built by closures from a `candle_nn::VarBuilder` on it
-//! ([`var_units`]: [`VarUnits`]), a GPT reference model on it, and data loading.
+//! ([`var_units`]: [`VarUnits`]), the GPT reference model and the Hugging Face GPT-2 and Llama on
+//! it, and the GPT-or-Llama model a program trains by name ([`train_model`]). The data they train
+//! on is [`crate::data`]'s.
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
@@ -14,7 +16,6 @@ mod candle_tier;
 pub mod candle_unit;
 #[cfg(feature = "cuda")]
 mod cuda;
-pub mod data;
 pub mod device;
 pub mod gpt;
 mod gpt_block;
@@ -22,9 +23,6 @@ mod heap;
 pub mod hf;
 mod kernels;
 pub mod llama;
-mod rng;
-pub mod token_data;
-pub mod token_inputs;
 pub mod train_model;
 pub mod var_units;
 pub mod weights;
@@ -32,12 +30,9 @@ pub mod weights;
 pub use amx::{path_name as gemm_path, GEMM_ENV};
 pub use bf16_gemm::{available as bf16_products_available, set_bf16_products};
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
-pub use data::{Corpus, DataError, DataLoader, TokenBatch, TokenSource, DEFAULT_CORPUS_PATH};
 pub use device::{candle_device, candle_dtype, compute_dtype};
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
 pub use heap::keep_freed_buffers;
 pub use kernels::gemm_flops_per_s;
-pub use rng::{fill_normal, mix_seed, SplitMix64};
-pub use token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
 pub use var_units::{init_values, VarUnits};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};

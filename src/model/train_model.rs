@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 use super::hf::{self, HfConfig, HfError};
 use super::llama::Llama;
-use super::{Candle, CandleSaved, CandleUnits, Gpt, GptConfig, GptModel, GptSaved, TokenBatch};
+use super::{Candle, CandleSaved, CandleUnits, Gpt, GptConfig, GptModel, GptSaved};
+use crate::data::TokenBatch;
 use crate::zero::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 
 /// The key of the resolved config recorded in checkpoints that holds the model's Hugging Face

@@ -75,7 +75,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 
 use super::candle_unit::{compute_err, CandleUnits};
-use super::rng::{mix_seed, SplitMix64};
+use crate::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
 
 /// A unit's forward: `build` against the bound parameters, then the user's `forward`.

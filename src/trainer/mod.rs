@@ -13,7 +13,8 @@
 //! is each rank's last report and, on request, the trained parameters.
 //!
 //! ```no_run
-//! use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+//! use zerodp::model::{GptConfig, GptModel};
+//! use zerodp::data::{Corpus, DataLoader};
 //! use zerodp::trainer::Trainer;
 //!
 //! let model = GptModel::new(GptConfig::tiny()).unwrap();

@@ -172,7 +172,8 @@ pub struct StepReport {
 ///
 /// ```no_run
 /// use zerodp::comm::{run_ranks, CommOptions};
-/// use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+/// use zerodp::model::{GptConfig, GptModel};
+/// use zerodp::data::{Corpus, DataLoader};
 /// use zerodp::zero::{Engine, EngineConfig, EngineError, Stage};
 ///
 /// let model = GptModel::new(GptConfig::tiny()).unwrap();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use zerodp::model::TokenBatch as Batch;
+use zerodp::data::TokenBatch as Batch;
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,

@@ -11,6 +11,7 @@ mod checkpoint;
 mod cli;
 mod comm;
 mod config;
+mod data;
 mod model;
 mod offload;
 mod optim;

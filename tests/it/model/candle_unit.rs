@@ -4,7 +4,8 @@
 //! NoGrad + recompute changes nothing, and bad calls are reported naming the unit.
 
 use candle_core::{DType, Device, Tensor};
-use zerodp::model::{mix_seed, Candle, CandleUnits, SplitMix64};
+use zerodp::model::{Candle, CandleUnits};
+use zerodp::rng::{mix_seed, SplitMix64};
 use zerodp::zero::unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitModel, UnitSpec,
 };

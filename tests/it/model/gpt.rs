@@ -2,7 +2,9 @@
 //! unit-by-unit and end-to-end backward, equal under NoGrad + recompute), initialisation, layout.
 
 use candle_core::{DType, Tensor};
-use zerodp::model::{GptConfig, GptModel, SplitMix64, TokenBatch as Batch};
+use zerodp::data::TokenBatch as Batch;
+use zerodp::model::{GptConfig, GptModel};
+use zerodp::rng::SplitMix64;
 use zerodp::zero::unit::{ForwardMode, ModelError, UnitModel};
 
 fn init_all(model: &GptModel, seed: u64) -> Vec<Vec<f32>> {

@@ -6,8 +6,9 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use zerodp::data::TokenBatch;
 use zerodp::model::hf::{self, ExportDtype, HfConfig};
-use zerodp::model::{GptModel, TokenBatch};
+use zerodp::model::GptModel;
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};

@@ -6,9 +6,10 @@
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use zerodp::data::TokenBatch;
 use zerodp::model::hf;
 use zerodp::model::llama::{Llama, LlamaConfig};
-use zerodp::model::{Candle, TokenBatch};
+use zerodp::model::Candle;
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};

@@ -9,7 +9,8 @@ use crate::mlp;
 use candle_core::{Device, Tensor, D};
 use candle_nn::{linear, Init, Module, VarBuilder};
 use mlp::{mlp_units, MlpConfig, Rows, Spirals};
-use zerodp::model::{init_values, mix_seed, Candle, CandleUnits, SplitMix64, VarUnits};
+use zerodp::model::{init_values, Candle, CandleUnits, VarUnits};
+use zerodp::rng::{mix_seed, SplitMix64};
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitModel, UnitSpec,

@@ -6,8 +6,8 @@
 use crate::common;
 
 use common::*;
+use zerodp::data::TokenBatch as Batch;
 use zerodp::flat::DType;
-use zerodp::model::TokenBatch as Batch;
 use zerodp::trainer::{ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, OptimizerTier, ParamTier, Stage, StepReport};

@@ -6,7 +6,8 @@ use crate::mlp;
 
 use candle_core::{Device, Tensor};
 use mlp::{accuracy, mlp_units, predict, MlpConfig, Rows, Spirals};
-use zerodp::model::{mix_seed, Candle, CandleUnits, SplitMix64, VarUnits};
+use zerodp::model::{Candle, CandleUnits, VarUnits};
+use zerodp::rng::{mix_seed, SplitMix64};
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::{BatchCounts, ModelSpec, ParamSpec, UnitSpec};
 use zerodp::zero::{EngineConfig, Stage};

@@ -1,6 +1,7 @@
 //! The GPT reference model trained through the engine: the loss falls, and stages agree.
 
-use zerodp::model::{Corpus, DataLoader, GptConfig, GptModel};
+use zerodp::data::{Corpus, DataLoader};
+use zerodp::model::{GptConfig, GptModel};
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::{EngineConfig, Stage};
 

@@ -6,8 +6,8 @@ use crate::common;
 
 use common::*;
 use zerodp::comm::{run_ranks, CollectiveKind, CommOptions};
+use zerodp::data::TokenBatch as Batch;
 use zerodp::flat::DType;
-use zerodp::model::TokenBatch as Batch;
 use zerodp::zero::buffers::plan;
 use zerodp::zero::flat::FlatLayout;
 use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};

@@ -34,8 +34,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::data::DataError;
 use super::token_inputs::{read_documents, resolve_inputs, Document, InputFile};
+use super::DataError;
 use crate::atomic_file::{write_atomic, AtomicFile};
 
 mod pieces;

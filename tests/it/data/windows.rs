@@ -3,7 +3,7 @@
 
 use std::collections::BTreeSet;
 
-use zerodp::model::data::{Corpus, DataError, DataLoader};
+use zerodp::data::{Corpus, DataError, DataLoader};
 
 /// A text whose windows are easy to tell apart.
 fn text(len: usize) -> String {

@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use zerodp::model::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
-use zerodp::model::{DataError, DataLoader};
+use zerodp::data::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
+use zerodp::data::{DataError, DataLoader};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tokens");
 
@@ -286,7 +286,7 @@ fn the_data_order_over_a_token_file_is_the_same_at_every_world_size() {
     };
     let one = loader(&files);
     let stream = match one.source() {
-        zerodp::model::TokenSource::Ids(c) => c.to_vec(),
+        zerodp::data::TokenSource::Ids(c) => c.to_vec(),
         other => panic!("expected a token corpus, got {other:?}"),
     };
     assert_eq!(one.num_windows(), stream.len() / (context + 1));

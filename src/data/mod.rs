@@ -2,7 +2,7 @@
 //! on the world size or the micro-batch split.
 //!
 //! * Tokens are a UTF-8 corpus's bytes (vocabulary 256, [`Corpus`]), or the ids of a tokenized
-//!   corpus ([`TokenCorpus`], see [`super::token_data`]); the windows, order and split below are
+//!   corpus ([`TokenCorpus`], see [`token_data`]); the windows, order and split below are
 //!   the same for both.
 //! * The corpus is cut into consecutive, non-overlapping windows of `context + 1` tokens; window
 //!   `w` covers bytes `[w * (context + 1), (w + 1) * (context + 1))` (a trailing partial window is
@@ -17,11 +17,15 @@
 //! So step `k` sees the same samples whatever `N` and the micro-batch size: the property behind
 //! "every stage at every world size trains to the same losses".
 
+pub mod token_data;
+pub mod token_inputs;
+
+pub use token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
+
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use super::rng::{mix_seed, SplitMix64};
-use super::token_data::TokenCorpus;
+use crate::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::BatchCounts;
 
 /// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
@@ -173,7 +177,7 @@ impl Corpus {
 }
 
 /// What a [`DataLoader`] cuts into windows: a byte corpus or a tokenized one
-/// ([`super::token_data`]); both convert into it, so `DataLoader::new` takes either.
+/// ([`token_data`]); both convert into it, so `DataLoader::new` takes either.
 #[derive(Debug)]
 pub enum TokenSource {
     Bytes(Corpus),
@@ -277,7 +281,7 @@ impl TokenSource {
             }
             TokenSource::Ids(c) => return c.sha256().to_string(),
         }
-        super::token_data::hex(&hash.finalize())
+        token_data::hex(&hash.finalize())
     }
 
     /// Tokens `[start, start + len)` appended to `out`.
