@@ -8,7 +8,8 @@
 use candle_core::DType;
 use zerodp::data::{Corpus, DataLoader, TokenBatch};
 use zerodp::device::{ComputeDevice, GpuInfo};
-use zerodp::model::llama::{Llama, LlamaConfig};
+use zerodp::model::hf::LlamaConfig;
+use zerodp::model::llama::Llama;
 use zerodp::model::{Candle, Gpt, GptConfig, GptModel};
 use zerodp::trainer::{LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
