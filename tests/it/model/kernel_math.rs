@@ -54,14 +54,15 @@ int main(int argc, char **argv) {
 }
 "#;
 
-/// The driver, compiled once per test binary into a temporary folder; `None` (with the reason
-/// printed) where the machine has no C compiler.
+/// The driver, compiled once per test binary into cargo's scratch folder for integration tests
+/// (under `target/`, so no run leaves a folder in the system's temporary directory); `None`
+/// (with the reason printed) where the machine has no C compiler.
 fn driver() -> Option<PathBuf> {
     static BUILT: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
-            let dir =
-                std::env::temp_dir().join(format!("zerodp-kernel-math-{}", std::process::id()));
+            let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("zerodp-kernel-math-{}", std::process::id()));
             std::fs::create_dir_all(&dir).ok()?;
             let source = dir.join("driver.c");
             std::fs::write(&source, DRIVER).ok()?;
