@@ -1,5 +1,5 @@
 /* GELU with the tanh approximation (GPT-2's), y = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
- * and its derivative, in f32: the formulas of the CPU kernels (src/model/kernels.rs, `gelu` and
+ * and its derivative, in f32: the formulas of the CPU kernels (src/model/ops.rs, `gelu` and
  * `gelu_grad`, tanh through one exp) for the GPU's (gpt_ops.cu). C99 and CUDA C++ both read it;
  * tests/kernel_math.rs compiles it for the host and compares it with the exact tanh-GELU. */
 #ifndef ZERODP_GELU_MATH_H

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-use zerodp::comm::kernels::reduce_reference;
+use zerodp::comm::reduce::reduce_reference;
 use zerodp::comm::{
     shard_range, CollectiveKind, CommError, CommOptions, Communicator, MpiComm, ReduceOp,
 };

@@ -24,7 +24,7 @@ use zerodp::flat::zeroed_vec;
 use zerodp::optim::adam::{
     adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
 };
-use zerodp::optim::kernels::{Element, PAR_CHUNK, TILE};
+use zerodp::optim::slices::{Element, PAR_CHUNK, TILE};
 
 use super::bench_comm::{available_memory, median, Format};
 

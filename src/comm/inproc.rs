@@ -28,10 +28,10 @@
 //! exactly one formula (rank order 0..N-1, f32 accumulation, one rounding), so every rank and every
 //! run gets the same bits.
 
-use crate::comm::kernels::{
+use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
+use crate::comm::reduce::{
     buffer_addr, buffer_addr_mut, copy_bytes, fan_out_copy, reduce_into, Store,
 };
-use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
 use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::CommStats;
 use crate::comm::{

@@ -8,11 +8,10 @@
 //! * `mpi` (cargo feature `mpi`): ranks as processes started by `mpirun`, `MpiComm`;
 //!   [`launch`] tells whether this process was started by an MPI launcher.
 //! * `nccl` (cargo feature `cuda`): NCCL between GPUs, one rank per GPU, `NcclComm`.
-//! * [`kernels`]: the reduction and copy kernels (f32 accumulation, one rounding, fixed order).
+//! * [`reduce`]: the reduction and copy kernels (f32 accumulation, one rounding, fixed order).
 
 mod api;
 pub mod inproc;
-pub mod kernels;
 pub mod launch;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -22,6 +21,7 @@ pub mod mpi_shm;
 pub mod nccl;
 pub mod options;
 mod queue;
+pub mod reduce;
 mod rendezvous;
 pub mod stats;
 

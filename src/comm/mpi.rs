@@ -13,7 +13,7 @@
 //! Reductions are never left to MPI (whose reduction order depends on the algorithm and the
 //! message size). A reduce-scatter is built from point-to-point messages: rank r receives every
 //! peer's part of shard r, then reduces the n parts **in rank order with the in-process backend's
-//! kernel** ([`crate::comm::kernels`]: f32 accumulation, one rounding for bf16/f16, the same
+//! kernel** ([`crate::comm::reduce`]: f32 accumulation, one rounding for bf16/f16, the same
 //! per-element formula). An all-reduce is that reduce-scatter followed by an all-gather. So every
 //! rank, every run and both backends produce the same bits.
 //!
@@ -71,10 +71,10 @@
 //! and MPI is not finalised (`MPI_Finalize` could wait for a dead peer): the process should exit
 //! non-zero, and `mpirun` then ends the job.
 
-use crate::comm::kernels::fan_out_copy;
-use crate::comm::kernels::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::mpi_shm::{region_of, PeerMaps, RegionRef};
 use crate::comm::queue::{account, describe, validate, Call, CommThread, Job};
+use crate::comm::reduce::fan_out_copy;
+use crate::comm::reduce::{buffer_addr, buffer_addr_mut, copy_bytes, reduce_into, Store};
 use crate::comm::rendezvous::CallDesc;
 use crate::comm::stats::CommStats;
 use crate::comm::{

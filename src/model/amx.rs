@@ -32,7 +32,7 @@
 //! and Linux must grant the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `ZERODP_GEMM=gemm`
 //! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
 
-use super::kernels::{even_split, Finish, Strided};
+use super::ops::{even_split, Finish, Strided};
 use rayon::prelude::*;
 use std::arch::asm;
 use std::cell::Cell;

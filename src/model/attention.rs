@@ -19,8 +19,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 #[cfg(target_arch = "x86_64")]
-use super::kernels::Width;
-use super::kernels::{even_split, lane_dot, lane_max, lane_sum, lit, written, Real};
+use super::ops::Width;
+use super::ops::{even_split, lane_dot, lane_max, lane_sum, lit, written, Real};
 use candle_core::{bail, Result};
 
 /// Rows of a register tile.

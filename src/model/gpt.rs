@@ -79,7 +79,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::candle_unit::{compute_err, Candle, CandleSaved, CandleUnits};
 use super::gpt_block::{self, BlockSaved, BlockShape};
-use super::kernels;
+use super::ops;
 use crate::data::TokenBatch;
 use crate::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{
@@ -260,10 +260,10 @@ pub struct Gpt {
     /// Per unit, per own parameter: its initialisation.
     inits: Vec<Vec<Init>>,
     dtype: DType,
-    /// Use the fused kernels of [`super::kernels`] (the default) rather than composite candle ops.
+    /// Use the fused kernels of [`super::ops`] (the default) rather than composite candle ops.
     fused: bool,
     /// On a GPU: LayerNorm, GELU and the causal softmax as zerodp's CUDA kernels
-    /// ([`super::device::uses_cuda_kernels`]), the rest on candle's ops.
+    /// ([`super::compute::uses_cuda_kernels`]), the rest on candle's ops.
     cuda_kernels: bool,
     device: Device,
     /// Additive causal masks (`0` on and below the diagonal, `-inf` above) by sequence length.
@@ -292,7 +292,7 @@ impl Gpt {
 
     /// A GPT on `device` computing in `dtype`: on the CPU as [`Self::with_options`]; on a GPU in
     /// f32 or a 16-bit dtype, on candle's ops and zerodp's CUDA kernels for the LayerNorm, the
-    /// GELU and the causal softmax ([`super::device::uses_cuda_kernels`]).
+    /// GELU and the causal softmax ([`super::compute::uses_cuda_kernels`]).
     pub fn on_device(config: GptConfig, dtype: DType, device: Device) -> Result<Self, ModelError> {
         let fused = device.is_cpu();
         Self::build(config, dtype, fused, device)
@@ -400,7 +400,7 @@ impl Gpt {
             inits,
             dtype,
             fused,
-            cuda_kernels: super::device::uses_cuda_kernels(&device),
+            cuda_kernels: super::compute::uses_cuda_kernels(&device),
             device,
             masks: Mutex::new(HashMap::new()),
         })
@@ -495,7 +495,7 @@ impl Gpt {
             if tokens.len() != b * t {
                 candle_core::bail!("embedding: {} tokens for {b} x {t}", tokens.len());
             }
-            let op = kernels::Embedding {
+            let op = ops::Embedding {
                 tokens: tokens.to_vec(),
                 seq: t,
             };
@@ -518,14 +518,14 @@ impl Gpt {
         targets: &[u32],
     ) -> candle_core::Result<Tensor> {
         if self.fused {
-            let op = kernels::HeadLoss {
+            let op = ops::HeadLoss {
                 targets: targets.to_vec(),
             };
             return h.contiguous()?.apply_op2(&wte.contiguous()?, op);
         }
         // The softmax of a 16-bit run in f32, as PyTorch's autocast computes its cross-entropy.
         let mut logits = self.lm_logits(h, wte)?;
-        if super::device::is_16_bit(self.dtype) {
+        if super::compute::is_16_bit(self.dtype) {
             logits = logits.to_dtype(DType::F32)?;
         }
         let targets = Tensor::from_slice(targets, targets.len(), &self.device)?;
@@ -542,7 +542,7 @@ impl Gpt {
     #[doc(hidden)]
     pub fn cross_entropy(&self, logits: &Tensor, targets: &Tensor) -> candle_core::Result<Tensor> {
         if self.fused {
-            logits.apply_op2(targets, kernels::CrossEntropy)
+            logits.apply_op2(targets, ops::CrossEntropy)
         } else {
             candle_nn::loss::cross_entropy(logits, targets)
         }
@@ -552,7 +552,7 @@ impl Gpt {
     #[doc(hidden)]
     pub fn linear(&self, x: &Tensor, w: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
         if self.fused {
-            x.contiguous()?.apply_op3(w, bias, kernels::Linear)
+            x.contiguous()?.apply_op3(w, bias, ops::Linear)
         } else {
             x.matmul(&w.t()?)?.broadcast_add(bias)
         }
@@ -568,8 +568,8 @@ impl Gpt {
     ) -> candle_core::Result<Tensor> {
         if self.fused || self.cuda_kernels {
             x.contiguous()?
-                .apply_op3(weight, bias, kernels::LayerNorm { eps: LN_EPS })
-        } else if super::device::is_16_bit(self.dtype) {
+                .apply_op3(weight, bias, ops::LayerNorm { eps: LN_EPS })
+        } else if super::compute::is_16_bit(self.dtype) {
             // Statistics in f32, as PyTorch's 16-bit norm kernels and autocast compute them.
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
             layer_norm_composite(&f32(x)?, &f32(weight)?, &f32(bias)?)?.to_dtype(self.dtype)
@@ -581,7 +581,7 @@ impl Gpt {
     #[doc(hidden)]
     pub fn gelu(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if self.fused || self.cuda_kernels {
-            x.contiguous()?.apply_op1(kernels::Gelu)
+            x.contiguous()?.apply_op1(ops::Gelu)
         } else {
             x.gelu()
         }
@@ -611,7 +611,7 @@ impl Gpt {
         let nh = self.config.heads;
         let hd = c / nh;
         if self.fused {
-            let attn = kernels::CausalAttention {
+            let attn = ops::CausalAttention {
                 batch: b,
                 seq: t,
                 heads: nh,
@@ -632,8 +632,8 @@ impl Gpt {
         let scores = q.matmul(&k.t()?)?;
         let att = if self.cuda_kernels {
             // In f32 inside the kernel, rounded once to the scores' dtype.
-            scores.contiguous()?.apply_op1(kernels::CausalSoftmax)?
-        } else if super::device::is_16_bit(self.dtype) {
+            scores.contiguous()?.apply_op1(ops::CausalSoftmax)?
+        } else if super::compute::is_16_bit(self.dtype) {
             // The softmax in f32, as PyTorch's 16-bit softmax and autocast compute it.
             let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
             let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
@@ -1009,7 +1009,7 @@ mod tests {
             let half =
                 Candle::new(Gpt::build_any(GptConfig::tiny(), dtype, false, Device::Cpu).unwrap());
             let got = half.end_to_end(&slices, &batch, 1.0).unwrap();
-            super::super::device::assert_follows_f32(
+            super::super::compute::assert_follows_f32(
                 &format!("{dtype:?}"),
                 (got.0, &got.1),
                 (want, &want_grads),

@@ -14,7 +14,7 @@
 //! receives the sum of its two gradients, which is the same in either order. So the two paths give
 //! the same bits; `tests/it/model/gpt.rs` checks it against the candle path.
 
-use super::kernels::{
+use super::ops::{
     par_add_into, par_copy, with_slice, CausalAttention, Finish, Gelu, LayerNorm, Linear,
 };
 use candle_core::{Device, Result, Tensor};

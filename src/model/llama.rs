@@ -14,7 +14,7 @@
 //! The math is `transformers`' `modeling_llama.py`: RMSNorm as `w * (x * rsqrt(mean(x²) + eps))`,
 //! the rotary embedding as `x * cos + rotate_half(x) * sin` with the frequencies repeated over both
 //! halves, each key/value head shared by `heads / kv_heads` consecutive query heads. On the CPU it
-//! runs on fused kernels with their backward on the rayon pool (`kernels::llama`: bias-free
+//! runs on fused kernels with their backward on the rayon pool (`ops::llama`: bias-free
 //! products on the GPT's GEMM paths, AMX included, RMSNorm, rotary embeddings, SwiGLU's gate; the
 //! GPT's causal attention on the rotated queries and the repeated keys and values; the GPT's
 //! chunked head loss, so that a large vocabulary's logits are never held whole). On a GPU, and as
@@ -25,7 +25,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::candle_unit::CandleUnits;
 use super::hf::LlamaConfig;
-use super::kernels;
+use super::ops;
 use crate::data::TokenBatch;
 use crate::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{BatchCounts, ModelError, ModelSpec, ParamSpec, UnitSpec};
@@ -44,15 +44,15 @@ pub struct Llama {
     device: Device,
     /// The compute dtype: f32 on the CPU, f32 or 16-bit on a GPU ([`super::compute_dtype`]).
     dtype: DType,
-    /// On the fused CPU kernels ([`super::kernels`]: products, RMSNorm, rotary embeddings, SwiGLU,
+    /// On the fused CPU kernels ([`super::ops`]: products, RMSNorm, rotary embeddings, SwiGLU,
     /// the GPT's causal attention, the chunked head loss); else on composite candle ops (a GPU,
     /// and the reference the fused path is tested against).
     fused: bool,
     /// On composite ops, RMSNorm, the rotary embeddings, SwiGLU's gate and the causal softmax
-    /// as zerodp's custom ops (their CUDA kernels on a GPU, [`super::device::uses_cuda_kernels`]).
+    /// as zerodp's custom ops (their CUDA kernels on a GPU, [`super::compute::uses_cuda_kernels`]).
     cuda_kernels: bool,
     /// The rotary op of the last sequence length ([`Self::cached_rope_op`]).
-    rope: std::sync::Mutex<Option<kernels::Rope>>,
+    rope: std::sync::Mutex<Option<ops::Rope>>,
 }
 
 impl Llama {
@@ -113,7 +113,7 @@ impl Llama {
             )));
         }
         self.fused = device.is_cpu();
-        self.cuda_kernels = super::device::uses_cuda_kernels(&device);
+        self.cuda_kernels = super::compute::uses_cuda_kernels(&device);
         self.device = device;
         self.dtype = dtype;
         Ok(self)
@@ -176,12 +176,12 @@ impl Llama {
     /// the weight, as transformers' `LlamaRMSNorm` computes it.
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
         if self.cuda_kernels {
-            let norm = kernels::RmsNorm {
+            let norm = ops::RmsNorm {
                 eps: self.config.rms_eps,
             };
             return x.contiguous()?.apply_op2(w, norm);
         }
-        let x32 = match super::device::is_16_bit(self.dtype) {
+        let x32 = match super::compute::is_16_bit(self.dtype) {
             true => x.to_dtype(DType::F32)?,
             false => x.clone(),
         };
@@ -203,12 +203,12 @@ impl Llama {
 
     /// The fused rotary op for sequences of `t`: the same angles and cosines as
     /// [`Self::rope_tables`], each frequency once.
-    fn rope_op(&self, t: usize) -> kernels::Rope {
+    fn rope_op(&self, t: usize) -> ops::Rope {
         let inv = self.inv_freq();
         let angles: Vec<f32> = (0..t)
             .flat_map(|pos| inv.iter().map(move |f| pos as f32 * f))
             .collect();
-        kernels::Rope::new(
+        ops::Rope::new(
             t,
             self.config.head_dim,
             angles.iter().map(|a| a.cos()).collect(),
@@ -218,7 +218,7 @@ impl Llama {
 
     /// [`Self::rope_op`] for sequences of `t`, kept from the last call of the same length: its
     /// tables are computed once (and, on a GPU, copied there once), not in every block.
-    fn cached_rope_op(&self, t: usize) -> kernels::Rope {
+    fn cached_rope_op(&self, t: usize) -> ops::Rope {
         let mut kept = self.rope.lock().unwrap_or_else(|e| e.into_inner());
         match &*kept {
             Some(op) if op.seq == t => op.clone(),
@@ -254,8 +254,8 @@ impl Llama {
         t: usize,
     ) -> candle_core::Result<Tensor> {
         let c = &self.config;
-        let norm = kernels::RmsNorm { eps: c.rms_eps };
-        let mm = |x: &Tensor, w: &Tensor| x.contiguous()?.apply_op2(w, kernels::MatMulT);
+        let norm = ops::RmsNorm { eps: c.rms_eps };
+        let mm = |x: &Tensor, w: &Tensor| x.contiguous()?.apply_op2(w, ops::MatMulT);
         let x = x.contiguous()?;
         let h = x.apply_op2(&p[0], norm)?;
         let rope = self.cached_rope_op(t);
@@ -263,14 +263,14 @@ impl Llama {
         let k = self.repeat_kv_rows(mm(&h, &p[2])?.apply_op1(rope)?)?;
         let v = self.repeat_kv_rows(mm(&h, &p[3])?)?;
         let qkv = Tensor::cat(&[&q, &k, &v], 1)?;
-        let attention = kernels::CausalAttention {
+        let attention = ops::CausalAttention {
             batch: b,
             seq: t,
             heads: c.heads,
         };
         let x = (&x + mm(&qkv.apply_op1(attention)?, &p[4])?)?;
         let h = x.apply_op2(&p[5], norm)?;
-        let gated = mm(&h, &p[6])?.apply_op2(&mm(&h, &p[7])?, kernels::SwiGlu)?;
+        let gated = mm(&h, &p[6])?.apply_op2(&mm(&h, &p[7])?, ops::SwiGlu)?;
         &x + mm(&gated, &p[8])?
     }
 
@@ -345,8 +345,8 @@ impl Llama {
         let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
         let att = if self.cuda_kernels {
             // The mask and the softmax in one op, in f32 inside (one rounding in 16 bits).
-            scores.contiguous()?.apply_op1(kernels::CausalSoftmax)?
-        } else if super::device::is_16_bit(self.dtype) {
+            scores.contiguous()?.apply_op1(ops::CausalSoftmax)?
+        } else if super::compute::is_16_bit(self.dtype) {
             // The softmax in f32, as transformers computes it (`dtype=torch.float32`).
             let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
             let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
@@ -377,7 +377,7 @@ impl Llama {
         let h = self.rms_norm(&x, &p[5])?;
         let (gate, up) = (h.matmul(&p[6].t()?)?, h.matmul(&p[7].t()?)?);
         let gated = match self.cuda_kernels {
-            true => gate.apply_op2(&up, kernels::SwiGlu)?,
+            true => gate.apply_op2(&up, ops::SwiGlu)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,
         };
         x + gated.matmul(&p[8].t()?)?
@@ -432,11 +432,11 @@ impl CandleUnits for Llama {
         }
         if self.fused {
             // The head's norm, then the loss over chunks of rows, never all the logits at once.
-            let norm = kernels::RmsNorm {
+            let norm = ops::RmsNorm {
                 eps: self.config.rms_eps,
             };
             let h = x.contiguous()?.apply_op2(&p[0], norm)?;
-            let op = kernels::HeadLoss {
+            let op = ops::HeadLoss {
                 targets: batch.targets.clone(),
             };
             return h.apply_op2(&p[1].contiguous()?, op);
@@ -528,7 +528,7 @@ mod tests {
             half.dtype = dtype;
             let half = Candle::new(half);
             let got = half.end_to_end(&slices, &batch, 1.0).unwrap();
-            super::super::device::assert_follows_f32(
+            super::super::compute::assert_follows_f32(
                 &format!("{dtype:?}"),
                 (got.0, &got.1),
                 (want, &want_grads),

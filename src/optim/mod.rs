@@ -1,6 +1,6 @@
 //! Optimizers over flat shards and learning-rate schedulers.
 
 pub mod adam;
-pub mod kernels;
 pub mod scheduler;
+pub mod slices;
 mod stream;

@@ -29,7 +29,7 @@
 //!   units first, while their weights fit in the budget beside the working set. What is left is
 //!   the gather pool, which bounds every fetch, prefetch or not.
 
-use super::config::{EngineConfig, Stage};
+use super::engine_config::{EngineConfig, Stage};
 use super::flat::FlatLayout;
 use super::schedule;
 use crate::flat::DType;

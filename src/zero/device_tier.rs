@@ -32,7 +32,7 @@
 
 use std::ops::Range;
 
-use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use super::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use super::flat::FlatLayout;
 use super::precision::{Slice, SliceMut};
 use super::unit::{ModelError, ModelSpec};

@@ -42,8 +42,8 @@ pub use snapshot::{EngineCounters, UnitOptimizerState};
 
 use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
-use super::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use super::device_tier::{self, DeviceTier, UnitUpload, UnitValues};
+use super::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};

@@ -1,7 +1,7 @@
 //! The ZeRO engine: flat buffers, partitions, stages 0-3.
 //!
 //! * [`unit`](mod@unit): the contract a model implements to be trained: units, parameters, batches.
-//! * [`config`]: [`EngineConfig`], a plain struct (the CLI maps DeepSpeed settings onto it).
+//! * [`engine_config`]: [`EngineConfig`], a plain struct (the CLI maps DeepSpeed settings onto it).
 //! * [`flat`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
 //! * [`schedule`]: the static visit order of a step and when tied gradients are complete.
 //! * [`buffers`]: the sizing rules of every buffer, one pure function shared with the planner.
@@ -18,9 +18,9 @@
 
 pub mod buckets;
 pub mod buffers;
-pub mod config;
 pub mod device_tier;
 pub mod engine;
+pub mod engine_config;
 pub mod flat;
 pub mod gather;
 pub mod loss_scaler;
@@ -30,13 +30,13 @@ pub mod shards;
 pub mod state;
 pub mod unit;
 
-pub use config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};
 pub use engine::{
     check_device_budget, device_peak, moment_stream_bytes, offloaded_share, param_staging_bytes,
     resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes,
     StepReport, UnitOptimizerState,
 };
+pub use engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use unit::{
     BatchCounts, ForwardMode, ModelError, ModelSpec, ParamSpec, UnitForward, UnitModel, UnitSpec,
 };

@@ -4,7 +4,7 @@
 //! The engine keeps its flat buffers as [`Buffer`]s (f32, bf16 or f16), so that 16-bit parameters,
 //! gradients and communication buckets really take 2 bytes per element. Everything the engine does
 //! to them is here, dispatched once per slice (not per element) onto the generic kernels of
-//! [`crate::optim::kernels`]: copies that cast with round-to-nearest-even, accumulation, squared
+//! [`crate::optim::slices`]: copies that cast with round-to-nearest-even, accumulation, squared
 //! norms, and the Adam update that writes the fp32 master shard and its 16-bit copy in one pass.
 //! The model itself always computes in f32: 16-bit parameters are widened into a preallocated f32
 //! scratch before each unit runs (candle's bf16 matmuls are several times slower on CPU).
@@ -16,7 +16,7 @@
 use super::loss_scaler::{DynamicScaleParams, LossScaleError, LossScaler, NonFiniteGuard};
 use crate::flat::{Buffer, DType};
 use crate::optim::adam::{AdamParams, RoundingKey, StateElement};
-use crate::optim::kernels;
+use crate::optim::slices;
 use half::{bf16, f16};
 use std::borrow::Cow;
 use std::ops::Range;
@@ -75,7 +75,7 @@ impl<'a> Slice<'a> {
     }
     /// The sum of squares in f64 (non-finite exactly when an element is Inf or NaN).
     pub fn sum_of_squares(&self) -> f64 {
-        with_slice!(Slice, *self, v => kernels::sum_of_squares(v))
+        with_slice!(Slice, *self, v => slices::sum_of_squares(v))
     }
     /// Writes the elements widened to f32 into `dst` (same length).
     pub fn widen_into(&self, dst: &mut [f32]) {
@@ -116,11 +116,11 @@ impl<'a> SliceMut<'a> {
 impl SliceMut<'_> {
     /// `self = src`, cast with round to nearest even where the types differ.
     pub fn copy_from(self, src: Slice<'_>) {
-        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => kernels::cast(d, s)))
+        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => slices::cast(d, s)))
     }
     /// `self += src`, accumulated in f32 and rounded once into the destination type.
     pub fn add(self, src: Slice<'_>) {
-        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => kernels::add_in_place(d, s)))
+        with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => slices::add_in_place(d, s)))
     }
 }
 

@@ -1,5 +1,5 @@
 //! The GPT's fused operations on a GPU (`kernels/gpt_ops.cu`): the `cuda_fwd` of
-//! [`super::super::kernels::Gelu`], [`super::super::kernels::LayerNorm`] and [`super::super::kernels::CausalSoftmax`]
+//! [`super::super::ops::Gelu`], [`super::super::ops::LayerNorm`] and [`super::super::ops::CausalSoftmax`]
 //! and their backward passes, each one kernel (LayerNorm's backward two, and a sum of parts for
 //! the weight's and bias's gradients) where candle's composite ops and their autograd take five
 //! to twenty full passes each. They compute in f32 from f32, bf16 or f16 and round once on store.
@@ -69,7 +69,7 @@ pub(in crate::model) fn causal_softmax_fwd(
     x: &CudaStorage,
     l: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let (rows, t) = super::super::kernels::causal_rows(l.shape())?;
+    let (rows, t) = super::super::ops::causal_rows(l.shape())?;
     let device = &x.device;
     let dtype = x.dtype();
     let x = arg(x, l)?;

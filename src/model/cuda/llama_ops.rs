@@ -1,5 +1,5 @@
 //! The Llama's fused operations on a GPU (`kernels/llama_ops.cu`): the `cuda_fwd` of
-//! [`super::super::kernels::RmsNorm`], [`super::super::kernels::Rope`] and [`super::super::kernels::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
+//! [`super::super::ops::RmsNorm`], [`super::super::ops::Rope`] and [`super::super::ops::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
 //! backward two, and a sum of parts for the weight's gradient) where candle's composite ops and
 //! their autograd take several full passes each. They compute in f32 from f32, bf16 or f16.
 
@@ -8,7 +8,7 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, PushKernelArg};
 use candle_core::cuda_backend::CudaStorage;
 use candle_core::{bail, DType, Layout, Result, Shape, Tensor};
 
-use super::super::kernels::Rope;
+use super::super::ops::Rope;
 use super::launch::{
     arg, elementwise, kernel_name, launched, norm_dx, output, param_parts, per_part, per_row, push,
     push_slice, rows_of, sum_parts, tensor, with_cuda, with_cuda3,

@@ -9,7 +9,7 @@
 use super::{updated_part, EngineError};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::zero::buffers::plan;
-use crate::zero::config::{EngineConfig, OptimizerTier, ParamTier, Stage};
+use crate::zero::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 use crate::zero::flat::FlatLayout;
 use crate::zero::unit::ModelSpec;
 

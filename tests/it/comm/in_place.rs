@@ -5,7 +5,7 @@
 
 use half::{bf16, f16};
 use std::sync::Arc;
-use zerodp::comm::kernels::reduce_reference;
+use zerodp::comm::reduce::reduce_reference;
 use zerodp::comm::{
     run_ranks, shard_range, CollectiveKind, CommError, CommHandle, CommOptions, Communicator,
     InprocComm, ReduceOp, TrafficCounters,

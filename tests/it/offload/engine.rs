@@ -145,7 +145,7 @@ fn moments_on_nvme_in_f32_and_bf16_equal_the_moments_in_memory() {
 /// run changes, in memory or on NVMe, at world sizes 1, 2 and 4.
 #[test]
 fn a_partial_offload_moves_the_last_units_and_changes_no_bit() {
-    use zerodp::zero::config::first_offloaded_unit;
+    use zerodp::zero::engine_config::first_offloaded_unit;
     // DeepSpeed's `i >= int((1 - ratio) * n)` in f64, its rounding included: 1 - 0.9 is just
     // below 0.1, so a ratio of 0.9 over 10 sub-groups offloads all ten.
     for (n, ratio, first) in [
