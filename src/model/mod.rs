@@ -5,18 +5,13 @@
 //! it, and the GPT-or-Llama model a program trains by name ([`train_model`]). The data they train
 //! on is [`crate::data`]'s.
 
-#[cfg(target_arch = "x86_64")]
-mod amx;
-#[cfg(not(target_arch = "x86_64"))]
-#[path = "amx_off.rs"]
-mod amx;
 mod attention;
-mod bf16_gemm;
 mod candle_tier;
 pub mod candle_unit;
 pub mod compute;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod gemm;
 pub mod gpt;
 mod gpt_block;
 mod heap;
@@ -27,12 +22,10 @@ pub mod train_model;
 pub mod var_units;
 pub mod weights;
 
-pub use amx::{path_name as gemm_path, GEMM_ENV};
-pub use bf16_gemm::{available as bf16_products_available, set_bf16_products};
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use compute::{candle_device, candle_dtype, compute_dtype};
+pub use gemm::{bf16_products_available, gemm_flops_per_s, gemm_path, set_bf16_products, GEMM_ENV};
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
 pub use heap::keep_freed_buffers;
-pub use ops::gemm_flops_per_s;
 pub use var_units::{init_values, VarUnits};
 pub use weights::{load_safetensors, save_safetensors, WeightsError};

@@ -32,7 +32,8 @@
 //! and Linux must grant the tile state (`arch_prctl(ARCH_REQ_XCOMP_PERM)`); `ZERODP_GEMM=gemm`
 //! forces the `gemm` crate everywhere (to compare the two, or to rule AMX out).
 
-use super::ops::{even_split, Finish, Strided};
+use super::super::ops::even_split;
+use super::{Finish, Strided};
 use rayon::prelude::*;
 use std::arch::asm;
 use std::cell::Cell;
@@ -69,7 +70,7 @@ pub fn enabled() -> bool {
 
 /// The name of the GEMM path products of `f32` run on: `amx` or `gemm`.
 pub fn path_name() -> &'static str {
-    if super::bf16_gemm::enabled() {
+    if super::bf16::enabled() {
         "avx512-bf16"
     } else if enabled() {
         "amx"

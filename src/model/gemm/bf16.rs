@@ -80,7 +80,7 @@ fn pair(lo: f32, hi: f32) -> u32 {
 /// `out[i] = pair(lo[i], hi[i])` (`hi` shorter than `out`: zeros), vectorised.
 #[inline(always)]
 fn pairs_of_rows(out: &mut [u32], lo: &[f32], hi: Option<&[f32]>) {
-    super::ops::wide(
+    super::super::ops::wide(
         #[inline(always)]
         || match hi {
             Some(hi) => out
@@ -95,7 +95,7 @@ fn pairs_of_rows(out: &mut [u32], lo: &[f32], hi: Option<&[f32]>) {
 /// `out[p] = pair(run[2p], run[2p + 1])` over a run of `k` consecutive values, vectorised.
 #[inline(always)]
 fn pairs_of_run(out: &mut [u32], run: &[f32]) {
-    super::ops::wide(
+    super::super::ops::wide(
         #[inline(always)]
         || {
             let mut chunks = run.chunks_exact(2);
@@ -186,7 +186,7 @@ impl Dst {
 /// # Safety
 /// [`available`] is true; `dst` is valid for writes (and, when `accumulate`, reads) of rows
 /// `0..m` of `n` elements `ldd` apart and aliases neither operand; the operands hold every element
-/// their strides reach (the caller, `kernels::gemm_raw`, checks all of it).
+/// their strides reach (the caller, `gemm::gemm_raw`, checks all of it).
 pub(super) unsafe fn gemm(
     (m, n, k): (usize, usize, usize),
     (dst, ldd): (*mut f32, usize),
