@@ -519,15 +519,32 @@ fn preflight(
         cuda_build: cfg!(feature = "cuda"),
         ranks_in_process,
     };
-    super::preflight::check(&args.preflight, settings, engine_cfg, spec, gpt, process)?;
+    let mpi = zerodp::comm::detect_mpi_launch();
+    let launch = zerodp::planner::preflight::Launch {
+        ranks_on_host: mpi.map(|l| l.local_size.unwrap_or(l.size)),
+        // Under mpirun the launcher's rank, MPI not being up yet.
+        reports: mpi.and_then(|l| l.rank).unwrap_or(0) == 0,
+    };
+    let device_memory = args.preflight.device_memory.as_deref();
+    let models = (engine_cfg, spec, gpt);
+    if let Some(line) =
+        zerodp::planner::preflight::check(device_memory, settings, models, process, launch)?
+    {
+        errln!("{line}");
+    }
     let Some(gpu) = &device.gpu else {
         return Ok(None);
     };
     let bytes = device.dtype.size_in_bytes() as u64;
     // Each in-process rank has a model of its own on its GPU; the busiest GPU is checked.
     let on_gpu = super::device_args::ranks_per_gpu(&args.device, ranks_in_process as usize)?;
-    let memory =
-        super::preflight::check_gpu(gpu, (bytes, on_gpu.max(1) as u64), engine_cfg, spec, gpt)?;
+    let memory = zerodp::planner::preflight::check_gpu(
+        gpu,
+        (bytes, on_gpu.max(1) as u64),
+        engine_cfg,
+        spec,
+        gpt,
+    )?;
     Ok(Some(memory))
 }
 

@@ -22,6 +22,7 @@ mod deepspeed;
 mod engine;
 mod memory;
 mod model;
+pub mod preflight;
 mod process;
 mod recommend;
 mod size;
