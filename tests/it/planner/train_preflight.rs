@@ -143,7 +143,7 @@ fn size_after(text: &str, marker: &str) -> Option<f64> {
 }
 
 /// The pre-flight plans what the process really holds: its total per rank is within 10% of the
-/// process's peak resident set over the world size (`scripts/preflight_rss.sh` runs the whole
+/// process's peak resident set over the world size, the median of three runs (`scripts/preflight_rss.sh` runs the whole
 /// grid of models, stages, world sizes, precisions and checkpointing).
 #[test]
 fn the_plan_is_within_ten_percent_of_the_peak_resident_set() {
@@ -176,12 +176,26 @@ fn the_plan_is_within_ten_percent_of_the_peak_resident_set() {
         if checkpoint {
             cmd.arg("--checkpoint-activations");
         }
-        let out = cmd.output().unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{stderr}");
-        let planned = size_after(&stderr, "needs").expect("the pre-flight line");
+        // The plan is the same every run; the peak resident set moves with the allocator and
+        // the threads' timing, so the median of three runs is compared (the bound stays 10%).
+        let mut runs: Vec<(f64, Option<f64>, String)> = (0..3)
+            .map(|_| {
+                let out = cmd.output().unwrap();
+                let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+                assert!(out.status.success(), "{stderr}");
+                let planned = size_after(&stderr, "needs").expect("the pre-flight line");
+                let measured = size_after(&stderr, "process peak resident set:");
+                (planned, measured, stderr)
+            })
+            .collect();
+        assert!(
+            runs.iter().all(|r| r.0 == runs[0].0),
+            "the plan changed between runs"
+        );
+        runs.sort_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
+        let (planned, measured, stderr) = runs.swap_remove(1);
         // Only where the system reports the peak resident set (Linux).
-        let Some(measured) = size_after(&stderr, "process peak resident set:") else {
+        let Some(measured) = measured else {
             continue;
         };
         let ratio = planned / (measured / 2.0);
