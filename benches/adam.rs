@@ -11,9 +11,9 @@
 use std::time::{Duration, Instant};
 
 use half::bf16;
+use zerodp::flat::slices::{has_non_finite, sum_of_squares};
 use zerodp::flat::zeroed_vec;
 use zerodp::optim::adam::{adam_isa, adam_step, adam_step_with_copy, AdamParams};
-use zerodp::optim::slices::{has_non_finite, sum_of_squares};
 
 fn env_usize(key: &str, default: usize) -> usize {
     std::env::var(key)

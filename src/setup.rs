@@ -13,7 +13,7 @@ use crate::config::{OffloadDevice, Precision, Settings};
 use crate::flat::DType;
 use crate::optim::adam::AdamParams;
 use crate::zero::loss_scaler::DynamicScaleParams;
-use crate::zero::precision::OverflowPolicy;
+use crate::zero::step_policy::OverflowPolicy;
 use crate::zero::{EngineConfig, OptimizerTier, ParamTier, Stage};
 
 /// A resolved config asks for something the engine does not do.

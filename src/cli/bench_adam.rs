@@ -20,11 +20,11 @@ use anyhow::{bail, Context};
 use half::bf16;
 use rayon::prelude::*;
 use std::time::Instant;
+use zerodp::flat::slices::{Element, PAR_CHUNK, TILE};
 use zerodp::flat::zeroed_vec;
 use zerodp::optim::adam::{
     adam_isa, adam_step, adam_step_with_copy, AdamIsa, AdamParams, StateElement,
 };
-use zerodp::optim::slices::{Element, PAR_CHUNK, TILE};
 
 use super::bench_comm::{available_memory, median, Format};
 

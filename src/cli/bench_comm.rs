@@ -25,7 +25,6 @@ use zerodp::comm::{
     run_ranks, shard_range, CollectiveKind, CommError, CommOptions, Communicator, ReduceOp,
 };
 use zerodp::flat::{Buffer, DType};
-use zerodp::zero::precision::FlatBuffer;
 
 #[derive(clap::Args, Debug)]
 pub struct BenchCommArgs {

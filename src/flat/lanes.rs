@@ -177,7 +177,7 @@ mod f16c {
 /// `f32` -> bf16 bits, round to nearest even, NaN kept NaN (quietened), overflow to Inf: the same
 /// bits as `bf16::from_f32`, but branch-free so that slice loops vectorise (the `half` crate
 /// converts bf16 one element at a time with branches). The one copy of this rounding in the crate:
-/// the reduction kernels of `comm` and the slice casts of `optim::slices` both use it.
+/// the reduction kernels of `comm` and the slice casts of `flat::slices` both use it.
 #[inline(always)]
 pub fn f32_to_bf16_bits(x: f32) -> u16 {
     let b = x.to_bits();

@@ -6,7 +6,11 @@
 mod buffer;
 mod dtype;
 pub(crate) mod lanes;
+pub mod slices;
+mod view;
 
 pub use buffer::{zeroed_vec, Buffer, HUGE_PAGE_MIN_BYTES};
 pub use dtype::DType;
 pub use lanes::f32_to_bf16_bits;
+pub(crate) use view::with_slice;
+pub use view::{Slice, SliceMut};

@@ -14,9 +14,9 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::flat::{Slice, SliceMut};
 use crate::optim::adam::StepConsts;
 use crate::zero::device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};
-use crate::zero::precision::{Slice, SliceMut};
 use crate::zero::unit::ModelError;
 
 use super::candle_unit::compute_err;

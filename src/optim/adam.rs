@@ -42,7 +42,7 @@ use crate::prefetch;
 use half::bf16;
 use rayon::prelude::*;
 
-use super::slices::{Element, PAR_CHUNK, PAR_MIN_LEN, TILE};
+use crate::flat::slices::{Element, PAR_CHUNK, PAR_MIN_LEN, TILE};
 
 #[cfg(target_arch = "x86_64")]
 mod bf16_avx2;

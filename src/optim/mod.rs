@@ -2,5 +2,7 @@
 
 pub mod adam;
 pub mod scheduler;
-pub mod slices;
+mod shard_update;
 mod stream;
+
+pub use shard_update::{adam_apply, adam_update, Moments, ShardPlace, UpdateError};

@@ -36,9 +36,9 @@
 //! in the same order.
 
 use super::buffers::BufferPlan;
-use super::flat::FlatLayout;
-use super::precision::{FlatBuffer, Slice};
+use super::layout::FlatLayout;
 use super::state::FlatState;
+use crate::flat::Slice;
 use std::collections::VecDeque;
 
 use crate::comm::{CommError, CommHandle, Communicator, ReduceOp};

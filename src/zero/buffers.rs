@@ -30,7 +30,7 @@
 //!   the gather pool, which bounds every fetch, prefetch or not.
 
 use super::engine_config::{EngineConfig, Stage};
-use super::flat::FlatLayout;
+use super::layout::FlatLayout;
 use super::schedule;
 use crate::flat::DType;
 use crate::zero::unit::ModelSpec;

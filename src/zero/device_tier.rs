@@ -33,10 +33,9 @@
 use std::ops::Range;
 
 use super::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-use super::flat::FlatLayout;
-use super::precision::{Slice, SliceMut};
+use super::layout::FlatLayout;
 use super::unit::{ModelError, ModelSpec};
-use crate::flat::DType;
+use crate::flat::{DType, Slice, SliceMut};
 use crate::optim::adam::StepConsts;
 
 /// One unit's fp32 state as the engine's host mirror holds it (unpadded, the whole unit).

@@ -22,7 +22,7 @@
 //! 4. `gather_updated`: stages 1-2 all-gather the updated shards into the full parameters; stage 3
 //!    leaves them sharded.
 //!
-//! Mixed precision (`param_dtype` bf16/f16, see [`super::precision`]): parameters, gradients and
+//! Mixed precision (`param_dtype` bf16/f16, see [`crate::flat`]): parameters, gradients and
 //! buckets are 16-bit, the model reads parameters widened into f32 scratch and writes f32
 //! gradients that are cast (or, at stages 0-1, accumulated) into the kept 16-bit ones; Adam updates
 //! the fp32 master of the rank's part and writes its rounded copy in the same pass. The squared
@@ -44,22 +44,21 @@ use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::device_tier::{self, DeviceTier, UnitUpload, UnitValues};
 use super::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-use super::flat::FlatLayout;
 use super::gather::{Coordinator, GatherError};
+use super::layout::FlatLayout;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
-use super::precision::{
-    adam_apply, adam_update, as_f32, buffer_from_f32, FlatBuffer, Moments, ShardPlace, Slice,
-    SliceMut, StepPolicy, StepVerdict,
-};
 use super::schedule;
 use super::shards::{ShardStore, SwappedShards};
 use super::state::{FlatState, GradPool, StageState};
+use super::step_policy::{StepPolicy, StepVerdict};
 use super::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use crate::comm::{CommError, Communicator, ReduceOp, TrafficCounters};
 use crate::flat::{Buffer, DType};
+use crate::flat::{Slice, SliceMut};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::offload::OffloadError;
 use crate::optim::adam::StepConsts;
+use crate::optim::{adam_apply, adam_update, Moments, ShardPlace};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -78,7 +77,7 @@ pub enum EngineError {
     #[error(transparent)]
     Offload(#[from] OffloadError),
     #[error(transparent)]
-    Update(#[from] super::precision::UpdateError),
+    Update(#[from] crate::optim::UpdateError),
     /// A device-tier allocation beyond `EngineConfig::device_budget`, refused before it is made.
     #[error(transparent)]
     DeviceBudget(Box<budget::OverDeviceBudget>),
@@ -510,12 +509,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
                 // Without an fp32 master the parameters are the master (bf16 ones widened).
                 (None, StageState::ShardedParams { coordinator, .. }) => {
                     let shard = coordinator.shards().read(u)?;
-                    let shard = as_f32(&shard, 0..shard.len()).into_owned();
+                    let shard = shard.range_f32(0..shard.len()).into_owned();
                     gather(Buffer::F32(shard), ul.padded)?
                 }
                 (None, _) => {
                     let params = self.state.params(u);
-                    as_f32(params, 0..params.len()).into_owned()
+                    params.range_f32(0..params.len()).into_owned()
                 }
             };
             full.truncate(ul.numel);
@@ -1202,8 +1201,8 @@ fn init_params<M: UnitModel>(
             master
         }));
         params.push(match stage.shards_params() {
-            true => buffer_from_f32(pdt, &full[layout.own_shard(u)]),
-            false => buffer_from_f32(pdt, &full),
+            true => Buffer::from_f32(pdt, &full[layout.own_shard(u)]),
+            false => Buffer::from_f32(pdt, &full),
         });
     }
     (params, masters)

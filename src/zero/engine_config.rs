@@ -4,7 +4,7 @@
 use crate::config::defaults;
 use crate::flat::DType;
 use crate::optim::adam::AdamParams;
-use crate::zero::precision::OverflowPolicy;
+use crate::zero::step_policy::OverflowPolicy;
 
 /// Which redundancy ZeRO removes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]

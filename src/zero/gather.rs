@@ -14,8 +14,7 @@
 //! file travels in it): a prefetch waits for a free one, and there are at least as many as a
 //! visit needs units, so a demand fetch always finds one.
 
-use super::flat::FlatLayout;
-use super::precision::FlatBuffer;
+use super::layout::FlatLayout;
 use super::shards::ShardStore;
 use crate::comm::{CommError, CommHandle, Communicator};
 use crate::flat::{Buffer, DType};

@@ -2,7 +2,7 @@
 //!
 //! * [`unit`](mod@unit): the contract a model implements to be trained: units, parameters, batches.
 //! * [`engine_config`]: [`EngineConfig`], a plain struct (the CLI maps DeepSpeed settings onto it).
-//! * [`flat`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
+//! * [`layout`]: per-unit flat buffers padded into equal aligned shards (rank r owns shard r).
 //! * [`schedule`]: the static visit order of a step and when tied gradients are complete.
 //! * [`buffers`]: the sizing rules of every buffer, one pure function shared with the planner.
 //! * [`state`]: what a rank keeps of the model (parameters, gradients), one variant per stage.
@@ -14,20 +14,20 @@
 //!   can use it.
 //! * [`engine`]: one rank's [`Engine`] and its [`StepReport`].
 //! * [`loss_scaler`]: fp16 loss scaling and the Inf/NaN guard.
-//! * [`precision`]: dtype-tagged flat storage (f32, bf16, f16) and the per-step overflow policy.
+//! * [`step_policy`]: the per-step overflow policy (loss scale or non-finite guard).
 
 pub mod buckets;
 pub mod buffers;
 pub mod device_tier;
 pub mod engine;
 pub mod engine_config;
-pub mod flat;
 pub mod gather;
+pub mod layout;
 pub mod loss_scaler;
-pub mod precision;
 pub mod schedule;
 pub mod shards;
 pub mod state;
+pub mod step_policy;
 pub mod unit;
 
 pub use device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};

@@ -21,7 +21,6 @@
 //! ([`ShardStore::flush`]) before anything reads the shards again. Taking the shard being written,
 //! or needing its staging buffer, waits for the write; other reads go on beside it.
 
-use super::precision::FlatBuffer;
 use crate::flat::{Buffer, DType};
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use std::path::Path;
@@ -620,7 +619,6 @@ impl Drop for SwappedShards {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::precision::buffer_from_f32;
 
     /// An updated shard is written behind: taking that unit again, or another unit when its
     /// staging buffer is the last one, waits for the write; the file then holds the update.
@@ -629,7 +627,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         for staging in [1, 3] {
             let shards: Vec<Buffer> = (0..3)
-                .map(|u| buffer_from_f32(DType::F32, &vec![u as f32; 1500]))
+                .map(|u| Buffer::from_f32(DType::F32, &vec![u as f32; 1500]))
                 .collect();
             let s = SwappedShards::new(dir.path(), 0, shards, staging, 0).unwrap();
             let mut store = ShardStore::Nvme(Box::new(s));
@@ -639,7 +637,7 @@ mod tests {
                     let want = (10 * round + u) as f32;
                     shard
                         .all_mut()
-                        .copy_from(buffer_from_f32(DType::F32, &[want; 1500]).all());
+                        .copy_from(Buffer::from_f32(DType::F32, &[want; 1500]).all());
                     store.put_back(u, shard).unwrap();
                 }
                 // The same unit again at once: its write lands first.
@@ -665,7 +663,7 @@ mod tests {
                 .iter()
                 .map(|&n| {
                     let v: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 7.0).collect();
-                    buffer_from_f32(dtype, &v)
+                    Buffer::from_f32(dtype, &v)
                 })
                 .collect();
             let s = SwappedShards::new(dir.path(), 0, shards.clone(), 2, 0).unwrap();
@@ -698,10 +696,10 @@ mod tests {
             assert!(store.can_take(2));
             store
                 .modify(2, |b| {
-                    b.all_mut().copy_from(buffer_from_f32(dtype, &[5.0]).all())
+                    b.all_mut().copy_from(Buffer::from_f32(dtype, &[5.0]).all())
                 })
                 .unwrap();
-            assert_eq!(store.read(2).unwrap(), buffer_from_f32(dtype, &[5.0]));
+            assert_eq!(store.read(2).unwrap(), Buffer::from_f32(dtype, &[5.0]));
             assert_eq!(store.read(1).unwrap(), shards[1]);
         }
         let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();

@@ -7,9 +7,8 @@
 
 use super::buffers::BufferPlan;
 use super::gather::Coordinator;
-use super::precision::{FlatBuffer, Slice, SliceMut};
 use crate::comm::CommError;
-use crate::flat::Buffer;
+use crate::flat::{Buffer, Slice, SliceMut};
 use std::ops::Range;
 
 /// A rank's flat buffers.

@@ -10,7 +10,7 @@ use super::{updated_part, EngineError};
 use crate::memory::accounting::{MemoryKind, MemoryLedger, ModelStateBytes, Tier};
 use crate::zero::buffers::plan;
 use crate::zero::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-use crate::zero::flat::FlatLayout;
+use crate::zero::layout::FlatLayout;
 use crate::zero::unit::ModelSpec;
 
 /// A device-tier allocation the budget cannot hold: which, how much, what holds the rest, and the

@@ -12,8 +12,7 @@
 //! as an in-memory run, so the bits are equal. The fp32 master stays in host memory: it is also
 //! what the parameters are rebuilt from, and it is 4 of the 12 optimizer bytes per parameter.
 
-use super::super::precision::{Slice, SliceMut};
-use crate::flat::DType;
+use crate::flat::{DType, Slice, SliceMut};
 use crate::offload::{AlignedBuf, OffloadError, SwapFile, SWAP_ALIGN_ELEMS};
 use half::{bf16, f16};
 use std::ops::Range;

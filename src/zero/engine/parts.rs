@@ -8,9 +8,9 @@
 
 use super::UnitState;
 use crate::flat::Buffer;
+use crate::flat::{Slice, SliceMut};
 use crate::offload::OffloadError;
-use crate::zero::flat::FlatLayout;
-use crate::zero::precision::{FlatBuffer, Slice, SliceMut};
+use crate::zero::layout::FlatLayout;
 use crate::zero::shards::ShardStore;
 use crate::zero::state::{full_grad_of, FlatState, StageState};
 

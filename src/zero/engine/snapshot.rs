@@ -6,9 +6,10 @@
 
 use super::{Engine, EngineError, UnitModel};
 use crate::comm::CommError;
-use crate::zero::precision::{as_f32, FlatBuffer, PolicySnapshot, Slice};
+use crate::flat::Slice;
 use crate::zero::shards::ShardStore;
 use crate::zero::state::StageState;
+use crate::zero::step_policy::PolicySnapshot;
 use std::borrow::Cow;
 use std::ops::Range;
 
@@ -178,14 +179,14 @@ impl<M: UnitModel> Engine<'_, M> {
         let updated = self.units[unit].updated.clone();
         Ok(match &self.state.stage {
             StageState::ShardedParams { coordinator, .. } => match coordinator.shards() {
-                ShardStore::Memory(shards) => as_f32(&shards[unit], 0..shards[unit].len()),
-                store => match as_f32(&store.read(unit)?, 0..updated.len()) {
+                ShardStore::Memory(shards) => shards[unit].range_f32(0..shards[unit].len()),
+                store => match store.read(unit)?.range_f32(0..updated.len()) {
                     Cow::Borrowed(p) => Cow::Owned(p.to_vec()),
                     Cow::Owned(p) => Cow::Owned(p),
                 },
             },
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
-                as_f32(&params[unit], updated)
+                params[unit].range_f32(updated)
             }
         })
     }

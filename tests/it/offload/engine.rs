@@ -368,7 +368,7 @@ fn max_in_cpu_keeps_the_first_shards_in_host_memory() {
         };
         cfg
     };
-    let lens: Vec<usize> = zerodp::zero::flat::FlatLayout::new(model.spec(), 2, 0)
+    let lens: Vec<usize> = zerodp::zero::layout::FlatLayout::new(model.spec(), 2, 0)
         .units
         .iter()
         .map(|u| u.shard_len)

@@ -13,7 +13,7 @@ use zerodp::config::{load_str, ResolveContext, Settings};
 use zerodp::data::{Corpus, DataLoader};
 use zerodp::model::{Candle, Gpt, GptConfig};
 use zerodp::trainer::{CheckpointOptions, ReportLog, Resume, Trainer};
-use zerodp::zero::flat::FlatLayout;
+use zerodp::zero::layout::FlatLayout;
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{Engine, EngineConfig, EngineError, OptimizerTier, Stage, TierDtypes};
 

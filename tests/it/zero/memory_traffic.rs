@@ -6,7 +6,7 @@ use crate::common;
 use common::*;
 use zerodp::comm::{shard_range, CollectiveKind};
 use zerodp::zero::buffers::plan;
-use zerodp::zero::flat::FlatLayout;
+use zerodp::zero::layout::FlatLayout;
 use zerodp::zero::Stage;
 
 const GLOBAL: usize = 12;

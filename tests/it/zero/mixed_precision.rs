@@ -9,7 +9,7 @@ use zerodp::comm::{run_ranks, CollectiveKind, CommOptions};
 use zerodp::data::TokenBatch as Batch;
 use zerodp::flat::DType;
 use zerodp::zero::buffers::plan;
-use zerodp::zero::flat::FlatLayout;
+use zerodp::zero::layout::FlatLayout;
 use zerodp::zero::unit::{BatchCounts, ForwardMode, ModelError, ModelSpec, UnitForward, UnitModel};
 use zerodp::zero::{Engine, EngineConfig, EngineError, Stage, StepReport};
 
@@ -339,7 +339,7 @@ fn too_many_non_finite_steps_in_a_row_stop_the_run_naming_the_unit() {
 fn fp16_at_the_minimum_scale_is_an_error_naming_the_unit() {
     let model = poisoned(f32::INFINITY, &[0, 1, 2]);
     let mut cfg = test_config(Stage::Zero1, 2, 1, GLOBAL).with_precision(DType::F16);
-    cfg.overflow = zerodp::zero::precision::OverflowPolicy::LossScale {
+    cfg.overflow = zerodp::zero::step_policy::OverflowPolicy::LossScale {
         loss_scale: 0.0,
         dynamic: zerodp::zero::loss_scaler::DynamicScaleParams {
             initial_scale_power: 1,
