@@ -7,13 +7,13 @@
 //! Depends on nothing in the crate.
 
 /// The environment variable that turns pinning off: `ZERODP_PIN=0`.
-pub const PIN_ENV: &str = "ZERODP_PIN";
+pub(crate) const PIN_ENV: &str = "ZERODP_PIN";
 
 /// The cores rank `slot` of `ranks` in-process ranks pins its `threads` threads to, in order:
 /// the `slot`-th run of `threads` cores of this process's affinity mask. None when pinning is
 /// off, the mask cannot be read, or it has fewer than `ranks * threads` cores (the ranks'
 /// threads then share the cores as the scheduler sees fit).
-pub fn rank_cores(slot: usize, ranks: usize, threads: usize) -> Option<Vec<usize>> {
+pub(crate) fn rank_cores(slot: usize, ranks: usize, threads: usize) -> Option<Vec<usize>> {
     if std::env::var(PIN_ENV).as_deref() == Ok("0") || threads == 0 {
         return None;
     }
@@ -25,7 +25,7 @@ pub fn rank_cores(slot: usize, ranks: usize, threads: usize) -> Option<Vec<usize
 }
 
 /// The cores this process may run on, in increasing order.
-pub fn allowed_cores() -> Option<Vec<usize>> {
+pub(crate) fn allowed_cores() -> Option<Vec<usize>> {
     #[cfg(target_os = "linux")]
     {
         // SAFETY: a zeroed cpu_set_t is a valid empty set; sched_getaffinity writes at most its
@@ -46,7 +46,7 @@ pub fn allowed_cores() -> Option<Vec<usize>> {
 
 /// Pins the calling thread to `core`; false where the system refuses (the thread then runs
 /// wherever the process may, as before).
-pub fn pin_current_thread(core: usize) -> bool {
+pub(crate) fn pin_current_thread(core: usize) -> bool {
     #[cfg(target_os = "linux")]
     {
         if core >= 8 * std::mem::size_of::<libc::cpu_set_t>() {

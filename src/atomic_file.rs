@@ -230,7 +230,7 @@ fn exchange(_: &Path, _: &Path) -> io::Result<()> {
 }
 
 /// fsyncs the directory holding `path`, so that a name created or renamed in it is on disk.
-pub fn sync_parent(path: &Path) -> io::Result<()> {
+pub(crate) fn sync_parent(path: &Path) -> io::Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),

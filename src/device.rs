@@ -154,7 +154,7 @@ pub fn gpu_count() -> Result<usize, DeviceError> {
 
 /// The name, compute capability and memory of GPU `ordinal`.
 #[cfg(feature = "cuda")]
-pub fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
+pub(crate) fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
     use cudarc::driver::CudaContext;
     let gpus = gpu_count()?;
     if ordinal >= gpus {
@@ -178,7 +178,7 @@ pub fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
 
 /// The name and memory of GPU `ordinal`: never available without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-pub fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
+pub(crate) fn gpu_info(ordinal: usize) -> Result<GpuInfo, DeviceError> {
     Err(DeviceError::NotBuilt(ComputeDevice::Cuda(Some(ordinal))))
 }
 

@@ -7,30 +7,30 @@
 /// Parameters of one model: 1e15, about 6000 times GPT-3 (175e9) and 30 times the 32-trillion
 /// parameter model ZeRO-Infinity reports. 16 bytes of model states per parameter is then 1.6e16
 /// bytes, three orders of magnitude inside `u64`.
-pub const MAX_PARAMS: u64 = 1_000_000_000_000_000;
+pub(crate) const MAX_PARAMS: u64 = 1_000_000_000_000_000;
 
 /// Transformer blocks of one GPT: 100,000 (GPT-3 has 96). Each is one unit with its own
 /// descriptors, so the bound also bounds what describing the model allocates.
-pub const MAX_LAYERS: u64 = 100_000;
+pub(crate) const MAX_LAYERS: u64 = 100_000;
 
 /// Positions (tokens per sequence) of one GPT: 2^31, as many as a batch number may count.
-pub const MAX_CONTEXT: u64 = 1 << 31;
+pub(crate) const MAX_CONTEXT: u64 = 1 << 31;
 
 /// Devices in one planned cluster: 2^20.
 pub const MAX_DEVICES: u64 = 1 << 20;
 
 /// Bytes of memory of one device or one node, and of any per-device amount the planner adds up:
 /// 2^60 (1 EiB), so that sums of a few of them and their differences fit `i64`.
-pub const MAX_MEMORY_BYTES: u64 = 1 << 60;
+pub(crate) const MAX_MEMORY_BYTES: u64 = 1 << 60;
 
 /// Bytes of f32 logits the GPT's LM-head loss holds at a time: it computes the head's product and
 /// the cross-entropy over chunks of rows rather than all `[tokens, vocab]` logits at once. Here
 /// because the model computes with it and the planner counts it.
-pub const LM_HEAD_CHUNK_BYTES: u64 = 32 << 20;
+pub(crate) const LM_HEAD_CHUNK_BYTES: u64 = 32 << 20;
 
 /// Rows of one LM-head chunk at vocabulary `vocab`: [`LM_HEAD_CHUNK_BYTES`] of f32 logits,
 /// rounded up to a whole number of 32-row tasks (a byte vocabulary's micro-batch is one chunk).
-pub fn lm_head_chunk_rows(vocab: u64) -> u64 {
+pub(crate) fn lm_head_chunk_rows(vocab: u64) -> u64 {
     (LM_HEAD_CHUNK_BYTES / (4 * vocab.max(1)))
         .max(1)
         .div_ceil(32)
@@ -40,7 +40,7 @@ pub fn lm_head_chunk_rows(vocab: u64) -> u64 {
 /// The parameter count Ψ of a GPT-2-architecture shape (learned positions, tied LM head, 4x MLP,
 /// biases everywhere): (vocab + context)·w + layers·(12w² + 13w) + 2w, or `None` when it does not
 /// fit `u64`.
-pub fn gpt_params(vocab: u64, context: u64, layers: u64, width: u64) -> Option<u64> {
+pub(crate) fn gpt_params(vocab: u64, context: u64, layers: u64, width: u64) -> Option<u64> {
     let w = width;
     let block = w
         .checked_mul(w)?
@@ -55,7 +55,12 @@ pub fn gpt_params(vocab: u64, context: u64, layers: u64, width: u64) -> Option<u
 
 /// Refuses a GPT shape beyond [`MAX_CONTEXT`], [`MAX_LAYERS`] or [`MAX_PARAMS`], naming the flags to lower
 /// (`--layers`, `--width`, `--context`: `train` and `plan` name the shape alike). Returns Ψ.
-pub fn check_gpt_size(vocab: u64, context: u64, layers: u64, width: u64) -> Result<u64, String> {
+pub(crate) fn check_gpt_size(
+    vocab: u64,
+    context: u64,
+    layers: u64,
+    width: u64,
+) -> Result<u64, String> {
     if context > MAX_CONTEXT {
         return Err(format!(
             "--context {context} is more than zerodp's limit of 2^31 positions"

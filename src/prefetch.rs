@@ -12,11 +12,11 @@
 
 /// Elements per block of a blocked streaming loop: each block asks for the lines of the block
 /// [`DISTANCE`] elements ahead (one or two 64-byte lines per stream).
-pub const BLOCK: usize = 32;
+pub(crate) const BLOCK: usize = 32;
 
 /// How far ahead, in elements, [`block_ahead`] asks for lines: 2 KiB of an `f32` stream. For the
 /// CPU Adam 256 to 1024 elements gave the same gain, 2048 less.
-pub const DISTANCE: usize = 512;
+pub(crate) const DISTANCE: usize = 512;
 
 /// Asks for the cache lines of the `len` elements that start `from` elements past the start of
 /// `s` (a hint; see the module's doc).
@@ -40,6 +40,6 @@ pub fn lines<T>(s: &[T], from: usize, len: usize) {
 /// Asks for the lines of the block [`DISTANCE`] elements past the start of `block` (a block of
 /// [`BLOCK`] elements of a streaming loop).
 #[inline(always)]
-pub fn block_ahead<T>(block: &[T]) {
+pub(crate) fn block_ahead<T>(block: &[T]) {
     lines(block, DISTANCE, BLOCK);
 }

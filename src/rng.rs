@@ -74,7 +74,7 @@ impl SplitMix64 {
     }
 
     /// Shuffle `items` in place (Fisher-Yates, from the end).
-    pub fn shuffle<T>(&mut self, items: &mut [T]) {
+    pub(crate) fn shuffle<T>(&mut self, items: &mut [T]) {
         for i in (1..items.len()).rev() {
             let j = self.below(i + 1);
             items.swap(i, j);
@@ -92,7 +92,7 @@ const NORMAL_TASK: usize = 1 << 16;
 /// WHY: initialising a 10-billion-parameter model one normal at a time took minutes (about 21 s per
 /// billion here); each normal pair consumes exactly two draws, so the task that starts at element
 /// `o` (even) starts the stream at draw `o` and writes what the sequential loop would have.
-pub fn fill_normal(dst: &mut [f32], seed: u64, std: f64) {
+pub(crate) fn fill_normal(dst: &mut [f32], seed: u64, std: f64) {
     use rayon::prelude::*;
     dst.par_chunks_mut(NORMAL_TASK)
         .enumerate()

@@ -10,7 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// One tensor of a file being written, in data order.
-pub struct TensorEntry {
+pub(crate) struct TensorEntry {
     pub name: String,
     pub shape: Vec<usize>,
 }
@@ -30,7 +30,7 @@ impl TensorEntry {
 
 /// The JSON header of a safetensors file of tensors of `dtype` (`elem` bytes each), padded with
 /// spaces to a multiple of 8 bytes as the format recommends.
-pub fn header_bytes(tensors: &[TensorEntry], dtype: &str, elem: usize) -> Vec<u8> {
+pub(crate) fn header_bytes(tensors: &[TensorEntry], dtype: &str, elem: usize) -> Vec<u8> {
     let mut map = serde_json::Map::new();
     let mut offset = 0usize;
     for t in tensors {
@@ -49,7 +49,7 @@ pub fn header_bytes(tensors: &[TensorEntry], dtype: &str, elem: usize) -> Vec<u8
 }
 
 /// A writer that counts and checksums what passes through it.
-pub struct CrcWriter<W: Write> {
+pub(crate) struct CrcWriter<W: Write> {
     inner: W,
     hasher: crc32fast::Hasher,
     bytes: u64,
@@ -176,7 +176,7 @@ impl SliceReader {
     }
 
     /// Elements of tensor `name`.
-    pub fn len_of(&self, name: &str) -> Result<usize, CheckpointError> {
+    pub(crate) fn len_of(&self, name: &str) -> Result<usize, CheckpointError> {
         self.tensors
             .get(name)
             .map(|t| t.0)
@@ -210,7 +210,7 @@ impl SliceReader {
 }
 
 /// fsync a directory, so that the names created or renamed in it are on disk.
-pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|source| CheckpointError::Io {

@@ -13,7 +13,7 @@ use std::path::Path;
 const ALIGN: usize = 4096;
 
 /// The file image; see the module docs.
-pub struct FileImage {
+pub(crate) struct FileImage {
     ptr: *mut u8,
     /// Allocated bytes: the file's length rounded up to [`ALIGN`].
     cap: usize,
@@ -72,7 +72,7 @@ impl FileImage {
     }
 
     /// The F32 data region, tensors in order.
-    pub fn data_mut(&mut self) -> &mut [f32] {
+    pub(crate) fn data_mut(&mut self) -> &mut [f32] {
         let (start, len) = (self.data_start, self.len);
         bytemuck::cast_slice_mut(&mut self.bytes_mut()[start..len])
     }

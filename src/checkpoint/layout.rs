@@ -18,7 +18,7 @@ pub const LATEST_FILE: &str = "latest";
 
 /// Whether `name` is a checkpoint directory's name (`step000120`), or a save's temporary
 /// (`.tmp-step000120`) or replaced (`.old-step000120`) one.
-pub fn is_step_name(name: &str) -> bool {
+pub(crate) fn is_step_name(name: &str) -> bool {
     let bare = name
         .strip_prefix(".tmp-")
         .or_else(|| name.strip_prefix(".old-"))
@@ -28,12 +28,12 @@ pub fn is_step_name(name: &str) -> bool {
 }
 
 /// Whether a file named `name` directly in a save directory belongs to its checkpoints.
-pub fn is_reserved_name(name: &str) -> bool {
+pub(crate) fn is_reserved_name(name: &str) -> bool {
     name == LATEST_FILE || name == LOCK_FILE || is_step_name(name)
 }
 
 /// Whether `dir` holds a zerodp manifest (read only as far as its `format`).
-pub fn has_manifest(dir: &Path) -> bool {
+pub(crate) fn has_manifest(dir: &Path) -> bool {
     #[derive(serde::Deserialize)]
     struct Format {
         format: String,
@@ -45,7 +45,7 @@ pub fn has_manifest(dir: &Path) -> bool {
 }
 
 /// Whether `dir` is a save directory; see the module docs.
-pub fn is_save_dir(dir: &Path) -> bool {
+pub(crate) fn is_save_dir(dir: &Path) -> bool {
     if !dir.is_dir() {
         return false;
     }
@@ -57,7 +57,7 @@ pub fn is_save_dir(dir: &Path) -> bool {
 }
 
 /// Whether `dir` is one checkpoint (a step directory); see the module docs.
-pub fn is_checkpoint(dir: &Path) -> bool {
+pub(crate) fn is_checkpoint(dir: &Path) -> bool {
     if has_manifest(dir) {
         return true;
     }
@@ -69,7 +69,7 @@ pub fn is_checkpoint(dir: &Path) -> bool {
 }
 
 /// The step directories (and save temporaries) directly inside `dir`.
-pub fn step_dirs(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn step_dirs(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
@@ -83,7 +83,7 @@ pub fn step_dirs(dir: &Path) -> Vec<PathBuf> {
 
 /// Every file that belongs to the checkpoints of save directory `dir`: `latest`, the lock, and
 /// the files of each step directory.
-pub fn save_dir_files(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn save_dir_files(dir: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> = [LATEST_FILE, LOCK_FILE]
         .iter()
         .map(|n| dir.join(n))
@@ -96,7 +96,7 @@ pub fn save_dir_files(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// The files directly inside one checkpoint directory.
-pub fn checkpoint_files(dir: &Path) -> Vec<PathBuf> {
+pub(crate) fn checkpoint_files(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };

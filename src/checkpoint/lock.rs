@@ -67,7 +67,7 @@ pub struct LockOwner {
 
 impl LockOwner {
     /// This process, now.
-    pub fn this_process() -> Self {
+    pub(crate) fn this_process() -> Self {
         LockOwner {
             pid: std::process::id(),
             host: hostname(),

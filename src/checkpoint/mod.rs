@@ -96,17 +96,17 @@ pub enum CheckpointError {
 }
 
 /// The directory name of the checkpoint of optimizer step `step`.
-pub fn step_dir_name(step: u64) -> String {
+pub(crate) fn step_dir_name(step: u64) -> String {
     format!("step{step:06}")
 }
 
 /// The file name of rank `rank`'s part.
-pub fn rank_file_name(rank: usize) -> String {
+pub(crate) fn rank_file_name(rank: usize) -> String {
     format!("rank{rank:05}.safetensors")
 }
 
 /// The tensor names of unit `unit` in a rank file.
-pub fn tensor_names(unit: usize) -> [String; 3] {
+pub(crate) fn tensor_names(unit: usize) -> [String; 3] {
     [
         format!("u{unit}.master"),
         format!("u{unit}.exp_avg"),

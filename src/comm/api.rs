@@ -47,7 +47,7 @@ pub enum CollectiveKind {
 }
 
 impl CollectiveKind {
-    pub const ALL: [CollectiveKind; 5] = [
+    pub(crate) const ALL: [CollectiveKind; 5] = [
         CollectiveKind::AllReduce,
         CollectiveKind::ReduceScatter,
         CollectiveKind::AllGather,
@@ -180,7 +180,7 @@ pub enum CommError {
 /// The result of a finished collective: the caller's buffers handed back in the order they were
 /// given (`all_reduce`/`broadcast` and the in-place forms: `[buf]`; `reduce_scatter`/`all_gather`:
 /// `[input, output]`; `barrier`: `[]`).
-pub type Completion = Result<Vec<Buffer>, CommError>;
+pub(crate) type Completion = Result<Vec<Buffer>, CommError>;
 
 /// A function applied to a completion's buffers (see [`CommHandle::map_buffers`]).
 type MapBuffers = Box<dyn FnOnce(Vec<Buffer>) -> Vec<Buffer> + Send>;
@@ -203,7 +203,7 @@ impl CommHandle {
     }
     /// This handle with `f` applied to the returned buffers when the collective succeeds (after any
     /// function given earlier). Does not block.
-    pub fn map_buffers(
+    pub(crate) fn map_buffers(
         mut self,
         f: impl FnOnce(Vec<Buffer>) -> Vec<Buffer> + Send + 'static,
     ) -> CommHandle {

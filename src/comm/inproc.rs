@@ -228,7 +228,7 @@ fn comm_thread(world: Arc<World>, shared: Arc<RankShared>, rank: usize, rx: mpsc
 }
 
 /// The text of a panic payload.
-pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = p.downcast_ref::<String>() {

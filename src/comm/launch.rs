@@ -22,7 +22,7 @@ pub fn detect_mpi_launch() -> Option<MpiLaunch> {
 }
 
 /// [`detect_mpi_launch`] over any variable lookup (testable without touching the environment).
-pub fn detect_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiLaunch> {
+pub(crate) fn detect_from(var: impl Fn(&str) -> Option<String>) -> Option<MpiLaunch> {
     let num = |k: &str| var(k).and_then(|v| v.trim().parse::<usize>().ok());
     let size = num("OMPI_COMM_WORLD_SIZE")
         .or_else(|| num("PMI_SIZE"))

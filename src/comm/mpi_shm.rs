@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 /// Allocations at least this large get their own shared-memory region.
-pub const SHM_MIN_BYTES: usize = 1 << 20;
+pub(crate) const SHM_MIN_BYTES: usize = 1 << 20;
 const SLOTS: usize = 2048;
 const PAGE: usize = 4096;
 

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// DeepSpeed's (and torch.distributed's) default collective timeout.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
+pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
 /// A rank that reaches a collective this much later than the first rank is reported as a straggler.
-pub const DEFAULT_STRAGGLER_THRESHOLD: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_STRAGGLER_THRESHOLD: Duration = Duration::from_secs(1);
 
 /// How long a communication thread busy-waits at a meeting before it sleeps, when its world has no
 /// more ranks than the machine has cores. A sleeping thread takes tens of microseconds to wake on a
@@ -180,7 +180,7 @@ impl CommOptions {
     }
 
     /// Applies a `ZERODP_STRAGGLER_MS` value when given.
-    pub fn with_straggler_var(
+    pub(crate) fn with_straggler_var(
         mut self,
         straggler_ms: Option<&str>,
     ) -> Result<CommOptions, CommOptionsError> {
@@ -197,7 +197,10 @@ impl CommOptions {
     }
 
     /// Applies a `ZERODP_SPIN_US` value when given.
-    pub fn with_spin_var(mut self, spin_us: Option<&str>) -> Result<CommOptions, CommOptionsError> {
+    pub(crate) fn with_spin_var(
+        mut self,
+        spin_us: Option<&str>,
+    ) -> Result<CommOptions, CommOptionsError> {
         if let Some(v) = spin_us {
             self.spin = env_value(
                 "ZERODP_SPIN_US",
@@ -211,7 +214,7 @@ impl CommOptions {
 
     /// [`CommOptions::with_env`] with the values passed in (testable without touching the process
     /// environment).
-    pub fn with_vars(
+    pub(crate) fn with_vars(
         mut self,
         debug: Option<&str>,
         timeout_secs: Option<&str>,
@@ -269,7 +272,7 @@ pub fn timeout_from_secs(secs: f64) -> Option<Duration> {
 }
 
 /// Seconds (integer or fractional, > 0), or `inf` for no timeout, as a duration.
-pub fn parse_timeout_secs(s: &str) -> Option<Duration> {
+pub(crate) fn parse_timeout_secs(s: &str) -> Option<Duration> {
     timeout_from_secs(s.trim().parse().ok()?)
 }
 

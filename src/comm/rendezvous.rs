@@ -197,7 +197,7 @@ impl Rendezvous {
     }
 
     /// Marks `rank` as gone after `issued` collectives: it will never arrive again.
-    pub fn depart(&self, rank: usize, issued: u64) {
+    pub(crate) fn depart(&self, rank: usize, issued: u64) {
         let mut st = self.lock();
         st.departed[rank] = Some(issued);
         drop(st);
@@ -207,7 +207,7 @@ impl Rendezvous {
     /// The final meeting of a data collective: waits, without timeout and whatever failed meanwhile,
     /// until every rank has finished reading and writing its peers' buffers. Every rank that passed
     /// the collective's arrival comes here without blocking on anything else, so this cannot hang.
-    pub fn depart_collective(&self, rank: usize) {
+    pub(crate) fn depart_collective(&self, rank: usize) {
         let mut st = self.lock();
         st.arrived[rank] = true;
         st.count += 1;

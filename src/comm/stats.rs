@@ -8,7 +8,7 @@ use std::time::Duration;
 
 /// nccl-tests' bus-bandwidth factor: busbw = algbw * factor, with the message size taken as the full
 /// tensor. All-reduce 2(n-1)/n, reduce-scatter and all-gather (n-1)/n, broadcast 1, barrier 0.
-pub fn bus_factor(kind: CollectiveKind, world: usize) -> f64 {
+pub(crate) fn bus_factor(kind: CollectiveKind, world: usize) -> f64 {
     let n = world as f64;
     match kind {
         CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n,
@@ -32,7 +32,7 @@ pub fn bandwidths(kind: CollectiveKind, world: usize, bytes: u64, time: Duration
 /// `elem_bytes` bytes, reduce-scatter and all-gather send and receive the full buffer minus this
 /// rank's shard, all-reduce twice that, broadcast the buffer (received by every non-root, sent by
 /// the root once per other rank), barrier nothing.
-pub fn count_traffic(
+pub(crate) fn count_traffic(
     c: &mut TrafficCounters,
     kind: CollectiveKind,
     world: usize,
@@ -130,7 +130,7 @@ impl CommStats {
 
     /// A table, one row per op, dtype and size (sorted by op, then size): calls, total and mean time, min and max, algbw and
     /// busbw at the mean time (nccl-tests conventions), straggler count.
-    pub fn summary_table(&self) -> String {
+    pub(crate) fn summary_table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(
             s,

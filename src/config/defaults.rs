@@ -5,17 +5,17 @@
 use super::Precision;
 
 /// `zero_optimization.reduce_bucket_size` and `allgather_bucket_size`, in elements (5e8).
-pub const REDUCE_BUCKET_SIZE: u64 = 500_000_000;
+pub(crate) const REDUCE_BUCKET_SIZE: u64 = 500_000_000;
 /// `stage3_prefetch_bucket_size` in elements: DeepSpeed's code default 5e7 (its docs say 5e8).
-pub const PREFETCH_BUCKET_SIZE: u64 = 50_000_000;
+pub(crate) const PREFETCH_BUCKET_SIZE: u64 = 50_000_000;
 /// `stage3_param_persistence_threshold` in elements (1e5).
-pub const PARAM_PERSISTENCE_THRESHOLD: u64 = 100_000;
+pub(crate) const PARAM_PERSISTENCE_THRESHOLD: u64 = 100_000;
 /// `stage3_max_live_parameters` in elements (1e9).
-pub const MAX_LIVE_PARAMETERS: u64 = 1_000_000_000;
+pub(crate) const MAX_LIVE_PARAMETERS: u64 = 1_000_000_000;
 /// `stage3_max_reuse_distance` in elements (1e9).
-pub const MAX_REUSE_DISTANCE: u64 = 1_000_000_000;
+pub(crate) const MAX_REUSE_DISTANCE: u64 = 1_000_000_000;
 /// `sub_group_size` in elements (1e9).
-pub const SUB_GROUP_SIZE: u64 = 1_000_000_000;
+pub(crate) const SUB_GROUP_SIZE: u64 = 1_000_000_000;
 
 /// `overlap_comm` when the config leaves it unset: DeepSpeed's validator turns it on at stage 3
 /// only (its docs say false).

@@ -56,7 +56,7 @@ impl Node {
         }
     }
 
-    pub fn is_auto(&self) -> bool {
+    pub(crate) fn is_auto(&self) -> bool {
         matches!(&self.value, Value::String(s) if s == "auto")
     }
 }

@@ -72,11 +72,11 @@ impl<'s> Reader<'s> {
         self.src.at(path, node.span)
     }
 
-    pub fn key_at(&self, path: &str, m: &Member) -> Where {
+    pub(crate) fn key_at(&self, path: &str, m: &Member) -> Where {
         self.src.at(path, m.key_span)
     }
 
-    pub fn warn(&mut self, msg: impl Into<String>) {
+    pub(crate) fn warn(&mut self, msg: impl Into<String>) {
         self.warnings.push(msg.into());
     }
 
@@ -92,7 +92,7 @@ impl<'s> Reader<'s> {
         }
     }
 
-    pub fn wrong_type(&self, path: &str, node: &Node, expected: &str) -> ConfigError {
+    pub(crate) fn wrong_type(&self, path: &str, node: &Node, expected: &str) -> ConfigError {
         ConfigError::WrongType {
             at: self.at(path, node),
             expected: expected.to_string(),
@@ -102,7 +102,7 @@ impl<'s> Reader<'s> {
 
     /// Strict blocks (DeepSpeed's pydantic models forbid extra keys): any key not in `known`
     /// is an error with a suggestion.
-    pub fn deny_unknown(&self, obj: Obj<'_>, known: &[&str]) -> Result<(), ConfigError> {
+    pub(crate) fn deny_unknown(&self, obj: Obj<'_>, known: &[&str]) -> Result<(), ConfigError> {
         for m in obj.members {
             if !known.contains(&m.key.as_str()) {
                 return Err(ConfigError::UnknownKey {
@@ -122,7 +122,7 @@ impl<'s> Reader<'s> {
 
     /// Lenient blocks (DeepSpeed reads them with `.get`): unknown keys are collected for the
     /// "ignored" warning.
-    pub fn collect_unknown(&mut self, obj: Obj<'_>, known: &[&str]) {
+    pub(crate) fn collect_unknown(&mut self, obj: Obj<'_>, known: &[&str]) {
         for m in obj.members {
             if !known.contains(&m.key.as_str()) {
                 // A typo here (`zero_optimisation`) would silently drop a whole block, so the
@@ -138,7 +138,7 @@ impl<'s> Reader<'s> {
 
     /// An `"auto"` nothing resolved: an error for training, a warning plus a stand-in value in
     /// check mode.
-    pub fn unresolved_auto<T>(
+    pub(crate) fn unresolved_auto<T>(
         &mut self,
         path: &str,
         m: &Member,
@@ -159,14 +159,14 @@ impl<'s> Reader<'s> {
 
     // ---- conversions of one node ----
 
-    pub fn node_bool(&self, path: &str, node: &Node) -> Result<bool, ConfigError> {
+    pub(crate) fn node_bool(&self, path: &str, node: &Node) -> Result<bool, ConfigError> {
         match node.value {
             Value::Bool(b) => Ok(b),
             _ => Err(self.wrong_type(path, node, "true or false")),
         }
     }
 
-    pub fn node_i64(&self, path: &str, node: &Node) -> Result<i64, ConfigError> {
+    pub(crate) fn node_i64(&self, path: &str, node: &Node) -> Result<i64, ConfigError> {
         let Value::Number(raw) = &node.value else {
             return Err(self.wrong_type(path, node, "an integer"));
         };
@@ -180,7 +180,7 @@ impl<'s> Reader<'s> {
         })
     }
 
-    pub fn node_u64(&self, path: &str, node: &Node) -> Result<u64, ConfigError> {
+    pub(crate) fn node_u64(&self, path: &str, node: &Node) -> Result<u64, ConfigError> {
         let v = self.node_i64(path, node)?;
         u64::try_from(v).map_err(|_| ConfigError::OutOfRange {
             at: self.at(path, node),
@@ -188,7 +188,7 @@ impl<'s> Reader<'s> {
         })
     }
 
-    pub fn node_f64(&self, path: &str, node: &Node) -> Result<f64, ConfigError> {
+    pub(crate) fn node_f64(&self, path: &str, node: &Node) -> Result<f64, ConfigError> {
         let Value::Number(raw) = &node.value else {
             return Err(self.wrong_type(path, node, "a number"));
         };
@@ -201,7 +201,7 @@ impl<'s> Reader<'s> {
         }
     }
 
-    pub fn node_str<'n>(&self, path: &str, node: &'n Node) -> Result<&'n str, ConfigError> {
+    pub(crate) fn node_str<'n>(&self, path: &str, node: &'n Node) -> Result<&'n str, ConfigError> {
         match &node.value {
             Value::String(s) => Ok(s),
             _ => Err(self.wrong_type(path, node, "a string")),
@@ -232,21 +232,36 @@ impl<'s> Reader<'s> {
         conv(self, path, &m.node)
     }
 
-    pub fn bool_or(&mut self, obj: Obj<'_>, key: &str, default: bool) -> Result<bool, ConfigError> {
+    pub(crate) fn bool_or(
+        &mut self,
+        obj: Obj<'_>,
+        key: &str,
+        default: bool,
+    ) -> Result<bool, ConfigError> {
         let path = join(obj.path, key);
         self.read(&path, obj.get(key), default, None, HINT, |r, p, n| {
             r.node_bool(p, n)
         })
     }
 
-    pub fn u64_or(&mut self, obj: Obj<'_>, key: &str, default: u64) -> Result<u64, ConfigError> {
+    pub(crate) fn u64_or(
+        &mut self,
+        obj: Obj<'_>,
+        key: &str,
+        default: u64,
+    ) -> Result<u64, ConfigError> {
         let path = join(obj.path, key);
         self.read(&path, obj.get(key), default, None, HINT, |r, p, n| {
             r.node_u64(p, n)
         })
     }
 
-    pub fn f64_or(&mut self, obj: Obj<'_>, key: &str, default: f64) -> Result<f64, ConfigError> {
+    pub(crate) fn f64_or(
+        &mut self,
+        obj: Obj<'_>,
+        key: &str,
+        default: f64,
+    ) -> Result<f64, ConfigError> {
         let path = join(obj.path, key);
         self.read(&path, obj.get(key), default, None, HINT, |r, p, n| {
             r.node_f64(p, n)
@@ -254,7 +269,7 @@ impl<'s> Reader<'s> {
     }
 
     /// `obj.key` as a non-negative number, `default` when absent.
-    pub fn nonneg_f64_or(
+    pub(crate) fn nonneg_f64_or(
         &mut self,
         obj: Obj<'_>,
         key: &str,
@@ -267,7 +282,7 @@ impl<'s> Reader<'s> {
     }
 
     /// A non-negative number (learning rates, ratios, clip norms).
-    pub fn nonneg_f64(&self, path: &str, node: &Node) -> Result<f64, ConfigError> {
+    pub(crate) fn nonneg_f64(&self, path: &str, node: &Node) -> Result<f64, ConfigError> {
         let v = self.node_f64(path, node)?;
         if v < 0.0 {
             return Err(ConfigError::OutOfRange {
@@ -279,7 +294,7 @@ impl<'s> Reader<'s> {
     }
 
     /// An integer key that may be null (DeepSpeed's `Optional[int]`).
-    pub fn opt_u64(&mut self, obj: Obj<'_>, key: &str) -> Result<Option<u64>, ConfigError> {
+    pub(crate) fn opt_u64(&mut self, obj: Obj<'_>, key: &str) -> Result<Option<u64>, ConfigError> {
         let path = join(obj.path, key);
         self.read(&path, obj.get(key), None, None, HINT, |r, p, n| {
             match n.value {

@@ -32,7 +32,7 @@ use crate::zero::unit::BatchCounts;
 pub const DEFAULT_CORPUS_PATH: &str = "data/corpus.txt";
 
 /// Vocabulary of the byte-level tokenizer.
-pub const BYTE_VOCAB: usize = 256;
+pub(crate) const BYTE_VOCAB: usize = 256;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
@@ -226,7 +226,7 @@ impl TokenSource {
     }
 
     /// The largest id in the stream (0 when it is empty).
-    pub fn max_id(&self) -> u64 {
+    pub(crate) fn max_id(&self) -> u64 {
         match self {
             TokenSource::Bytes(c) => c.tokens.iter().copied().max().map_or(0, u64::from),
             TokenSource::Ids(c) => u64::from(c.max_id()),

@@ -44,7 +44,7 @@ mod pieces;
 pub const DEFAULT_TEXT_FIELD: &str = "text";
 
 /// EOS tokens recognised by name when nothing says which one the tokenizer ends a text with.
-pub const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
+pub(crate) const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"];
 
 /// Bumped whenever the token stream's definition changes, so that old caches are rebuilt.
 const FORMAT_VERSION: u32 = 2;
@@ -399,7 +399,7 @@ impl TokenCorpus {
     }
 
     /// The largest id in the token file.
-    pub fn max_id(&self) -> u32 {
+    pub(crate) fn max_id(&self) -> u32 {
         self.manifest.max_id
     }
 
@@ -428,7 +428,7 @@ impl TokenCorpus {
 
     /// Tokens `[start, start + len)` appended to `out` (little-endian in the file, so the bytes
     /// are read one id at a time rather than cast in place).
-    pub fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
+    pub(crate) fn read_into(&self, start: usize, len: usize, out: &mut Vec<u32>) {
         let bytes = self.map.as_deref().unwrap_or(&[]);
         let window = &bytes[start * 4..(start + len) * 4];
         out.extend(

@@ -141,14 +141,14 @@ fn stat(path: &Path) -> Result<InputFile, DataError> {
 }
 
 /// A document and the 1-based line it starts on.
-pub struct Document {
+pub(crate) struct Document {
     pub line: usize,
     pub text: String,
 }
 
 /// Reads `file`'s documents, handing them to `sink` in order; `sink` also learns how many bytes
 /// of the file each one consumed (for the progress bar).
-pub fn read_documents(
+pub(crate) fn read_documents(
     file: &InputFile,
     field: &str,
     sink: &mut dyn FnMut(Document, u64) -> Result<(), DataError>,

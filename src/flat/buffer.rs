@@ -84,7 +84,7 @@ impl Buffer {
             _ => None,
         }
     }
-    pub fn as_f32(&self) -> Option<&[f32]> {
+    pub(crate) fn as_f32(&self) -> Option<&[f32]> {
         match self {
             Buffer::F32(v) => Some(v),
             _ => None,

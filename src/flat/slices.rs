@@ -329,7 +329,7 @@ fn map_tiles<E: Element>(x: &mut [E], op: &impl Fn(&mut [f32])) {
 ///
 /// # Panics
 /// If the lengths differ.
-pub fn add_in_place<D: Element, S: Element>(dst: &mut [D], src: &[S]) {
+pub(crate) fn add_in_place<D: Element, S: Element>(dst: &mut [D], src: &[S]) {
     zip_apply(dst, src, |d, s| {
         for (a, &b) in d.iter_mut().zip(s) {
             *a += b;
@@ -354,7 +354,7 @@ pub fn axpy_in_place<D: Element, S: Element>(dst: &mut [D], alpha: f32, src: &[S
 ///
 /// # Panics
 /// If the lengths differ.
-pub fn cast<D: Element, S: Element>(dst: &mut [D], src: &[S]) {
+pub(crate) fn cast<D: Element, S: Element>(dst: &mut [D], src: &[S]) {
     zip_apply(dst, src, |d, s| d.copy_from_slice(s));
 }
 

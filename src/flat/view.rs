@@ -66,7 +66,7 @@ impl<'a> Slice<'a> {
         with_slice!(Slice, *self, v => slices::sum_of_squares(v))
     }
     /// Writes the elements widened to f32 into `dst` (same length).
-    pub fn widen_into(&self, dst: &mut [f32]) {
+    pub(crate) fn widen_into(&self, dst: &mut [f32]) {
         SliceMut::F32(dst).copy_from(*self);
     }
 }
@@ -92,7 +92,7 @@ impl<'a> SliceMut<'a> {
         }
     }
     /// Elements `r` of the slice, borrowed (the slice stays usable after).
-    pub fn sub_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
+    pub(crate) fn sub_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
         match self {
             SliceMut::F32(v) => SliceMut::F32(&mut v[r]),
             SliceMut::BF16(v) => SliceMut::BF16(&mut v[r]),
@@ -103,7 +103,7 @@ impl<'a> SliceMut<'a> {
 
 impl SliceMut<'_> {
     /// `self = src`, cast with round to nearest even where the types differ.
-    pub fn copy_from(self, src: Slice<'_>) {
+    pub(crate) fn copy_from(self, src: Slice<'_>) {
         with_slice!(SliceMut, self, d => with_slice!(Slice, src, s => slices::cast(d, s)))
     }
     /// `self += src`, accumulated in f32 and rounded once into the destination type.
@@ -122,7 +122,7 @@ impl Buffer {
         }
     }
     /// Elements `r`, borrowed mutably.
-    pub fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
+    pub(crate) fn slice_mut(&mut self, r: Range<usize>) -> SliceMut<'_> {
         match self {
             Buffer::F32(v) => SliceMut::F32(&mut v[r]),
             Buffer::BF16(v) => SliceMut::BF16(&mut v[r]),
@@ -139,10 +139,10 @@ impl Buffer {
     pub fn resize_zeroed(&mut self, len: usize) {
         with_buffer!(self, v => v.resize(len, Default::default()))
     }
-    pub fn copy_within(&mut self, src: Range<usize>, dest: usize) {
+    pub(crate) fn copy_within(&mut self, src: Range<usize>, dest: usize) {
         with_buffer!(self, v => v.copy_within(src, dest))
     }
-    pub fn fill_zero(&mut self) {
+    pub(crate) fn fill_zero(&mut self) {
         with_buffer!(self, v => v.fill(Default::default()))
     }
     /// All elements, borrowed.
@@ -150,7 +150,7 @@ impl Buffer {
         self.slice(0..self.len())
     }
     /// All elements, borrowed mutably.
-    pub fn all_mut(&mut self) -> SliceMut<'_> {
+    pub(crate) fn all_mut(&mut self) -> SliceMut<'_> {
         let n = self.len();
         self.slice_mut(0..n)
     }
@@ -161,7 +161,7 @@ impl Buffer {
         b
     }
     /// Elements `r` as `f32`: borrowed when the buffer is `f32`, widened (exactly) otherwise.
-    pub fn range_f32(&self, r: Range<usize>) -> Cow<'_, [f32]> {
+    pub(crate) fn range_f32(&self, r: Range<usize>) -> Cow<'_, [f32]> {
         match self {
             Buffer::F32(v) => Cow::Borrowed(&v[r]),
             other => {

@@ -50,7 +50,7 @@ impl MemoryKind {
 /// Where bytes are held: the device (what ZeRO's per-rank formulas count and a device budget
 /// limits), host memory, or a rank's NVMe swap file (offload).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Tier {
+pub(crate) enum Tier {
     Device,
     Host,
     Nvme,
@@ -72,7 +72,7 @@ pub struct MemoryLedger {
 /// A device-tier allocation the budget cannot hold: what was asked, what was free, and what holds
 /// the rest.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct OverBudget {
+pub(crate) struct OverBudget {
     pub asked: u64,
     pub free: u64,
     pub held: ModelStateBytes,
@@ -83,7 +83,7 @@ impl MemoryLedger {
         Self::default()
     }
     /// A ledger whose device tier may hold at most `budget` bytes (None: no limit).
-    pub fn with_budget(budget: Option<u64>) -> Self {
+    pub(crate) fn with_budget(budget: Option<u64>) -> Self {
         MemoryLedger {
             budget,
             ..Self::default()
@@ -91,7 +91,7 @@ impl MemoryLedger {
     }
     /// Like [`MemoryLedger::alloc_in`], but refuses (recording nothing) a device-tier allocation
     /// beyond the budget.
-    pub fn try_alloc_in(
+    pub(crate) fn try_alloc_in(
         &mut self,
         tier: Tier,
         kind: MemoryKind,
@@ -111,14 +111,14 @@ impl MemoryLedger {
         Ok(())
     }
     /// Record `bytes` more of `kind`.
-    pub fn alloc(&mut self, kind: MemoryKind, bytes: u64) {
+    pub(crate) fn alloc(&mut self, kind: MemoryKind, bytes: u64) {
         let i = kind as usize;
         self.current[i] += bytes;
         self.peak[i] = self.peak[i].max(self.current[i]);
         self.peak_total = self.peak_total.max(self.total());
     }
     /// Record `bytes` more of `kind` in `tier` (the device tier is [`MemoryLedger::alloc`]).
-    pub fn alloc_in(&mut self, tier: Tier, kind: MemoryKind, bytes: u64) {
+    pub(crate) fn alloc_in(&mut self, tier: Tier, kind: MemoryKind, bytes: u64) {
         match tier {
             Tier::Device => self.alloc(kind, bytes),
             Tier::Host => self.host += bytes,
@@ -144,7 +144,7 @@ impl MemoryLedger {
         self.current[kind as usize]
     }
     /// The largest value `kind` ever reached.
-    pub fn peak_of(&self, kind: MemoryKind) -> u64 {
+    pub(crate) fn peak_of(&self, kind: MemoryKind) -> u64 {
         self.peak[kind as usize]
     }
     pub fn total(&self) -> u64 {
@@ -197,13 +197,13 @@ fn is_zero(v: &u64) -> bool {
 /// Bytes sent and received per collective kind (keys as in [`CollectiveKind::name`]); barriers,
 /// which move nothing, are left out.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct TrafficByKind {
+pub(crate) struct TrafficByKind {
     pub sent_bytes: BTreeMap<String, u64>,
     pub recv_bytes: BTreeMap<String, u64>,
 }
 
 impl TrafficByKind {
-    pub fn from_counters(t: &TrafficCounters) -> Self {
+    pub(crate) fn from_counters(t: &TrafficCounters) -> Self {
         let mut out = TrafficByKind::default();
         for kind in CollectiveKind::ALL {
             if kind == CollectiveKind::Barrier {

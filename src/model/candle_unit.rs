@@ -310,7 +310,7 @@ impl<T: CandleUnits> Candle<T> {
         &self.units
     }
 
-    pub fn into_units(self) -> T {
+    pub(crate) fn into_units(self) -> T {
         self.units
     }
 

@@ -511,7 +511,7 @@ impl Gpt {
     /// `targets`: on the fused kernels over chunks of rows, never holding all `[n, vocab]` logits
     /// (see `kernels::HeadLoss`); else the logits, then the loss.
     #[doc(hidden)]
-    pub fn head_loss(
+    pub(crate) fn head_loss(
         &self,
         h: &Tensor,
         wte: &Tensor,
@@ -773,7 +773,7 @@ impl GptModel {
     /// A GPT computing in `dtype` (F32 or F64); parameters and gradients stay `f32` slices at the
     /// interface. F64 exists for finite-difference gradient checks.
     #[doc(hidden)]
-    pub fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
+    pub(crate) fn with_dtype(config: GptConfig, dtype: DType) -> Result<Self, ModelError> {
         Self::with_options(config, dtype, true)
     }
 

@@ -31,7 +31,7 @@ pub(super) struct BlockShape {
 }
 
 /// What a block's training forward keeps for its backward.
-pub struct BlockSaved {
+pub(crate) struct BlockSaved {
     /// A copy of the unit's flat parameters (the engine may release its gathered buffer).
     params: Vec<f32>,
     shape: BlockShape,

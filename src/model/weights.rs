@@ -23,7 +23,7 @@ use safetensors::SafeTensors;
 use crate::zero::unit::ModelSpec;
 
 /// Names a checkpoint may carry for a tied tensor, and the parameter they must equal.
-pub const TIED_ALIASES: [(&str, &str); 1] = [("lm_head.weight", "wte.weight")];
+pub(crate) const TIED_ALIASES: [(&str, &str); 1] = [("lm_head.weight", "wte.weight")];
 
 #[derive(Debug, thiserror::Error)]
 pub enum WeightsError {

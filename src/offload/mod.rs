@@ -47,7 +47,7 @@ pub const MAX_STREAM_CHUNK: usize = 1 << 24;
 
 impl OffloadError {
     /// The thread doing `op` on the swap file `path` stopped with a panic (its I/O is lost).
-    pub fn io_thread_panicked(path: &Path, op: &'static str) -> OffloadError {
+    pub(crate) fn io_thread_panicked(path: &Path, op: &'static str) -> OffloadError {
         OffloadError::Io {
             path: path.to_path_buf(),
             op,

@@ -92,7 +92,7 @@ impl SwapFile {
 
     /// [`SwapFile::create`] for the file `zerodp-swap-<pid>-<tag>.bin` under the `nvme_path` of
     /// the config block `key` (which its errors name).
-    pub fn create_for(
+    pub(crate) fn create_for(
         dir: &Path,
         key: &'static str,
         tag: &str,
@@ -170,12 +170,12 @@ impl SwapFile {
     }
 
     /// Bytes read so far.
-    pub fn bytes_read(&self) -> u64 {
+    pub(crate) fn bytes_read(&self) -> u64 {
         self.read.load(Ordering::Relaxed)
     }
 
     /// Bytes written so far.
-    pub fn bytes_written(&self) -> u64 {
+    pub(crate) fn bytes_written(&self) -> u64 {
         self.written.load(Ordering::Relaxed)
     }
 

@@ -222,7 +222,7 @@ pub enum AdamIsaError {
 
 impl AdamIsa {
     /// Every path, narrowest first.
-    pub const ALL: [AdamIsa; 3] = [AdamIsa::Portable, AdamIsa::Avx2, AdamIsa::Avx512];
+    pub(crate) const ALL: [AdamIsa; 3] = [AdamIsa::Portable, AdamIsa::Avx2, AdamIsa::Avx512];
 
     /// The name used by [`ADAM_ISA_ENV`] and in benchmark output.
     pub fn name(self) -> &'static str {
@@ -234,14 +234,14 @@ impl AdamIsa {
     }
 
     /// The path named `name` (as [`AdamIsa::name`] spells it, any case).
-    pub fn from_name(name: &str) -> Option<AdamIsa> {
+    pub(crate) fn from_name(name: &str) -> Option<AdamIsa> {
         Self::ALL
             .into_iter()
             .find(|isa| isa.name().eq_ignore_ascii_case(name.trim()))
     }
 
     /// Whether this CPU can run the path (`std` caches the CPUID query).
-    pub fn is_available(self) -> bool {
+    pub(crate) fn is_available(self) -> bool {
         match self {
             AdamIsa::Portable => true,
             #[cfg(target_arch = "x86_64")]
@@ -769,13 +769,13 @@ pub fn adam_step_with_copy<G: Element, S: StateElement, T: Element>(
 /// place of the shard's first element in the unit. Every world size and stage then rounds every
 /// element the same way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RoundingKey {
+pub(crate) struct RoundingKey {
     pub key: u32,
     pub offset: u64,
 }
 
 /// The key of unit `unit`'s stochastic rounding at update `step` of a run seeded `seed`.
-pub fn rounding_key(seed: u64, step: u64, unit: usize) -> u32 {
+pub(crate) fn rounding_key(seed: u64, step: u64, unit: usize) -> u32 {
     let mut h = seed
         ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
         ^ (unit as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
@@ -831,7 +831,7 @@ fn round_stochastic(src: &[f32], dst: &mut [bf16], at: RoundingKey) {
 /// # Panics
 /// If the slices differ in length or `step == 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn adam_step_bf16_master<G: Element, S: StateElement>(
+pub(crate) fn adam_step_bf16_master<G: Element, S: StateElement>(
     params: &mut [bf16],
     grads: &[G],
     m: &mut [S],

@@ -32,11 +32,11 @@ impl Moments {
         (self.m.len() + self.v.len()) * self.m.dtype().size()
     }
     /// `m` and `v` over `r` as `f32` (borrowed when they are `f32`, widened exactly otherwise).
-    pub fn f32_range(&self, r: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
+    pub(crate) fn f32_range(&self, r: Range<usize>) -> (Cow<'_, [f32]>, Cow<'_, [f32]>) {
         (self.m.range_f32(r.clone()), self.v.range_f32(r))
     }
     /// Sets `m` and `v` over `r` from `f32` values (rounded once to the moments' type).
-    pub fn set_f32(&mut self, r: Range<usize>, m: &[f32], v: &[f32]) {
+    pub(crate) fn set_f32(&mut self, r: Range<usize>, m: &[f32], v: &[f32]) {
         self.m.slice_mut(r.clone()).copy_from(Slice::F32(m));
         self.v.slice_mut(r).copy_from(Slice::F32(v));
     }

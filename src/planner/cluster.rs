@@ -150,7 +150,7 @@ pub enum Collective {
 impl Collective {
     /// Bytes one rank sends (= receives) for a tensor of `full_bytes` on a ring of `n`:
     /// (n-1)/n · S, doubled for an all-reduce.
-    pub fn ring_bytes_per_rank(self, full_bytes: f64, n: u64) -> f64 {
+    pub(crate) fn ring_bytes_per_rank(self, full_bytes: f64, n: u64) -> f64 {
         if n <= 1 {
             return 0.0;
         }

@@ -117,7 +117,7 @@ impl<'a> EngineRun<'a> {
 
     /// Ψ as the engine stores it: every unit padded to a multiple of `world_size · 8` elements, so
     /// that a shard is exactly 1/N of it.
-    pub fn padded_params(&self) -> u64 {
+    pub(crate) fn padded_params(&self) -> u64 {
         self.layout.padded_numel() as u64
     }
 
@@ -152,7 +152,7 @@ impl<'a> EngineRun<'a> {
     /// Units whose forward runs without a graph and again in backward, by the engine's rule (its
     /// `recompute`): every unit but the last under activation checkpointing, and at stage 3 the
     /// units that do not keep their forward graph.
-    pub fn recomputed_units(&self) -> Vec<bool> {
+    pub(crate) fn recomputed_units(&self) -> Vec<bool> {
         let n = self.spec.units.len();
         let stage3 = self.config.stage.shards_params();
         (0..n)

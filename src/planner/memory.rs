@@ -17,14 +17,14 @@ pub enum Precision {
 
 impl Precision {
     /// Bytes per element of the training copy of the params, of the grads, and of communication.
-    pub fn param_bytes(self) -> u64 {
+    pub(crate) fn param_bytes(self) -> u64 {
         match self {
             Precision::Bf16 | Precision::Fp16 => 2,
             Precision::Fp32 => 4,
         }
     }
     /// Bytes per element of the fp32 master copy (0 when the params are already fp32).
-    pub fn master_bytes(self) -> u64 {
+    pub(crate) fn master_bytes(self) -> u64 {
         match self {
             Precision::Bf16 | Precision::Fp16 => 4,
             Precision::Fp32 => 0,
@@ -318,7 +318,7 @@ pub struct OffBytes {
 
 impl OffBytes {
     /// `host` and `nvme` recomputed from the kinds.
-    pub fn retotal(&mut self) {
+    pub(crate) fn retotal(&mut self) {
         self.host = self.host_optimizer_states + self.host_fp32_grads + self.host_params;
         self.nvme = self.nvme_optimizer_states + self.nvme_params;
     }

@@ -523,7 +523,7 @@ pub fn tokens_per_step(input: &PlanInput) -> u64 {
 
 /// 6·Ψ·tokens FLOPs (forward 2, backward 4), 8·Ψ·tokens with activation checkpointing (the forward
 /// again), at the cluster's sustained FLOP rate; attention's s² term is left out.
-pub fn compute_seconds(input: &PlanInput) -> f64 {
+pub(crate) fn compute_seconds(input: &PlanInput) -> f64 {
     let per_token = if input.activation_checkpointing {
         8.0
     } else {

@@ -81,13 +81,13 @@ impl GptShape {
 
     /// Parameters of one transformer block: ln_1 (2w) + c_attn (3w² + 3w) + attn c_proj (w² + w)
     /// + ln_2 (2w) + c_fc (4w² + 4w) + mlp c_proj (4w² + w) = 12w² + 13w.
-    pub fn block_params(&self) -> u64 {
+    pub(crate) fn block_params(&self) -> u64 {
         let w = self.width;
         12 * w * w + 13 * w
     }
 
     /// Token (vocab·w) plus position (context·w) embeddings; the LM head reuses the token embedding.
-    pub fn embedding_params(&self) -> u64 {
+    pub(crate) fn embedding_params(&self) -> u64 {
         (self.vocab + self.context) * self.width
     }
 

@@ -202,7 +202,7 @@ fn offload_tiers(
 
 /// The planner's input for this run: the engine's own model and settings on one node of `world`
 /// ranks with `capacity` bytes each.
-pub fn plan_input(
+pub(crate) fn plan_input(
     settings: &Settings,
     engine: &EngineConfig,
     spec: &ModelSpec,

@@ -106,7 +106,7 @@ impl TrainProcess {
     /// Bytes of the process overhead per rank for `world` ranks whose windows are `context + 1`
     /// tokens: the process-wide part (the process itself, the corpus and its window orders)
     /// shared out over the ranks in the process, plus each rank's pool threads.
-    pub fn overhead_per_rank(&self, world: u64, context: u64) -> u64 {
+    pub(crate) fn overhead_per_rank(&self, world: u64, context: u64) -> u64 {
         let sharing = match self.ranks_in_process {
             0 => world.max(1),
             n => n,
@@ -127,7 +127,7 @@ impl TrainProcess {
 
 /// The checkpoint staging buffer of one rank holding `shard` elements: the fp32 master, m and v,
 /// plus the page that starts the file image (`crate::checkpoint`).
-pub fn checkpoint_staging_bytes(shard: u64) -> u64 {
+pub(crate) fn checkpoint_staging_bytes(shard: u64) -> u64 {
     3 * F32 * shard + 2 * 4096
 }
 

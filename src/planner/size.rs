@@ -121,7 +121,7 @@ pub fn format_capacity(bytes: u64) -> String {
 
 /// An upper bound on a count (a config value to set at most) in the `1.23e6` form, rounded down
 /// to its three digits: rounding to nearest could print a value above the bound, which breaks it.
-pub fn format_at_most(count: u64) -> String {
+pub(crate) fn format_at_most(count: u64) -> String {
     let mut scale = 1;
     while count / scale >= 1000 {
         scale *= 10;

@@ -74,7 +74,7 @@ impl RankCheckpoints {
     /// After optimizer step `done` (1-based): finish the previous save if one is pending, and
     /// start one if `done` is a multiple of `every`, or synchronously when `last` (the end of the
     /// run, or a stop).
-    pub fn after_step<M: UnitModel>(
+    pub(crate) fn after_step<M: UnitModel>(
         &mut self,
         engine: &mut Engine<'_, M>,
         comm: &dyn Communicator,

@@ -708,7 +708,7 @@ struct RankFinal {
 }
 
 /// Rayon threads per rank: the cores shared out among the ranks.
-pub fn rank_threads(world: usize) -> usize {
+pub(crate) fn rank_threads(world: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / world.max(1)).max(1)
 }

@@ -46,7 +46,7 @@ use crate::flat::Buffer;
 
 /// Which reduction the buckets do and where its results go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BucketMode {
+pub(crate) enum BucketMode {
     /// Stage 0: all-reduce (average) full gradients in place.
     AllReduce,
     /// Stage 1: reduce-scatter (average) full gradients; the own shard of the full gradient buffer
@@ -122,7 +122,7 @@ impl Buckets {
     }
 
     /// Switch what the buckets do; only between flushes.
-    pub fn set_mode(&mut self, mode: BucketMode) {
+    pub(crate) fn set_mode(&mut self, mode: BucketMode) {
         assert!(
             self.is_idle(),
             "bucket mode changed while a bucket is in use"

@@ -81,7 +81,7 @@ impl BufferPlan {
     }
     /// Bytes of the f32 scratch the model reads and writes: transient gradient buffers and, under
     /// mixed precision, the widened parameters.
-    pub fn scratch_bytes(&self) -> u64 {
+    pub(crate) fn scratch_bytes(&self) -> u64 {
         ((self.grad_scratch_elems * self.grad_scratch_count
             + self.param_scratch.iter().sum::<usize>())
             * 4) as u64
@@ -101,7 +101,11 @@ impl BufferPlan {
 /// Elements of weights each unit's kept stage-3 forward graph holds until its backward: the padded
 /// units it reads, for units that keep their graph, but not the last unit, whose gathered
 /// parameters simply stay for its backward; 0 for every unit below stage 3.
-pub fn kept_graph_elems(spec: &ModelSpec, layout: &FlatLayout, plan: &BufferPlan) -> Vec<usize> {
+pub(crate) fn kept_graph_elems(
+    spec: &ModelSpec,
+    layout: &FlatLayout,
+    plan: &BufferPlan,
+) -> Vec<usize> {
     let n = spec.units.len();
     (0..n)
         .map(|u| match plan.keep_graph[u] && u + 1 != n {

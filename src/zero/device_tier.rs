@@ -69,7 +69,7 @@ pub struct UnitUpload<'a> {
 
 impl UnitUpload<'_> {
     /// Whether the rank updates every element of the unit.
-    pub fn is_whole(&self) -> bool {
+    pub(crate) fn is_whole(&self) -> bool {
         self.part == (0..self.numel)
     }
 }

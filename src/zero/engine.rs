@@ -386,7 +386,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
     }
 
     /// Optimizer steps taken so far.
-    pub fn steps_done(&self) -> u64 {
+    pub(crate) fn steps_done(&self) -> u64 {
         self.step
     }
 
@@ -444,7 +444,11 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Replace unit `unit`'s parameters (unpadded, `UnitSpec` order) on this rank. Every rank must
     /// pass the same values (for example read from the same `--init` file).
-    pub fn load_unit_params(&mut self, unit: usize, values: &[f32]) -> Result<(), EngineError> {
+    pub(crate) fn load_unit_params(
+        &mut self,
+        unit: usize,
+        values: &[f32],
+    ) -> Result<(), EngineError> {
         let ul = self.layout.units[unit];
         if values.len() != ul.numel {
             return Err(EngineError::ParamLength {
@@ -982,7 +986,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
 
     /// Bytes read from and written to this rank's NVMe swap files (optimizer states and parameter
     /// shards) so far (`(0, 0)` without NVMe offload).
-    pub fn swap_traffic(&self) -> (u64, u64) {
+    pub(crate) fn swap_traffic(&self) -> (u64, u64) {
         let (r, w) = self.nvme.as_ref().map_or((0, 0), |n| n.traffic());
         let (pr, pw) = match &self.state.stage {
             StageState::ShardedParams { coordinator, .. } => coordinator.shards().traffic(),

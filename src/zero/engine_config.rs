@@ -34,7 +34,7 @@ impl Stage {
         self as u8
     }
     /// Whether the optimizer states live on the own shard only.
-    pub fn shards_optimizer(self) -> bool {
+    pub(crate) fn shards_optimizer(self) -> bool {
         self >= Stage::Zero1
     }
     /// Whether a rank keeps only its gradient shard.
@@ -215,13 +215,13 @@ impl EngineConfig {
     /// Whether unit `unit` of `num_units` keeps its fp32 master and Adam moments in the offload
     /// tier ([`Self::offload_optimizer`] is not the device, and [`Self::offload_ratio`] covers
     /// it).
-    pub fn optimizer_offloaded(&self, unit: usize, num_units: usize) -> bool {
+    pub(crate) fn optimizer_offloaded(&self, unit: usize, num_units: usize) -> bool {
         self.offload_optimizer != OptimizerTier::Device
             && unit >= first_offloaded_unit(num_units, self.offload_ratio)
     }
 
     /// Where unit `unit` of `num_units` keeps its optimizer state.
-    pub fn unit_optimizer_tier(&self, unit: usize, num_units: usize) -> &OptimizerTier {
+    pub(crate) fn unit_optimizer_tier(&self, unit: usize, num_units: usize) -> &OptimizerTier {
         match self.optimizer_offloaded(unit, num_units) {
             true => &self.offload_optimizer,
             false => &OptimizerTier::Device,
@@ -248,7 +248,7 @@ impl EngineConfig {
     }
 
     /// The training precision's name (`fp32`, `bf16`, `fp16`), as configs and messages say it.
-    pub fn precision_name(&self) -> &'static str {
+    pub(crate) fn precision_name(&self) -> &'static str {
         match self.param_dtype {
             DType::F32 => "fp32",
             DType::BF16 => "bf16",
@@ -257,13 +257,13 @@ impl EngineConfig {
     }
 
     /// Whether the parameters are 16-bit (widened to f32 for the model).
-    pub fn is_mixed(&self) -> bool {
+    pub(crate) fn is_mixed(&self) -> bool {
         self.param_dtype != DType::F32
     }
 
     /// Whether Adam updates an fp32 master copy of the rank's part beside 16-bit parameters (mixed
     /// precision, unless the bf16 parameters are their own master).
-    pub fn keeps_fp32_master(&self) -> bool {
+    pub(crate) fn keeps_fp32_master(&self) -> bool {
         self.is_mixed() && !self.bf16_master_weights
     }
 

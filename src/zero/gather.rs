@@ -32,7 +32,7 @@ pub enum GatherError {
 
 /// Recycled gathered-parameter slabs whose capacities never add up to more than `limit` elements.
 #[derive(Debug)]
-pub struct GatherPool {
+pub(crate) struct GatherPool {
     limit: usize,
     /// The parameters' dtype: slabs hold gathered parameters as they travel.
     dtype: DType,
@@ -86,7 +86,12 @@ impl GatherPool {
 /// Whether unit `unit`, used by visit `pos`, stays gathered after it: persistent units do, and so do
 /// units the next visit needs (the last unit from its forward into its backward, a tied unit
 /// between its users); every other unit is released (FSDP2's reshard after forward).
-pub fn stays_gathered(needs: &[Vec<usize>], persistent: &[bool], pos: usize, unit: usize) -> bool {
+pub(crate) fn stays_gathered(
+    needs: &[Vec<usize>],
+    persistent: &[bool],
+    pos: usize,
+    unit: usize,
+) -> bool {
     persistent[unit] || needs.get(pos + 1).is_some_and(|n| n.contains(&unit))
 }
 
@@ -141,7 +146,7 @@ impl Coordinator {
 
     /// The shards, for the optimizer step and restores. Only valid after
     /// [`Coordinator::invalidate`] (every shard home).
-    pub fn shards_mut(&mut self) -> &mut ShardStore {
+    pub(crate) fn shards_mut(&mut self) -> &mut ShardStore {
         debug_assert!(self
             .residency
             .iter()
@@ -288,7 +293,7 @@ impl Coordinator {
     }
 
     /// Release everything (the parameters are about to change) and start the next step's visits.
-    pub fn invalidate(&mut self) -> Result<(), CommError> {
+    pub(crate) fn invalidate(&mut self) -> Result<(), CommError> {
         for u in 0..self.residency.len() {
             self.wait(u)?;
             self.drop_unit(u);
@@ -296,10 +301,5 @@ impl Coordinator {
         self.shards.settle();
         self.issued_upto = 0;
         Ok(())
-    }
-
-    /// Padded elements gathered (in flight or ready) right now.
-    pub fn live(&self) -> usize {
-        self.live
     }
 }

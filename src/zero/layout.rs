@@ -10,7 +10,7 @@ use crate::zero::unit::ModelSpec;
 use std::ops::Range;
 
 /// Every shard is a multiple of this many elements (32 bytes of f32, 16-bit friendly too).
-pub const SHARD_ALIGN: usize = 8;
+pub(crate) const SHARD_ALIGN: usize = 8;
 
 /// The sizes of one unit's flat buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,11 +94,11 @@ impl FlatLayout {
         self.units.iter().map(|u| u.padded).sum()
     }
     /// Elements of all of this rank's shards together (`padded_numel / world_size`).
-    pub fn shard_numel(&self) -> usize {
+    pub(crate) fn shard_numel(&self) -> usize {
         self.units.iter().map(|u| u.shard_len).sum()
     }
     /// The range of unit `unit`'s flat buffer that rank `rank` owns.
-    pub fn shard_of(&self, unit: usize, rank: usize) -> Range<usize> {
+    pub(crate) fn shard_of(&self, unit: usize, rank: usize) -> Range<usize> {
         let u = &self.units[unit];
         let r = shard_range(u.padded, self.world_size, rank);
         debug_assert_eq!(r.len(), u.shard_len);
@@ -109,7 +109,7 @@ impl FlatLayout {
         self.shard_of(unit, self.rank)
     }
     /// The range of this rank's concatenated shard buffers that holds unit `unit`'s shard.
-    pub fn shard_slot(&self, unit: usize) -> Range<usize> {
+    pub(crate) fn shard_slot(&self, unit: usize) -> Range<usize> {
         let o = self.shard_offsets[unit];
         o..o + self.units[unit].shard_len
     }

@@ -156,7 +156,7 @@ pub struct DynamicScaleParams {
 
 impl DynamicScaleParams {
     /// The documented DeepSpeed defaults: 2^16, window 1000, hysteresis 2, min 1.
-    pub const DOCUMENTED_DEFAULTS: Self = Self {
+    pub(crate) const DOCUMENTED_DEFAULTS: Self = Self {
         initial_scale_power: 16,
         scale_window: 1000,
         hysteresis: 2,
@@ -166,7 +166,7 @@ impl DynamicScaleParams {
 
     /// Largest accepted `initial_scale_power`: the scale multiplies an `f32` loss, and 2^127 is
     /// the largest power of two an `f32` holds.
-    pub const MAX_INITIAL_SCALE_POWER: u32 = 127;
+    pub(crate) const MAX_INITIAL_SCALE_POWER: u32 = 127;
 
     fn validate(&self) -> Result<(), LossScaleError> {
         if self.initial_scale_power > Self::MAX_INITIAL_SCALE_POWER {
@@ -209,7 +209,7 @@ impl Default for DynamicScaleParams {
 
 /// What [`LossScaler::update_scale`] decided for one optimizer step.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScaleUpdate {
+pub(crate) struct ScaleUpdate {
     /// The step must be skipped (its gradients overflowed): no optimizer update, no step count.
     pub skipped: bool,
     /// The scale the step's loss was multiplied by.
@@ -365,7 +365,7 @@ impl LossScaler {
     /// DeepSpeed releases up to early 2025 tested `(iteration - last_overflow) % window == 0`
     /// instead, which grows one step earlier; upstream changed it to the form above, which is
     /// also what its fused fp16 optimizer has always done, and that is the one reproduced here.
-    pub fn update_scale<S: AsRef<str>>(
+    pub(crate) fn update_scale<S: AsRef<str>>(
         &mut self,
         overflow: bool,
         overflowed_units: &[S],
@@ -425,7 +425,7 @@ impl LossScaler {
 /// `loss_scale`; the norm over all shards), `clip` is `gradient_clipping` (0 = off). DeepSpeed:
 /// `combined = loss_scale * max(1, (scaled_norm / loss_scale + 1e-6) / clip)`, gradients divided
 /// by `combined`. Returns `1 / combined`.
-pub fn unscale_and_clip_factor(scaled_norm: f64, loss_scale: f64, clip: f64) -> f32 {
+pub(crate) fn unscale_and_clip_factor(scaled_norm: f64, loss_scale: f64, clip: f64) -> f32 {
     let mut combined = loss_scale;
     if clip > 0.0 {
         let coef = (scaled_norm / loss_scale + 1e-6) / clip;
@@ -500,17 +500,17 @@ impl NonFiniteGuard {
     }
 
     /// Non-finite steps in a row up to now.
-    pub fn consecutive_skipped(&self) -> u64 {
+    pub(crate) fn consecutive_skipped(&self) -> u64 {
         self.consecutive
     }
 
     /// Steps skipped since the start.
-    pub fn total_skipped(&self) -> u64 {
+    pub(crate) fn total_skipped(&self) -> u64 {
         self.total_skipped
     }
 
     /// Resume the counts a checkpoint recorded.
-    pub fn set_counts(&mut self, consecutive: u64, total_skipped: u64) {
+    pub(crate) fn set_counts(&mut self, consecutive: u64, total_skipped: u64) {
         self.consecutive = consecutive;
         self.total_skipped = total_skipped;
     }

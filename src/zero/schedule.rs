@@ -24,7 +24,7 @@ pub struct Visit {
 }
 
 /// The units that a visit reads (the unit, then its `uses`, in the order the model expects).
-pub fn needs_of(spec: &ModelSpec, unit: usize) -> Vec<usize> {
+pub(crate) fn needs_of(spec: &ModelSpec, unit: usize) -> Vec<usize> {
     let mut v = vec![unit];
     v.extend(spec.units[unit].uses.iter().copied().filter(|&u| u != unit));
     v
@@ -56,7 +56,7 @@ pub fn visits(spec: &ModelSpec, micro_steps: usize) -> Vec<Visit> {
 /// The units each of `visits` must have gathered at stage 3: the visit's `needs`, except for the
 /// backward of a unit whose forward graph was kept (`kept_graph[unit] > 0`, see
 /// [`kept_graph_elems`](super::buffers::kept_graph_elems)), which needs nothing gathered.
-pub fn gather_needs(visits: &[Visit], kept_graph: &[usize]) -> Vec<Vec<usize>> {
+pub(crate) fn gather_needs(visits: &[Visit], kept_graph: &[usize]) -> Vec<Vec<usize>> {
     visits
         .iter()
         .map(|v| match (v.pass, kept_graph[v.unit] > 0) {
@@ -69,7 +69,7 @@ pub fn gather_needs(visits: &[Visit], kept_graph: &[usize]) -> Vec<Vec<usize>> {
 /// For each unit k, the units whose gradients become complete once the backward of unit k is done.
 /// Backward runs from the last unit to the first, so a unit is complete after the backward of the
 /// lowest-indexed unit among itself and its users.
-pub fn complete_after(spec: &ModelSpec) -> Vec<Vec<usize>> {
+pub(crate) fn complete_after(spec: &ModelSpec) -> Vec<Vec<usize>> {
     let n = spec.units.len();
     let mut last_touch: Vec<usize> = (0..n).collect();
     for (user, u) in spec.units.iter().enumerate() {
@@ -87,7 +87,7 @@ pub fn complete_after(spec: &ModelSpec) -> Vec<Vec<usize>> {
 
 /// The largest number of units whose full gradients are held at once during a backward when each
 /// unit's gradient is released as soon as it is complete (stages 2 and 3).
-pub fn max_grads_held(spec: &ModelSpec) -> usize {
+pub(crate) fn max_grads_held(spec: &ModelSpec) -> usize {
     let n = spec.units.len();
     let done = complete_after(spec);
     let mut held = vec![false; n];

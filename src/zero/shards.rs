@@ -108,7 +108,7 @@ fn record_words(dtype: DType, len: usize) -> usize {
 /// Host bytes a parameter swap file streams through: `staging` buffers of the `longest` shard
 /// and the two aligned bounce buffers direct I/O passes through (the compute thread's and the
 /// read-ahead's).
-pub fn staging_bytes(dtype: DType, longest: usize, staging: usize) -> u64 {
+pub(crate) fn staging_bytes(dtype: DType, longest: usize, staging: usize) -> u64 {
     (staging * longest * dtype.size() + 2 * record_words(dtype, longest) * 4) as u64
 }
 
@@ -184,12 +184,6 @@ impl SwappedShards {
     /// Moves resident unit `unit`'s shard out (an empty buffer in its place).
     fn take_resident(&mut self, unit: usize) -> Buffer {
         std::mem::replace(&mut self.host[unit], Buffer::F32(Vec::new()))
-    }
-
-    /// Bytes of the shards kept in host memory.
-    pub fn resident_bytes(&self) -> u64 {
-        let elems: usize = self.records[..self.host.len()].iter().map(|r| r.1).sum();
-        (elems * self.dtype.size()) as u64
     }
 
     /// Reads unit `unit`'s shard into `dst` (resized to the shard's length), through the compute
@@ -443,7 +437,7 @@ impl SwappedShards {
     }
 
     /// Bytes of the swap file.
-    pub fn file_bytes(&self) -> u64 {
+    pub(crate) fn file_bytes(&self) -> u64 {
         let words: usize = self.records[self.host.len()..]
             .iter()
             .map(|&(_, len)| record_words(self.dtype, len))
@@ -470,7 +464,7 @@ impl ShardStore {
 
     /// Unit `unit`'s shard to be overwritten whole: [`ShardStore::take`] without reading the swap
     /// file (its contents are unspecified there). Put it back with [`ShardStore::put_back`].
-    pub fn take_to_overwrite(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
+    pub(crate) fn take_to_overwrite(&mut self, unit: usize) -> Result<Buffer, OffloadError> {
         Ok(match self {
             ShardStore::Memory(v) => std::mem::replace(&mut v[unit], Buffer::F32(Vec::new())),
             ShardStore::Nvme(s) if s.is_resident(unit) => s.take_resident(unit),
@@ -526,7 +520,7 @@ impl ShardStore {
 
     /// Whether unit `unit`'s shard can be taken now without waiting for a buffer: a staging
     /// buffer is free, or the read ahead is this unit's.
-    pub fn can_take(&self, unit: usize) -> bool {
+    pub(crate) fn can_take(&self, unit: usize) -> bool {
         match self {
             ShardStore::Memory(_) => true,
             ShardStore::Nvme(s) => {
@@ -577,7 +571,7 @@ impl ShardStore {
 
     /// Runs `f` on unit `unit`'s shard and keeps what it leaves there (read from and written back
     /// to the swap file under NVMe offload). Every shard must be home (no gather in flight).
-    pub fn modify<R>(
+    pub(crate) fn modify<R>(
         &mut self,
         unit: usize,
         f: impl FnOnce(&mut Buffer) -> R,

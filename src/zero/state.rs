@@ -105,7 +105,7 @@ impl FlatState {
         }
     }
     /// Unit `unit`'s full padded parameters at stages 0-2, as the post-step all-gather writes them.
-    pub fn full_params_mut(&mut self, unit: usize) -> &mut Buffer {
+    pub(crate) fn full_params_mut(&mut self, unit: usize) -> &mut Buffer {
         match &mut self.stage {
             StageState::Replicated { params, .. } | StageState::ShardedGrads { params, .. } => {
                 &mut params[unit]
@@ -114,7 +114,7 @@ impl FlatState {
         }
     }
     /// Unit `unit`'s full gradient at stages 0-1, as the buckets and the optimizer read it.
-    pub fn full_grad(&self, unit: usize, r: Range<usize>) -> Slice<'_> {
+    pub(crate) fn full_grad(&self, unit: usize, r: Range<usize>) -> Slice<'_> {
         match &self.stage {
             StageState::Replicated { kept_grads, .. } => {
                 full_grad_of(kept_grads.as_deref(), &self.grads, unit, r)
@@ -123,7 +123,7 @@ impl FlatState {
         }
     }
     /// Unit `unit`'s full gradient at stages 0-1, as the buckets write it.
-    pub fn full_grad_mut(&mut self, unit: usize, r: Range<usize>) -> SliceMut<'_> {
+    pub(crate) fn full_grad_mut(&mut self, unit: usize, r: Range<usize>) -> SliceMut<'_> {
         match &mut self.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
@@ -139,7 +139,7 @@ impl FlatState {
     /// it: the kept 16-bit gradient at stages 0-1 with 16-bit accumulation, else the f32 one the
     /// model wrote (kept at stages 0-1, transient at stages 2-3). The unit holds no gradient until
     /// [`FlatState::put_grad`] gives it back (or, transient, until the pool gets it).
-    pub fn take_grad(&mut self, unit: usize) -> Buffer {
+    pub(crate) fn take_grad(&mut self, unit: usize) -> Buffer {
         match &mut self.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
@@ -152,7 +152,12 @@ impl FlatState {
         }
     }
     /// Give back what [`FlatState::take_grad`] took, as the collective on `rank` returned it.
-    pub fn put_grad(&mut self, unit: usize, buf: Buffer, rank: usize) -> Result<(), CommError> {
+    pub(crate) fn put_grad(
+        &mut self,
+        unit: usize,
+        buf: Buffer,
+        rank: usize,
+    ) -> Result<(), CommError> {
         match &mut self.stage {
             StageState::Replicated {
                 kept_grads: Some(kept),
@@ -163,7 +168,7 @@ impl FlatState {
         Ok(())
     }
     /// The rank's concatenated gradient shards at stages 2-3, as the buckets accumulate into them.
-    pub fn grad_shards_mut(&mut self) -> &mut Buffer {
+    pub(crate) fn grad_shards_mut(&mut self) -> &mut Buffer {
         match &mut self.stage {
             StageState::ShardedGrads { grad_shards, .. }
             | StageState::ShardedParams { grad_shards, .. } => grad_shards,
@@ -174,7 +179,7 @@ impl FlatState {
 
 /// Unit `unit`'s full gradient at stages 0-1 from the pieces of [`StageState::Replicated`] and
 /// [`FlatState::grads`], for callers that hold the parameters mutably at the same time.
-pub fn full_grad_of<'g>(
+pub(crate) fn full_grad_of<'g>(
     kept_grads: Option<&'g [Buffer]>,
     grads: &'g [Vec<f32>],
     unit: usize,

@@ -90,7 +90,7 @@ impl StepPolicy {
 
     /// Resume from a snapshot. The scaler is taken only if this policy scales too (a checkpoint of
     /// another precision resumes with this run's own scaling from its start).
-    pub fn restore(&mut self, s: &PolicySnapshot) {
+    pub(crate) fn restore(&mut self, s: &PolicySnapshot) {
         if let (Some(mine), Some(saved)) = (&mut self.scaler, &s.scaler) {
             *mine = saved.clone();
         }

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::TextTokenizer;
 
 /// Bytes of text on either side of a cut that must encode to the same ids cut and uncut.
-pub const CHECK_BYTES: usize = 256;
+pub(crate) const CHECK_BYTES: usize = 256;
 
 /// Line ends checked in a row without a safe one before the rest of a document is encoded whole:
 /// a tokenizer that no cut fits (Llama 2's) fails every check, and each costs three encodes.
@@ -38,7 +38,7 @@ impl TextTokenizer {
     /// The ids of `text` with the tokenizer's special tokens, as one `encode` call gives them;
     /// encoded in pieces of about `piece_bytes` where that gives the same ids. `progress` learns
     /// how many bytes of text each piece covered once it is encoded.
-    pub fn encode_document(
+    pub(crate) fn encode_document(
         &self,
         text: &str,
         piece_bytes: usize,

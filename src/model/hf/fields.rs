@@ -72,7 +72,7 @@ impl Fields<'_> {
     }
 
     /// Refuses `field` when present with a value other than `wanted` (absent means `wanted`).
-    pub fn require_flag(&self, field: &str, wanted: bool, why: &str) -> Result<(), HfError> {
+    pub(crate) fn require_flag(&self, field: &str, wanted: bool, why: &str) -> Result<(), HfError> {
         if self.flag(field, wanted)? != wanted {
             return Err(unsupported(self.path, field, &self.map[field], why));
         }

@@ -748,7 +748,7 @@ pub fn export(
 
 /// The config as exported: the original, with the architecture, the sizes and the dtype zerodp
 /// wrote (`dtype` where the original used transformers 5's key, `torch_dtype` otherwise or also).
-pub fn export_config(config: &HfConfig, dtype: ExportDtype) -> Value {
+pub(crate) fn export_config(config: &HfConfig, dtype: ExportDtype) -> Value {
     let mut json = config.json.clone();
     let Some(map) = json.as_object_mut() else {
         return json;

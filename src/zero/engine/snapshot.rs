@@ -47,7 +47,7 @@ impl<M: UnitModel> Engine<'_, M> {
 
     /// The elements of unit `unit` whose optimizer state this rank holds and a restore must fill:
     /// the whole unit at stage 0, the own shard otherwise (clipped to the real elements).
-    pub fn restored_range(&self, unit: usize) -> Range<usize> {
+    pub(crate) fn restored_range(&self, unit: usize) -> Range<usize> {
         clip(
             self.units[unit].updated.clone(),
             self.layout.units[unit].numel,
@@ -101,7 +101,7 @@ impl<M: UnitModel> Engine<'_, M> {
     /// Fill unit `unit`'s optimizer state over [`Engine::restored_range`] (the slices' length) and
     /// the parameters it determines on this rank. Call for every unit, then
     /// [`Engine::finish_restore`] on every rank.
-    pub fn restore_unit(
+    pub(crate) fn restore_unit(
         &mut self,
         unit: usize,
         master: &[f32],
@@ -160,7 +160,7 @@ impl<M: UnitModel> Engine<'_, M> {
 
     /// Set the counters and the loss-scaling state, and at stages 1-2 all-gather the restored
     /// parameter shards into every rank's full parameters (a collective: every rank calls it).
-    pub fn finish_restore(&mut self, c: &EngineCounters) -> Result<(), CommError> {
+    pub(crate) fn finish_restore(&mut self, c: &EngineCounters) -> Result<(), CommError> {
         self.step = c.step;
         for u in &mut self.units {
             u.adam.step = c.adam_step;
