@@ -394,7 +394,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
     } else {
         let (mut one, mut all) = measure(0);
         let per_rank = match args.nccl {
-            true => super::bench_nccl::in_process(n, options, &all_cases)?,
+            true => super::nccl::in_process(n, options, &all_cases)?,
             false => run_ranks(n, options, |comm, _rank| all_cases(&*comm))
                 .map_err(|e| anyhow::anyhow!("{e}"))?,
         };
@@ -446,7 +446,7 @@ pub fn run(args: BenchCommArgs) -> anyhow::Result<i32> {
 /// The world size and whether it runs under MPI, after the flags' own checks.
 fn world_of(args: &BenchCommArgs) -> anyhow::Result<(usize, bool)> {
     if args.nccl {
-        super::bench_nccl::available()?;
+        super::nccl::available()?;
     }
     let resolved = super::launch::resolve(args.backend, args.world_size)?;
     let mpi = matches!(resolved, super::launch::Resolved::Mpi { .. });
@@ -454,7 +454,7 @@ fn world_of(args: &BenchCommArgs) -> anyhow::Result<(usize, bool)> {
         super::launch::Resolved::Mpi { world } => world,
         super::launch::Resolved::InProcess { .. } if args.nccl => match args.world_size {
             Some(n) => n,
-            None => super::bench_nccl::gpus()?,
+            None => super::nccl::gpus()?,
         },
         super::launch::Resolved::InProcess { .. } => args.world_size.unwrap_or(2),
     };
@@ -617,9 +617,9 @@ fn mpi_times(
     let mine = match args.nccl {
         true => {
             // Each process on its local rank's GPU.
-            let gpus = super::bench_nccl::gpus()?;
+            let gpus = super::nccl::gpus()?;
             let at = (topo.local_rank % gpus, topo.local_size, false);
-            all_cases(&*super::bench_nccl::over_mpi(comm.clone(), at, options)?)?
+            all_cases(&*super::nccl::over_mpi(comm.clone(), at, options)?)?
         }
         false => all_cases(&*comm)?,
     };

@@ -38,7 +38,6 @@ macro_rules! errln {
 
 pub mod bench_adam;
 pub mod bench_comm;
-mod bench_nccl;
 pub mod bench_ops;
 pub mod bench_train;
 pub mod ckpt;
@@ -47,6 +46,7 @@ pub mod data_args;
 pub mod device_args;
 pub mod hf_model;
 pub mod launch;
+mod nccl;
 pub mod op_scaling;
 pub mod plan;
 pub mod preflight;

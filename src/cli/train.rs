@@ -305,12 +305,12 @@ fn open_metrics(path: &Path, resumed_at: Option<u64>) -> anyhow::Result<MetricsF
 /// `--nccl` before any work: a `cuda` build, the ranks on GPUs, in-process one per GPU.
 fn check_nccl(args: &TrainArgs, backend: Resolved) -> anyhow::Result<()> {
     if args.nccl {
-        super::bench_nccl::available()?;
+        super::nccl::available()?;
         if !args.device.device.is_cuda() {
             bail!("--nccl runs the collectives between the ranks' GPUs: add --device cuda");
         }
         if let Resolved::InProcess { world } = backend {
-            super::bench_nccl::check_one_rank_per_gpu(&nccl_ordinals(args, world)?)?;
+            super::nccl::check_one_rank_per_gpu(&nccl_ordinals(args, world)?)?;
         }
     }
     Ok(())
@@ -318,7 +318,7 @@ fn check_nccl(args: &TrainArgs, backend: Resolved) -> anyhow::Result<()> {
 
 /// The GPU of each of `world` in-process ranks: the one its model computes on.
 fn nccl_ordinals(args: &TrainArgs, world: usize) -> anyhow::Result<Vec<usize>> {
-    let gpus = super::bench_nccl::gpus()?;
+    let gpus = super::nccl::gpus()?;
     (0..world)
         .map(|r| match args.device.device.rank_ordinal(gpus, r)? {
             Some(ordinal) => Ok(ordinal),
@@ -340,7 +340,7 @@ fn join_ranks<'m>(
 ) -> anyhow::Result<(usize, Trainer<'m, TrainModel>, Option<SaveDirLock>)> {
     let world = match backend {
         Resolved::InProcess { world } if args.nccl => {
-            let comms = super::bench_nccl::group(&nccl_ordinals(args, world)?, comm_options)?;
+            let comms = super::nccl::group(&nccl_ordinals(args, world)?, comm_options)?;
             return Ok((0, trainer.with_backend(Backend::Group(comms)), lock));
         }
         Resolved::InProcess { .. } => return Ok((0, trainer, lock)),
@@ -356,7 +356,7 @@ fn join_ranks<'m>(
     }
     // The GPU this process's model computes on (its local rank's, or --device cuda:N's).
     let device = args.device.device;
-    let ordinal = device.ordinal(super::bench_nccl::gpus()?)?.unwrap_or(0);
+    let ordinal = device.ordinal(super::nccl::gpus()?)?.unwrap_or(0);
     let pinned = matches!(device, zerodp::device::ComputeDevice::Cuda(Some(_)));
     if !pinned && zerodp::device::local_rank() != topo.local_rank {
         bail!(
@@ -368,8 +368,7 @@ fn join_ranks<'m>(
         );
     }
     let at = (ordinal, topo.local_size, pinned);
-    let nccl: Arc<dyn Communicator> =
-        Arc::from(super::bench_nccl::over_mpi(comm, at, comm_options)?);
+    let nccl: Arc<dyn Communicator> = Arc::from(super::nccl::over_mpi(comm, at, comm_options)?);
     Ok((rank, trainer.with_backend(Backend::Process(nccl)), lock))
 }
 

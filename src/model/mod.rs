@@ -11,6 +11,7 @@ pub mod candle_unit;
 pub mod compute;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod export;
 mod gemm;
 pub mod gpt;
 mod gpt_block;
