@@ -7,10 +7,12 @@
 //! * [`zero`]: the unit contract a model implements ([`zero::unit::UnitModel`]), flat buffers and
 //!   partitions, the stage 0-3 engine, the stage-3 fetch/release coordinator, loss scaling,
 //!   clipping. Knows no model and no tensor library.
-//! * [`optim`]: Adam/AdamW kernels over flat shards and the learning-rate schedulers.
+//! * [`optim`]: Adam/AdamW over flat shards (the one dispatch on their dtypes, [`optim::adam_update`])
+//!   and the learning-rate schedulers.
 //! * [`comm`]: the [`comm::Communicator`] trait, its asynchronous handles, backends and traces.
 //!   Knows nothing of ZeRO.
-//! * [`memory`]: the byte accountant the engine charges, per memory tier (below `zero`).
+//! * [`memory`]: the byte accountant the engine charges, per memory tier (below `zero`). Depends
+//!   on nothing.
 //! * [`offload`]: storage of the host and NVMe tiers (swap files, aligned buffers); storage only,
 //!   below `zero`, whose optimizer step streams states through it.
 //! * [`setup`]: the one mapping from resolved settings to the engine's configuration.
@@ -29,8 +31,8 @@
 //! * [`limits`]: the upper bounds on user-given sizes (parameters, layers, devices, memory) that
 //!   `model` and `planner` check before multiplying them. Depends on nothing.
 //! * [`flat`]: the foundation below `comm`, `optim`, `zero` and `model`: the dtype tag, owned flat
-//!   buffers, zeroed huge-page memory, the 16-bit rounding, widening and narrowing. Depends on
-//!   nothing.
+//!   buffers and their typed views, zeroed huge-page memory, the deterministic slice kernels (casts
+//!   with 16-bit rounding, accumulation, norms). Depends on nothing.
 //! * [`atomic_file`]: files and directories written under a temporary name and renamed into
 //!   place, so that a failed or killed write leaves what was there before. Depends on nothing.
 //! * [`outputs`]: the check every command's output paths pass before any work (not an input, not
@@ -41,7 +43,7 @@
 //! * `prefetch` (crate-private): software prefetch hints for the streaming loops of `optim` and
 //!   `model` (the CPU Adam, the element-wise kernels). Depends on nothing.
 //!
-//! Dependencies point one way: `flat` <- {`comm`, `optim`, `model`}, `config` <- `optim`, `comm` <- `memory`, `offload` <- `zero` <- `setup`,
+//! Dependencies point one way: `flat` <- {`comm`, `optim`, `model`}, `config` <- `optim`, {`comm`, `memory`, `offload`} <- `zero` <- `setup`,
 //! `checkpoint` <- {`trainer`, `planner`}; `model` implements `zero::unit` and is used by none of them. The
 //! binary (`src/main.rs`, `src/cli`) uses the library and nothing in the library uses it.
 

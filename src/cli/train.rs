@@ -525,7 +525,8 @@ fn preflight(
         reports: mpi.and_then(|l| l.rank).unwrap_or(0) == 0,
     };
     let device_memory = args.preflight.device_memory.as_deref();
-    let models = (engine_cfg, spec, gpt);
+    let shape = gpt.shape();
+    let models = (engine_cfg, spec, &shape);
     if let Some(line) =
         zerodp::planner::preflight::check(device_memory, settings, models, process, launch)?
     {
@@ -542,7 +543,7 @@ fn preflight(
         (bytes, on_gpu.max(1) as u64),
         engine_cfg,
         spec,
-        gpt,
+        &shape,
     )?;
     Ok(Some(memory))
 }

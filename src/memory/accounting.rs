@@ -3,12 +3,6 @@
 //! The engine allocates every model-state buffer up front (llm.c style) and reports each allocation
 //! and release here, so that a rank can say at any moment what it holds by kind and what its peak
 //! was. Activations belong to the model and are not counted: these are the ZeRO "model states".
-//! Traffic per step comes from [`crate::comm::TrafficCounters`] deltas, reshaped here into
-//! per-kind maps for the metrics lines.
-
-use crate::comm::{CollectiveKind, TrafficCounters};
-use std::collections::BTreeMap;
-
 /// What a block of bytes is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum MemoryKind {
@@ -194,28 +188,6 @@ fn is_zero(v: &u64) -> bool {
     *v == 0
 }
 
-/// Bytes sent and received per collective kind (keys as in [`CollectiveKind::name`]); barriers,
-/// which move nothing, are left out.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub(crate) struct TrafficByKind {
-    pub sent_bytes: BTreeMap<String, u64>,
-    pub recv_bytes: BTreeMap<String, u64>,
-}
-
-impl TrafficByKind {
-    pub(crate) fn from_counters(t: &TrafficCounters) -> Self {
-        let mut out = TrafficByKind::default();
-        for kind in CollectiveKind::ALL {
-            if kind == CollectiveKind::Barrier {
-                continue;
-            }
-            out.sent_bytes.insert(kind.name().to_string(), t.sent(kind));
-            out.recv_bytes.insert(kind.name().to_string(), t.recv(kind));
-        }
-        out
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,17 +226,5 @@ mod tests {
     fn ledger_underflow_is_a_bug() {
         let mut l = MemoryLedger::new();
         l.free(MemoryKind::Grads, 1);
-    }
-
-    #[test]
-    fn traffic_by_kind_names_every_collective_but_barrier() {
-        let mut t = TrafficCounters::default();
-        t.sent_bytes[CollectiveKind::ReduceScatter as usize] = 7;
-        t.recv_bytes[CollectiveKind::AllGather as usize] = 9;
-        let k = TrafficByKind::from_counters(&t);
-        assert_eq!(k.sent_bytes["reduce_scatter"], 7);
-        assert_eq!(k.recv_bytes["all_gather"], 9);
-        assert_eq!(k.sent_bytes.len(), 4);
-        assert!(!k.sent_bytes.contains_key("barrier"));
     }
 }

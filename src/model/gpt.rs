@@ -103,6 +103,17 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// The sizes the planner and the pre-flight model a GPT by.
+    pub fn shape(&self) -> crate::planner::GptShape {
+        crate::planner::GptShape {
+            layers: self.layers as u64,
+            width: self.width as u64,
+            heads: self.heads as u64,
+            vocab: self.vocab_size as u64,
+            context: self.context as u64,
+        }
+    }
+
     /// Names accepted by [`GptConfig::preset`], smallest first.
     pub const PRESETS: [&'static str; 3] = ["tiny", "demo", "small"];
 

@@ -9,7 +9,6 @@
 //! to the machine's total memory divided by the world size.
 
 use crate::config::Settings;
-use crate::model::GptConfig;
 use crate::planner::{
     self, format_capacity, format_gb, parse_bytes, recommend, Cluster, ConfigKeys, GptShape,
     HostLinks, Link, ModelSize, Offload, PlanError, PlanInput, PlanOption, TrainProcess,
@@ -55,7 +54,7 @@ const SHARED_MEMORY: Link = Link {
 pub fn check(
     device_memory: Option<&str>,
     settings: &Settings,
-    (engine, spec, gpt): (&EngineConfig, &ModelSpec, &GptConfig),
+    (engine, spec, shape): (&EngineConfig, &ModelSpec, &GptShape),
     process: TrainProcess,
     launch: Launch,
 ) -> Result<Option<String>, PreflightError> {
@@ -72,7 +71,7 @@ pub fn check(
         (None, Some(b)) => (b, "zerodp.device_memory"),
         (None, None) => (host / on_host.max(1) as u64, share.as_str()),
     };
-    let input = plan_input(settings, engine, spec, gpt, capacity, host, process);
+    let input = plan_input(settings, engine, spec, shape, capacity, host, process);
     let plan = planner::plan(&input)?;
     // The stages without offload, as the planner sizes them; the configured offload is then
     // applied with the engine's own tier rules (`offload_tiers`).
@@ -206,21 +205,14 @@ pub(crate) fn plan_input(
     settings: &Settings,
     engine: &EngineConfig,
     spec: &ModelSpec,
-    gpt: &GptConfig,
+    shape: &GptShape,
     capacity: u64,
     host: u64,
     process: TrainProcess,
 ) -> PlanInput {
     let keys = ConfigKeys::from_settings(settings);
-    let shape = GptShape {
-        layers: gpt.layers as u64,
-        width: gpt.width as u64,
-        heads: gpt.heads as u64,
-        vocab: gpt.vocab_size as u64,
-        context: gpt.context as u64,
-    };
     PlanInput {
-        model: ModelSize::from_model_spec(spec, Some(shape)),
+        model: ModelSize::from_model_spec(spec, Some(*shape)),
         cluster: Cluster {
             nodes: 1,
             devices_per_node: engine.world_size as u64,
@@ -233,7 +225,7 @@ pub(crate) fn plan_input(
         },
         precision: keys.precision,
         micro_batch: engine.micro_batch as u64,
-        seq_len: gpt.context as u64,
+        seq_len: shape.context,
         grad_accum: engine.grad_accum as u64,
         activation_checkpointing: engine.activation_checkpointing,
         configured: Some(keys.choice()),
@@ -425,9 +417,9 @@ pub fn check_gpu(
     (dtype_bytes, ranks): (u64, u64),
     engine: &EngineConfig,
     spec: &ModelSpec,
-    gpt: &GptConfig,
+    shape: &GptShape,
 ) -> Result<String, PreflightError> {
-    let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, gpt);
+    let (params, activations) = gpu_need((dtype_bytes, ranks), engine, spec, shape);
     let need = params + activations;
     let kept = match (device_tier::refusal(engine), engine.stage.shards_params()) {
         (None, _) if engine.world_size > 1 && engine.stage != crate::zero::Stage::Zero0 => {
@@ -475,7 +467,7 @@ fn gpu_need(
     (dtype_bytes, ranks): (u64, u64),
     engine: &EngineConfig,
     spec: &ModelSpec,
-    gpt: &GptConfig,
+    shape: &GptShape,
 ) -> (u64, u64) {
     let stage3 = engine.stage.shards_params();
     let ranks = ranks.max(1);
@@ -486,21 +478,14 @@ fn gpu_need(
         (Some(_), true) => 2 * spec.largest_unit() as u64 * dtype_bytes,
     };
     let params = ranks * per_rank;
-    let shape = GptShape {
-        layers: gpt.layers as u64,
-        width: gpt.width as u64,
-        heads: gpt.heads as u64,
-        vocab: gpt.vocab_size as u64,
-        context: gpt.context as u64,
-    };
     let units = spec.units.len();
     let recompute: Vec<bool> = (0..units)
         .map(|u| u + 1 < units && (stage3 || engine.activation_checkpointing))
         .collect();
     let step = planner::gpt_step_memory(
-        &shape,
+        shape,
         engine.micro_batch as u64,
-        gpt.context as u64,
+        shape.context,
         &recompute,
         &[],
     );
@@ -512,7 +497,7 @@ fn gpu_need(
 mod tests {
     use super::*;
     use crate::config::{self, ResolveContext};
-    use crate::model::GptModel;
+    use crate::model::{GptConfig, GptModel};
     use crate::planner::planned_engine_config;
     use crate::zero::buffers;
     use crate::zero::unit::UnitModel;
@@ -553,7 +538,7 @@ mod tests {
                 &settings,
                 &engine,
                 model.spec(),
-                &gpt,
+                &gpt.shape(),
                 1 << 30,
                 1 << 34,
                 TrainProcess::default(),
@@ -610,15 +595,15 @@ mod tests {
         };
         // One rank without offload: the device tier is on the GPU, 16 bytes a parameter in fp32.
         let spec = model.spec();
-        let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, spec, &gpt).unwrap();
+        let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, spec, &gpt.shape()).unwrap();
         assert!(fits.contains("Adam's moments, kept there"), "{fits}");
-        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, spec, &gpt).unwrap_err();
+        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, spec, &gpt.shape()).unwrap_err();
         assert!(
             err.to_string().contains("offload_optimizer to cpu"),
             "{err}"
         );
         assert_eq!(
-            gpu_need((4, 1), &engine, spec, &gpt).0,
+            gpu_need((4, 1), &engine, spec, &gpt.shape()).0,
             16 * spec.num_params() as u64
         );
         // Stage 0 on two ranks on one GPU: a device tier each.
@@ -628,7 +613,7 @@ mod tests {
             ..engine.clone()
         };
         assert_eq!(
-            gpu_need((4, 2), &two, spec, &gpt).0,
+            gpu_need((4, 2), &two, spec, &gpt.shape()).0,
             2 * 16 * spec.num_params() as u64
         );
         // Stage 2 on two ranks: each keeps its parameters and gradients whole (8 bytes a
@@ -639,23 +624,30 @@ mod tests {
             ..two.clone()
         };
         let psi = spec.num_params() as u64;
-        let per_rank = gpu_need((4, 2), &sharded, spec, &gpt).0 / 2;
+        let per_rank = gpu_need((4, 2), &sharded, spec, &gpt.shape()).0 / 2;
         let half = 8 * psi + 16 * psi / 2;
         let slack = 16 * 8 * spec.units.len() as u64;
         assert!(
             (half..=half + slack).contains(&per_rank),
             "{per_rank} vs {half}"
         );
-        let fits = check_gpu(&gpu(80_000_000_000), (4, 2), &sharded, spec, &gpt).unwrap();
+        let fits = check_gpu(&gpu(80_000_000_000), (4, 2), &sharded, spec, &gpt.shape()).unwrap();
         assert!(
             fits.contains("each rank's shard of the fp32 master"),
             "{fits}"
         );
         // With the optimizer offloaded only the parameters stay on the GPU.
         engine.offload_optimizer = OptimizerTier::Host;
-        let fits = check_gpu(&gpu(80_000_000_000), (4, 1), &engine, model.spec(), &gpt).unwrap();
+        let fits = check_gpu(
+            &gpu(80_000_000_000),
+            (4, 1),
+            &engine,
+            model.spec(),
+            &gpt.shape(),
+        )
+        .unwrap();
         assert!(fits.contains("kept there at stages 0-2"), "{fits}");
-        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, model.spec(), &gpt)
+        let err = check_gpu(&gpu(1_000_000), (4, 1), &engine, model.spec(), &gpt.shape())
             .unwrap_err()
             .to_string();
         assert!(err.contains("does not fit on the GPU"), "{err}");
@@ -663,21 +655,21 @@ mod tests {
         // Stage 2 keeps every parameter (Ψ f32 values); stage 3 the largest unit's parameters
         // and gradients, and recomputes: less of both. bf16 halves them.
         // Two ranks on the GPU each keep their model's parameters and have their own step.
-        let (params2, acts2) = gpu_need((4, 1), &engine, spec, &gpt);
+        let (params2, acts2) = gpu_need((4, 1), &engine, spec, &gpt.shape());
         assert_eq!(params2, 4 * spec.num_params() as u64);
         assert_eq!(
-            gpu_need((2, 1), &engine, spec, &gpt),
+            gpu_need((2, 1), &engine, spec, &gpt.shape()),
             (params2 / 2, acts2 / 2)
         );
         assert_eq!(
-            gpu_need((4, 2), &engine, spec, &gpt),
+            gpu_need((4, 2), &engine, spec, &gpt.shape()),
             (2 * params2, 2 * acts2)
         );
         engine.stage = crate::zero::Stage::Zero3;
-        let (params3, acts3) = gpu_need((4, 1), &engine, spec, &gpt);
+        let (params3, acts3) = gpu_need((4, 1), &engine, spec, &gpt.shape());
         assert_eq!(params3, 8 * spec.largest_unit() as u64);
         assert_eq!(
-            gpu_need((4, 2), &engine, spec, &gpt),
+            gpu_need((4, 2), &engine, spec, &gpt.shape()),
             (2 * params3, 2 * acts3)
         );
         assert!(
@@ -709,7 +701,7 @@ mod tests {
                 &settings,
                 &engine,
                 model.spec(),
-                &gpt,
+                &gpt.shape(),
                 1 << 30,
                 1 << 34,
                 process,

@@ -23,9 +23,9 @@
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
 use super::{StepEvent, StepObserver, TrainerError};
-use crate::comm::CollectiveKind;
-use crate::memory::accounting::TrafficByKind;
+use crate::comm::{CollectiveKind, TrafficCounters};
 use crate::zero::{Stage, StepReport};
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -259,5 +259,44 @@ impl StepObserver for ReportLog {
         }
         all[e.rank].push(e.report.clone());
         Ok(())
+    }
+}
+
+/// Bytes sent and received per collective kind (keys as in [`CollectiveKind::name`]); barriers,
+/// which move nothing, are left out.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct TrafficByKind {
+    pub sent_bytes: BTreeMap<String, u64>,
+    pub recv_bytes: BTreeMap<String, u64>,
+}
+
+impl TrafficByKind {
+    pub(crate) fn from_counters(t: &TrafficCounters) -> Self {
+        let mut out = TrafficByKind::default();
+        for kind in CollectiveKind::ALL {
+            if kind == CollectiveKind::Barrier {
+                continue;
+            }
+            out.sent_bytes.insert(kind.name().to_string(), t.sent(kind));
+            out.recv_bytes.insert(kind.name().to_string(), t.recv(kind));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traffic_by_kind_names_every_collective_but_barrier() {
+        let mut t = TrafficCounters::default();
+        t.sent_bytes[CollectiveKind::ReduceScatter as usize] = 7;
+        t.recv_bytes[CollectiveKind::AllGather as usize] = 9;
+        let k = TrafficByKind::from_counters(&t);
+        assert_eq!(k.sent_bytes["reduce_scatter"], 7);
+        assert_eq!(k.recv_bytes["all_gather"], 9);
+        assert_eq!(k.sent_bytes.len(), 4);
+        assert!(!k.sent_bytes.contains_key("barrier"));
     }
 }
