@@ -285,6 +285,23 @@ fn the_llama_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     assert_composite_follows_fused(&composite, &fused);
 }
 
+/// The families on the Llama's decoder (Qwen2's biases and tied head, Qwen3's query and key
+/// norms, a Llama with attention and MLP biases and yarn scaling), as a GPU runs them, checked on
+/// every machine: the GPU's op mix on the CPU gives the fused kernels' losses over 10 steps.
+#[test]
+fn the_families_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    for name in ["qwen2-tiny", "qwen3-tiny", "llama-bias-tiny"] {
+        let path = root.join(name).join("config.json");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let config = LlamaConfig::from_hf_json(&json, &path).unwrap();
+        let fused = Candle::new(Llama::new(config.clone()).unwrap());
+        let gpu_ops = Candle::new(Llama::new(config).unwrap().with_gpu_ops());
+        assert_composite_follows_fused(&gpu_ops, &fused);
+    }
+}
+
 /// The Llama on a GPU (composite ops around zerodp's CUDA kernels for RMSNorm, the rotary
 /// embeddings, SwiGLU and the causal softmax) against the Llama on the CPU (fused kernels): grouped-query
 /// attention and an untied head, stage 0 on one rank and stage 3 on two, losses within 1e-4.

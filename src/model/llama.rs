@@ -1,6 +1,8 @@
 //! A Llama (`LlamaForCausalLM`) on the candle helper: RMSNorm, rotary position embeddings,
-//! grouped-query attention, a SwiGLU MLP, a tied or untied LM head; read from a Hugging Face
-//! config ([`LlamaConfig::from_hf_json`]) with Hugging Face's parameter names, so that
+//! grouped-query attention, a SwiGLU MLP, a tied or untied LM head; and the families on its
+//! decoder, which differ in the config's fields only (Qwen2's q, k and v biases, Qwen3's query
+//! and key norms, Llama's optional attention and MLP biases: [`super::hf::Family`]). Read from a
+//! Hugging Face config ([`LlamaConfig::from_hf_json`]) with Hugging Face's parameter names, so that
 //! [`super::hf::load_weights`] reads a directory's weights as they are (Llama's projections are
 //! `torch.nn.Linear`, `[out, in]`: nothing is transposed).
 //!
@@ -8,7 +10,7 @@
 //! | unit | name | owns |
 //! | --- | --- | --- |
 //! | 0 | `embeddings` | `model.embed_tokens.weight` `[V, C]` |
-//! | 1..=L | `model.layers.{i}` | `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight`, `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight` |
+//! | 1..=L | `model.layers.{i}` | `input_layernorm.weight`, `self_attn.{q,k,v,o}_proj.weight` (each `.bias` after its weight where the config has one), `self_attn.{q,k}_norm.weight` (Qwen3), `post_attention_layernorm.weight`, `mlp.{gate,up,down}_proj.weight` (and biases) |
 //! | L+1 | `head` | `model.norm.weight`, and `lm_head.weight` `[V, C]` when untied (tied: `uses = [0]`) |
 //!
 //! The math is `transformers`' `modeling_llama.py`: RMSNorm as `w * (x * rsqrt(mean(x²) + eps))`,
@@ -41,6 +43,8 @@ fn param(name: String, shape: &[usize]) -> ParamSpec {
 pub struct Llama {
     config: LlamaConfig,
     spec: ModelSpec,
+    /// Where each tensor of a decoder layer sits among its unit's parameters.
+    slots: Box<LayerSlots>,
     device: Device,
     /// The compute dtype: f32 on the CPU, f32 or 16-bit on a GPU ([`super::compute_dtype`]).
     dtype: DType,
@@ -71,9 +75,11 @@ impl Llama {
             }
         }
         let spec = llama_spec(c);
+        let slots = Box::new(layer_params(c).1);
         Ok(Llama {
             config,
             spec,
+            slots,
             device: Device::Cpu,
             dtype: DType::F32,
             fused: true,
@@ -124,14 +130,97 @@ impl Llama {
     }
 }
 
-/// The units and their parameters, in Hugging Face's names.
-fn llama_spec(c: &LlamaConfig) -> ModelSpec {
-    let (h, q, kv, i) = (
+/// Where each tensor of a decoder layer sits among its unit's parameters: the biases and the
+/// query and key norms only where the config has them, each bias right after its weight.
+#[derive(Clone, Copy, Debug)]
+struct LayerSlots {
+    input_norm: usize,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<usize>,
+    k_norm: Option<usize>,
+    post_norm: usize,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// A decoder layer's parameters as they are listed: names after `model.layers.{i}.`, shapes.
+#[derive(Default)]
+struct LayerList(Vec<(&'static str, Vec<usize>)>);
+
+impl LayerList {
+    fn push(&mut self, name: &'static str, shape: &[usize]) -> usize {
+        self.0.push((name, shape.to_vec()));
+        self.0.len() - 1
+    }
+
+    /// A weight `[out, in]` and, where the config has one, its bias `[out]` right after it.
+    fn linear(&mut self, proj: &'static str, (out, inp): (usize, usize), bias: bool) -> Linear {
+        let [w, b] = PROJECTIONS
+            .iter()
+            .find(|p| p[0] == proj)
+            .map(|p| [p[1], p[2]])
+            .expect("a projection of PROJECTIONS");
+        let w = self.push(w, &[out, inp]);
+        (w, bias.then(|| self.push(b, &[out])))
+    }
+}
+
+/// A projection's slots: its weight and its bias, if any.
+type Linear = (usize, Option<usize>);
+
+/// Each projection's weight and bias names.
+const PROJECTIONS: [[&str; 3]; 7] = [
+    ["q", "self_attn.q_proj.weight", "self_attn.q_proj.bias"],
+    ["k", "self_attn.k_proj.weight", "self_attn.k_proj.bias"],
+    ["v", "self_attn.v_proj.weight", "self_attn.v_proj.bias"],
+    ["o", "self_attn.o_proj.weight", "self_attn.o_proj.bias"],
+    ["gate", "mlp.gate_proj.weight", "mlp.gate_proj.bias"],
+    ["up", "mlp.up_proj.weight", "mlp.up_proj.bias"],
+    ["down", "mlp.down_proj.weight", "mlp.down_proj.bias"],
+];
+
+/// A decoder layer's parameters and their slots, in the order the unit has always stored them
+/// (checkpoints keep it), the optional ones inserted.
+fn layer_params(c: &LlamaConfig) -> (LayerList, LayerSlots) {
+    let (h, q, kv, i, d) = (
         c.hidden,
         c.heads * c.head_dim,
         c.kv_heads * c.head_dim,
         c.intermediate,
+        c.head_dim,
     );
+    let mut l = LayerList::default();
+    let input_norm = l.push("input_layernorm.weight", &[h]);
+    let q_slots = l.linear("q", (q, h), c.qkv_bias);
+    let k_slots = l.linear("k", (kv, h), c.qkv_bias);
+    let v_slots = l.linear("v", (kv, h), c.qkv_bias);
+    let o_slots = l.linear("o", (h, q), c.o_bias);
+    let q_norm = c.qk_norm.then(|| l.push("self_attn.q_norm.weight", &[d]));
+    let k_norm = c.qk_norm.then(|| l.push("self_attn.k_norm.weight", &[d]));
+    let post_norm = l.push("post_attention_layernorm.weight", &[h]);
+    let slots = LayerSlots {
+        input_norm,
+        q: q_slots,
+        k: k_slots,
+        v: v_slots,
+        o: o_slots,
+        q_norm,
+        k_norm,
+        post_norm,
+        gate: l.linear("gate", (i, h), c.mlp_bias),
+        up: l.linear("up", (i, h), c.mlp_bias),
+        down: l.linear("down", (h, i), c.mlp_bias),
+    };
+    (l, slots)
+}
+
+/// The units and their parameters, in Hugging Face's names.
+fn llama_spec(c: &LlamaConfig) -> ModelSpec {
+    let h = c.hidden;
     let mut units = vec![UnitSpec {
         name: "embeddings".into(),
         params: vec![param(
@@ -140,21 +229,13 @@ fn llama_spec(c: &LlamaConfig) -> ModelSpec {
         )],
         uses: vec![],
     }];
+    let (layer, _) = layer_params(c);
     for l in 0..c.layers {
-        let p = |s: &str, shape: &[usize]| param(format!("model.layers.{l}.{s}"), shape);
         units.push(UnitSpec {
             name: format!("model.layers.{l}"),
-            params: vec![
-                p("input_layernorm.weight", &[h]),
-                p("self_attn.q_proj.weight", &[q, h]),
-                p("self_attn.k_proj.weight", &[kv, h]),
-                p("self_attn.v_proj.weight", &[kv, h]),
-                p("self_attn.o_proj.weight", &[h, q]),
-                p("post_attention_layernorm.weight", &[h]),
-                p("mlp.gate_proj.weight", &[i, h]),
-                p("mlp.up_proj.weight", &[i, h]),
-                p("mlp.down_proj.weight", &[h, i]),
-            ],
+            params: (layer.0.iter())
+                .map(|(name, shape)| param(format!("model.layers.{l}.{name}"), shape))
+                .collect(),
             uses: vec![],
         });
     }
@@ -208,11 +289,12 @@ impl Llama {
         let angles: Vec<f32> = (0..t)
             .flat_map(|pos| inv.iter().map(move |f| pos as f32 * f))
             .collect();
+        let scale = self.config.rope_scaling.attention_factor() as f32;
         ops::Rope::new(
             t,
             self.config.head_dim,
-            angles.iter().map(|a| a.cos()).collect(),
-            angles.iter().map(|a| a.sin()).collect(),
+            angles.iter().map(|a| a.cos() * scale).collect(),
+            angles.iter().map(|a| a.sin() * scale).collect(),
         )
     }
 
@@ -253,25 +335,53 @@ impl Llama {
         b: usize,
         t: usize,
     ) -> candle_core::Result<Tensor> {
-        let c = &self.config;
+        let (c, s) = (&self.config, &self.slots);
         let norm = ops::RmsNorm { eps: c.rms_eps };
-        let mm = |x: &Tensor, w: &Tensor| x.contiguous()?.apply_op2(w, ops::MatMulT);
+        let linear = |x: &Tensor, (w, bias): Linear| -> candle_core::Result<Tensor> {
+            let y = x.contiguous()?.apply_op2(&p[w], ops::MatMulT)?;
+            match bias {
+                Some(bias) => y.broadcast_add(&p[bias]),
+                None => Ok(y),
+            }
+        };
         let x = x.contiguous()?;
-        let h = x.apply_op2(&p[0], norm)?;
+        let h = x.apply_op2(&p[s.input_norm], norm)?;
         let rope = self.cached_rope_op(t);
-        let q = mm(&h, &p[1])?.apply_op1(rope.clone())?;
-        let k = self.repeat_kv_rows(mm(&h, &p[2])?.apply_op1(rope)?)?;
-        let v = self.repeat_kv_rows(mm(&h, &p[3])?)?;
+        let q = self.head_norm(linear(&h, s.q)?, s.q_norm.map(|w| &p[w]), c.heads)?;
+        let k = self.head_norm(linear(&h, s.k)?, s.k_norm.map(|w| &p[w]), c.kv_heads)?;
+        let q = q.apply_op1(rope.clone())?;
+        let k = self.repeat_kv_rows(k.apply_op1(rope)?)?;
+        let v = self.repeat_kv_rows(linear(&h, s.v)?)?;
         let qkv = Tensor::cat(&[&q, &k, &v], 1)?;
         let attention = ops::CausalAttention {
             batch: b,
             seq: t,
             heads: c.heads,
         };
-        let x = (&x + mm(&qkv.apply_op1(attention)?, &p[4])?)?;
-        let h = x.apply_op2(&p[5], norm)?;
-        let gated = mm(&h, &p[6])?.apply_op2(&mm(&h, &p[7])?, ops::SwiGlu)?;
-        &x + mm(&gated, &p[8])?
+        let x = (&x + linear(&qkv.apply_op1(attention)?, s.o)?)?;
+        let h = x.apply_op2(&p[s.post_norm], norm)?;
+        let gated = linear(&h, s.gate)?.apply_op2(&linear(&h, s.up)?, ops::SwiGlu)?;
+        &x + linear(&gated, s.down)?
+    }
+
+    /// Qwen3's RMSNorm of each head's `head_dim` values (`[rows, n*d]` rows of `n` heads), where
+    /// the config has it (`w`: the norm's weight `[d]`); the rows as they are otherwise.
+    fn head_norm(&self, x: Tensor, w: Option<&Tensor>, n: usize) -> candle_core::Result<Tensor> {
+        let Some(w) = w else {
+            return Ok(x);
+        };
+        let (rows, d) = (x.dim(0)?, self.config.head_dim);
+        let heads = x.contiguous()?.reshape((rows * n, d))?;
+        let normed = match self.fused || self.cuda_kernels {
+            true => heads.apply_op2(
+                w,
+                ops::RmsNorm {
+                    eps: self.config.rms_eps,
+                },
+            )?,
+            false => self.rms_norm(&heads, w)?,
+        };
+        normed.reshape((rows, n * d))
     }
 
     /// `cos` and `sin` `[t, head_dim]` of positions `0..t` (frequencies repeated over both halves).
@@ -285,9 +395,10 @@ impl Llama {
             angles.extend_from_slice(&row);
         }
         let a = Tensor::from_vec(angles, (t, d), &self.device)?;
+        let scale = self.config.rope_scaling.attention_factor();
         Ok((
-            a.cos()?.to_dtype(self.dtype)?,
-            a.sin()?.to_dtype(self.dtype)?,
+            (a.cos()? * scale)?.to_dtype(self.dtype)?,
+            (a.sin()? * scale)?.to_dtype(self.dtype)?,
         ))
     }
 
@@ -315,9 +426,10 @@ impl Llama {
         b: usize,
         t: usize,
     ) -> candle_core::Result<Tensor> {
-        let c = &self.config;
+        let (c, s) = (&self.config, &self.slots);
         let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
-        let (q, k) = (h.matmul(&p[1].t()?)?, h.matmul(&p[2].t()?)?);
+        let q = self.head_norm(Self::linear(h, p, s.q)?, s.q_norm.map(|w| &p[w]), nh)?;
+        let k = self.head_norm(Self::linear(h, p, s.k)?, s.k_norm.map(|w| &p[w]), nkv)?;
         let (q, k) = match self.cuda_kernels {
             // The rotary op on the rows, before they become heads.
             true => {
@@ -334,7 +446,7 @@ impl Llama {
                 )
             }
         };
-        let v = Self::heads_of(&h.matmul(&p[3].t()?)?, b, t, nkv, d)?;
+        let v = Self::heads_of(&Self::linear(h, p, s.v)?, b, t, nkv, d)?;
         // Each key/value head serves `nh / nkv` consecutive query heads (transformers' repeat_kv).
         let repeat = |x: Tensor| -> candle_core::Result<Tensor> {
             x.unsqueeze(2)?
@@ -370,17 +482,27 @@ impl Llama {
         Tensor::from_vec(data, (t, t), &self.device)?.to_dtype(self.dtype)
     }
 
+    /// `x @ w^T (+ bias)` on composite ops.
+    fn linear(x: &Tensor, p: &[Tensor], (w, bias): Linear) -> candle_core::Result<Tensor> {
+        let y = x.matmul(&p[w].t()?)?;
+        match bias {
+            Some(bias) => y.broadcast_add(&p[bias]),
+            None => Ok(y),
+        }
+    }
+
     /// A decoder layer: `x + attn(norm(x))`, then `+ down(silu(gate(h)) * up(h))`.
     fn block(&self, x: &Tensor, p: &[Tensor], b: usize, t: usize) -> candle_core::Result<Tensor> {
-        let h = self.rms_norm(x, &p[0])?;
-        let x = (x + self.attention(&h, p, b, t)?.matmul(&p[4].t()?)?)?;
-        let h = self.rms_norm(&x, &p[5])?;
-        let (gate, up) = (h.matmul(&p[6].t()?)?, h.matmul(&p[7].t()?)?);
+        let s = &self.slots;
+        let h = self.rms_norm(x, &p[s.input_norm])?;
+        let x = (x + Self::linear(&self.attention(&h, p, b, t)?, p, s.o)?)?;
+        let h = self.rms_norm(&x, &p[s.post_norm])?;
+        let (gate, up) = (Self::linear(&h, p, s.gate)?, Self::linear(&h, p, s.up)?);
         let gated = match self.cuda_kernels {
             true => gate.apply_op2(&up, ops::SwiGlu)?,
             false => (candle_nn::ops::silu(&gate)? * up)?,
         };
-        x + gated.matmul(&p[8].t()?)?
+        x + Self::linear(&gated, p, s.down)?
     }
 }
 
@@ -395,13 +517,18 @@ impl CandleUnits for Llama {
         batch.counts()
     }
 
-    /// Norm weights 1, every matrix normal(0, `initializer_range`), as `transformers` starts one.
+    /// Norm weights 1, biases 0, every matrix normal(0, `initializer_range`), as `transformers`
+    /// starts one.
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
         let spec = &self.spec.units[unit];
         for (k, (p, off)) in spec.params.iter().zip(spec.offsets()).enumerate() {
             let Some(dst) = out.get_mut(off..off + p.numel()) else {
                 return;
             };
+            if p.name.ends_with(".bias") {
+                dst.fill(0.0);
+                continue;
+            }
             if p.shape.len() == 1 {
                 dst.fill(1.0);
                 continue;
@@ -468,12 +595,9 @@ impl CandleUnits for Llama {
                 batch.targets.len()
             )));
         }
-        if batch.seq_len > self.config.context {
-            return Err(ModelError::Invalid(format!(
-                "sequence length {} exceeds max_position_embeddings {}",
-                batch.seq_len, self.config.context
-            )));
-        }
+        self.config
+            .check_seq_len(batch.seq_len)
+            .map_err(ModelError::Invalid)?;
         let v = self.config.vocab_size as u32;
         if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
             return Err(ModelError::Invalid(format!(

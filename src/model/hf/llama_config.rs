@@ -1,6 +1,7 @@
-//! A Llama's `config.json`: every field that changes the math read (transformers' `LlamaConfig`
-//! defaults where absent), the rotary scalings computed as transformers computes them, and a
-//! value zerodp does not compute refused by name. The model itself is [`crate::model::llama`].
+//! The `config.json` of a Llama and of the families built on its decoder (Qwen2 and Qwen2.5,
+//! Qwen3, Mistral): every field that changes the math read (each family's transformers defaults
+//! where absent), the rotary scalings computed as transformers computes them, and a value zerodp
+//! does not compute refused by name. The model itself is [`crate::model::llama`].
 
 use std::path::Path;
 
@@ -10,9 +11,43 @@ use super::fields::{field_err, unsupported, Fields};
 use super::HfError;
 use crate::model::gpt::GptConfig;
 
-/// A Llama's sizes and the constants of its math.
+/// The families that share the Llama's decoder, by `model_type`: what differs is in
+/// [`LlamaConfig`]'s fields (biases, the query and key norms, defaults), not in code paths.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    Llama,
+    /// Qwen2 and Qwen2.5: biases on the q, k and v projections.
+    Qwen2,
+    /// Qwen3: RMSNorm of each head's queries and keys before the rotary embedding.
+    Qwen3,
+    Mistral,
+}
+
+impl Family {
+    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+
+    /// The `model_type` of the family's configs.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
+        }
+    }
+
+    /// The family of a `model_type`, if it is one of these.
+    pub fn of(model_type: &str) -> Option<Family> {
+        Family::ALL
+            .into_iter()
+            .find(|f| f.model_type() == model_type)
+    }
+}
+
+/// A Llama-family decoder's sizes and the constants of its math.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    pub family: Family,
     pub vocab_size: usize,
     pub hidden: usize,
     pub intermediate: usize,
@@ -26,6 +61,19 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     pub rope_scaling: RopeScaling,
     pub tied: bool,
+    /// Biases on the q, k and v projections (Qwen2's, and Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// A bias on the output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// Biases on the MLP's three projections (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// RMSNorm of each head's queries and keys (weights `[head_dim]`) before the rotation (Qwen3).
+    pub qk_norm: bool,
+    /// The attention window of the layers that have one (Mistral's `sliding_window`, Qwen's
+    /// with `use_sliding_window`): a query sees the keys less than this many positions back.
+    /// Sequences no longer than it attend as without one; longer ones are refused
+    /// ([`LlamaConfig::check_seq_len`]).
+    pub sliding_window: Option<usize>,
     /// Standard deviation of the seeded initialisation (`initializer_range`).
     pub init_std: f64,
 }
@@ -48,20 +96,21 @@ impl LlamaConfig {
         6.0 * products + 12.0 * l * t as f64 * q
     }
 
-    /// Maps a `LlamaForCausalLM` config, with `LlamaConfig`'s defaults where a field is absent;
-    /// a value zerodp does not compute (a rope scaling other than linear and llama3, biases,
-    /// another activation) is refused by
-    /// name.
+    /// Maps a `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or
+    /// `MistralForCausalLM` config, with the family's transformers defaults where a field is
+    /// absent; a value zerodp does not compute (a rope scaling it does not build, another
+    /// activation) is refused by name.
     pub fn from_hf_json(json: &Value, path: &Path) -> Result<LlamaConfig, HfError> {
         let Some(map) = json.as_object() else {
             return Err(field_err(path, "(root)", "the config is not a JSON object"));
         };
         let f = Fields { path, map };
-        if f.text("model_type") != Some("llama") {
+        let Some(family) = f.text("model_type").and_then(Family::of) else {
             let v = map.get("model_type").cloned().unwrap_or(Value::Null);
-            return Err(unsupported(path, "model_type", &v, "expected \"llama\""));
-        }
-        let c = sizes(&f)?;
+            let why = "expected \"llama\", \"qwen2\", \"qwen3\" or \"mistral\"";
+            return Err(unsupported(path, "model_type", &v, why));
+        };
+        let c = sizes(&f, family)?;
         check_math(&f)?;
         if c.heads % c.kv_heads != 0 {
             let v = &map["num_key_value_heads"];
@@ -95,31 +144,144 @@ impl LlamaConfig {
             self.heads * self.head_dim,
             self.kv_heads * self.head_dim,
         );
-        let block = 2 * c + 2 * c * q + 2 * c * kv + 3 * c * self.intermediate;
+        let mut block = 2 * c + 2 * c * q + 2 * c * kv + 3 * c * self.intermediate;
+        block += usize::from(self.qkv_bias) * (q + 2 * kv) + usize::from(self.o_bias) * c;
+        block += usize::from(self.mlp_bias) * (2 * self.intermediate + c);
+        block += usize::from(self.qk_norm) * 2 * self.head_dim;
         let head = if self.tied { 0 } else { self.vocab_size * c };
         self.vocab_size * c + self.layers * block + c + head
     }
 }
 
-/// The sizes, with `LlamaConfig`'s defaults.
-fn sizes(f: &Fields<'_>) -> Result<LlamaConfig, HfError> {
+impl LlamaConfig {
+    /// Sequences of `t` tokens are computed as transformers computes them: no longer than the
+    /// context, nor than an attention window (within one a window masks nothing; past it,
+    /// windowed attention is not built).
+    pub fn check_seq_len(&self, t: usize) -> Result<(), String> {
+        if t > self.context {
+            return Err(format!(
+                "sequence length {t} exceeds max_position_embeddings {}",
+                self.context
+            ));
+        }
+        match self.sliding_window {
+            Some(w) if t > w => Err(format!(
+                "sequence length {t} exceeds the config's sliding_window {w}: attention within a \
+                 window shorter than the sequence is not built yet; train on sequences of at \
+                 most {w} tokens"
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// transformers' defaults of a family's config class, for the fields they differ in.
+struct Defaults {
+    vocab: usize,
+    intermediate: usize,
+    kv_heads: Option<usize>,
+    head_dim: Option<usize>,
+    context: usize,
+}
+
+impl Family {
+    fn defaults(self) -> Defaults {
+        let qwen = |head_dim| Defaults {
+            vocab: 151936,
+            intermediate: 22016,
+            kv_heads: Some(32),
+            head_dim,
+            context: 32768,
+        };
+        match self {
+            Family::Llama => Defaults {
+                vocab: 32000,
+                intermediate: 11008,
+                kv_heads: None,
+                head_dim: None,
+                context: 2048,
+            },
+            Family::Qwen2 => qwen(None),
+            Family::Qwen3 => qwen(Some(128)),
+            Family::Mistral => Defaults {
+                vocab: 32000,
+                intermediate: 14336,
+                kv_heads: Some(8),
+                head_dim: None,
+                context: 4096 * 32,
+            },
+        }
+    }
+}
+
+/// The sizes, with the family's defaults.
+fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
+    let d = family.defaults();
     let hidden = f.size("hidden_size", Some(4096))?;
     let heads = f.size("num_attention_heads", Some(32))?;
+    let head_dim = d.head_dim.unwrap_or(hidden / heads.max(1));
+    let context = f.size("max_position_embeddings", Some(d.context))?;
+    // Llama's `attention_bias` puts biases on all four projections; Qwen2 always has them on
+    // q, k and v and never on o; Qwen3 reads `attention_bias` as Llama does; Mistral has none.
+    let attention_bias = match family {
+        Family::Llama | Family::Qwen3 => f.flag("attention_bias", false)?,
+        Family::Qwen2 | Family::Mistral => false,
+    };
     Ok(LlamaConfig {
-        vocab_size: f.size("vocab_size", Some(32000))?,
+        family,
+        vocab_size: f.size("vocab_size", Some(d.vocab))?,
         hidden,
-        intermediate: f.size("intermediate_size", Some(11008))?,
+        intermediate: f.size("intermediate_size", Some(d.intermediate))?,
         layers: f.size("num_hidden_layers", Some(32))?,
         heads,
-        kv_heads: f.size("num_key_value_heads", Some(heads))?,
-        head_dim: f.size("head_dim", Some(hidden / heads.max(1)))?,
-        context: f.size("max_position_embeddings", Some(2048))?,
+        kv_heads: f.size("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)))?,
+        head_dim: f.size("head_dim", Some(head_dim))?,
+        context,
         rms_eps: f.number("rms_norm_eps", 1e-6)?,
         rope_theta: rope_theta(f)?,
-        rope_scaling: rope_scaling(f)?,
+        rope_scaling: rope_scaling(f, context)?,
         tied: f.flag("tie_word_embeddings", false)?,
+        qkv_bias: attention_bias || family == Family::Qwen2,
+        o_bias: attention_bias,
+        mlp_bias: family == Family::Llama && f.flag("mlp_bias", false)?,
+        qk_norm: family == Family::Qwen3,
+        sliding_window: sliding_window(f, family)?,
         init_std: f.number("initializer_range", 0.02)?,
     })
+}
+
+/// The window of the layers that have one: Mistral's `sliding_window` on every layer; Qwen's
+/// only with `use_sliding_window`, on the layers from `max_window_layers` on (none when that is
+/// the depth or more). One window for all the layers that have one.
+fn sliding_window(f: &Fields<'_>, family: Family) -> Result<Option<usize>, HfError> {
+    let window = || match f.map.get("sliding_window") {
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => f.size("sliding_window", None).map(Some),
+    };
+    match family {
+        Family::Llama => Ok(None),
+        Family::Mistral => window(),
+        Family::Qwen2 | Family::Qwen3 => {
+            if !f.flag("use_sliding_window", false)? {
+                return Ok(None);
+            }
+            // `layer_types` where the config lists them (transformers 4.53 on), else the
+            // layers from `max_window_layers` on.
+            let windowed = match f.map.get("layer_types").and_then(Value::as_array) {
+                Some(types) => types
+                    .iter()
+                    .any(|t| t.as_str() == Some("sliding_attention")),
+                None => {
+                    let layers = f.size("num_hidden_layers", Some(32))?;
+                    f.size("max_window_layers", Some(28))? < layers
+                }
+            };
+            match windowed {
+                true => window(),
+                false => Ok(None),
+            }
+        }
+    }
 }
 
 /// How the rotary frequencies are rescaled for a longer context (`rope_type`).
@@ -136,6 +298,18 @@ pub enum RopeScaling {
         low_freq_factor: f64,
         high_freq_factor: f64,
         original_context: f64,
+    },
+    /// `yarn`: frequencies blended between interpolated (divided by `factor`) and kept along a
+    /// ramp over the dimensions whose rotations at `original_context` lie between `beta_slow`
+    /// and `beta_fast` (floored and ceiled with `truncate`), and cos and sin scaled by
+    /// `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_context: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        truncate: bool,
+        attention_factor: f64,
     },
 }
 
@@ -158,7 +332,7 @@ fn rope_theta(f: &Fields<'_>) -> Result<f64, HfError> {
 
 /// The scaling the rope block names; one zerodp does not compute (`dynamic`, `yarn`,
 /// `longrope`...) is refused by name.
-fn rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, HfError> {
+fn rope_scaling(f: &Fields<'_>, context: usize) -> Result<RopeScaling, HfError> {
     let Some((field, block)) = rope_block(f) else {
         return Ok(RopeScaling::None);
     };
@@ -187,14 +361,119 @@ fn rope_scaling(f: &Fields<'_>) -> Result<RopeScaling, HfError> {
             high_freq_factor: number("high_freq_factor")?,
             original_context: number("original_max_position_embeddings")?,
         }),
+        "yarn" => yarn(f, (field, block), context as f64),
         _ => {
-            let why = "the rotary scalings implemented are default, linear and llama3";
+            let why = "the rotary scalings implemented are default, linear, llama3 and yarn";
             Err(unsupported(f.path, field, block, why))
         }
     }
 }
 
+/// A `yarn` block read as transformers 5 reads it: `original_max_position_embeddings` from the
+/// config's top level, else the block, else `max_position_embeddings`; `factor`, else their
+/// ratio; the attention factor given, else `0.1 ln(factor) + 1` (over the same of `mscale_all_dim`
+/// when `mscale` and `mscale_all_dim` are both set).
+fn yarn(
+    f: &Fields<'_>,
+    (field, block): (&str, &Value),
+    context: f64,
+) -> Result<RopeScaling, HfError> {
+    let positive = |key: &str| -> Result<Option<f64>, HfError> {
+        match block.get(key).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(v) => match v.as_f64().filter(|x| *x > 0.0) {
+                Some(x) => Ok(Some(x)),
+                None => Err(field_err(
+                    f.path,
+                    &format!("{field}.{key}"),
+                    "not a positive number",
+                )),
+            },
+        }
+    };
+    let original = match f.map.get("original_max_position_embeddings") {
+        Some(v) if !v.is_null() => Some(f.size("original_max_position_embeddings", None)? as f64),
+        _ => positive("original_max_position_embeddings")?,
+    };
+    let original = original.unwrap_or(context);
+    let factor = positive("factor")?.unwrap_or(context / original);
+    let mscale = |scale: f64, m: f64| match scale <= 1.0 {
+        true => 1.0,
+        false => 0.1 * m * scale.ln() + 1.0,
+    };
+    let attention_factor = match (positive("attention_factor")?, positive("mscale")?) {
+        (Some(a), _) => a,
+        (None, Some(m)) => match positive("mscale_all_dim")? {
+            Some(all) => mscale(factor, m) / mscale(factor, all),
+            None => mscale(factor, 1.0),
+        },
+        (None, None) => mscale(factor, 1.0),
+    };
+    let truncate = match block.get("truncate") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => {
+            let path = format!("{field}.truncate");
+            return Err(field_err(f.path, &path, "not true or false"));
+        }
+    };
+    Ok(RopeScaling::Yarn {
+        factor,
+        original_context: original,
+        beta_fast: positive("beta_fast")?.unwrap_or(32.0),
+        beta_slow: positive("beta_slow")?.unwrap_or(1.0),
+        truncate,
+        attention_factor,
+    })
+}
+
 impl RopeScaling {
+    /// What cos and sin are multiplied by (yarn's attention factor; 1 for the others).
+    pub fn attention_factor(self) -> f64 {
+        match self {
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor,
+            _ => 1.0,
+        }
+    }
+
+    /// Yarn's inverse frequencies (transformers' `_compute_yarn_parameters`).
+    fn yarn_inv_freq(self, theta: f64, d: usize) -> Vec<f64> {
+        let RopeScaling::Yarn {
+            factor,
+            original_context,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        } = self
+        else {
+            unreachable!("yarn_inv_freq of a yarn scaling only")
+        };
+        let dim = d as f64;
+        let correction = |rotations: f64| {
+            dim * (original_context / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * theta.ln())
+        };
+        let (mut low, mut high) = (correction(beta_fast), correction(beta_slow));
+        if truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(dim - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        (0..d / 2)
+            .map(|k| {
+                let extrapolated = 1.0 / theta.powf((2 * k) as f64 / dim);
+                let ramp = ((k as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                // transformers' extrapolation factor is 1 - ramp.
+                extrapolated / factor * ramp + extrapolated * (1.0 - ramp)
+            })
+            .collect()
+    }
+
     /// The inverse frequencies `theta^(-2k/d)`, rescaled as transformers'
     /// `ROPE_INIT_FUNCTIONS` rescale them (in f64; the tables are rounded to f32 once).
     pub(in crate::model) fn inv_freq(self, theta: f64, d: usize) -> Vec<f64> {
@@ -220,6 +499,7 @@ impl RopeScaling {
                     }
                 })
                 .collect(),
+            RopeScaling::Yarn { .. } => self.yarn_inv_freq(theta, d),
         }
     }
 }
@@ -238,7 +518,5 @@ fn check_math(f: &Fields<'_>) -> Result<(), HfError> {
             "the MLP is SwiGLU (silu)",
         ));
     }
-    f.require_flag("attention_bias", false, "the projections have no bias")?;
-    f.require_flag("mlp_bias", false, "the MLP has no bias")?;
     Ok(())
 }

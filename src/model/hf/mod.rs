@@ -37,7 +37,7 @@ mod fields;
 mod llama_config;
 
 pub(in crate::model) use fields::{field_err, read_json, unsupported, Fields};
-pub use llama_config::{LlamaConfig, RopeScaling};
+pub use llama_config::{Family, LlamaConfig, RopeScaling};
 
 /// The config file of a model directory.
 pub const CONFIG_FILE: &str = "config.json";
@@ -153,7 +153,7 @@ impl HfConfig {
             });
         };
         let f = Fields { path, map };
-        if f.text("model_type") == Some("llama") {
+        if f.text("model_type").and_then(Family::of).is_some() {
             return Self::llama(&json, path);
         }
         check_model_type(&f)?;
@@ -172,7 +172,7 @@ impl HfConfig {
         })
     }
 
-    /// A `LlamaForCausalLM` config ([`LlamaConfig::from_hf_json`]).
+    /// A config of the Llama's decoder family ([`LlamaConfig::from_hf_json`]).
     fn llama(json: &Value, path: &Path) -> Result<HfConfig, HfError> {
         let llama = LlamaConfig::from_hf_json(json, path)?;
         let mut notes = Vec::new();
@@ -238,7 +238,8 @@ fn check_model_type(f: &Fields<'_>) -> Result<(), HfError> {
                 f.path,
                 "model_type",
                 &Value::from(other),
-                "zerodp reads GPT-2 (`gpt2`) and Llama (`llama`) model directories",
+                "zerodp reads GPT-2 (`gpt2`), Llama (`llama`), Qwen2 and Qwen2.5 (`qwen2`), Qwen3 \
+                 (`qwen3`) and Mistral (`mistral`) model directories",
             ))
         }
         None => {

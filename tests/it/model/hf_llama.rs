@@ -149,15 +149,14 @@ fn ten_adamw_steps_equal_transformers_at_every_stage() {
 #[test]
 fn llama_configs_zerodp_cannot_compute_are_refused_by_name() {
     let base = read_json(&fixture_dir().join("config.json"));
-    let cases: [(&str, Value); 5] = [
+    let cases: [(&str, Value); 4] = [
         ("hidden_act", "gelu".into()),
-        ("attention_bias", true.into()),
-        ("mlp_bias", true.into()),
         ("num_key_value_heads", 3.into()),
         (
             "rope_parameters",
-            serde_json::json!({"rope_type": "yarn", "factor": 8.0, "rope_theta": 5e5}),
+            serde_json::json!({"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}),
         ),
+        ("model_type", "gemma".into()),
     ];
     for (field, value) in cases {
         let mut json = base.clone();

@@ -1,0 +1,243 @@
+//! The families on the Llama's decoder (issue 43): Qwen2 (q, k and v biases, a tied head, a
+//! sliding window as long as the batches), Qwen3 (the query and key norms, head_dim apart from the
+//! width), Mistral, and a Llama with attention and MLP biases and yarn rope scaling. Each is a tiny
+//! directory written by `transformers` (tests/fixtures/hf/*-tiny, made by
+//! scripts/make_family_fixtures.py) that loads into zerodp by its config alone and gives
+//! transformers' losses and gradient norms over 10 AdamW steps with clipping and weight decay at
+//! every stage, counts its parameters as transformers does, and exports back as its own family.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use zerodp::data::TokenBatch;
+use zerodp::model::hf::{self, HfConfig};
+use zerodp::model::llama::Llama;
+use zerodp::model::Candle;
+use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
+use zerodp::zero::unit::UnitModel;
+use zerodp::zero::{EngineConfig, Stage};
+
+const FAMILIES: [&str; 4] = [
+    "qwen2-tiny",
+    "qwen3-tiny",
+    "mistral-tiny",
+    "llama-bias-tiny",
+];
+
+fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf")
+        .join(name)
+}
+
+fn read_json(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn expected(name: &str) -> Value {
+    read_json(&fixture_dir(name).with_file_name(format!("{name}-expected.json")))
+}
+
+fn numbers(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|row| row.as_array().unwrap().iter())
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Sequences `first..first + n` of step `step`'s global batch.
+fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
+    let seq = exp["seq"].as_u64().unwrap() as usize;
+    let s = &exp["steps"][step];
+    let cut = |v: Vec<u32>| v[first * seq..(first + n) * seq].to_vec();
+    TokenBatch {
+        tokens: cut(ids(&s["tokens"])),
+        targets: cut(ids(&s["targets"])),
+        batch_size: n,
+        seq_len: seq,
+    }
+}
+
+/// The directory's model, from its config alone, and its weights.
+fn load(name: &str) -> (HfConfig, Candle<Llama>, Vec<Vec<f32>>) {
+    let config = HfConfig::read(&fixture_dir(name).join(hf::CONFIG_FILE)).unwrap();
+    let llama = config.llama.clone().expect("a Llama-family config");
+    let model = Candle::new(Llama::new(llama).unwrap());
+    let weights =
+        hf::load_weights(&fixture_dir(name), model.spec()).unwrap_or_else(|e| panic!("{e}"));
+    (config, model, weights)
+}
+
+fn loss(model: &Candle<Llama>, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
+    let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
+    model.end_to_end(&slices, batch, 1.0).unwrap().0
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / b.abs()
+}
+
+/// Rank 0's losses and gradient norms and the final weights of the fixture's AdamW steps, with
+/// its clipping, at `stage` on `world` ranks.
+fn train(name: &str, stage: Stage, world: usize) -> (Vec<f64>, Vec<f64>, Vec<Vec<f32>>) {
+    let exp = expected(name);
+    let (_, model, weights) = load(name);
+    let o = &exp["optimizer"];
+    let global = exp["batch"].as_u64().unwrap() as usize;
+    let mut cfg = EngineConfig::new(stage, world);
+    cfg.micro_batch = global / world;
+    cfg.adam.beta1 = o["betas"][0].as_f64().unwrap();
+    cfg.adam.beta2 = o["betas"][1].as_f64().unwrap();
+    cfg.adam.eps = o["eps"].as_f64().unwrap();
+    cfg.adam.weight_decay = o["weight_decay"].as_f64().unwrap();
+    cfg.adam.adam_w_mode = true;
+    cfg.adam.bias_correction = true;
+    cfg.gradient_clipping = exp["gradient_clipping"].as_f64().unwrap() as f32;
+    cfg.param_persistence_threshold = 0;
+    let source = |at: BatchIndex| -> Result<TokenBatch, String> {
+        let n = at.micro_batch_size;
+        let first = (at.micro * at.world_size + at.rank) * n;
+        Ok(batch(&exp, at.step as usize, first, n))
+    };
+    let steps = exp["losses"].as_array().unwrap().len() as u64;
+    let log = ReportLog::new();
+    let outcome = Trainer::new(&model, cfg)
+        .with_init(weights)
+        .with_schedule(LrSchedule::Constant(o["lr"].as_f64().unwrap() as f32))
+        .keep_params(true)
+        .run(&source, steps, &[&log])
+        .unwrap_or_else(|e| panic!("{name} {stage:?} world {world}: {e}"));
+    let reports = log.into_reports().swap_remove(0);
+    let losses = reports.iter().map(|r| r.loss as f64).collect();
+    let norms = reports.iter().map(|r| r.grad_norm as f64).collect();
+    (losses, norms, outcome.params.unwrap())
+}
+
+#[test]
+fn each_family_reads_its_config_and_counts_its_parameters_as_transformers() {
+    for name in FAMILIES {
+        let (config, model, _) = load(name);
+        let llama = config.llama.as_ref().unwrap();
+        let want = expected(name)["num_params"].as_u64().unwrap() as usize;
+        assert_eq!(model.spec().num_params(), want, "{name}: the spec's count");
+        assert_eq!(llama.num_params(), want, "{name}: the config's count");
+        let spec = zerodp::model::train_model::spec_of(&config).unwrap();
+        assert_eq!(spec.num_params(), want, "{name}: what plan and train count");
+    }
+    let qwen2 = load("qwen2-tiny").0.llama.unwrap();
+    assert!(qwen2.qkv_bias && !qwen2.o_bias && !qwen2.mlp_bias && qwen2.tied);
+    assert_eq!(qwen2.sliding_window, Some(16));
+    let qwen3 = load("qwen3-tiny").0.llama.unwrap();
+    assert!(qwen3.qk_norm && !qwen3.qkv_bias && qwen3.head_dim == 24);
+    let biased = load("llama-bias-tiny").0.llama.unwrap();
+    assert!(biased.qkv_bias && biased.o_bias && biased.mlp_bias);
+    assert!(biased.rope_scaling.attention_factor() > 1.0);
+}
+
+#[test]
+fn each_family_gives_transformers_step_0_loss() {
+    for name in FAMILIES {
+        let exp = expected(name);
+        let (_, model, weights) = load(name);
+        let got = loss(&model, &weights, &batch(&exp, 0, 0, 4));
+        let want = exp["losses"][0].as_f64().unwrap();
+        eprintln!("{name}: zerodp {got}, transformers {want}");
+        assert!(
+            rel(got, want) <= 1e-5,
+            "{name}: zerodp {got}, transformers {want}"
+        );
+    }
+}
+
+/// Ten AdamW steps with weight decay and clipping: every loss, every gradient norm (before
+/// clipping) and the loss after the last step within 1e-5 of transformers', at stages 0-3.
+#[test]
+fn each_family_trains_as_transformers_at_every_stage() {
+    for name in FAMILIES {
+        let exp = expected(name);
+        let (want_losses, want_norms) = (numbers(&exp["losses"]), numbers(&exp["grad_norms"]));
+        let after_want = exp["loss_after_steps_on_batch_0"].as_f64().unwrap();
+        let (_, model, _) = load(name);
+        for (stage, world) in [
+            (Stage::Zero0, 1),
+            (Stage::Zero1, 2),
+            (Stage::Zero2, 2),
+            (Stage::Zero3, 2),
+        ] {
+            let (losses, norms, params) = train(name, stage, world);
+            let after = loss(&model, &params, &batch(&exp, 0, 0, 4));
+            let pairs = losses
+                .iter()
+                .zip(&want_losses)
+                .chain(norms.iter().zip(&want_norms));
+            let worst = pairs
+                .map(|(&g, &w)| rel(g, w))
+                .fold(rel(after, after_want), f64::max);
+            eprintln!("{name} {stage:?} world {world}: worst relative difference {worst:.2e}");
+            assert!(
+                worst <= 1e-5,
+                "{name} {stage:?}: losses {losses:?} vs {want_losses:?}, norms {norms:?} vs \
+                 {want_norms:?}, after {after} vs {after_want}"
+            );
+        }
+    }
+}
+
+/// The export writes each family back as itself: its `model_type` and architecture, its
+/// tensors under its own names, loading back to the same weights and loss.
+#[test]
+fn each_family_exports_as_itself() {
+    for name in FAMILIES {
+        let exp = expected(name);
+        let (config, model, weights) = load(name);
+        let out = tempfile::tempdir().unwrap();
+        let f32 = hf::ExportDtype::F32;
+        hf::export(out.path(), &config, model.spec(), &weights, f32, None).unwrap();
+        let written = read_json(&out.path().join(hf::CONFIG_FILE));
+        let original = read_json(&fixture_dir(name).join(hf::CONFIG_FILE));
+        for key in [
+            "model_type",
+            "architectures",
+            "tie_word_embeddings",
+            "head_dim",
+        ] {
+            assert_eq!(written.get(key), original.get(key), "{name}: {key}");
+        }
+        let back = hf::load_weights(out.path(), model.spec()).unwrap();
+        assert_eq!(back, weights, "{name}");
+        let b = batch(&exp, 0, 0, 4);
+        assert_eq!(
+            loss(&model, &weights, &b),
+            loss(&model, &back, &b),
+            "{name}"
+        );
+    }
+}
+
+/// A window shorter than a batch's sequences is refused by name (windowed attention is not
+/// built); within the window the model computes as transformers does (the test above).
+#[test]
+fn sequences_longer_than_the_sliding_window_are_refused() {
+    let (config, model, weights) = load("qwen2-tiny");
+    let mut json = config.json.clone();
+    json["sliding_window"] = 8.into();
+    let narrow = HfConfig::from_json(json, Path::new("cfg.json")).unwrap();
+    let narrow = Candle::new(Llama::new(narrow.llama.unwrap()).unwrap());
+    let exp = expected("qwen2-tiny");
+    let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
+    let e = narrow
+        .end_to_end(&slices, &batch(&exp, 0, 0, 4), 1.0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sliding_window 8"), "{e}");
+    drop(model);
+}
