@@ -16,7 +16,11 @@ decay on every parameter and clip_grad_norm_ at 1.0 (DeepSpeed's `gradient_clipp
   64 / 4 heads; untied head);
 * mistral-tiny: Mistral (sliding_window 32 = the context);
 * llama-bias-tiny: Llama with `attention_bias`, `mlp_bias` and yarn rope scaling (factor 4 over
-  an original context of 8, so that both ends of its ramp and its attention factor apply).
+  an original context of 8, so that both ends of its ramp and its attention factor apply);
+* gemma-tiny: Gemma (GeGLU with the tanh GELU, RMSNorm scaled by 1 + weight, the embeddings
+  scaled by sqrt(64), head_dim 24 apart from the width, a tied head).
+
+`--only NAME` writes one of them (the others keep their bytes).
 
 `cargo test --test it model::hf_families` reads them; it needs no Python.
 Needs: pip install torch transformers safetensors numpy
@@ -35,6 +39,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -100,6 +106,15 @@ def families():
                 },
             ),
         ),
+        (
+            "gemma-tiny",
+            GemmaForCausalLM,
+            GemmaConfig(
+                **{**COMMON, "hidden_act": "gelu_pytorch_tanh"},
+                head_dim=24,
+                tie_word_embeddings=True,
+            ),
+        ),
     ]
 
 
@@ -112,6 +127,9 @@ def randomize(model, gen):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
             elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+            elif "gemma" in type(model).__name__.lower():
+                # Gemma's norms scale by 1 + weight: weights around 0.
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
 
@@ -180,9 +198,12 @@ def save_and_train(model, out_root, name):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", default="tests/fixtures/hf")
+    p.add_argument("--only")
     a = p.parse_args()
     torch.set_num_threads(1)
     for k, (name, cls, config) in enumerate(families()):
+        if a.only and name != a.only:
+            continue
         torch.manual_seed(SEED + k)
         model = cls(config).float().eval()
         randomize(model, torch.Generator().manual_seed(SEED + k))

@@ -218,11 +218,13 @@ def from_consolidated(path, config):
     """The export's model class from zerodp's own names and layout, mapped independently of
     zerodp: GPT-2's Conv1D weights transposed and prefixed, Llama's names as they are."""
     state = load_file(path)
-    if config.model_type == "llama":
+    if config.model_type != "gpt2":
+        # The Llama and the families on its decoder (qwen2, qwen3, mistral, gemma): the names are
+        # Hugging Face's already.
         hf = {name: t.float() for name, t in state.items()}
         if config.tie_word_embeddings:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        model = LlamaForCausalLM(config).float().eval()
+        model = AutoModelForCausalLM.from_config(config).float().eval()
         model.load_state_dict(hf, strict=True)
         return model
     hf = {}

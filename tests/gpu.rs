@@ -291,7 +291,7 @@ fn the_llama_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
 #[test]
 fn the_families_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
-    for name in ["qwen2-tiny", "qwen3-tiny", "llama-bias-tiny"] {
+    for name in ["qwen2-tiny", "qwen3-tiny", "llama-bias-tiny", "gemma-tiny"] {
         let path = root.join(name).join("config.json");
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();

@@ -147,23 +147,21 @@ impl DataArgs {
     /// The loader over the byte corpus or, with `tokenizer`, the token file of `--data` (of the
     /// demo corpus when none is given), built or reused: on rank 0 a note says which, and
     /// `progress` draws the tokenizing bar. Its largest id is checked against `gpt`'s vocabulary
-    /// before any step; `context_flag` says whether `--context` can shorten the windows (a
-    /// preset's), for the hint of a corpus too short for one.
+    /// before any step.
     pub fn loader(
         &self,
         tokenizer: Option<&TextTokenizer>,
-        (gpt, context_flag): (&GptConfig, bool),
+        gpt: &GptConfig,
         seed: u64,
         (rank0, progress): (bool, bool),
     ) -> anyhow::Result<DataLoader> {
         let loader = self.open_loader(tokenizer, gpt.context, seed, (rank0, progress));
         let loader = loader.map_err(|e| match e.downcast_ref::<DataError>() {
             Some(DataError::TooShort { .. } | DataError::TooFewTokens { .. }) => {
-                let hint = match context_flag {
-                    true => "a shorter context is --context N",
-                    false => "the Hugging Face model's context is its config's n_positions (GPT-2) or max_position_embeddings (Llama)",
-                };
-                e.context(format!("the data cannot fill one window ({hint})"))
+                e.context(format!(
+                "the data cannot fill one window of {} tokens (shorter windows are --context N)",
+                gpt.context
+            ))
             }
             _ => e,
         })?;

@@ -17,11 +17,11 @@ pub struct HfModelArgs {
     /// Fine-tune a Hugging Face GPT-2 or Llama model directory (config.json; model.safetensors
     /// or a sharded model.safetensors.index.json; F32/BF16/F16): the config is the model, the
     /// weights the start.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model_config", "init", "preset", "layers", "width", "heads", "context"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model_config", "init", "preset", "layers", "width", "heads"])]
     pub model_dir: Option<PathBuf>,
     /// Train the model a Hugging Face GPT-2 or Llama config.json describes, from the seeded
     /// initialisation.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads", "context"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "layers", "width", "heads"])]
     pub model_config: Option<PathBuf>,
 }
 

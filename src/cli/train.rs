@@ -202,7 +202,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     };
     let data = args.data.loader(
         tokenizer.as_ref(),
-        (&gpt, hf.is_none()),
+        &gpt,
         seed,
         (launch_rank == 0, !args.no_progress),
     )?;
@@ -283,13 +283,30 @@ fn what_to_train(
 )> {
     let hf = args.hf.read()?;
     let gpt = match &hf {
-        Some(m) => m.config.gpt.clone(),
+        Some(m) => with_seq_len(m.config.gpt.clone(), args.model.context)?,
         None => args.model.build("demo")?,
     };
     let (gpt, tokenizer) = args
         .data
         .fit_model(gpt, args.hf.model_dir.as_deref(), hf.is_some())?;
     Ok((hf, gpt, tokenizer))
+}
+
+/// A Hugging Face model's windows: `--context N` tokens where given (at most the positions its
+/// config has: `max_position_embeddings` or `n_positions`), else as many as it has positions.
+/// The model keeps all its positions; only the windows it trains on are shorter.
+fn with_seq_len(mut gpt: GptConfig, context: Option<usize>) -> anyhow::Result<GptConfig> {
+    match context {
+        Some(n) if n == 0 || n > gpt.context => bail!(
+            "--context {n}: the model's config has {} positions (max_position_embeddings or \
+             n_positions); train on windows of 1 to {} tokens",
+            gpt.context,
+            gpt.context
+        ),
+        Some(n) => gpt.context = n,
+        None => {}
+    }
+    Ok(gpt)
 }
 
 /// `--metrics FILE`, created before the first step; a resumed run keeps the lines of the steps

@@ -26,7 +26,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::candle_unit::CandleUnits;
-use super::hf::LlamaConfig;
+use super::hf::{LlamaConfig, MlpAct};
 use super::ops;
 use crate::data::TokenBatch;
 use crate::rng::{fill_normal, mix_seed};
@@ -255,12 +255,13 @@ impl Llama {
     /// `w * (x * rsqrt(mean(x²) + eps))` over the last dimension.
     /// In a 16-bit run (a GPU) the statistics and the normalised rows in f32, rounded back before
     /// the weight, as transformers' `LlamaRMSNorm` computes it.
+    /// Gemma's (`norm_offset`) scales by `1 + weight` in f32 before the rounding instead.
     fn rms_norm(&self, x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
         if self.cuda_kernels {
             let norm = ops::RmsNorm {
                 eps: self.config.rms_eps,
             };
-            return x.contiguous()?.apply_op2(w, norm);
+            return x.contiguous()?.apply_op2(&self.norm_weight(w)?, norm);
         }
         let x32 = match super::compute::is_16_bit(self.dtype) {
             true => x.to_dtype(DType::F32)?,
@@ -268,9 +269,34 @@ impl Llama {
         };
         let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
         let inv = (ms + self.config.rms_eps)?.sqrt()?.recip()?;
-        x32.broadcast_mul(&inv)?
+        let normed = x32.broadcast_mul(&inv)?;
+        match self.config.norm_offset {
+            true => {
+                let scale = (w.to_dtype(DType::F32)? + 1.0)?;
+                normed.broadcast_mul(&scale)?.to_dtype(self.dtype)
+            }
+            false => normed.to_dtype(self.dtype)?.broadcast_mul(w),
+        }
+    }
+
+    /// The looked-up rows `x` with the rows of `pad_token_id` cut from the graph, so that they
+    /// train no embedding (`torch.nn.Embedding`'s `padding_idx`).
+    fn without_padding_grads(&self, x: Tensor, tokens: &[u32]) -> candle_core::Result<Tensor> {
+        let Some(pad) = self.config.padding_idx.filter(|p| tokens.contains(p)) else {
+            return Ok(x);
+        };
+        let is_pad: Vec<u8> = tokens.iter().map(|&t| u8::from(t == pad)).collect();
+        let mask = Tensor::from_vec(is_pad, (tokens.len(), 1), &self.device)?;
+        mask.broadcast_as(x.shape())?.where_cond(&x.detach(), &x)
+    }
+
+    /// `sqrt(hidden_size)` as f32, rounded to the compute dtype (transformers' `embed_scale`).
+    fn embed_scale(&self) -> candle_core::Result<f64> {
+        let scale = (self.config.hidden as f64).sqrt() as f32;
+        Tensor::new(scale, &Device::Cpu)?
             .to_dtype(self.dtype)?
-            .broadcast_mul(w)
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()
     }
 
     /// The rotary frequencies, in f32 as the tables are computed.
@@ -345,7 +371,7 @@ impl Llama {
             }
         };
         let x = x.contiguous()?;
-        let h = x.apply_op2(&p[s.input_norm], norm)?;
+        let h = x.apply_op2(&self.norm_weight(&p[s.input_norm])?, norm)?;
         let rope = self.cached_rope_op(t);
         let q = self.head_norm(linear(&h, s.q)?, s.q_norm.map(|w| &p[w]), c.heads)?;
         let k = self.head_norm(linear(&h, s.k)?, s.k_norm.map(|w| &p[w]), c.kv_heads)?;
@@ -359,9 +385,27 @@ impl Llama {
             heads: c.heads,
         };
         let x = (&x + linear(&qkv.apply_op1(attention)?, s.o)?)?;
-        let h = x.apply_op2(&p[s.post_norm], norm)?;
-        let gated = linear(&h, s.gate)?.apply_op2(&linear(&h, s.up)?, ops::SwiGlu)?;
+        let h = x.apply_op2(&self.norm_weight(&p[s.post_norm])?, norm)?;
+        let gated = self.gated(linear(&h, s.gate)?, linear(&h, s.up)?)?;
         &x + linear(&gated, s.down)?
+    }
+
+    /// The MLP's gate applied: `silu(gate) * up` (the fused SwiGLU op where the path has it) or
+    /// Gemma's `gelu_tanh(gate) * up`.
+    fn gated(&self, gate: Tensor, up: Tensor) -> candle_core::Result<Tensor> {
+        match self.config.mlp_act {
+            MlpAct::Silu if self.fused || self.cuda_kernels => gate.apply_op2(&up, ops::SwiGlu),
+            MlpAct::Silu => candle_nn::ops::silu(&gate)? * up,
+            MlpAct::GeluTanh => gate.gelu()? * up,
+        }
+    }
+
+    /// An RMSNorm's weight as it scales: the stored weight, or Gemma's `1 + weight`.
+    fn norm_weight(&self, w: &Tensor) -> candle_core::Result<Tensor> {
+        match self.config.norm_offset {
+            true => w + 1.0,
+            false => Ok(w.clone()),
+        }
     }
 
     /// Qwen3's RMSNorm of each head's `head_dim` values (`[rows, n*d]` rows of `n` heads), where
@@ -498,10 +542,7 @@ impl Llama {
         let x = (x + Self::linear(&self.attention(&h, p, b, t)?, p, s.o)?)?;
         let h = self.rms_norm(&x, &p[s.post_norm])?;
         let (gate, up) = (Self::linear(&h, p, s.gate)?, Self::linear(&h, p, s.up)?);
-        let gated = match self.cuda_kernels {
-            true => gate.apply_op2(&up, ops::SwiGlu)?,
-            false => (candle_nn::ops::silu(&gate)? * up)?,
-        };
+        let gated = self.gated(gate, up)?;
         x + Self::linear(&gated, p, s.down)?
     }
 }
@@ -530,7 +571,8 @@ impl CandleUnits for Llama {
                 continue;
             }
             if p.shape.len() == 1 {
-                dst.fill(1.0);
+                // Gemma's norms scale by 1 + weight: their weights start at 0.
+                dst.fill(if self.config.norm_offset { 0.0 } else { 1.0 });
                 continue;
             }
             let stream = mix_seed(&[seed, unit as u64, k as u64]);
@@ -548,7 +590,12 @@ impl CandleUnits for Llama {
         let (b, t) = (batch.batch_size, batch.seq_len);
         if unit == 0 {
             let tokens = Tensor::from_slice(&batch.tokens, b * t, &self.device)?;
-            return p[0].index_select(&tokens, 0);
+            let x = self.without_padding_grads(p[0].index_select(&tokens, 0)?, &batch.tokens)?;
+            return match self.config.embed_scale {
+                // Gemma's `sqrt(hidden)` as an f32, rounded to the compute dtype as its buffer is.
+                true => x * self.embed_scale()?,
+                false => Ok(x),
+            };
         }
         let x = input.ok_or_else(|| candle_core::Error::Msg("no input activation".into()))?;
         if unit <= self.config.layers {
@@ -562,7 +609,7 @@ impl CandleUnits for Llama {
             let norm = ops::RmsNorm {
                 eps: self.config.rms_eps,
             };
-            let h = x.contiguous()?.apply_op2(&p[0], norm)?;
+            let h = x.contiguous()?.apply_op2(&self.norm_weight(&p[0])?, norm)?;
             let op = ops::HeadLoss {
                 targets: batch.targets.clone(),
             };

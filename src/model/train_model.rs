@@ -134,8 +134,9 @@ impl TrainModel {
     }
 }
 
-/// The model of `gpt` (a preset or a GPT-2 config), or of the Llama config `model` holds, on
-/// `device`, computing in `dtype`.
+/// The model of `gpt` (a preset), of the GPT-2 config `model` holds (all its positions, however
+/// long the windows `gpt.context` says), or of its Llama-family config, on `device`, computing in
+/// `dtype`.
 pub fn build_model(
     gpt: &GptConfig,
     model: Option<&HfModel>,
@@ -146,7 +147,7 @@ pub fn build_model(
             Llama::new(llama)?.on_device(on, dtype)?,
         ))),
         None => Ok(TrainModel::Gpt(GptModel::on_device(
-            gpt.clone(),
+            model.map_or(gpt, |m| &m.config.gpt).clone(),
             dtype,
             on,
         )?)),

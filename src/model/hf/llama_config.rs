@@ -21,10 +21,19 @@ pub enum Family {
     /// Qwen3: RMSNorm of each head's queries and keys before the rotary embedding.
     Qwen3,
     Mistral,
+    /// Gemma: GeGLU with the tanh GELU, RMSNorm scaled by 1 + weight, the embeddings scaled by
+    /// the square root of the width, a tied head.
+    Gemma,
 }
 
 impl Family {
-    pub const ALL: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral];
+    pub const ALL: [Family; 5] = [
+        Family::Llama,
+        Family::Qwen2,
+        Family::Qwen3,
+        Family::Mistral,
+        Family::Gemma,
+    ];
 
     /// The `model_type` of the family's configs.
     pub fn model_type(self) -> &'static str {
@@ -33,6 +42,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
+            Family::Gemma => "gemma",
         }
     }
 
@@ -69,6 +79,15 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// RMSNorm of each head's queries and keys (weights `[head_dim]`) before the rotation (Qwen3).
     pub qk_norm: bool,
+    /// The MLP's activation on the gate: SiLU (SwiGLU), or the tanh GELU (Gemma's GeGLU).
+    pub mlp_act: MlpAct,
+    /// Every RMSNorm scales by `1 + weight` (Gemma: the weight is stored, decayed and starts at 0).
+    pub norm_offset: bool,
+    /// The embeddings are multiplied by `sqrt(hidden_size)` (Gemma), as f32, before the first layer.
+    pub embed_scale: bool,
+    /// `pad_token_id`: the embedding row that lookups do not train (`torch.nn.Embedding`'s
+    /// `padding_idx`, which every family sets from it).
+    pub padding_idx: Option<u32>,
     /// The attention window of the layers that have one (Mistral's `sliding_window`, Qwen's
     /// with `use_sliding_window`): a query sees the keys less than this many positions back.
     /// Sequences no longer than it attend as without one; longer ones are refused
@@ -175,8 +194,17 @@ impl LlamaConfig {
     }
 }
 
+/// The activation of the MLP's gate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MlpAct {
+    Silu,
+    /// `gelu_pytorch_tanh`: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+    GeluTanh,
+}
+
 /// transformers' defaults of a family's config class, for the fields they differ in.
 struct Defaults {
+    tied: bool,
     vocab: usize,
     intermediate: usize,
     kv_heads: Option<usize>,
@@ -187,6 +215,7 @@ struct Defaults {
 impl Family {
     fn defaults(self) -> Defaults {
         let qwen = |head_dim| Defaults {
+            tied: false,
             vocab: 151936,
             intermediate: 22016,
             kv_heads: Some(32),
@@ -195,6 +224,7 @@ impl Family {
         };
         match self {
             Family::Llama => Defaults {
+                tied: false,
                 vocab: 32000,
                 intermediate: 11008,
                 kv_heads: None,
@@ -204,11 +234,20 @@ impl Family {
             Family::Qwen2 => qwen(None),
             Family::Qwen3 => qwen(Some(128)),
             Family::Mistral => Defaults {
+                tied: false,
                 vocab: 32000,
                 intermediate: 14336,
                 kv_heads: Some(8),
                 head_dim: None,
                 context: 4096 * 32,
+            },
+            Family::Gemma => Defaults {
+                tied: true,
+                vocab: 256000,
+                intermediate: 24576,
+                kv_heads: Some(16),
+                head_dim: Some(256),
+                context: 8192,
             },
         }
     }
@@ -217,14 +256,15 @@ impl Family {
 /// The sizes, with the family's defaults.
 fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
     let d = family.defaults();
-    let hidden = f.size("hidden_size", Some(4096))?;
-    let heads = f.size("num_attention_heads", Some(32))?;
+    let gemma = family == Family::Gemma;
+    let hidden = f.size("hidden_size", Some(if gemma { 3072 } else { 4096 }))?;
+    let heads = f.size("num_attention_heads", Some(if gemma { 16 } else { 32 }))?;
     let head_dim = d.head_dim.unwrap_or(hidden / heads.max(1));
     let context = f.size("max_position_embeddings", Some(d.context))?;
     // Llama's `attention_bias` puts biases on all four projections; Qwen2 always has them on
     // q, k and v and never on o; Qwen3 reads `attention_bias` as Llama does; Mistral has none.
     let attention_bias = match family {
-        Family::Llama | Family::Qwen3 => f.flag("attention_bias", false)?,
+        Family::Llama | Family::Qwen3 | Family::Gemma => f.flag("attention_bias", false)?,
         Family::Qwen2 | Family::Mistral => false,
     };
     Ok(LlamaConfig {
@@ -232,7 +272,7 @@ fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
         vocab_size: f.size("vocab_size", Some(d.vocab))?,
         hidden,
         intermediate: f.size("intermediate_size", Some(d.intermediate))?,
-        layers: f.size("num_hidden_layers", Some(32))?,
+        layers: f.size("num_hidden_layers", Some(if gemma { 28 } else { 32 }))?,
         heads,
         kv_heads: f.size("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)))?,
         head_dim: f.size("head_dim", Some(head_dim))?,
@@ -240,11 +280,15 @@ fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
         rms_eps: f.number("rms_norm_eps", 1e-6)?,
         rope_theta: rope_theta(f)?,
         rope_scaling: rope_scaling(f, context)?,
-        tied: f.flag("tie_word_embeddings", false)?,
+        tied: f.flag("tie_word_embeddings", d.tied)?,
         qkv_bias: attention_bias || family == Family::Qwen2,
         o_bias: attention_bias,
         mlp_bias: family == Family::Llama && f.flag("mlp_bias", false)?,
         qk_norm: family == Family::Qwen3,
+        mlp_act: mlp_act(f, family)?,
+        norm_offset: gemma,
+        embed_scale: gemma,
+        padding_idx: padding_idx(f, family)?,
         sliding_window: sliding_window(f, family)?,
         init_std: f.number("initializer_range", 0.02)?,
     })
@@ -259,7 +303,7 @@ fn sliding_window(f: &Fields<'_>, family: Family) -> Result<Option<usize>, HfErr
         Some(_) => f.size("sliding_window", None).map(Some),
     };
     match family {
-        Family::Llama => Ok(None),
+        Family::Llama | Family::Gemma => Ok(None),
         Family::Mistral => window(),
         Family::Qwen2 | Family::Qwen3 => {
             if !f.flag("use_sliding_window", false)? {
@@ -504,19 +548,59 @@ impl RopeScaling {
     }
 }
 
+/// `pad_token_id` (Gemma's default 0; the others' none).
+fn padding_idx(f: &Fields<'_>, family: Family) -> Result<Option<u32>, HfError> {
+    match f.map.get("pad_token_id") {
+        None => Ok((family == Family::Gemma).then_some(0)),
+        Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+            Some(n) => Ok(Some(n)),
+            None => Err(field_err(
+                f.path,
+                "pad_token_id",
+                format!("{v} is not a token id"),
+            )),
+        },
+    }
+}
+
+/// The MLP's activation: `hidden_act` (Gemma: `hidden_activation` where set, as transformers 4
+/// took it, and the legacy `gelu` meaning the tanh GELU, as transformers 5 takes it).
+fn mlp_act(f: &Fields<'_>, family: Family) -> Result<MlpAct, HfError> {
+    let (field, default) = match family {
+        Family::Gemma if f.map.get("hidden_activation").is_some_and(|v| !v.is_null()) => {
+            ("hidden_activation", "gelu_pytorch_tanh")
+        }
+        Family::Gemma => ("hidden_act", "gelu_pytorch_tanh"),
+        _ => ("hidden_act", "silu"),
+    };
+    let value = f.map.get(field).filter(|v| !v.is_null());
+    let name = match value {
+        None => default,
+        Some(v) => v
+            .as_str()
+            .ok_or_else(|| field_err(f.path, field, format!("{v} is not a string")))?,
+    };
+    match (family, name) {
+        (Family::Gemma, "gelu" | "gelu_pytorch_tanh" | "gelu_new") => Ok(MlpAct::GeluTanh),
+        (Family::Gemma, _) => Err(unsupported(
+            f.path,
+            field,
+            &Value::from(name),
+            "Gemma's GeGLU is built with the tanh GELU (gelu_pytorch_tanh)",
+        )),
+        (_, "silu") => Ok(MlpAct::Silu),
+        (_, _) => Err(unsupported(
+            f.path,
+            field,
+            &Value::from(name),
+            "the MLP is SwiGLU (silu)",
+        )),
+    }
+}
+
 /// The fields that change the math and have one implemented value.
 fn check_math(f: &Fields<'_>) -> Result<(), HfError> {
-    if let Some(act) = f
-        .map
-        .get("hidden_act")
-        .filter(|v| v.as_str() != Some("silu"))
-    {
-        return Err(unsupported(
-            f.path,
-            "hidden_act",
-            act,
-            "the MLP is SwiGLU (silu)",
-        ));
-    }
+    f.require_flag("use_bidirectional_attention", false, "attention is causal")?;
     Ok(())
 }

@@ -37,7 +37,7 @@ mod fields;
 mod llama_config;
 
 pub(in crate::model) use fields::{field_err, read_json, unsupported, Fields};
-pub use llama_config::{Family, LlamaConfig, RopeScaling};
+pub use llama_config::{Family, LlamaConfig, MlpAct, RopeScaling};
 
 /// The config file of a model directory.
 pub const CONFIG_FILE: &str = "config.json";

@@ -1,6 +1,7 @@
 //! The families on the Llama's decoder (issue 43): Qwen2 (q, k and v biases, a tied head, a
 //! sliding window as long as the batches), Qwen3 (the query and key norms, head_dim apart from the
-//! width), Mistral, and a Llama with attention and MLP biases and yarn rope scaling. Each is a tiny
+//! width), Mistral, a Llama with attention and MLP biases and yarn rope scaling, and Gemma
+//! (GeGLU, RMSNorm by 1 + weight, scaled embeddings, a padding row that lookups do not train). Each is a tiny
 //! directory written by `transformers` (tests/fixtures/hf/*-tiny, made by
 //! scripts/make_family_fixtures.py) that loads into zerodp by its config alone and gives
 //! transformers' losses and gradient norms over 10 AdamW steps with clipping and weight decay at
@@ -16,11 +17,12 @@ use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};
 
-const FAMILIES: [&str; 4] = [
+const FAMILIES: [&str; 5] = [
     "qwen2-tiny",
     "qwen3-tiny",
     "mistral-tiny",
     "llama-bias-tiny",
+    "gemma-tiny",
 ];
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -138,6 +140,9 @@ fn each_family_reads_its_config_and_counts_its_parameters_as_transformers() {
     assert_eq!(qwen2.sliding_window, Some(16));
     let qwen3 = load("qwen3-tiny").0.llama.unwrap();
     assert!(qwen3.qk_norm && !qwen3.qkv_bias && qwen3.head_dim == 24);
+    let gemma = load("gemma-tiny").0.llama.unwrap();
+    assert!(gemma.norm_offset && gemma.embed_scale && gemma.tied && gemma.head_dim == 24);
+    assert_eq!(gemma.padding_idx, Some(0));
     let biased = load("llama-bias-tiny").0.llama.unwrap();
     assert!(biased.qkv_bias && biased.o_bias && biased.mlp_bias);
     assert!(biased.rope_scaling.attention_factor() > 1.0);

@@ -256,7 +256,7 @@ fn configs_zerodp_cannot_compute_are_refused_by_name() {
         ("activation_function", "gelu".into()),
         ("layer_norm_epsilon", 1e-6.into()),
         ("n_inner", 100.into()),
-        ("model_type", "gemma".into()),
+        ("model_type", "gemma2".into()),
     ];
     for (field, value) in cases {
         let e = config_error(|m| {

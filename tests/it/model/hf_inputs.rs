@@ -454,8 +454,22 @@ fn refusals_come_before_any_work_and_name_the_right_thing() {
         os("--data"),
         os(&tiny),
     ]);
-    let err = refused(&out, &["n_positions"]);
-    assert!(!err.contains("--context"), "{err}");
+    // The hint is a fix this command takes: shorter windows of the model's positions.
+    refused(&out, &["one window of 32 tokens", "--context N"]);
+    // Windows longer than the model's positions are refused, naming them.
+    let out = zerodp(&[
+        os("train"),
+        os("--no-progress"),
+        os("--config"),
+        os(&s.config),
+        os("--model-dir"),
+        os(&s.model),
+        os("--context"),
+        os("64"),
+        os("--data"),
+        os(&tiny),
+    ]);
+    refused(&out, &["--context 64", "32 positions"]);
 }
 
 /// An export whose disk fills up (a file-size limit makes every write past 64 KiB fail, as a

@@ -156,7 +156,7 @@ fn llama_configs_zerodp_cannot_compute_are_refused_by_name() {
             "rope_parameters",
             serde_json::json!({"rope_type": "dynamic", "factor": 8.0, "rope_theta": 5e5}),
         ),
-        ("model_type", "gemma".into()),
+        ("model_type", "gemma2".into()),
     ];
     for (field, value) in cases {
         let mut json = base.clone();
