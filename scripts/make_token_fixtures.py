@@ -2,7 +2,8 @@
 """Makes the tokenized-data fixtures under tests/fixtures/tokens/ with Hugging Face `tokenizers`.
 
     pip install tokenizers
-    python3 scripts/make_token_fixtures.py
+    python3 scripts/make_token_fixtures.py            # the fixtures of issue 36
+    python3 scripts/make_token_fixtures.py families   # the families' layouts (issue 43)
 
 Writes three small tokenizers (a GPT-2-style byte-level BPE trained on a few sentences, with
 `<|endoftext|>`; the same model with a Llama-style template that puts `<s>` before every text and
@@ -141,6 +142,92 @@ def sentencepiece_style():
     return tok
 
 
+# Qwen2's split (also Qwen2.5's and Qwen3's): Llama 3's with single digits, after NFC.
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def qwen2_style():
+    """Qwen2's layout: NFC, the regex split, byte-level without its own regex, no BOS."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(TRAIN * 4, trainer=trainer)
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def metaspace_style(prepend):
+    """Mistral's layout (`prepend` "first": the Metaspace pre-tokenizer, `▁` before the first
+    piece only) or Gemma's (`prepend` None: spaces replaced by `▁` in the normaliser, nothing
+    prepended), both a BPE with byte fallback (`<0xNN>` for what the vocabulary lacks) and `<s>`
+    first."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if prepend:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="▁", prepend_scheme=prepend, split=False
+        )
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    else:
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback()])
+    # The alphabet of the training sentences only: the rest of a text (an em dash, a tab) falls
+    # back to its bytes.
+    alphabet = sorted(set("▁".join(TRAIN).replace(" ", "▁")) | {"▁"})
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(
+        vocab_size=len(alphabet) + 3 + 256 + 120,
+        special_tokens=["<unk>", "<s>", "</s>"] + byte_tokens,
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    tok.train_from_iterator([t.replace(" ", "▁") for t in TRAIN * 4], trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def families():
+    """The families' layouts (issue 43): tokenizer_qwen2.json, tokenizer_mistral.json and
+    tokenizer_gemma.json, and expected_families.json: for each, the token stream of a.txt and
+    b.jsonl and the ids of d.txt. The fixtures above keep their bytes."""
+    toks = {
+        "tokenizer_qwen2.json": (qwen2_style(), "<|endoftext|>"),
+        "tokenizer_mistral.json": (metaspace_style("first"), "</s>"),
+        "tokenizer_gemma.json": (metaspace_style(None), "</s>"),
+    }
+    a = (OUT / "a.txt").read_text(encoding="utf-8")
+    b = jsonl_docs(OUT / "b.jsonl", "text")
+    d = (OUT / "d.txt").read_text(encoding="utf-8")
+    expected = {}
+    for name, (tok, eos) in toks.items():
+        tok.save(str(OUT / name), pretty=False)
+        back = Tokenizer.from_file(str(OUT / name))
+        expected[name] = {
+            "eos": eos,
+            "stream": stream(back, eos, [a] + b),
+            "pieces": back.encode(d).ids,
+            "vocab": back.get_vocab_size(),
+        }
+        fallback = sum(1 for i in back.encode(a).ids if back.id_to_token(i).startswith("<0x"))
+        print(name, len(expected[name]["stream"]), "ids,", fallback, "byte-fallback ids in a.txt")
+    (OUT / "expected_families.json").write_text(json.dumps(expected) + "\n")
+
+
 def with_bos(base):
     tok = Tokenizer.from_str(base.to_str())
     tok.add_special_tokens(["<s>", "</s>"])
@@ -219,4 +306,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    families() if sys.argv[1:] == ["families"] else main()

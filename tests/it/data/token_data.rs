@@ -379,3 +379,35 @@ fn builders_started_together_build_once() {
         .count();
     assert_eq!(built, 1, "{statuses:?}");
 }
+
+/// The families' tokenizer layouts (issue 43), from `scripts/make_token_fixtures.py families`:
+/// Qwen2's (NFC, its regex split with single digits, byte-level), Mistral's (the Metaspace
+/// pre-tokenizer prepending `▁` to the first piece, a BPE with byte fallback, `<s>` first) and
+/// Gemma's (spaces to `▁` in the normaliser, nothing prepended, byte fallback): the token stream
+/// of a text and a JSONL file, and a long document cut into pieces, equal Python's ids.
+#[test]
+fn the_families_tokenizer_layouts_equal_python_tokenizers() {
+    let text = std::fs::read_to_string(Path::new(FIXTURES).join("expected_families.json")).unwrap();
+    let want: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let as_ids = |v: &serde_json::Value| ids_of(&serde_json::json!({ "ids": v }));
+    for (name, case) in want.as_object().unwrap() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = copy(dir.path(), name, "tokenizer.json");
+        let files = vec![
+            copy(dir.path(), "a.txt", "a.txt"),
+            copy(dir.path(), "b.jsonl", "b.jsonl"),
+        ];
+        let eos = case["eos"].as_str().unwrap();
+        let tokenizer = TextTokenizer::from_file(&tok, Some(eos)).unwrap();
+        let corpus = TokenCorpus::build_with(&files, &tokenizer, &options()).unwrap();
+        assert_eq!(corpus.to_vec(), as_ids(&case["stream"]), "{name}");
+        assert_eq!(corpus.vocab_size() as u64, case["vocab"].as_u64().unwrap());
+        let options = TokenDataOptions {
+            piece_bytes: 64,
+            ..options()
+        };
+        let files = [copy(dir.path(), "d.txt", "d.txt")];
+        let corpus = TokenCorpus::build_with(&files, &tokenizer, &options).unwrap();
+        assert_eq!(corpus.to_vec(), as_ids(&case["pieces"]), "{name}: pieces");
+    }
+}
