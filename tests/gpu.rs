@@ -285,13 +285,20 @@ fn the_llama_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     assert_composite_follows_fused(&composite, &fused);
 }
 
-/// The families on the Llama's decoder (Qwen2's biases and tied head, Qwen3's query and key
-/// norms, a Llama with attention and MLP biases and yarn scaling), as a GPU runs them, checked on
-/// every machine: the GPU's op mix on the CPU gives the fused kernels' losses over 10 steps.
+/// The families on the Llama's decoder (Qwen2's biases, tied head and sliding window, Qwen3's
+/// query and key norms, Mistral's window, a Llama with attention and MLP biases and yarn scaling,
+/// Gemma), as a GPU runs them (a window as a mask), checked on every machine: the GPU's op mix on
+/// the CPU gives the fused kernels' losses over 10 steps.
 #[test]
 fn the_families_ops_a_gpu_runs_give_the_fused_kernels_losses_on_the_cpu() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
-    for name in ["qwen2-tiny", "qwen3-tiny", "llama-bias-tiny", "gemma-tiny"] {
+    for name in [
+        "qwen2-tiny",
+        "qwen3-tiny",
+        "mistral-tiny",
+        "llama-bias-tiny",
+        "gemma-tiny",
+    ] {
         let path = root.join(name).join("config.json");
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();

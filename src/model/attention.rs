@@ -259,14 +259,15 @@ fn product<T: Real, const AVX512: bool>(
     a: Strided<'_, T>,
     (b, ldb): (&[T], usize),
     mut c: Dest<'_, T>,
-    shape: impl Fn(usize, usize) -> (Range<usize>, usize),
+    shape: impl Fn(usize, usize) -> (Range<usize>, Range<usize>),
 ) {
     let mut r0 = 0;
     while r0 < m {
         let rows = MR.min(m - r0);
         let (ks, cols) = shape(r0, r0 + rows);
-        for j0 in (0..cols).step_by(NR) {
-            let (b, width) = (&b[j0..], NR.min(cols - j0));
+        // Whole tiles from the one holding the first column (the others are not computed).
+        for j0 in (cols.start / NR * NR..cols.end).step_by(NR) {
+            let (b, width) = (&b[j0..], NR.min(cols.end - j0));
             if rows == MR {
                 let t = tile::<T, MR, AVX512>(a.rows_from(r0), b, ldb, ks.clone());
                 c.store(r0, j0, width, &t);
@@ -415,9 +416,30 @@ pub(crate) struct CausalAttention {
     pub batch: usize,
     pub seq: usize,
     pub heads: usize,
+    /// A sliding window: query `i` sees keys `i + 1 - window ..= i` (Mistral's, Qwen's), and the
+    /// tiles wholly outside it are not computed. `None`: every earlier key.
+    pub window: Option<usize>,
 }
 
 impl CausalAttention {
+    /// The first key query `i` sees.
+    #[inline(always)]
+    fn first_key(&self, i: usize) -> usize {
+        match self.window {
+            Some(w) => (i + 1).saturating_sub(w),
+            None => 0,
+        }
+    }
+
+    /// One past the last query that sees key `j`.
+    #[inline(always)]
+    fn queries_end(&self, j: usize) -> usize {
+        match self.window {
+            Some(w) => (j + w).min(self.seq),
+            None => self.seq,
+        }
+    }
+
     /// The model width `c` for qkv rows of `cols3` columns, after checking that `qkv` holds
     /// `batch x seq` such rows: every slice and tile below is in bounds by construction from here.
     fn width(&self, qkv_len: usize, cols3: usize) -> Result<usize> {
@@ -439,7 +461,7 @@ impl CausalAttention {
     }
 
     /// The causal softmax of `scale * q k^T` for one head into `s.p` (`[t, tp]`, zero above the
-    /// diagonal), from the panels `s.q` and `s.kt`.
+    /// diagonal and before a window), from the panels `s.q` and `s.kt`.
     #[inline(always)]
     fn probs<T: Real, const AVX512: bool>(&self, pn: &Panels, s: &mut Scratch<T>, scale: f64) {
         let (t, tp) = (self.seq, pn.tp);
@@ -449,10 +471,13 @@ impl CausalAttention {
             col: 1,
         };
         let dest = Dest::of(&mut s.p, tp);
-        // Rows r0..r1 see keys 0..r1.
-        product::<T, AVX512>(t, q, (&s.kt, tp), dest, |_, r1| (0..pn.hd, r1));
+        // Rows r0..r1 see keys first_key(r0)..r1.
+        let keys = |r0, r1| (0..pn.hd, self.first_key(r0)..r1);
+        product::<T, AVX512>(t, q, (&s.kt, tp), dest, keys);
         for (i, row) in s.p.chunks_mut(tp).enumerate() {
-            let (live, masked) = row.split_at_mut(i + 1);
+            let (before, row) = row.split_at_mut(self.first_key(i));
+            before.fill(lit::<T>(0.0));
+            let (live, masked) = row.split_at_mut(i + 1 - before.len());
             let max = lane_max(live);
             for x in live.iter_mut() {
                 *x = ((*x - max) * lit::<T>(scale)).exp();
@@ -571,8 +596,10 @@ impl CausalAttention {
             // SAFETY: head h's columns of this sequence's rows are this task's (the caller's
             // contract).
             let dest = unsafe { Dest::columns(y, at + h * hd, c) };
-            // Rows r0..r1 weigh the values of keys 0..r1 (the rest of their row is zero).
-            product::<T, AVX512>(self.seq, probs, (&s.v, pn.dp), dest, |_, r1| (0..r1, hd));
+            // Rows r0..r1 weigh the values of keys first_key(r0)..r1 (the rest of their row is
+            // zero).
+            let keys = |r0, r1| (self.first_key(r0)..r1, 0..hd);
+            product::<T, AVX512>(self.seq, probs, (&s.v, pn.dp), dest, keys);
         }
     }
 
@@ -634,8 +661,8 @@ impl CausalAttention {
         pn.transpose(&s.v, &mut s.vt);
         pn.rows_of(&g[o..], c, &mut s.dy);
         self.probs::<T, AVX512>(pn, s, scale);
-        // Key j is seen by queries j..t: dv = p^T dy over those.
-        let keys_seen = |j0: usize, _| (j0..t, hd);
+        // Keys j0..j1 are seen by queries j0..queries_end(j1 - 1): dv = p^T dy over those.
+        let keys_seen = |j0: usize, j1: usize| (j0..self.queries_end(j1 - 1), 0..hd);
         product::<T, AVX512>(
             t,
             Strided::by_col(&s.p, tp),
@@ -644,31 +671,31 @@ impl CausalAttention {
             unsafe { Dest::columns(dx, at + 2 * c + o, cols3) },
             keys_seen,
         );
-        // dp = dy v^T, rows r0..r1 over keys 0..r1, into ds.
+        // dp = dy v^T, rows r0..r1 over keys first_key(r0)..r1, into ds.
         let dy = Strided {
             data: &s.dy,
             row: dp,
             col: 1,
         };
-        product::<T, AVX512>(t, dy, (&s.vt, tp), Dest::of(&mut s.ds, tp), |_, r1| {
-            (0..hd, r1)
-        });
+        let keys = |r0, r1| (0..hd, self.first_key(r0)..r1);
+        product::<T, AVX512>(t, dy, (&s.vt, tp), Dest::of(&mut s.ds, tp), keys);
         for (i, (dsr, pr)) in s.ds.chunks_mut(tp).zip(s.p.chunks(tp)).enumerate() {
-            let live = i + 1;
-            let dot = lane_dot(&pr[..live], &dsr[..live]);
-            for (d, &p) in dsr[..live].iter_mut().zip(&pr[..live]) {
+            let live = self.first_key(i)..i + 1;
+            let dot = lane_dot(&pr[live.clone()], &dsr[live.clone()]);
+            for (d, &p) in dsr[live.clone()].iter_mut().zip(&pr[live.clone()]) {
                 *d = lit::<T>(scale) * p * (*d - dot);
             }
-            dsr[live..].fill(lit::<T>(0.0));
+            dsr[..live.start].fill(lit::<T>(0.0));
+            dsr[live.end..].fill(lit::<T>(0.0));
         }
-        // dq = ds k over keys 0..r1; dk = ds^T q over queries j0..t.
+        // dq = ds k over keys first_key(r0)..r1; dk = ds^T q over the queries that see a key.
         product::<T, AVX512>(
             t,
             Strided::by_row(&s.ds, tp),
             (&s.k, dp),
             // SAFETY: the head's q columns (the caller's contract).
             unsafe { Dest::columns(dx, at + o, cols3) },
-            |_, r1| (0..r1, hd),
+            |r0, r1| (self.first_key(r0)..r1, 0..hd),
         );
         product::<T, AVX512>(
             t,
@@ -722,7 +749,13 @@ mod tests {
 
     /// Causal attention in f64 from the definition, for one sequence: `y [t, c]` and, for the
     /// output gradient `dy`, `dqkv [t, 3c]`.
-    fn attention_f64(qkv: &[f64], dy: &[f64], t: usize, heads: usize) -> (Vec<f64>, Vec<f64>) {
+    /// The definition in f64, each query `i` over keys `lo(i)..=i` (`lo` 0 without a window).
+    fn attention_f64(
+        qkv: &[f64],
+        dy: &[f64],
+        (t, heads): (usize, usize),
+        window: Option<usize>,
+    ) -> (Vec<f64>, Vec<f64>) {
         let c3 = qkv.len() / t;
         let (c, hd) = (c3 / 3, c3 / 3 / heads);
         let scale = 1.0 / (hd as f64).sqrt();
@@ -730,7 +763,8 @@ mod tests {
         let at = |i: usize, part: usize, h: usize, e: usize| i * c3 + part * c + h * hd + e;
         for h in 0..heads {
             for i in 0..t {
-                let s: Vec<f64> = (0..=i)
+                let keys = window.map_or(0, |w| (i + 1).saturating_sub(w))..i + 1;
+                let s: Vec<f64> = (keys.clone())
                     .map(|j| {
                         scale
                             * (0..hd)
@@ -742,20 +776,24 @@ mod tests {
                 let z: f64 = s.iter().map(|x| (x - max).exp()).sum();
                 let p: Vec<f64> = s.iter().map(|x| (x - max).exp() / z).collect();
                 for e in 0..hd {
-                    y[i * c + h * hd + e] = (0..=i).map(|j| p[j] * qkv[at(j, 2, h, e)]).sum();
+                    y[i * c + h * hd + e] = keys
+                        .clone()
+                        .zip(&p)
+                        .map(|(j, pj)| pj * qkv[at(j, 2, h, e)])
+                        .sum();
                 }
                 // dp_j = dy_i . v_j; ds_j = p_j (dp_j - sum_k p_k dp_k)
                 let g = |e: usize| dy[i * c + h * hd + e];
-                let dp: Vec<f64> = (0..=i)
+                let dp: Vec<f64> = (keys.clone())
                     .map(|j| (0..hd).map(|e| g(e) * qkv[at(j, 2, h, e)]).sum())
                     .collect();
                 let dot: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for j in 0..=i {
-                    let ds = scale * p[j] * (dp[j] - dot);
+                for (n, j) in keys.enumerate() {
+                    let ds = scale * p[n] * (dp[n] - dot);
                     for e in 0..hd {
                         d[at(i, 0, h, e)] += ds * qkv[at(j, 1, h, e)];
                         d[at(j, 1, h, e)] += ds * qkv[at(i, 0, h, e)];
-                        d[at(j, 2, h, e)] += p[j] * g(e);
+                        d[at(j, 2, h, e)] += p[n] * g(e);
                     }
                 }
             }
@@ -776,39 +814,69 @@ mod tests {
         (qkv, dy, c3)
     }
 
+    /// `attn`'s forward and backward against the definition in f64, sequence by sequence.
+    fn assert_matches_the_definition(attn: CausalAttention, hd: usize) {
+        let (batch, t, heads) = (attn.batch, attn.seq, attn.heads);
+        let (qkv, dy, c3) = inputs(batch, t, heads, hd);
+        let y = attn.forward(&qkv, c3).unwrap();
+        let d = attn.backward(&qkv, &dy, c3).unwrap();
+        for b in 0..batch {
+            let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+            let (rq, ry) = (b * t * c3, b * t * c3 / 3);
+            let (y64, d64) = attention_f64(
+                &wide(&qkv[rq..rq + t * c3]),
+                &wide(&dy[ry..ry + t * c3 / 3]),
+                (t, heads),
+                attn.window,
+            );
+            let close = |got: &[f32], want: &[f64], what: &str| {
+                for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                    let err = (f64::from(*g) - w).abs();
+                    assert!(
+                        err <= 1e-5 * (1.0 + w.abs()),
+                        "{what}[{i}] {g} vs {w} (t {t}, window {:?})",
+                        attn.window
+                    );
+                }
+            };
+            close(&y[ry..ry + t * c3 / 3], &y64, "y");
+            close(&d[rq..rq + t * c3], &d64, "dqkv");
+        }
+    }
+
     #[test]
     fn blocked_causal_attention_matches_the_definition() {
         // Odd and even lengths (uneven query blocks), one row, two sequences.
         for (batch, t, heads, hd) in [(2, 7, 2, 4), (1, 8, 1, 3), (1, 1, 2, 2), (2, 33, 3, 5)] {
-            let (qkv, dy, c3) = inputs(batch, t, heads, hd);
             let attn = CausalAttention {
+                window: None,
                 batch,
                 seq: t,
                 heads,
             };
-            let y = attn.forward(&qkv, c3).unwrap();
-            let d = attn.backward(&qkv, &dy, c3).unwrap();
-            for b in 0..batch {
-                let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
-                let (rq, ry) = (b * t * c3, b * t * c3 / 3);
-                let (y64, d64) = attention_f64(
-                    &wide(&qkv[rq..rq + t * c3]),
-                    &wide(&dy[ry..ry + t * c3 / 3]),
-                    t,
-                    heads,
-                );
-                let close = |got: &[f32], want: &[f64], what: &str| {
-                    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-                        let err = (f64::from(*g) - w).abs();
-                        assert!(
-                            err <= 1e-5 * (1.0 + w.abs()),
-                            "{what}[{i}] {g} vs {w} (t {t})"
-                        );
-                    }
-                };
-                close(&y[ry..ry + t * c3 / 3], &y64, "y");
-                close(&d[rq..rq + t * c3], &d64, "dqkv");
-            }
+            assert_matches_the_definition(attn, hd);
+        }
+    }
+
+    /// A sliding window: query i over keys i + 1 - w ..= i, the tiles before it skipped (a
+    /// window of 20 over 80 rows skips whole 32-column tiles), also windows of 1, of a tile's
+    /// width and of the whole sequence.
+    #[test]
+    fn windowed_attention_matches_the_definition() {
+        for (batch, t, heads, hd, w) in [
+            (1, 80, 2, 8, 20),
+            (2, 33, 3, 5, 7),
+            (1, 70, 1, 4, 32),
+            (1, 9, 2, 3, 1),
+            (1, 12, 2, 4, 12),
+        ] {
+            let attn = CausalAttention {
+                window: Some(w),
+                batch,
+                seq: t,
+                heads,
+            };
+            assert_matches_the_definition(attn, hd);
         }
     }
 
@@ -819,6 +887,7 @@ mod tests {
         let (batch, t, heads, hd) = (2, 19, 6, 8);
         let (qkv, dy, c3) = inputs(batch, t, heads, hd);
         let attn = CausalAttention {
+            window: None,
             batch,
             seq: t,
             heads,
@@ -848,6 +917,7 @@ mod tests {
     #[test]
     fn mismatched_shapes_are_errors_not_panics() {
         let attn = CausalAttention {
+            window: None,
             batch: 2,
             seq: 4,
             heads: 2,

@@ -623,6 +623,7 @@ impl Gpt {
         let hd = c / nh;
         if self.fused {
             let attn = ops::CausalAttention {
+                window: None,
                 batch: b,
                 seq: t,
                 heads: nh,

@@ -78,6 +78,7 @@ impl BlockShape {
 
     fn attention(&self) -> CausalAttention {
         CausalAttention {
+            window: None,
             batch: self.batch,
             seq: self.seq,
             heads: self.heads,

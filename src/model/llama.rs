@@ -358,8 +358,8 @@ impl Llama {
         &self,
         x: &Tensor,
         p: &[Tensor],
-        b: usize,
-        t: usize,
+        (b, t): (usize, usize),
+        window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
         let (c, s) = (&self.config, &self.slots);
         let norm = ops::RmsNorm { eps: c.rms_eps };
@@ -383,6 +383,7 @@ impl Llama {
             batch: b,
             seq: t,
             heads: c.heads,
+            window,
         };
         let x = (&x + linear(&qkv.apply_op1(attention)?, s.o)?)?;
         let h = x.apply_op2(&self.norm_weight(&p[s.post_norm])?, norm)?;
@@ -462,13 +463,14 @@ impl Llama {
         x.reshape((b, t, n, d))?.transpose(1, 2)?.contiguous()
     }
 
-    /// Causal grouped-query attention of a block, before the output projection: `[b*t, H*d]`.
+    /// Causal grouped-query attention of a block, before the output projection: `[b*t, H*d]`;
+    /// with a sliding `window`, each query sees the keys less than `window` positions back.
     fn attention(
         &self,
         h: &Tensor,
         p: &[Tensor],
-        b: usize,
-        t: usize,
+        (b, t): (usize, usize),
+        window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
         let (c, s) = (&self.config, &self.slots);
         let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
@@ -499,27 +501,33 @@ impl Llama {
         };
         let (k, v) = (repeat(k)?, repeat(v)?);
         let scores = (q.matmul(&k.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let att = if self.cuda_kernels {
+        // A window shorter than the sequence masks keys the fused softmax would keep.
+        let window = window.filter(|&w| w < t);
+        let att = if self.cuda_kernels && window.is_none() {
             // The mask and the softmax in one op, in f32 inside (one rounding in 16 bits).
             scores.contiguous()?.apply_op1(ops::CausalSoftmax)?
         } else if super::compute::is_16_bit(self.dtype) {
             // The softmax in f32, as transformers computes it (`dtype=torch.float32`).
-            let mask = self.causal_mask(t)?.to_dtype(DType::F32)?;
+            let mask = self.causal_mask(t, window)?.to_dtype(DType::F32)?;
             let scores = scores.to_dtype(DType::F32)?.broadcast_add(&mask)?;
             candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(self.dtype)?
         } else {
-            candle_nn::ops::softmax(&scores.broadcast_add(&self.causal_mask(t)?)?, D::Minus1)?
+            let masked = scores.broadcast_add(&self.causal_mask(t, window)?)?;
+            candle_nn::ops::softmax(&masked, D::Minus1)?
         };
         att.matmul(&v)?.transpose(1, 2)?.reshape((b * t, nh * d))
     }
 
-    fn causal_mask(&self, t: usize) -> candle_core::Result<Tensor> {
+    /// `-inf` where query `i` (the row) may not see key `j`: later keys, and with a window those
+    /// `window` or more positions back (transformers' `kv_idx > q_idx - sliding_window`).
+    fn causal_mask(&self, t: usize, window: Option<usize>) -> candle_core::Result<Tensor> {
         let data: Vec<f32> = (0..t * t)
             .map(|k| {
-                if k % t > k / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
+                let (i, j) = (k / t, k % t);
+                let too_far = window.is_some_and(|w| j + w <= i);
+                match j > i || too_far {
+                    true => f32::NEG_INFINITY,
+                    false => 0.0,
                 }
             })
             .collect();
@@ -536,10 +544,16 @@ impl Llama {
     }
 
     /// A decoder layer: `x + attn(norm(x))`, then `+ down(silu(gate(h)) * up(h))`.
-    fn block(&self, x: &Tensor, p: &[Tensor], b: usize, t: usize) -> candle_core::Result<Tensor> {
+    fn block(
+        &self,
+        x: &Tensor,
+        p: &[Tensor],
+        bt: (usize, usize),
+        window: Option<usize>,
+    ) -> candle_core::Result<Tensor> {
         let s = &self.slots;
         let h = self.rms_norm(x, &p[s.input_norm])?;
-        let x = (x + Self::linear(&self.attention(&h, p, b, t)?, p, s.o)?)?;
+        let x = (x + Self::linear(&self.attention(&h, p, bt, window)?, p, s.o)?)?;
         let h = self.rms_norm(&x, &p[s.post_norm])?;
         let (gate, up) = (Self::linear(&h, p, s.gate)?, Self::linear(&h, p, s.up)?);
         let gated = self.gated(gate, up)?;
@@ -599,9 +613,10 @@ impl CandleUnits for Llama {
         }
         let x = input.ok_or_else(|| candle_core::Error::Msg("no input activation".into()))?;
         if unit <= self.config.layers {
+            let window = self.config.window_of(unit - 1);
             return match self.fused {
-                true => self.block_fused(x, p, b, t),
-                false => self.block(x, p, b, t),
+                true => self.block_fused(x, p, (b, t), window),
+                false => self.block(x, p, (b, t), window),
             };
         }
         if self.fused {

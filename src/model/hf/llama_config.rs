@@ -90,9 +90,10 @@ pub struct LlamaConfig {
     pub padding_idx: Option<u32>,
     /// The attention window of the layers that have one (Mistral's `sliding_window`, Qwen's
     /// with `use_sliding_window`): a query sees the keys less than this many positions back.
-    /// Sequences no longer than it attend as without one; longer ones are refused
-    /// ([`LlamaConfig::check_seq_len`]).
     pub sliding_window: Option<usize>,
+    /// Which layers have the window (every layer for Mistral; Qwen's by `layer_types`, else
+    /// from `max_window_layers` on). Empty without a window.
+    pub window_layers: Vec<bool>,
     /// Standard deviation of the seeded initialisation (`initializer_range`).
     pub init_std: f64,
 }
@@ -173,24 +174,21 @@ impl LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Sequences of `t` tokens are computed as transformers computes them: no longer than the
-    /// context, nor than an attention window (within one a window masks nothing; past it,
-    /// windowed attention is not built).
+    /// Sequences of `t` tokens fit the model: no longer than its context.
     pub fn check_seq_len(&self, t: usize) -> Result<(), String> {
-        if t > self.context {
-            return Err(format!(
+        match t > self.context {
+            true => Err(format!(
                 "sequence length {t} exceeds max_position_embeddings {}",
                 self.context
-            ));
-        }
-        match self.sliding_window {
-            Some(w) if t > w => Err(format!(
-                "sequence length {t} exceeds the config's sliding_window {w}: attention within a \
-                 window shorter than the sequence is not built yet; train on sequences of at \
-                 most {w} tokens"
             )),
-            _ => Ok(()),
+            false => Ok(()),
         }
+    }
+
+    /// The attention window of decoder layer `layer` (0-based), if it has one.
+    pub fn window_of(&self, layer: usize) -> Option<usize> {
+        self.sliding_window
+            .filter(|_| self.window_layers.get(layer).copied().unwrap_or(false))
     }
 }
 
@@ -261,6 +259,8 @@ fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
     let heads = f.size("num_attention_heads", Some(if gemma { 16 } else { 32 }))?;
     let head_dim = d.head_dim.unwrap_or(hidden / heads.max(1));
     let context = f.size("max_position_embeddings", Some(d.context))?;
+    let layers = f.size("num_hidden_layers", Some(if gemma { 28 } else { 32 }))?;
+    let windows = sliding_window(f, family, layers)?;
     // Llama's `attention_bias` puts biases on all four projections; Qwen2 always has them on
     // q, k and v and never on o; Qwen3 reads `attention_bias` as Llama does; Mistral has none.
     let attention_bias = match family {
@@ -272,7 +272,7 @@ fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
         vocab_size: f.size("vocab_size", Some(d.vocab))?,
         hidden,
         intermediate: f.size("intermediate_size", Some(d.intermediate))?,
-        layers: f.size("num_hidden_layers", Some(if gemma { 28 } else { 32 }))?,
+        layers,
         heads,
         kv_heads: f.size("num_key_value_heads", Some(d.kv_heads.unwrap_or(heads)))?,
         head_dim: f.size("head_dim", Some(head_dim))?,
@@ -289,42 +289,49 @@ fn sizes(f: &Fields<'_>, family: Family) -> Result<LlamaConfig, HfError> {
         norm_offset: gemma,
         embed_scale: gemma,
         padding_idx: padding_idx(f, family)?,
-        sliding_window: sliding_window(f, family)?,
+        sliding_window: windows.0,
+        window_layers: windows.1,
         init_std: f.number("initializer_range", 0.02)?,
     })
 }
 
-/// The window of the layers that have one: Mistral's `sliding_window` on every layer; Qwen's
-/// only with `use_sliding_window`, on the layers from `max_window_layers` on (none when that is
-/// the depth or more). One window for all the layers that have one.
-fn sliding_window(f: &Fields<'_>, family: Family) -> Result<Option<usize>, HfError> {
-    let window = || match f.map.get("sliding_window") {
-        None | Some(Value::Null) => Ok(None),
-        Some(_) => f.size("sliding_window", None).map(Some),
+/// The window and the layers that have it: Mistral's `sliding_window` on every layer; Qwen's
+/// only with `use_sliding_window`, on the layers `layer_types` names `sliding_attention` (where
+/// the config lists them, transformers 4.53 on), else on those from `max_window_layers` on.
+fn sliding_window(
+    f: &Fields<'_>,
+    family: Family,
+    layers: usize,
+) -> Result<(Option<usize>, Vec<bool>), HfError> {
+    let window = match f.map.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(f.size("sliding_window", None)?),
     };
-    match family {
-        Family::Llama | Family::Gemma => Ok(None),
-        Family::Mistral => window(),
+    let on = match family {
+        Family::Llama | Family::Gemma => return Ok((None, Vec::new())),
+        Family::Mistral => vec![true; layers],
         Family::Qwen2 | Family::Qwen3 => {
             if !f.flag("use_sliding_window", false)? {
-                return Ok(None);
+                return Ok((None, Vec::new()));
             }
-            // `layer_types` where the config lists them (transformers 4.53 on), else the
-            // layers from `max_window_layers` on.
-            let windowed = match f.map.get("layer_types").and_then(Value::as_array) {
-                Some(types) => types
-                    .iter()
-                    .any(|t| t.as_str() == Some("sliding_attention")),
-                None => {
-                    let layers = f.size("num_hidden_layers", Some(32))?;
-                    f.size("max_window_layers", Some(28))? < layers
+            match f.map.get("layer_types").and_then(Value::as_array) {
+                Some(types) if types.len() == layers => (types.iter())
+                    .map(|t| t.as_str() == Some("sliding_attention"))
+                    .collect(),
+                Some(types) => {
+                    let why = format!("lists {} layer types for {layers} layers", types.len());
+                    return Err(field_err(f.path, "layer_types", why));
                 }
-            };
-            match windowed {
-                true => window(),
-                false => Ok(None),
+                None => {
+                    let first = f.size("max_window_layers", Some(28))?;
+                    (0..layers).map(|l| l >= first).collect()
+                }
             }
         }
+    };
+    match window.filter(|_| on.contains(&true)) {
+        Some(w) => Ok((Some(w), on)),
+        None => Ok((None, Vec::new())),
     }
 }
 

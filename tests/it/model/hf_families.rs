@@ -1,6 +1,7 @@
 //! The families on the Llama's decoder (issue 43): Qwen2 (q, k and v biases, a tied head, a
-//! sliding window as long as the batches), Qwen3 (the query and key norms, head_dim apart from the
-//! width), Mistral, a Llama with attention and MLP biases and yarn rope scaling, and Gemma
+//! sliding window of half the batches' length on its second layer), Mistral (a window of half the
+//! batches' length on every layer), Qwen3 (the query and key norms, head_dim apart from the
+//! width), a Llama with attention and MLP biases and yarn rope scaling, and Gemma
 //! (GeGLU, RMSNorm by 1 + weight, scaled embeddings, a padding row that lookups do not train). Each is a tiny
 //! directory written by `transformers` (tests/fixtures/hf/*-tiny, made by
 //! scripts/make_family_fixtures.py) that loads into zerodp by its config alone and gives
@@ -137,7 +138,7 @@ fn each_family_reads_its_config_and_counts_its_parameters_as_transformers() {
     }
     let qwen2 = load("qwen2-tiny").0.llama.unwrap();
     assert!(qwen2.qkv_bias && !qwen2.o_bias && !qwen2.mlp_bias && qwen2.tied);
-    assert_eq!(qwen2.sliding_window, Some(16));
+    assert_eq!(qwen2.sliding_window, Some(8));
     let qwen3 = load("qwen3-tiny").0.llama.unwrap();
     assert!(qwen3.qk_norm && !qwen3.qkv_bias && qwen3.head_dim == 24);
     let gemma = load("gemma-tiny").0.llama.unwrap();
@@ -228,21 +229,31 @@ fn each_family_exports_as_itself() {
     }
 }
 
-/// A window shorter than a batch's sequences is refused by name (windowed attention is not
-/// built); within the window the model computes as transformers does (the test above).
+/// The windows matter: the batches are twice the window, and the same weights without the
+/// window (`use_sliding_window: false`, or a Mistral window as long as the context) give another
+/// loss than the one transformers computes with it, which the windowed model matches (above).
 #[test]
-fn sequences_longer_than_the_sliding_window_are_refused() {
-    let (config, model, weights) = load("qwen2-tiny");
-    let mut json = config.json.clone();
-    json["sliding_window"] = 8.into();
-    let narrow = HfConfig::from_json(json, Path::new("cfg.json")).unwrap();
-    let narrow = Candle::new(Llama::new(narrow.llama.unwrap()).unwrap());
-    let exp = expected("qwen2-tiny");
-    let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
-    let e = narrow
-        .end_to_end(&slices, &batch(&exp, 0, 0, 4), 1.0)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("sliding_window 8"), "{e}");
-    drop(model);
+fn the_sliding_windows_change_the_loss() {
+    for (name, field, off) in [
+        ("qwen2-tiny", "use_sliding_window", Value::from(false)),
+        ("mistral-tiny", "sliding_window", Value::from(32)),
+    ] {
+        let (config, _, weights) = load(name);
+        let llama = config.llama.as_ref().unwrap();
+        assert_eq!(llama.sliding_window, Some(8), "{name}");
+        let mut json = config.json.clone();
+        json[field] = off;
+        let full = HfConfig::from_json(json, Path::new("cfg.json")).unwrap();
+        let full = Candle::new(Llama::new(full.llama.unwrap()).unwrap());
+        let exp = expected(name);
+        let got = loss(&full, &weights, &batch(&exp, 0, 0, 4));
+        let windowed = exp["losses"][0].as_f64().unwrap();
+        assert!(
+            rel(got, windowed) > 1e-4,
+            "{name}: without the window {got}, with it {windowed}"
+        );
+    }
+    let qwen2 = load("qwen2-tiny").0.llama.unwrap();
+    assert_eq!(qwen2.window_layers, vec![false, true], "layer_types");
+    assert_eq!((qwen2.window_of(0), qwen2.window_of(1)), (None, Some(8)));
 }
