@@ -11,6 +11,7 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zerodp::data::TokenBatch;
+use zerodp::flat::DType;
 use zerodp::model::hf::{self, HfConfig};
 use zerodp::model::llama::Llama;
 use zerodp::model::Candle;
@@ -92,11 +93,20 @@ fn rel(a: f64, b: f64) -> f64 {
 /// Rank 0's losses and gradient norms and the final weights of the fixture's AdamW steps, with
 /// its clipping, at `stage` on `world` ranks.
 fn train(name: &str, stage: Stage, world: usize) -> (Vec<f64>, Vec<f64>, Vec<Vec<f32>>) {
+    train_in(name, (stage, world), DType::F32)
+}
+
+/// [`train`] with the engine's parameters, gradients and collectives in `dtype`.
+fn train_in(
+    name: &str,
+    (stage, world): (Stage, usize),
+    dtype: DType,
+) -> (Vec<f64>, Vec<f64>, Vec<Vec<f32>>) {
     let exp = expected(name);
     let (_, model, weights) = load(name);
     let o = &exp["optimizer"];
     let global = exp["batch"].as_u64().unwrap() as usize;
-    let mut cfg = EngineConfig::new(stage, world);
+    let mut cfg = EngineConfig::new(stage, world).with_precision(dtype);
     cfg.micro_batch = global / world;
     cfg.adam.beta1 = o["betas"][0].as_f64().unwrap();
     cfg.adam.beta2 = o["betas"][1].as_f64().unwrap();
@@ -193,6 +203,27 @@ fn each_family_trains_as_transformers_at_every_stage() {
                 worst <= 1e-5,
                 "{name} {stage:?}: losses {losses:?} vs {want_losses:?}, norms {norms:?} vs \
                  {want_norms:?}, after {after} vs {after_want}"
+            );
+        }
+    }
+}
+
+/// bf16 parameters, gradients and collectives (an fp32 master) follow the f32 run: every loss
+/// within two bf16 half-ulps (2^-8 relative, the bound of the engine's bf16 tests), at stage 0 on
+/// one rank and stage 3 on two.
+#[test]
+fn each_family_in_bf16_follows_f32() {
+    for name in FAMILIES {
+        let (f32_losses, _, _) = train(name, Stage::Zero0, 1);
+        for at in [(Stage::Zero0, 1), (Stage::Zero3, 2)] {
+            let (bf16, _, _) = train_in(name, at, DType::BF16);
+            let worst = (bf16.iter().zip(&f32_losses))
+                .map(|(&b, &f)| rel(b, f))
+                .fold(0.0, f64::max);
+            eprintln!("{name} {at:?} bf16 vs f32: worst relative difference {worst:.2e}");
+            assert!(
+                worst < 2.0 / 512.0,
+                "{name} {at:?}: {bf16:?} vs {f32_losses:?}"
             );
         }
     }
