@@ -17,6 +17,8 @@ decay on every parameter and clip_grad_norm_ at 1.0 (DeepSpeed's `gradient_clipp
 * mistral-tiny: Mistral (sliding_window 8 on every layer, half the batches' 16 tokens);
 * llama-bias-tiny: Llama with `attention_bias`, `mlp_bias` and yarn rope scaling (factor 4 over
   an original context of 8, so that both ends of its ramp and its attention factor apply);
+* gpt2-fields-tiny: GPT-2 with the fields zerodp once refused: `layer_norm_epsilon` 1e-6, `n_inner`
+  96 (1.5 x the width) and an untied head;
 * gemma-tiny: Gemma (GeGLU with the tanh GELU, RMSNorm scaled by 1 + weight, the embeddings
   scaled by sqrt(64), head_dim 24 apart from the width, a tied head).
 
@@ -41,6 +43,8 @@ from transformers import (
     Qwen2ForCausalLM,
     GemmaConfig,
     GemmaForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -113,6 +117,26 @@ def families():
                 **{**COMMON, "hidden_act": "gelu_pytorch_tanh"},
                 head_dim=24,
                 tie_word_embeddings=True,
+            ),
+        ),
+        (
+            "gpt2-fields-tiny",
+            GPT2LMHeadModel,
+            GPT2Config(
+                vocab_size=300,
+                n_positions=32,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_inner=96,
+                layer_norm_epsilon=1e-6,
+                activation_function="gelu_new",
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+                tie_word_embeddings=False,
+                bos_token_id=0,
+                eos_token_id=0,
             ),
         ),
     ]

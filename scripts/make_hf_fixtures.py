@@ -232,8 +232,9 @@ def from_consolidated(path, config):
         t = t.float()
         if any(name.endswith(s) for s in ("c_attn.weight", "c_proj.weight", "c_fc.weight")):
             t = t.t().contiguous()
-        hf["transformer." + name] = t
-    hf["lm_head.weight"] = hf["transformer.wte.weight"]
+        hf[name if name == "lm_head.weight" else "transformer." + name] = t
+    if config.tie_word_embeddings:
+        hf["lm_head.weight"] = hf["transformer.wte.weight"]
     model = GPT2LMHeadModel(config).float().eval()
     missing, unexpected = model.load_state_dict(hf, strict=False)
     missing = [m for m in missing if not m.endswith(("attn.bias", "attn.masked_bias"))]

@@ -271,13 +271,8 @@ fn gpt_of(manifest: &Manifest, heads: usize) -> Result<GptConfig, ExportError> {
             })
     };
     let (wte, wpe) = (shape("wte.weight")?, shape("wpe.weight")?);
-    Ok(GptConfig {
-        vocab_size: wte[0],
-        context: wpe[0],
-        layers: units.len().saturating_sub(2),
-        heads,
-        width: wte[1],
-    })
+    let layers = units.len().saturating_sub(2);
+    Ok(GptConfig::sized(wte[0], wpe[0], layers, heads, wte[1]))
 }
 
 fn write_export_marker(dir: &Path, checkpoint: &Path) -> Result<(), ExportError> {

@@ -5,14 +5,15 @@
 //! (`x += attn(ln_1(x))`, `x += mlp(ln_2(x))`, causal multi-head self-attention with a fused QKV
 //! projection, MLP `width -> 4*width -> width` with the tanh-approximated GELU of GPT-2); a final
 //! LayerNorm; the LM head is the token embedding itself (weight tying, no bias). The loss is the
-//! mean cross-entropy over every token of the micro-batch. LayerNorm epsilon is 1e-5.
+//! mean cross-entropy over every token of the micro-batch. LayerNorm epsilon is 1e-5 and the MLP
+//! 4C wide (a Hugging Face config may set either: [`GptConfig::mlp_width`], [`GptConfig::ln_eps`]).
 //!
 //! # Units
 //! | unit | name | owns | reads from other units |
 //! | --- | --- | --- | --- |
 //! | 0 | `embeddings` | `wte.weight`, `wpe.weight` | - |
 //! | 1..=L | `h.{i}` (i = unit - 1) | the block's 12 tensors | - |
-//! | L+1 | `head` | `ln_f.weight`, `ln_f.bias` | unit 0 (`wte.weight`, the tied LM head) |
+//! | L+1 | `head` | `ln_f.weight`, `ln_f.bias` (and `lm_head.weight` `[V, C]` when untied) | unit 0 (`wte.weight`, the tied LM head), none when untied |
 //!
 //! The head's `uses = [0]`: it receives unit 0's flat buffer as its second parameter slice and
 //! adds its gradient contribution to `wte.weight` into unit 0's gradient slice, so the tied weight
@@ -91,8 +92,8 @@ const LN_EPS: f64 = 1e-5;
 /// Standard deviation of GPT-2's normal initialisation.
 const INIT_STD: f64 = 0.02;
 
-/// The size of a GPT.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The size of a GPT, and the three settings of GPT-2's math a Hugging Face config may change.
+#[derive(Clone, Debug, PartialEq)]
 pub struct GptConfig {
     pub vocab_size: usize,
     /// Maximum sequence length (rows of `wpe.weight`).
@@ -100,9 +101,46 @@ pub struct GptConfig {
     pub layers: usize,
     pub heads: usize,
     pub width: usize,
+    /// The MLP's inner width (GPT-2's `n_inner`); `None`: 4 x `width`.
+    pub mlp_width: Option<usize>,
+    /// The LayerNorm epsilon (GPT-2's `layer_norm_epsilon`); `None`: 1e-5.
+    pub ln_eps: Option<f64>,
+    /// An LM head of its own (`lm_head.weight` in the head unit) rather than the token embedding.
+    pub untied_head: bool,
 }
 
 impl GptConfig {
+    /// A GPT of these sizes with GPT-2's math: MLP 4 x width, LayerNorm epsilon 1e-5, the head
+    /// tied to the token embedding.
+    pub fn sized(
+        vocab_size: usize,
+        context: usize,
+        layers: usize,
+        heads: usize,
+        width: usize,
+    ) -> Self {
+        GptConfig {
+            vocab_size,
+            context,
+            layers,
+            heads,
+            width,
+            mlp_width: None,
+            ln_eps: None,
+            untied_head: false,
+        }
+    }
+
+    /// The MLP's inner width.
+    pub fn mlp(&self) -> usize {
+        self.mlp_width.unwrap_or(4 * self.width)
+    }
+
+    /// The LayerNorm epsilon.
+    pub fn eps(&self) -> f64 {
+        self.ln_eps.unwrap_or(LN_EPS)
+    }
+
     /// The sizes the planner and the pre-flight model a GPT by.
     pub fn shape(&self) -> crate::planner::GptShape {
         crate::planner::GptShape {
@@ -119,37 +157,19 @@ impl GptConfig {
 
     /// For tests: 2 layers, width 32, 2 heads, context 16, byte vocabulary (about 34K parameters).
     pub fn tiny() -> Self {
-        Self {
-            vocab_size: 256,
-            context: 16,
-            layers: 2,
-            heads: 2,
-            width: 32,
-        }
+        Self::sized(256, 16, 2, 2, 32)
     }
 
     /// Trains visibly within minutes on 2 cores: 3 layers, width 128, 4 heads, context 64, byte
     /// vocabulary (about 0.64M parameters).
     pub fn demo() -> Self {
-        Self {
-            vocab_size: 256,
-            context: 64,
-            layers: 3,
-            heads: 4,
-            width: 128,
-        }
+        Self::sized(256, 64, 3, 4, 128)
     }
 
     /// The benchmark model: 4 layers, width 256, 4 heads, context 128, byte vocabulary (3,257,856
     /// parameters).
     pub fn small() -> Self {
-        Self {
-            vocab_size: 256,
-            context: 128,
-            layers: 4,
-            heads: 4,
-            width: 256,
-        }
+        Self::sized(256, 128, 4, 4, 256)
     }
 
     /// The preset called `name` (one of [`GptConfig::PRESETS`]).
@@ -173,6 +193,7 @@ impl GptConfig {
             ("layers", self.layers),
             ("heads", self.heads),
             ("width", self.width),
+            ("mlp width", self.mlp()),
         ];
         for (name, value) in fields {
             if value == 0 {
@@ -198,10 +219,17 @@ impl GptConfig {
         Ok(())
     }
 
-    /// Ψ: the number of parameters (the tied LM head counted once).
+    /// Ψ: the number of parameters (a tied LM head counted once).
     pub fn num_params(&self) -> usize {
-        let (v, t, c, l) = (self.vocab_size, self.context, self.width, self.layers);
-        v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c
+        let (v, t, c, l, m) = (
+            self.vocab_size,
+            self.context,
+            self.width,
+            self.layers,
+            self.mlp(),
+        );
+        let head = if self.untied_head { v * c } else { 0 };
+        v * c + t * c + l * (4 * c * c + 2 * c * m + 9 * c + m) + 2 * c + head
     }
 
     /// Model FLOPs of one training token (forward and backward) at full context, by the
@@ -217,7 +245,8 @@ impl GptConfig {
             self.width as f64,
             self.layers as f64,
         );
-        6.0 * (12.0 * c * c * l + v * c) + 12.0 * l * t * c
+        let m = self.mlp() as f64;
+        6.0 * ((4.0 * c * c + 2.0 * c * m) * l + v * c) + 12.0 * l * t * c
     }
 }
 
@@ -260,7 +289,7 @@ pub struct GptSaved(SavedBy);
 
 enum SavedBy {
     Candle(CandleSaved),
-    Block { unit: usize, saved: BlockSaved },
+    Block { unit: usize, saved: Box<BlockSaved> },
 }
 
 /// The GPT's units as candle compute: a [`CandleUnits`], which [`GptModel`] wraps in the helper
@@ -336,11 +365,12 @@ impl Gpt {
         fused: bool,
         device: Device,
     ) -> Result<Self, ModelError> {
-        let (v, t, c, l) = (
+        let (v, t, c, l, m) = (
             config.vocab_size,
             config.context,
             config.width,
             config.layers,
+            config.mlp(),
         );
         let proj_std = INIT_STD / ((2 * l) as f64).sqrt();
         let mut units = Vec::with_capacity(l + 2);
@@ -369,9 +399,9 @@ impl Gpt {
                     p("attn.c_proj.bias", &[c]),
                     p("ln_2.weight", &[c]),
                     p("ln_2.bias", &[c]),
-                    p("mlp.c_fc.weight", &[4 * c, c]),
-                    p("mlp.c_fc.bias", &[4 * c]),
-                    p("mlp.c_proj.weight", &[c, 4 * c]),
+                    p("mlp.c_fc.weight", &[m, c]),
+                    p("mlp.c_fc.bias", &[m]),
+                    p("mlp.c_proj.weight", &[c, m]),
                     p("mlp.c_proj.bias", &[c]),
                 ],
                 uses: vec![],
@@ -392,16 +422,23 @@ impl Gpt {
             ]);
         }
 
-        // The head also reads unit 0 (the tied `wte.weight`, the first of unit 0's tensors).
+        // The head also reads unit 0 (the tied `wte.weight`, the first of unit 0's tensors), or
+        // holds its own `lm_head.weight`: either way its third tensor is the head's weight.
+        let mut head = vec![
+            param("ln_f.weight".into(), &[c]),
+            param("ln_f.bias".into(), &[c]),
+        ];
+        let mut head_inits = vec![Init::Ones, Init::Zeros];
+        if config.untied_head {
+            head.push(param("lm_head.weight".into(), &[v, c]));
+            head_inits.push(Init::Normal(INIT_STD));
+        }
         units.push(UnitSpec {
             name: "head".into(),
-            params: vec![
-                param("ln_f.weight".into(), &[c]),
-                param("ln_f.bias".into(), &[c]),
-            ],
-            uses: vec![0],
+            params: head,
+            uses: if config.untied_head { vec![] } else { vec![0] },
         });
-        inits.push(vec![Init::Ones, Init::Zeros]);
+        inits.push(head_inits);
 
         let spec = ModelSpec { units };
         debug_assert_eq!(spec.num_params(), config.num_params());
@@ -578,14 +615,20 @@ impl Gpt {
         bias: &Tensor,
     ) -> candle_core::Result<Tensor> {
         if self.fused || self.cuda_kernels {
-            x.contiguous()?
-                .apply_op3(weight, bias, ops::LayerNorm { eps: LN_EPS })
+            x.contiguous()?.apply_op3(
+                weight,
+                bias,
+                ops::LayerNorm {
+                    eps: self.config.eps(),
+                },
+            )
         } else if super::compute::is_16_bit(self.dtype) {
             // Statistics in f32, as PyTorch's 16-bit norm kernels and autocast compute them.
             let f32 = |t: &Tensor| t.to_dtype(DType::F32);
-            layer_norm_composite(&f32(x)?, &f32(weight)?, &f32(bias)?)?.to_dtype(self.dtype)
+            let eps = self.config.eps();
+            layer_norm_composite(&f32(x)?, (&f32(weight)?, &f32(bias)?), eps)?.to_dtype(self.dtype)
         } else {
-            layer_norm_composite(x, weight, bias)
+            layer_norm_composite(x, (weight, bias), self.config.eps())
         }
     }
 
@@ -694,11 +737,15 @@ impl Gpt {
 }
 
 /// LayerNorm over the last dimension, from primitive differentiable ops.
-fn layer_norm_composite(x: &Tensor, weight: &Tensor, bias: &Tensor) -> candle_core::Result<Tensor> {
+fn layer_norm_composite(
+    x: &Tensor,
+    (weight, bias): (&Tensor, &Tensor),
+    eps: f64,
+) -> candle_core::Result<Tensor> {
     let mean = x.mean_keepdim(D::Minus1)?;
     let xc = x.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv_std = (var + LN_EPS)?.sqrt()?.recip()?;
+    let inv_std = (var + eps)?.sqrt()?.recip()?;
     xc.broadcast_mul(&inv_std)?
         .broadcast_mul(weight)?
         .broadcast_add(bias)
@@ -859,7 +906,8 @@ impl GptModel {
             heads: c.heads,
             batch: batch.batch_size,
             seq: batch.seq_len,
-            eps: LN_EPS,
+            eps: self.config().eps(),
+            mlp: self.config().mlp(),
         }
     }
 
@@ -933,7 +981,12 @@ impl UnitModel for GptModel {
         Ok(UnitForward {
             output: Some(output),
             loss: None,
-            saved: saved.map(|saved| GptSaved(SavedBy::Block { unit, saved })),
+            saved: saved.map(|saved| {
+                GptSaved(SavedBy::Block {
+                    unit,
+                    saved: Box::new(saved),
+                })
+            }),
         })
     }
 
@@ -959,7 +1012,7 @@ impl UnitModel for GptModel {
                     .inner
                     .backward(unit, s, grad_output, loss_weight, grads)
             }
-            SavedBy::Block { unit, saved } => (unit, saved),
+            SavedBy::Block { unit, saved } => (unit, *saved),
         };
         let name = &self.spec().units[saved_unit].name;
         if saved_unit != unit {

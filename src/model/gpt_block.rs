@@ -28,6 +28,8 @@ pub(super) struct BlockShape {
     pub batch: usize,
     pub seq: usize,
     pub eps: f64,
+    /// The MLP's inner width.
+    pub mlp: usize,
 }
 
 /// What a block's training forward keeps for its backward.
@@ -54,21 +56,8 @@ impl BlockShape {
     /// Element ranges of the block's twelve tensors in its flat buffer, in `ParamSpec` order:
     /// ln_1 w, b; c_attn w, b; attn c_proj w, b; ln_2 w, b; c_fc w, b; mlp c_proj w, b.
     fn ranges(&self) -> [Range<usize>; 12] {
-        let c = self.width;
-        let sizes = [
-            c,
-            c,
-            3 * c * c,
-            3 * c,
-            c * c,
-            c,
-            c,
-            c,
-            4 * c * c,
-            4 * c,
-            4 * c * c,
-            c,
-        ];
+        let (c, m) = (self.width, self.mlp);
+        let sizes = [c, c, 3 * c * c, 3 * c, c * c, c, c, c, m * c, m, m * c, c];
         let mut at = 0;
         sizes.map(|n| {
             at += n;
@@ -191,7 +180,7 @@ pub(super) fn backward(s: BlockSaved, grad_output: &Tensor, grads: &mut [f32]) -
         let dh = linear(grads, &s.h, 10, dout, c);
         let dfc = Gelu::bwd(&s.fc, &dh)?;
         drop(dh);
-        let dln2 = linear(grads, &s.ln2, 8, &dfc, 4 * c);
+        let dln2 = linear(grads, &s.ln2, 8, &dfc, s.shape.mlp);
         drop(dfc);
         let (mut dx1, dw, db) = ln.bwd(&s.x1, &p[r[6].clone()], &dln2);
         add(grads, 6, dw);

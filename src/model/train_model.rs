@@ -84,6 +84,20 @@ pub enum TrainSaved {
 }
 
 impl TrainModel {
+    /// The whole model as one graph, forward and backward once: the loss and every unit's
+    /// gradient (the reference the engine's unit-by-unit passes are tested against).
+    pub fn end_to_end(
+        &self,
+        params: &[&[f32]],
+        batch: &TokenBatch,
+        loss_weight: f32,
+    ) -> Result<(f64, Vec<Vec<f32>>), ModelError> {
+        match self {
+            TrainModel::Gpt(m) => m.end_to_end(params, batch, loss_weight),
+            TrainModel::Llama(m) => m.end_to_end(params, batch, loss_weight),
+        }
+    }
+
     /// Model FLOPs of one training token (the PaLM convention, [`GptConfig::flops_per_token`]) at
     /// the context of `gpt` (the GPT's config, or the Llama's GPT of the same widths).
     pub fn flops_per_token(&self, gpt: &GptConfig) -> f64 {

@@ -148,13 +148,14 @@ impl LlamaConfig {
     /// the pre-flight's GPT-based estimates take for this model (the MLP and the head differ, so
     /// they are estimates).
     pub fn gpt_shape(&self) -> GptConfig {
-        GptConfig {
-            vocab_size: self.vocab_size,
-            context: self.context,
-            layers: self.layers,
-            heads: self.heads,
-            width: self.heads * self.head_dim,
-        }
+        let width = self.heads * self.head_dim;
+        GptConfig::sized(
+            self.vocab_size,
+            self.context,
+            self.layers,
+            self.heads,
+            width,
+        )
     }
 
     /// Ψ: the number of parameters (a tied head counted once).

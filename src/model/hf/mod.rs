@@ -17,8 +17,10 @@
 //! linear weight `[out, in]` like `torch.nn.Linear`, so those are transposed on load and back on
 //! export. Files without the `transformer.` prefix (the original `gpt2` checkpoints) load too, and
 //! the attention-mask buffers older files carry (`h.N.attn.bias`, `h.N.attn.masked_bias`) are
-//! skipped. The LM head is tied to `wte.weight`: a file's `lm_head.weight` must equal it, and the
-//! export leaves it out, as `save_pretrained` does, so that `transformers` ties it on load.
+//! skipped. The LM head is tied to `wte.weight` unless the config unties it
+//! (`tie_word_embeddings: false`, then `lm_head.weight` is a parameter of the head unit): a tied
+//! file's `lm_head.weight` must equal it, and the export leaves it out, as `save_pretrained`
+//! does, so that `transformers` ties it on load.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -158,7 +160,7 @@ impl HfConfig {
         }
         check_model_type(&f)?;
         let gpt = sizes(&f)?;
-        check_math(&f, gpt.width)?;
+        check_math(&f)?;
         let notes = dropout_notes(&f)?;
         gpt.validate().map_err(|e| HfError::Format {
             path: path.to_path_buf(),
@@ -202,15 +204,15 @@ impl HfConfig {
             "n_embd": gpt.width,
             "n_layer": gpt.layers,
             "n_head": gpt.heads,
-            "n_inner": null,
+            "n_inner": gpt.mlp_width,
             "activation_function": "gelu_new",
-            "layer_norm_epsilon": LN_EPS,
+            "layer_norm_epsilon": gpt.eps(),
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
             "attn_pdrop": 0.0,
             "initializer_range": 0.02,
             "scale_attn_weights": true,
-            "tie_word_embeddings": true,
+            "tie_word_embeddings": !gpt.untied_head,
         });
         HfConfig {
             gpt: gpt.clone(),
@@ -273,17 +275,33 @@ fn sizes(f: &Fields<'_>) -> Result<GptConfig, HfError> {
         Some(_) => f.size("n_positions", None)?,
         None => f.size("n_ctx", Some(1024))?,
     };
+    let width = f.size("n_embd", Some(768))?;
+    let mlp_width = match f.map.get("n_inner") {
+        None | Some(Value::Null) => None,
+        Some(_) => Some(f.size("n_inner", None)?).filter(|&m| m != 4 * width),
+    };
+    let eps = f.number("layer_norm_epsilon", LN_EPS)?;
+    if !(eps > 0.0 && eps.is_finite()) {
+        return Err(field_err(
+            f.path,
+            "layer_norm_epsilon",
+            "must be a positive number",
+        ));
+    }
     Ok(GptConfig {
         vocab_size: f.size("vocab_size", Some(50257))?,
         context,
         layers: f.size("n_layer", Some(12))?,
         heads: f.size("n_head", Some(12))?,
-        width: f.size("n_embd", Some(768))?,
+        width,
+        mlp_width,
+        ln_eps: (eps != LN_EPS).then_some(eps),
+        untied_head: !f.flag("tie_word_embeddings", true)?,
     })
 }
 
 /// Every field that changes the forward or backward: refused unless it is what zerodp computes.
-fn check_math(f: &Fields<'_>, width: usize) -> Result<(), HfError> {
+fn check_math(f: &Fields<'_>) -> Result<(), HfError> {
     let act = f.map.get("activation_function").unwrap_or(&Value::Null);
     if !matches!(act.as_str(), Some("gelu_new" | "gelu_pytorch_tanh")) && !act.is_null() {
         return Err(unsupported(
@@ -291,26 +309,6 @@ fn check_math(f: &Fields<'_>, width: usize) -> Result<(), HfError> {
             "activation_function",
             act,
             "zerodp's MLP uses the tanh-approximated GELU (gelu_new, gelu_pytorch_tanh)",
-        ));
-    }
-    if let Some(inner) = f.map.get("n_inner").filter(|v| !v.is_null()) {
-        if f.size("n_inner", None)? != 4 * width {
-            return Err(unsupported(
-                f.path,
-                "n_inner",
-                inner,
-                "the MLP width is 4 * n_embd",
-            ));
-        }
-    }
-    let eps = f.number("layer_norm_epsilon", LN_EPS)?;
-    if eps != LN_EPS {
-        let v = &f.map["layer_norm_epsilon"];
-        return Err(unsupported(
-            f.path,
-            "layer_norm_epsilon",
-            v,
-            "LayerNorm epsilon is 1e-5",
         ));
     }
     f.require_flag(
@@ -327,11 +325,6 @@ fn check_math(f: &Fields<'_>, width: usize) -> Result<(), HfError> {
         "add_cross_attention",
         false,
         "the blocks have no cross-attention",
-    )?;
-    f.require_flag(
-        "tie_word_embeddings",
-        true,
-        "the LM head is the token embedding (an untied head is not implemented)",
     )?;
     // `reorder_and_upcast_attn` computes the attention scores and softmax in f32: zerodp's
     // attention always does, so either value is the same math here.
@@ -824,8 +817,9 @@ fn weight_bytes(
             } else {
                 (p.shape.clone(), dtype.bytes(values))
             };
-            // GPT-2's names carry the `transformer.` prefix; Llama's are zerodp's already.
-            let name = if gpt2 {
+            // GPT-2's names carry the `transformer.` prefix (its own LM head excepted); Llama's
+            // are zerodp's already.
+            let name = if gpt2 && p.name != "lm_head.weight" {
                 format!("transformer.{}", p.name)
             } else {
                 p.name.clone()

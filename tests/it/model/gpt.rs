@@ -136,13 +136,7 @@ fn unit_by_unit(
 }
 
 fn fd_config() -> GptConfig {
-    GptConfig {
-        vocab_size: 11,
-        context: 6,
-        layers: 2,
-        heads: 2,
-        width: 8,
-    }
+    GptConfig::sized(11, 6, 2, 2, 8)
 }
 
 #[test]
@@ -368,13 +362,7 @@ fn unit_by_unit_equals_end_to_end_and_recompute_is_identical() {
 /// width and head count where every kernel runs its vector loops.
 #[test]
 fn direct_blocks_equal_the_candle_graph_bit_for_bit() {
-    let cfg = GptConfig {
-        vocab_size: 64,
-        context: 24,
-        layers: 2,
-        heads: 4,
-        width: 64,
-    };
+    let cfg = GptConfig::sized(64, 24, 2, 4, 64);
     let direct = GptModel::with_direct_blocks(cfg.clone(), true).unwrap();
     let graph = GptModel::with_direct_blocks(cfg.clone(), false).unwrap();
     let params = init_all(&direct, 9);

@@ -2,7 +2,9 @@
 //! sliding window of half the batches' length on its second layer), Mistral (a window of half the
 //! batches' length on every layer), Qwen3 (the query and key norms, head_dim apart from the
 //! width), a Llama with attention and MLP biases and yarn rope scaling, and Gemma
-//! (GeGLU, RMSNorm by 1 + weight, scaled embeddings, a padding row that lookups do not train). Each is a tiny
+//! (GeGLU, RMSNorm by 1 + weight, scaled embeddings, a padding row that lookups do not train); and
+//! a GPT-2 with the fields zerodp once refused (LayerNorm epsilon 1e-6, an MLP of 1.5 x the width,
+//! an untied head). Each is a tiny
 //! directory written by `transformers` (tests/fixtures/hf/*-tiny, made by
 //! scripts/make_family_fixtures.py) that loads into zerodp by its config alone and gives
 //! transformers' losses and gradient norms over 10 AdamW steps with clipping and weight decay at
@@ -14,17 +16,19 @@ use zerodp::data::TokenBatch;
 use zerodp::flat::DType;
 use zerodp::model::hf::{self, HfConfig};
 use zerodp::model::llama::Llama;
+use zerodp::model::train_model::{build_model, HfModel, TrainModel};
 use zerodp::model::Candle;
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
 use zerodp::zero::{EngineConfig, Stage};
 
-const FAMILIES: [&str; 5] = [
+const FAMILIES: [&str; 6] = [
     "qwen2-tiny",
     "qwen3-tiny",
     "mistral-tiny",
     "llama-bias-tiny",
     "gemma-tiny",
+    "gpt2-fields-tiny",
 ];
 
 fn fixture_dir(name: &str) -> PathBuf {
@@ -71,17 +75,22 @@ fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
     }
 }
 
-/// The directory's model, from its config alone, and its weights.
-fn load(name: &str) -> (HfConfig, Candle<Llama>, Vec<Vec<f32>>) {
+/// The directory's model, from its config alone (as `train --model-dir` builds it), and its
+/// weights.
+fn load(name: &str) -> (HfConfig, TrainModel, Vec<Vec<f32>>) {
     let config = HfConfig::read(&fixture_dir(name).join(hf::CONFIG_FILE)).unwrap();
-    let llama = config.llama.clone().expect("a Llama-family config");
-    let model = Candle::new(Llama::new(llama).unwrap());
+    let hf_model = HfModel {
+        config: config.clone(),
+        dir: Some(fixture_dir(name)),
+    };
+    let on = (candle_core::Device::Cpu, candle_core::DType::F32);
+    let model = build_model(&config.gpt, Some(&hf_model), on).unwrap();
     let weights =
         hf::load_weights(&fixture_dir(name), model.spec()).unwrap_or_else(|e| panic!("{e}"));
     (config, model, weights)
 }
 
-fn loss(model: &Candle<Llama>, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
+fn loss(model: &TrainModel, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
     let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
     model.end_to_end(&slices, batch, 1.0).unwrap().0
 }
@@ -139,10 +148,13 @@ fn train_in(
 fn each_family_reads_its_config_and_counts_its_parameters_as_transformers() {
     for name in FAMILIES {
         let (config, model, _) = load(name);
-        let llama = config.llama.as_ref().unwrap();
         let want = expected(name)["num_params"].as_u64().unwrap() as usize;
         assert_eq!(model.spec().num_params(), want, "{name}: the spec's count");
-        assert_eq!(llama.num_params(), want, "{name}: the config's count");
+        let counted = match &config.llama {
+            Some(llama) => llama.num_params(),
+            None => config.gpt.num_params(),
+        };
+        assert_eq!(counted, want, "{name}: the config's count");
         let spec = zerodp::model::train_model::spec_of(&config).unwrap();
         assert_eq!(spec.num_params(), want, "{name}: what plan and train count");
     }
@@ -154,6 +166,8 @@ fn each_family_reads_its_config_and_counts_its_parameters_as_transformers() {
     let gemma = load("gemma-tiny").0.llama.unwrap();
     assert!(gemma.norm_offset && gemma.embed_scale && gemma.tied && gemma.head_dim == 24);
     assert_eq!(gemma.padding_idx, Some(0));
+    let gpt2 = load("gpt2-fields-tiny").0.gpt;
+    assert_eq!((gpt2.mlp(), gpt2.eps(), gpt2.untied_head), (96, 1e-6, true));
     let biased = load("llama-bias-tiny").0.llama.unwrap();
     assert!(biased.qkv_bias && biased.o_bias && biased.mlp_bias);
     assert!(biased.rope_scaling.attention_factor() > 1.0);
@@ -275,7 +289,7 @@ fn the_sliding_windows_change_the_loss() {
         let mut json = config.json.clone();
         json[field] = off;
         let full = HfConfig::from_json(json, Path::new("cfg.json")).unwrap();
-        let full = Candle::new(Llama::new(full.llama.unwrap()).unwrap());
+        let full = TrainModel::Llama(Candle::new(Llama::new(full.llama.unwrap()).unwrap()));
         let exp = expected(name);
         let got = loss(&full, &weights, &batch(&exp, 0, 0, 4));
         let windowed = exp["losses"][0].as_f64().unwrap();
