@@ -14,22 +14,15 @@
 //! cannot serve an allocation from another. On the 25M GPT at stage 2, world 2, that held 2.28 GB
 //! where one arena holds 1.57 (the same 1.55-1.60 GB as stages 0, 1 and 3), at the same tokens/s:
 //! a step makes a few dozen large allocations, so the one lock is never contended.
-//!
-//! Blocks above 32 MiB, which glibc would still map fresh every time, come from the heap too
-//! (`M_MMAP_MAX` 0): a model with a large vocabulary allocates its embedding's f32 copies and
-//! gradients (545 MB each for a Qwen2.5-0.5B shape) every step, and the kernel's zeroing of those
-//! fresh pages was 29% of the samples of such a run. Kept in the heap, a 0.5B Qwen2 shape at
-//! context 512 ran 1.43-1.53x faster (one rank, bf16, 2-core Zen 4) for 2.7% more peak resident
-//! set; the 3M GPT, whose buffers are all below 32 MiB, is unchanged.
 
 /// The largest block glibc will serve from its heaps instead of a fresh mapping (glibc caps the
 /// setting at 32 MiB on 64-bit hosts): above every activation of the benchmark GPTs.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 const MMAP_THRESHOLD: libc::c_int = 32 << 20;
 
-/// Call once at start-up, before the ranks start (the binary does): freed buffers stay in the
-/// process for the next step, in one arena, whatever their size. A no-op off glibc. Library users
-/// may call it too.
+/// Call once at start-up, before the ranks start (the binary does): freed buffers of up to 32
+/// MiB stay in the process for the next step, in one arena. A no-op off glibc. Library users may
+/// call it too.
 pub fn keep_freed_buffers() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tunables; it is safe to call at any time.
@@ -37,7 +30,5 @@ pub fn keep_freed_buffers() {
         libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD);
         libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
         libc::mallopt(libc::M_ARENA_MAX, 1);
-        // No block is mapped on its own: above the threshold too, freed memory is reused.
-        libc::mallopt(libc::M_MMAP_MAX, 0);
     }
 }
