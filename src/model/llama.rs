@@ -157,31 +157,21 @@ impl LayerList {
         self.0.len() - 1
     }
 
-    /// A weight `[out, in]` and, where the config has one, its bias `[out]` right after it.
-    fn linear(&mut self, proj: &'static str, (out, inp): (usize, usize), bias: bool) -> Linear {
-        let [w, b] = PROJECTIONS
-            .iter()
-            .find(|p| p[0] == proj)
-            .map(|p| [p[1], p[2]])
-            .expect("a projection of PROJECTIONS");
-        let w = self.push(w, &[out, inp]);
-        (w, bias.then(|| self.push(b, &[out])))
+    /// A weight `[out, in]` and, where the config has one, its bias `[out]` right after it
+    /// (`names`: the weight's, the bias's).
+    fn linear(
+        &mut self,
+        names: [&'static str; 2],
+        (out, inp): (usize, usize),
+        bias: bool,
+    ) -> Linear {
+        let w = self.push(names[0], &[out, inp]);
+        (w, bias.then(|| self.push(names[1], &[out])))
     }
 }
 
 /// A projection's slots: its weight and its bias, if any.
 type Linear = (usize, Option<usize>);
-
-/// Each projection's weight and bias names.
-const PROJECTIONS: [[&str; 3]; 7] = [
-    ["q", "self_attn.q_proj.weight", "self_attn.q_proj.bias"],
-    ["k", "self_attn.k_proj.weight", "self_attn.k_proj.bias"],
-    ["v", "self_attn.v_proj.weight", "self_attn.v_proj.bias"],
-    ["o", "self_attn.o_proj.weight", "self_attn.o_proj.bias"],
-    ["gate", "mlp.gate_proj.weight", "mlp.gate_proj.bias"],
-    ["up", "mlp.up_proj.weight", "mlp.up_proj.bias"],
-    ["down", "mlp.down_proj.weight", "mlp.down_proj.bias"],
-];
 
 /// A decoder layer's parameters and their slots, in the order the unit has always stored them
 /// (checkpoints keep it), the optional ones inserted.
@@ -195,10 +185,26 @@ fn layer_params(c: &LlamaConfig) -> (LayerList, LayerSlots) {
     );
     let mut l = LayerList::default();
     let input_norm = l.push("input_layernorm.weight", &[h]);
-    let q_slots = l.linear("q", (q, h), c.qkv_bias);
-    let k_slots = l.linear("k", (kv, h), c.qkv_bias);
-    let v_slots = l.linear("v", (kv, h), c.qkv_bias);
-    let o_slots = l.linear("o", (h, q), c.o_bias);
+    let q_slots = l.linear(
+        ["self_attn.q_proj.weight", "self_attn.q_proj.bias"],
+        (q, h),
+        c.qkv_bias,
+    );
+    let k_slots = l.linear(
+        ["self_attn.k_proj.weight", "self_attn.k_proj.bias"],
+        (kv, h),
+        c.qkv_bias,
+    );
+    let v_slots = l.linear(
+        ["self_attn.v_proj.weight", "self_attn.v_proj.bias"],
+        (kv, h),
+        c.qkv_bias,
+    );
+    let o_slots = l.linear(
+        ["self_attn.o_proj.weight", "self_attn.o_proj.bias"],
+        (h, q),
+        c.o_bias,
+    );
     let q_norm = c.qk_norm.then(|| l.push("self_attn.q_norm.weight", &[d]));
     let k_norm = c.qk_norm.then(|| l.push("self_attn.k_norm.weight", &[d]));
     let post_norm = l.push("post_attention_layernorm.weight", &[h]);
@@ -211,9 +217,21 @@ fn layer_params(c: &LlamaConfig) -> (LayerList, LayerSlots) {
         q_norm,
         k_norm,
         post_norm,
-        gate: l.linear("gate", (i, h), c.mlp_bias),
-        up: l.linear("up", (i, h), c.mlp_bias),
-        down: l.linear("down", (h, i), c.mlp_bias),
+        gate: l.linear(
+            ["mlp.gate_proj.weight", "mlp.gate_proj.bias"],
+            (i, h),
+            c.mlp_bias,
+        ),
+        up: l.linear(
+            ["mlp.up_proj.weight", "mlp.up_proj.bias"],
+            (i, h),
+            c.mlp_bias,
+        ),
+        down: l.linear(
+            ["mlp.down_proj.weight", "mlp.down_proj.bias"],
+            (h, i),
+            c.mlp_bias,
+        ),
     };
     (l, slots)
 }

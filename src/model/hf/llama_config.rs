@@ -491,18 +491,12 @@ impl RopeScaling {
     }
 
     /// Yarn's inverse frequencies (transformers' `_compute_yarn_parameters`).
-    fn yarn_inv_freq(self, theta: f64, d: usize) -> Vec<f64> {
-        let RopeScaling::Yarn {
-            factor,
-            original_context,
-            beta_fast,
-            beta_slow,
-            truncate,
-            ..
-        } = self
-        else {
-            unreachable!("yarn_inv_freq of a yarn scaling only")
-        };
+    fn yarn_inv_freq(
+        (theta, d): (f64, usize),
+        (factor, original_context): (f64, f64),
+        (beta_fast, beta_slow): (f64, f64),
+        truncate: bool,
+    ) -> Vec<f64> {
         let dim = d as f64;
         let correction = |rotations: f64| {
             dim * (original_context / (rotations * 2.0 * std::f64::consts::PI)).ln()
@@ -551,7 +545,19 @@ impl RopeScaling {
                     }
                 })
                 .collect(),
-            RopeScaling::Yarn { .. } => self.yarn_inv_freq(theta, d),
+            RopeScaling::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => Self::yarn_inv_freq(
+                (theta, d),
+                (factor, original_context),
+                (beta_fast, beta_slow),
+                truncate,
+            ),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! transformers' losses and gradient norms over 10 AdamW steps with clipping and weight decay at
 //! every stage, counts its parameters as transformers does, and exports back as its own family.
 
+use super::hf_fixture::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zerodp::data::TokenBatch;
@@ -37,42 +38,8 @@ fn fixture_dir(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn read_json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
 fn expected(name: &str) -> Value {
     read_json(&fixture_dir(name).with_file_name(format!("{name}-expected.json")))
-}
-
-fn numbers(v: &Value) -> Vec<f64> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_f64().unwrap())
-        .collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| row.as_array().unwrap().iter())
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// Sequences `first..first + n` of step `step`'s global batch.
-fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
-    let seq = exp["seq"].as_u64().unwrap() as usize;
-    let s = &exp["steps"][step];
-    let cut = |v: Vec<u32>| v[first * seq..(first + n) * seq].to_vec();
-    TokenBatch {
-        tokens: cut(ids(&s["tokens"])),
-        targets: cut(ids(&s["targets"])),
-        batch_size: n,
-        seq_len: seq,
-    }
 }
 
 /// The directory's model, from its config alone (as `train --model-dir` builds it), and its
@@ -93,10 +60,6 @@ fn load(name: &str) -> (HfConfig, TrainModel, Vec<Vec<f32>>) {
 fn loss(model: &TrainModel, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
     let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
     model.end_to_end(&slices, batch, 1.0).unwrap().0
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs()
 }
 
 /// Rank 0's losses and gradient norms and the final weights of the fixture's AdamW steps, with

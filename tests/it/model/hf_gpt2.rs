@@ -4,6 +4,7 @@
 //! an export loads back to the same weights and loss; sharded and 16-bit directories load; configs
 //! and files zerodp cannot compute are refused by name.
 
+use super::hf_fixture::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zerodp::data::TokenBatch;
@@ -22,28 +23,6 @@ fn expected() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| row.as_array().unwrap().iter())
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// Sequences `first..first + n` of step `step`'s global batch.
-fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
-    let seq = exp["seq"].as_u64().unwrap() as usize;
-    let s = &exp["steps"][step];
-    let cut = |v: Vec<u32>| v[first * seq..(first + n) * seq].to_vec();
-    TokenBatch {
-        tokens: cut(ids(&s["tokens"])),
-        targets: cut(ids(&s["targets"])),
-        batch_size: n,
-        seq_len: seq,
-    }
-}
-
 fn load(dir: &Path) -> (GptModel, Vec<Vec<f32>>) {
     let config = HfConfig::read(&dir.join("config.json")).unwrap();
     let model = GptModel::new(config.gpt).unwrap();
@@ -54,10 +33,6 @@ fn load(dir: &Path) -> (GptModel, Vec<Vec<f32>>) {
 fn loss(model: &GptModel, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
     let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
     model.end_to_end(&slices, batch, 1.0).unwrap().0
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs()
 }
 
 #[test]

@@ -4,6 +4,7 @@
 //! and gives `transformers`' loss on the same tokens at step 0 and over 10 AdamW steps at every
 //! stage.
 
+use super::hf_fixture::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use zerodp::data::TokenBatch;
@@ -19,34 +20,8 @@ fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-tiny")
 }
 
-fn read_json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
 fn expected() -> Value {
     read_json(&fixture_dir().with_file_name("llama-tiny-expected.json"))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|row| row.as_array().unwrap().iter())
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-/// Sequences `first..first + n` of step `step`'s global batch.
-fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
-    let seq = exp["seq"].as_u64().unwrap() as usize;
-    let s = &exp["steps"][step];
-    let cut = |v: Vec<u32>| v[first * seq..(first + n) * seq].to_vec();
-    TokenBatch {
-        tokens: cut(ids(&s["tokens"])),
-        targets: cut(ids(&s["targets"])),
-        batch_size: n,
-        seq_len: seq,
-    }
 }
 
 fn config_of(json: &Value) -> Result<LlamaConfig, String> {
@@ -64,10 +39,6 @@ fn load() -> (Candle<Llama>, Vec<Vec<f32>>) {
 fn loss(model: &Candle<Llama>, weights: &[Vec<f32>], batch: &TokenBatch) -> f64 {
     let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
     model.end_to_end(&slices, batch, 1.0).unwrap().0
-}
-
-fn rel(a: f64, b: f64) -> f64 {
-    (a - b).abs() / b.abs()
 }
 
 #[test]
