@@ -31,6 +31,31 @@ pub struct Manifest {
     pub config: serde_json::Value,
     pub model: ModelDescription,
     pub files: Vec<FileEntry>,
+    /// The held-out loss of the saved parameters, when the run evaluated at this step (absent
+    /// otherwise, and in checkpoints of earlier builds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalRecord>,
+}
+
+/// A held-out evaluation, as a manifest records it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalRecord {
+    /// The mean token cross-entropy.
+    pub eval_loss: f64,
+    /// `exp(eval_loss)`.
+    pub eval_ppl: f64,
+    /// The tokens scored.
+    pub eval_tokens: u64,
+}
+
+impl From<crate::zero::EvalLoss> for EvalRecord {
+    fn from(e: crate::zero::EvalLoss) -> Self {
+        EvalRecord {
+            eval_loss: e.loss,
+            eval_ppl: e.perplexity(),
+            eval_tokens: e.tokens,
+        }
+    }
 }
 
 /// Every unit and parameter: names, shapes and places in the unit's flat buffer.

@@ -45,7 +45,7 @@ pub use load::{
     consolidate, inspect, load_manifest, read_params, resolve_dir, restore_engine, Inspection,
 };
 pub use lock::{acquire_for_job, Acquired, LockError, LockOwner, SaveDirLock, LOCK_FILE};
-pub use manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
+pub use manifest::{EvalRecord, FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 pub use save::{CheckpointWriter, RunDescription, SaveTiming};
 
 use std::path::PathBuf;

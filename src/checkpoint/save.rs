@@ -2,7 +2,7 @@
 
 use super::format::{sync_dir, write_atomic, TensorEntry};
 use super::image::FileImage;
-use super::manifest::{FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
+use super::manifest::{EvalRecord, FileEntry, Manifest, ModelDescription, FORMAT, VERSION};
 use super::{
     rank_file_name, step_dir_name, tensor_names, CheckpointError, LATEST_FILE, MANIFEST_FILE,
 };
@@ -40,6 +40,7 @@ pub struct SaveTiming {
 struct Pending {
     step: u64,
     counters: EngineCounters,
+    eval: Option<EvalRecord>,
     copy_s: f64,
     handle: JoinHandle<(FileImage, Result<FileEntry, CheckpointError>, f64)>,
 }
@@ -58,6 +59,8 @@ pub struct CheckpointWriter {
     /// The element range of each unit this rank's file holds.
     ranges: Vec<[usize; 2]>,
     pending: Option<Pending>,
+    /// The latest held-out loss and the step it was scored after.
+    eval: Option<(u64, EvalRecord)>,
 }
 
 impl CheckpointWriter {
@@ -77,6 +80,7 @@ impl CheckpointWriter {
             staging: None,
             ranges: Vec::new(),
             pending: None,
+            eval: None,
         }
     }
 
@@ -100,6 +104,11 @@ impl CheckpointWriter {
     /// Whether a save is written but not yet committed.
     pub fn is_pending(&self) -> bool {
         self.pending.is_some()
+    }
+
+    /// The held-out loss after optimizer step `step`, for the manifest of a save of that step.
+    pub fn set_eval(&mut self, step: u64, eval: crate::zero::EvalLoss) {
+        self.eval = Some((step, eval.into()));
     }
 
     /// Copy the engine's state into the staging buffer and start writing it in the background.
@@ -140,9 +149,11 @@ impl CheckpointWriter {
                 path: self.dir.clone(),
                 source,
             })?;
+        let eval = self.eval.filter(|(at, _)| *at == step).map(|(_, e)| e);
         self.pending = Some(Pending {
             step,
             counters,
+            eval,
             copy_s,
             handle,
         });
@@ -215,9 +226,11 @@ impl CheckpointWriter {
         // Rank 0 commits; every rank learns whether it did before going on, so no rank starts
         // the next save (or trains on) past a checkpoint that could not be committed.
         let committed = match self.rank {
-            0 => self.commit(&tmp, p.step, &p.counters).inspect_err(|_| {
-                let _ = std::fs::remove_dir_all(&tmp);
-            }),
+            0 => self
+                .commit(&tmp, (p.step, &p.counters), p.eval)
+                .inspect_err(|_| {
+                    let _ = std::fs::remove_dir_all(&tmp);
+                }),
             _ => Ok(()),
         };
         let flag = if committed.is_err() { 1.0 } else { 0.0 };
@@ -244,8 +257,8 @@ impl CheckpointWriter {
     fn commit(
         &self,
         tmp: &Path,
-        step: u64,
-        counters: &EngineCounters,
+        (step, counters): (u64, &EngineCounters),
+        eval: Option<EvalRecord>,
     ) -> Result<(), CheckpointError> {
         let mut files = Vec::with_capacity(self.world);
         for r in 0..self.world {
@@ -274,6 +287,7 @@ impl CheckpointWriter {
             config: self.run.config.clone(),
             model: self.run.model.clone(),
             files,
+            eval,
         };
         let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
         write_atomic(&tmp.join(MANIFEST_FILE), &json)?;

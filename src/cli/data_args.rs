@@ -9,7 +9,7 @@
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use zerodp::data::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
-use zerodp::data::{Corpus, DataError, DataLoader, DEFAULT_CORPUS_PATH};
+use zerodp::data::{Corpus, DataError, DataLoader, TokenSource, DEFAULT_CORPUS_PATH};
 use zerodp::model::GptConfig;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -144,18 +144,15 @@ impl DataArgs {
         }
     }
 
-    /// The loader over the byte corpus or, with `tokenizer`, the token file of `--data` (of the
-    /// demo corpus when none is given), built or reused: on rank 0 a note says which, and
-    /// `progress` draws the tokenizing bar. Its largest id is checked against `gpt`'s vocabulary
-    /// before any step.
-    pub fn loader(
+    /// The loader over `source` (the training data of [`DataArgs::source`], or its training
+    /// part): its largest id is checked against `gpt`'s vocabulary before any step.
+    pub fn loader_over(
         &self,
-        tokenizer: Option<&TextTokenizer>,
+        source: TokenSource,
         gpt: &GptConfig,
         seed: u64,
-        (rank0, progress): (bool, bool),
     ) -> anyhow::Result<DataLoader> {
-        let loader = self.open_loader(tokenizer, gpt.context, seed, (rank0, progress));
+        let loader = DataLoader::new(source, gpt.context, seed).map_err(anyhow::Error::from);
         let loader = loader.map_err(|e| match e.downcast_ref::<DataError>() {
             Some(DataError::TooShort { .. } | DataError::TooFewTokens { .. }) => {
                 e.context(format!(
@@ -169,20 +166,35 @@ impl DataArgs {
         Ok(loader)
     }
 
-    fn open_loader(
+    /// The token stream of `--data` (the demo corpus when none is given): the byte corpus, or
+    /// with `tokenizer` the token file, built or reused.
+    pub fn source(
         &self,
         tokenizer: Option<&TextTokenizer>,
-        context: usize,
-        seed: u64,
-        (rank0, progress): (bool, bool),
-    ) -> anyhow::Result<DataLoader> {
-        let Some(tokenizer) = tokenizer else {
-            let corpus = read_corpus(&self.default_paths()[0], self.paths.is_empty())?;
-            return Ok(DataLoader::new(corpus, context, seed)?);
-        };
+        flags: (bool, bool),
+    ) -> anyhow::Result<TokenSource> {
         let paths = self.default_paths();
-        if self.paths.is_empty() {
-            check_exists(&paths[0], true)?;
+        self.source_of(&paths, ("--data", self.paths.is_empty()), tokenizer, flags)
+    }
+
+    /// The token stream of `paths` (given as `flag`; `is_default` for the demo corpus), encoded
+    /// as `--data` is: the one UTF-8 file's bytes without a tokenizer, else a token file (in
+    /// `--data-cache` when given, else beside `paths[0]`), with rank 0's note on it.
+    pub fn source_of(
+        &self,
+        paths: &[PathBuf],
+        (flag, is_default): (&str, bool),
+        tokenizer: Option<&TextTokenizer>,
+        (rank0, progress): (bool, bool),
+    ) -> anyhow::Result<TokenSource> {
+        let Some(tokenizer) = tokenizer else {
+            if paths.len() > 1 {
+                bail!("several {flag} paths need a tokenizer (--tokenizer FILE or --model-dir DIR); without one the data is a single UTF-8 text file");
+            }
+            return Ok(read_corpus(&paths[0], flag, is_default)?.into());
+        };
+        if is_default {
+            check_exists(&paths[0], flag, true)?;
         }
         let options = TokenDataOptions {
             text_field: self.text_field.clone(),
@@ -190,12 +202,12 @@ impl DataArgs {
             progress: rank0 && progress,
             ..Default::default()
         };
-        let corpus =
-            TokenCorpus::build_with(&paths, tokenizer, &options).context("tokenizing --data")?;
+        let corpus = TokenCorpus::build_with(paths, tokenizer, &options)
+            .with_context(|| format!("tokenizing {flag}"))?;
         if rank0 {
             report(&corpus, tokenizer);
         }
-        Ok(DataLoader::new(corpus, context, seed)?)
+        Ok(corpus.into())
     }
 }
 
@@ -241,7 +253,7 @@ fn report(corpus: &TokenCorpus, tokenizer: &TextTokenizer) {
 }
 
 /// A missing demo corpus gets the command that fetches it.
-fn check_exists(path: &Path, is_default: bool) -> anyhow::Result<()> {
+fn check_exists(path: &Path, flag: &str, is_default: bool) -> anyhow::Result<()> {
     if !path.exists() {
         if is_default {
             bail!(
@@ -250,16 +262,16 @@ fn check_exists(path: &Path, is_default: bool) -> anyhow::Result<()> {
                 path.display()
             );
         }
-        bail!("--data {}: no such file", path.display());
+        bail!("{flag} {}: no such file", path.display());
     }
     Ok(())
 }
 
-fn read_corpus(path: &Path, is_default: bool) -> anyhow::Result<Corpus> {
-    check_exists(path, is_default)?;
+fn read_corpus(path: &Path, flag: &str, is_default: bool) -> anyhow::Result<Corpus> {
+    check_exists(path, flag, is_default)?;
     if path.is_dir() {
         bail!(
-            "--data {} is a directory: a directory of text or JSONL files needs a tokenizer \
+            "{flag} {} is a directory: a directory of text or JSONL files needs a tokenizer \
              (--tokenizer FILE or --model-dir DIR)",
             path.display()
         );

@@ -44,6 +44,7 @@ pub mod ckpt;
 pub mod config;
 pub mod data_args;
 pub mod device_args;
+pub mod eval_args;
 pub mod hf_model;
 pub mod launch;
 mod nccl;

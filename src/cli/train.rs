@@ -42,8 +42,8 @@ use zerodp::model::{load_safetensors, save_safetensors, GptConfig};
 use zerodp::outputs::{check_outputs, check_save_dir, NamedPath};
 use zerodp::planner::TrainProcess;
 use zerodp::trainer::{
-    step_log_line, Backend, CheckpointOptions, LrSchedule, MetricsFile, Resume, StepEvent,
-    StepObserver, TrainOutcome, Trainer, TrainerError,
+    step_log_line, Backend, CheckpointOptions, Evaluation, LrSchedule, MetricsFile, Resume,
+    StepEvent, StepObserver, TrainOutcome, Trainer, TrainerError,
 };
 use zerodp::zero::unit::UnitModel;
 
@@ -72,6 +72,8 @@ pub struct TrainArgs {
     pub hf: super::hf_model::HfModelArgs,
     #[command(flatten)]
     pub data: super::data_args::DataArgs,
+    #[command(flatten)]
+    pub eval: super::eval_args::EvalArgs,
     /// Start from these weights instead of the seeded initialisation (names and layouts as
     /// `zerodp::model::weights` documents; linear weights [out, in] as torch.nn.Linear).
     #[arg(long, value_name = "FILE.safetensors")]
@@ -200,13 +202,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         Resolved::InProcess { .. } => take_save_dir_lock(args.save_dir.as_deref(), None)?,
         Resolved::Mpi { .. } => None,
     };
-    let data = args.data.loader(
-        tokenizer.as_ref(),
-        &gpt,
-        seed,
-        (launch_rank == 0, !args.no_progress),
-    )?;
+    let flags = (launch_rank == 0, !args.no_progress);
+    let (data, held_out) = (args.eval).data(&args.data, tokenizer.as_ref(), &gpt, seed, flags)?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
+    if let Some(held_out) = &held_out {
+        let every = args.eval.eval_every;
+        trainer = trainer.with_eval(Evaluation {
+            data: held_out,
+            every,
+        });
+    }
     // What the checkpoints record of the data, and what a resumed run checks it against.
     // Rank 0 alone writes the manifest and reports a resume, so it alone reads the whole stream.
     let wants_record = launch_rank == 0 && (args.save_dir.is_some() || resume.is_some());
@@ -820,8 +825,22 @@ impl StepObserver for ProgressLog {
         if self.breakdown && (unset || due(self.steps_per_print)) {
             self.println(breakdown_line(report));
         }
+        if let Some(eval) = e.eval {
+            self.println(eval_line(report.step, eval));
+        }
         Ok(())
     }
+}
+
+/// The held-out loss after step `step`, on the log: 7 significant digits, as `zerodp eval`.
+fn eval_line(step: u64, e: &zerodp::zero::EvalLoss) -> String {
+    format!(
+        "step {step} eval_loss {:.7} eval_ppl {:.7} ({} held-out tokens, {:.1} s)",
+        e.loss,
+        e.perplexity(),
+        e.tokens,
+        e.seconds
+    )
 }
 
 /// `wall_clock_breakdown`'s line: rank 0's step in milliseconds by phase (forward, its recompute
@@ -855,6 +874,12 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
         .inputs()
         .into_iter()
         .chain(args.data.inputs(args.hf.model_dir.as_deref()))
+        .chain(
+            args.eval
+                .eval_data
+                .iter()
+                .map(|p| ("--eval-data", p.clone())),
+        )
         .collect();
     let inputs: Vec<NamedPath<'_>> = [
         named("--config", Some(args.config.as_path())),

@@ -17,9 +17,11 @@
 //! So step `k` sees the same samples whatever `N` and the micro-batch size: the property behind
 //! "every stage at every world size trains to the same losses".
 
+pub mod held_out;
 pub mod token_data;
 pub mod token_inputs;
 
+pub use held_out::{split_documents, DocumentSplit, EvalWindows, Parts};
 pub use token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
 
 use std::path::{Path, PathBuf};
@@ -183,6 +185,8 @@ pub enum TokenSource {
     Bytes(Corpus),
     /// Boxed: a token file's manifest is far larger than a byte corpus's handle.
     Ids(Box<TokenCorpus>),
+    /// Some documents of another stream ([`held_out`]): a side of `--eval-split`.
+    Parts(Box<Parts>),
 }
 
 impl From<Corpus> for TokenSource {
@@ -202,6 +206,7 @@ impl TokenSource {
         match self {
             TokenSource::Bytes(c) => c.name(),
             TokenSource::Ids(c) => c.name(),
+            TokenSource::Parts(p) => p.name(),
         }
     }
 
@@ -210,6 +215,7 @@ impl TokenSource {
         match self {
             TokenSource::Bytes(c) => c.len(),
             TokenSource::Ids(c) => c.len(),
+            TokenSource::Parts(p) => p.len(),
         }
     }
 
@@ -222,6 +228,7 @@ impl TokenSource {
         match self {
             TokenSource::Bytes(_) => BYTE_VOCAB,
             TokenSource::Ids(c) => c.vocab_size(),
+            TokenSource::Parts(p) => p.base().vocab_size(),
         }
     }
 
@@ -230,6 +237,8 @@ impl TokenSource {
         match self {
             TokenSource::Bytes(c) => c.tokens.iter().copied().max().map_or(0, u64::from),
             TokenSource::Ids(c) => u64::from(c.max_id()),
+            // The whole stream's: a bound, which is what the vocabulary check needs.
+            TokenSource::Parts(p) => p.base().max_id(),
         }
     }
 
@@ -237,6 +246,9 @@ impl TokenSource {
     /// data and the tokenizer: checked before any step, since the step that reads such a token
     /// may come hours into a run.
     pub fn check_vocab(&self, model_vocab: usize) -> Result<(), DataError> {
+        if let TokenSource::Parts(p) = self {
+            return p.base().check_vocab(model_vocab);
+        }
         let id = self.max_id();
         if id < model_vocab as u64 || self.is_empty() {
             return Ok(());
@@ -253,6 +265,7 @@ impl TokenSource {
                     c.manifest().tokenizer.display()
                 ),
             ),
+            TokenSource::Parts(p) => (p.name().to_string(), String::new()),
         };
         Err(DataError::TokenPastVocab {
             data,
@@ -280,8 +293,23 @@ impl TokenSource {
                 }
             }
             TokenSource::Ids(c) => return c.sha256().to_string(),
+            // The whole stream's and which parts of it: another split is other data.
+            TokenSource::Parts(p) => {
+                hash.update(p.base().fingerprint().as_bytes());
+                for r in p.ranges() {
+                    hash.update((r.start as u64).to_le_bytes());
+                    hash.update((r.end as u64).to_le_bytes());
+                }
+            }
         }
         token_data::hex(&hash.finalize())
+    }
+
+    /// Every token (for tests and tools; a training run reads windows).
+    pub fn to_vec(&self) -> Vec<u32> {
+        let mut out = Vec::with_capacity(self.len());
+        self.read_into(0, self.len(), &mut out);
+        out
     }
 
     /// Tokens `[start, start + len)` appended to `out`.
@@ -291,6 +319,7 @@ impl TokenSource {
                 out.extend(c.tokens[start..start + len].iter().map(|&b| u32::from(b)))
             }
             TokenSource::Ids(c) => c.read_into(start, len, out),
+            TokenSource::Parts(p) => p.read_into(start, len, out),
         }
     }
 
@@ -298,7 +327,12 @@ impl TokenSource {
         let (name, len) = (self.name().to_string(), self.len());
         match self {
             TokenSource::Bytes(_) => DataError::TooShort { name, len, context },
-            TokenSource::Ids(_) => DataError::TooFewTokens { name, len, context },
+            TokenSource::Parts(p) if matches!(p.base(), TokenSource::Bytes(_)) => {
+                DataError::TooShort { name, len, context }
+            }
+            TokenSource::Ids(_) | TokenSource::Parts(_) => {
+                DataError::TooFewTokens { name, len, context }
+            }
         }
     }
 }
@@ -349,7 +383,7 @@ impl DataLoader {
     pub fn corpus(&self) -> Option<&Corpus> {
         match &self.source {
             TokenSource::Bytes(c) => Some(c),
-            TokenSource::Ids(_) => None,
+            TokenSource::Ids(_) | TokenSource::Parts(_) => None,
         }
     }
 

@@ -71,6 +71,14 @@ impl RankCheckpoints {
         }
     }
 
+    /// The held-out loss after optimizer step `done`, recorded in the manifest of a checkpoint
+    /// of that step.
+    pub(crate) fn set_eval(&mut self, done: u64, eval: crate::zero::EvalLoss) {
+        if let Some(w) = &mut self.writer {
+            w.set_eval(done, eval);
+        }
+    }
+
     /// After optimizer step `done` (1-based): finish the previous save if one is pending, and
     /// start one if `done` is a multiple of `every`, or synchronously when `last` (the end of the
     /// run, or a stop).

@@ -26,9 +26,11 @@
 //! ```
 
 mod checkpoints;
+mod evaluation;
 mod observers;
 
 pub use checkpoints::{CheckpointOptions, Resume};
+pub use evaluation::{EvalData, Evaluation};
 pub use observers::{eprintln_quiet, metrics_line, step_log_line, MetricsFile, ReportLog};
 
 use crate::comm::{run_ranks, run_ranks_on, CommError, CommOptions, Communicator, ReduceOp};
@@ -36,7 +38,7 @@ use crate::config::{self, ConfigError, ResolveContext, SchedulerSettings, Settin
 use crate::flat::Buffer;
 use crate::optim::scheduler::{betas_at, lr_at};
 use crate::setup::{self, SetupError};
-use crate::zero::{Engine, EngineConfig, EngineError, Stage, StepReport, UnitModel};
+use crate::zero::{Engine, EngineConfig, EngineError, EvalLoss, Stage, StepReport, UnitModel};
 use checkpoints::RankCheckpoints;
 use std::io::Write;
 use std::path::Path;
@@ -128,6 +130,8 @@ pub struct StepEvent<'a> {
     /// The global batch's tokens over this rank's step time.
     pub tokens_per_s: f64,
     pub report: &'a StepReport,
+    /// The held-out loss after this step, when the run evaluated then ([`Trainer::with_eval`]).
+    pub eval: Option<&'a EvalLoss>,
 }
 
 /// Receives every rank's step reports, on the rank's thread (so it must be `Sync`). An error
@@ -232,6 +236,9 @@ pub struct TrainOutcome {
     /// The trained full parameters per unit (unpadded, under mixed precision the fp32 master
     /// weights), when [`Trainer::keep_params`] asked for them. Every rank's copy is checked equal.
     pub params: Option<Vec<Vec<f32>>>,
+    /// Each evaluation of the run ([`Trainer::with_eval`]): the optimizer steps done before it
+    /// and the held-out loss.
+    pub evals: Vec<(u64, EvalLoss)>,
 }
 
 /// One training run's setup; see the [module docs](self).
@@ -249,6 +256,7 @@ pub struct Trainer<'m, M: UnitModel> {
     checkpoints: Option<CheckpointOptions>,
     resume: Option<Resume>,
     backend: Backend,
+    eval: Option<Evaluation<'m, M::Batch>>,
 }
 
 impl<'m, M: UnitModel> Trainer<'m, M> {
@@ -269,6 +277,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             checkpoints: None,
             resume: None,
             backend: Backend::InProcess,
+            eval: None,
         }
     }
 
@@ -389,6 +398,14 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         self.resume.as_ref().map(|r| r.manifest.step)
     }
     /// Where the ranks run [default: in-process threads].
+    /// Score held-out data after every `eval.every` steps and after the last (a run of no steps
+    /// left, such as a resumed finished run, scores it once); the losses reach the observers
+    /// ([`StepEvent::eval`]), the checkpoints' manifests and [`TrainOutcome::evals`].
+    pub fn with_eval(mut self, eval: Evaluation<'m, M::Batch>) -> Self {
+        self.eval = Some(eval);
+        self
+    }
+
     pub fn with_backend(mut self, backend: Backend) -> Self {
         self.backend = backend;
         self
@@ -472,6 +489,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             start_step: f.start_step,
             saves: f.saves,
             params,
+            evals: f.evals,
         })
     }
 
@@ -515,6 +533,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             start_step: f.start_step,
             saves: f.saves,
             params: f.params,
+            evals: f.evals,
         })
     }
 
@@ -565,11 +584,16 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         let start = engine.steps_done();
         // Optimizer steps actually applied: skipped steps do not advance the scheduler.
         let mut applied = engine.counters().adam_step;
-        let (mut last, mut stopped) = (None, false);
+        let (mut last, mut stopped, mut evals) = (None, false, Vec::new());
         for step in start..steps {
             let report = self.step(&mut engine, data, step, rank, applied)?;
             applied += u64::from(!report.skipped);
-            self.observe(&report, rank, steps, observers)?;
+            let eval = self.evaluate_after(&mut engine, rank, step + 1, steps)?;
+            if let Some(e) = eval {
+                saves.set_eval(step + 1, e);
+                evals.push((step + 1, e));
+            }
+            self.observe(&report, eval.as_ref(), rank, steps, observers)?;
             last = Some(report);
             stopped = step + 1 < steps && self.stop_agreed(comm)?;
             let end = stopped || step + 1 == steps;
@@ -577,6 +601,12 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             if stopped {
                 break;
             }
+        }
+        if start >= steps {
+            evals.extend(
+                self.evaluate_after(&mut engine, rank, start, start)?
+                    .map(|e| (start, e)),
+            );
         }
         let params = match self.keep_params && !stopped {
             true => Some(engine.full_params()?),
@@ -590,6 +620,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             stopped,
             start_step: start,
             saves: saves.timings,
+            evals,
         })
     }
 
@@ -629,9 +660,26 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
         Ok(engine.train_step(&batches, self.schedule.lr(applied))?)
     }
 
+    /// The held-out loss after optimizer step `done` of `steps`, when one is due then.
+    fn evaluate_after(
+        &self,
+        engine: &mut Engine<'_, M>,
+        rank: usize,
+        done: u64,
+        steps: u64,
+    ) -> Result<Option<EvalLoss>, TrainerError> {
+        let Some(eval) = self.eval.as_ref().filter(|e| e.due(done, steps)) else {
+            return Ok(None);
+        };
+        let ranks = (rank, self.engine.world_size);
+        eval.run(engine, ranks, self.engine.micro_batch, done)
+            .map(Some)
+    }
+
     fn observe(
         &self,
         report: &StepReport,
+        eval: Option<&EvalLoss>,
         rank: usize,
         steps: u64,
         observers: &[&dyn StepObserver],
@@ -645,6 +693,7 @@ impl<'m, M: UnitModel> Trainer<'m, M> {
             total_steps: steps,
             tokens_per_s: (report.tokens * world) as f64 / report.elapsed.as_secs_f64(),
             report,
+            eval,
         };
         for o in observers {
             o.on_step(&event)?;
@@ -705,6 +754,7 @@ struct RankFinal {
     stopped: bool,
     start_step: u64,
     saves: Vec<crate::checkpoint::SaveTiming>,
+    evals: Vec<(u64, EvalLoss)>,
 }
 
 /// Rayon threads per rank: the cores shared out among the ranks.

@@ -6,6 +6,7 @@
 //! | key | meaning |
 //! | --- | --- |
 //! | `rank`, `world_size`, `stage`, `step` | who and when (`step` counts from 1) |
+//! | `tokens` | tokens trained on since the start of training, this step's global batch included |
 //! | `loss` | the global-batch mean loss, the same on every rank |
 //! | `lr` | the learning rate this step used (scheduler, else the optimizer's `lr`) |
 //! | `grad_norm` | the global gradient norm before clipping (unscaled; `null` on a skipped step, whose norm is Inf/NaN) |
@@ -20,39 +21,35 @@
 //! | `nvme_io_bytes` | bytes this rank has `read` from and `written` to its NVMe swap file since the start (0 without NVMe offload) |
 //! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
 //! | `device_tier_bytes` | what the device tier holds in GPU memory when it is there (one GPU without offload: parameters, gradients, master and moments; `model_state_bytes` are then its host mirror), else 0 |
+//! | `eval_loss`, `eval_ppl`, `eval_tokens` | only on a step after which held-out data was scored: the mean token cross-entropy, its exponential and the tokens scored (the same on every rank) |
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
 
 use super::{StepEvent, StepObserver, TrainerError};
 use crate::comm::{CollectiveKind, TrafficCounters};
-use crate::zero::{Stage, StepReport};
+use crate::zero::StepReport;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// One metrics line: what rank `rank` did in one optimizer step.
-pub fn metrics_line(
-    rank: usize,
-    world: usize,
-    stage: Stage,
-    num_params: usize,
-    tokens_per_s: f64,
-    r: &StepReport,
-) -> serde_json::Value {
+/// One metrics line: what rank `e.rank` did in one optimizer step.
+pub fn metrics_line(e: &StepEvent<'_>) -> serde_json::Value {
+    let (r, world) = (e.report, e.world_size);
     let traffic = TrafficByKind::from_counters(&r.traffic);
     let m = r.memory;
-    serde_json::json!({
-        "rank": rank,
+    let mut line = serde_json::json!({
+        "rank": e.rank,
         "world_size": world,
-        "stage": stage.index(),
+        "stage": e.stage.index(),
         "step": r.step,
+        "tokens": r.step * (r.tokens * world) as u64,
         "loss": r.loss,
         "lr": r.lr,
         "grad_norm": r.grad_norm,
         "loss_scale": r.loss_scale,
         "skipped": r.skipped,
-        "tokens_per_s": tokens_per_s,
+        "tokens_per_s": e.tokens_per_s,
         "step_time_s": r.elapsed.as_secs_f64(),
         "phase_s": {
             "forward": r.phases.forward,
@@ -61,7 +58,7 @@ pub fn metrics_line(
             "comm": r.phases.comm,
             "optimizer": r.phases.optimizer,
         },
-        "num_params": num_params,
+        "num_params": e.num_params,
         "model_state_bytes": {
             "params": m.params,
             "grads": m.grads,
@@ -82,7 +79,13 @@ pub fn metrics_line(
             .filter(|k| **k != CollectiveKind::Barrier)
             .map(|k| (k.name().to_string(), r.traffic.calls(*k)))
             .collect::<std::collections::BTreeMap<_, _>>(),
-    })
+    });
+    if let Some(eval) = e.eval {
+        line["eval_loss"] = eval.loss.into();
+        line["eval_ppl"] = eval.perplexity().into();
+        line["eval_tokens"] = eval.tokens.into();
+    }
+    line
 }
 
 /// What rank 0 logs about a step besides the progress bar: fp16 scale changes and skipped steps
@@ -192,14 +195,7 @@ fn line_step(line: &[u8]) -> Option<u64> {
 
 impl StepObserver for MetricsFile {
     fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
-        let value = metrics_line(
-            e.rank,
-            e.world_size,
-            e.stage,
-            e.num_params,
-            e.tokens_per_s,
-            e.report,
-        );
+        let value = metrics_line(e);
         let mut st = self.lock();
         if st.failed.is_some() {
             return Ok(());

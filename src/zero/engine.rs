@@ -32,7 +32,9 @@
 //! it out in the fused unscale-and-clip factor.
 
 mod budget;
+mod eval;
 pub use budget::{check as check_device_budget, device_peak, offloaded_share, OverDeviceBudget};
+pub use eval::EvalLoss;
 mod nvme;
 pub use nvme::stream_buffer_bytes;
 mod parts;
@@ -81,6 +83,9 @@ pub enum EngineError {
     /// A device-tier allocation beyond `EngineConfig::device_budget`, refused before it is made.
     #[error(transparent)]
     DeviceBudget(Box<budget::OverDeviceBudget>),
+    /// The held-out data of an evaluation could not be read.
+    #[error("evaluation data: {0}")]
+    EvalData(String),
     #[error(
         "step {step}: got {got} micro-batches, expected gradient_accumulation_steps = {expected}"
     )]

@@ -292,6 +292,34 @@ impl Coordinator {
         }
     }
 
+    /// Evaluation, outside the step's plan: gather `units` now (no prefetch). Every rank calls it
+    /// for the same units in the same order, since each gather is a collective.
+    pub(crate) fn gather_now(
+        &mut self,
+        units: &[usize],
+        comm: &dyn Communicator,
+        ledger: &mut MemoryLedger,
+    ) -> Result<(), GatherError> {
+        for &u in units {
+            if matches!(self.residency[u], Residency::Released) {
+                self.issue(comm, u, ledger)?;
+            }
+        }
+        for &u in units {
+            self.wait(u)?;
+        }
+        Ok(())
+    }
+
+    /// Evaluation: release `units` unless they persist ([`Coordinator::invalidate`] ends it).
+    pub(crate) fn release_now(&mut self, units: &[usize]) {
+        for &u in units {
+            if !self.persistent[u] {
+                self.drop_unit(u);
+            }
+        }
+    }
+
     /// Release everything (the parameters are about to change) and start the next step's visits.
     pub(crate) fn invalidate(&mut self) -> Result<(), CommError> {
         for u in 0..self.residency.len() {

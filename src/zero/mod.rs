@@ -33,8 +33,8 @@ pub mod unit;
 pub use device_tier::{DeviceTier, TierDtypes, UnitUpload, UnitValues};
 pub use engine::{
     check_device_budget, device_peak, moment_stream_bytes, offloaded_share, param_staging_bytes,
-    resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, PhaseTimes,
-    StepReport, UnitOptimizerState,
+    resident_param_bytes, stream_buffer_bytes, Engine, EngineCounters, EngineError, EvalLoss,
+    PhaseTimes, StepReport, UnitOptimizerState,
 };
 pub use engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
 pub use unit::{

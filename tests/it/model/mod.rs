@@ -4,7 +4,7 @@ mod candle_unit;
 mod gpt;
 mod hf_cli;
 mod hf_families;
-mod hf_fixture;
+pub mod hf_fixture;
 mod hf_gpt2;
 mod hf_inputs;
 mod hf_llama;

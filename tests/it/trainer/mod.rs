@@ -1,6 +1,7 @@
 //! The trainer: configs, reliability, outputs and inputs (`src/trainer`).
 
 mod config;
+mod evaluation;
 mod input_checks;
 mod output_safety;
 mod reliability;
