@@ -44,6 +44,7 @@ pub mod ckpt;
 pub mod config;
 pub mod data_args;
 pub mod device_args;
+pub mod eval;
 pub mod eval_args;
 pub mod hf_model;
 pub mod launch;
@@ -76,6 +77,8 @@ pub enum Command {
     /// Inspect DeepSpeed configs.
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// The held-out loss and perplexity of a model or checkpoint on data, without training.
+    Eval(Box<eval::EvalCmdArgs>),
 }
 
 #[derive(Subcommand, Debug)]
@@ -110,6 +113,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(BenchCommand::Ops(a)) => bench_ops::run(a),
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
+        Command::Eval(a) => eval::run(*a),
     }
 }
 

@@ -50,8 +50,8 @@ use zerodp::zero::unit::UnitModel;
 #[derive(clap::Args, Debug)]
 pub struct TrainArgs {
     /// DeepSpeed JSON config (batch sizes, zero_optimization, optimizer, scheduler, clipping).
-    #[arg(long)]
-    pub config: PathBuf,
+    #[arg(long, required = true)]
+    pub config: Option<PathBuf>,
     /// Number of data-parallel ranks (threads of this process) [default: 1; under MPI the
     /// process count, which it must equal if given].
     #[arg(long)]
@@ -120,6 +120,9 @@ pub struct TrainArgs {
     /// Keep only the newest K checkpoints in --save-dir (default: keep all).
     #[arg(long, value_name = "K")]
     pub keep_last: Option<usize>,
+    /// `zerodp eval`: no step, the held-out loss on standard output (see [`super::eval`]).
+    #[arg(skip)]
+    pub eval_only: bool,
     /// Resume from the newest checkpoint in DIR (its `latest`), or from a checkpoint directory
     /// itself [default DIR: --save-dir]. `--steps` still counts from the start of training.
     #[arg(long, value_name = "DIR", num_args = 0..=1)]
@@ -179,7 +182,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     // A resumed run continues the saved run's data order.
     let seed = resume.as_ref().map_or(args.seed, |r| r.manifest.seed);
     let engine_cfg = zerodp::setup::engine_config(&settings, world, seed)
-        .with_context(|| format!("config {}", args.config.display()))?;
+        .with_context(|| format!("config {}", config_name(&args)))?;
     let models = super::hf_model::rank_models(
         &gpt,
         hf.as_ref(),
@@ -270,6 +273,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     progress.bar.finish_and_clear();
     if rank == 0 {
         report_saves(&outcome, args.save_dir.as_deref());
+        super::eval::report(&outcome, args.eval_only)?;
         let tokens_per_step = settings.batch.train_batch_size * gpt.context;
         report_end(&outcome, started, tokens_per_step, backend);
     }
@@ -477,11 +481,22 @@ fn load_settings(
         total_steps: Some(args.steps as usize),
         ..Default::default()
     };
-    let loaded = config::load_file(&args.config, &ctx)?;
+    let loaded = match &args.config {
+        Some(path) => config::load_file(path, &ctx)?,
+        None => config::load_str(super::eval::DEFAULT_CONFIG, "zerodp eval's default", &ctx)?,
+    };
     for w in &loaded.warnings {
         errln!("warning: {w}");
     }
     Ok(loaded.settings)
+}
+
+/// The config's name in messages.
+fn config_name(args: &TrainArgs) -> String {
+    match &args.config {
+        Some(path) => path.display().to_string(),
+        None => "(zerodp eval's default)".into(),
+    }
 }
 
 /// This process's rank as its launcher set it (0 in-process; under MPI read before MPI is up).
@@ -882,7 +897,7 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
         )
         .collect();
     let inputs: Vec<NamedPath<'_>> = [
-        named("--config", Some(args.config.as_path())),
+        named("--config", args.config.as_deref()),
         named("--init", args.init.as_deref()),
         named("--resume", resume_dir(args)),
     ]
@@ -1001,7 +1016,7 @@ fn resume_from(args: &TrainArgs, lead: bool) -> anyhow::Result<Option<Resume>> {
             m.seed
         );
     }
-    if m.step >= args.steps {
+    if m.step >= args.steps && !args.eval_only {
         bail!(
             "the checkpoint is at step {} and --steps is {}: nothing to train (--steps counts \
              from the start of training; raise it to continue)",

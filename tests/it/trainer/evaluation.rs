@@ -211,3 +211,164 @@ fn eval_split_of_a_token_file_cuts_at_the_eos_and_keeps_documents_whole() {
     );
     assert_eq!(b.targets[..4], held[6..10]);
 }
+
+fn zerodp(dir: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.success(), text(&out.stdout), text(&out.stderr))
+}
+
+/// The `eval_loss` of `zerodp eval`'s standard output.
+fn printed_loss(stdout: &str) -> f64 {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("eval_loss "))
+        .unwrap();
+    line["eval_loss ".len()..].parse().unwrap()
+}
+
+#[test]
+fn train_and_zerodp_eval_agree_at_every_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("train.txt"), paragraphs(60).join("\n\n")).unwrap();
+    std::fs::write(
+        d.join("held.txt"),
+        "the held-out text is not trained on. ".repeat(30),
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("s3.json"),
+        r#"{"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("e3.json"),
+        r#"{"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}"#,
+    )
+    .unwrap();
+    let (ok, _, err) = zerodp(
+        d,
+        &[
+            "train",
+            "--config",
+            "s3.json",
+            "--world-size",
+            "2",
+            "--model",
+            "tiny",
+            "--steps",
+            "4",
+            "--no-progress",
+            "--data",
+            "train.txt",
+            "--eval-data",
+            "held.txt",
+            "--eval-every",
+            "2",
+            "--eval-windows",
+            "7",
+            "--metrics",
+            "m.jsonl",
+            "--save-dir",
+            "ck",
+        ],
+    );
+    assert!(ok, "{err}");
+    let lines: Vec<Value> = std::fs::read_to_string(d.join("m.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let evals: Vec<(u64, f64)> = lines
+        .iter()
+        .filter(|l| l["eval_loss"].is_number())
+        .map(|l| {
+            (
+                l["step"].as_u64().unwrap(),
+                l["eval_loss"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(evals.len(), 4, "steps 2 and 4 on both ranks: {evals:?}");
+    assert_eq!(evals.iter().filter(|(s, _)| *s == 4).count(), 2);
+    let last = evals.iter().find(|(s, _)| *s == 4).unwrap().1;
+    assert!(
+        evals
+            .iter()
+            .filter(|(s, _)| *s == 4)
+            .all(|(_, l)| *l == last),
+        "every rank agrees"
+    );
+    let latest = std::fs::read_to_string(d.join("ck/latest")).unwrap();
+    let manifest = read_json(&d.join("ck").join(latest.trim()).join("manifest.json"));
+    assert_eq!(manifest["eval"]["eval_loss"].as_f64().unwrap(), last);
+    assert_eq!(
+        manifest["eval"]["eval_tokens"].as_u64().unwrap(),
+        7 * 16,
+        "7 windows of the tiny GPT's 16"
+    );
+    // The checkpoint alone, on one rank at stage 0 and on three at stage 3.
+    for extra in [&[][..], &["--world-size", "3", "--config", "e3.json"][..]] {
+        let mut args = vec![
+            "eval",
+            "--checkpoint",
+            "ck",
+            "--model",
+            "tiny",
+            "--data",
+            "held.txt",
+        ];
+        args.extend_from_slice(&["--eval-windows", "7"]);
+        args.extend_from_slice(extra);
+        let (ok, out, err) = zerodp(d, &args);
+        assert!(ok, "{args:?}: {err}");
+        let got = printed_loss(&out);
+        assert!(
+            rel(got, last) <= 1e-6,
+            "{args:?}: {got} against train's {last}"
+        );
+        assert_eq!(
+            out.lines().count(),
+            2,
+            "only the two numbers on stdout: {out}"
+        );
+    }
+}
+
+#[test]
+fn evaluation_flags_without_held_out_data_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(d.join("t.txt"), paragraphs(10).join("\n\n")).unwrap();
+    std::fs::write(d.join("c.json"), r#"{"train_batch_size": 2}"#).unwrap();
+    let base = [
+        "train", "--config", "c.json", "--model", "tiny", "--steps", "1", "--data", "t.txt",
+    ];
+    for (extra, want) in [
+        (
+            &["--eval-every", "2"][..],
+            "--eval-every needs held-out data",
+        ),
+        (&["--eval-split", "1.5"][..], "strictly between 0 and 1"),
+        (
+            &["--eval-data", "missing.txt"][..],
+            "--eval-data missing.txt: no such file",
+        ),
+        (
+            &["--eval-split", "0.1", "--eval-windows", "0"][..],
+            "--eval-windows 0",
+        ),
+    ] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let (ok, _, err) = zerodp(d, &args);
+        assert!(!ok && err.contains(want), "{extra:?}: {err}");
+    }
+}
