@@ -33,6 +33,8 @@
 //! * [`flat`]: the foundation below `comm`, `optim`, `zero` and `model`: the dtype tag, owned flat
 //!   buffers and their typed views, zeroed huge-page memory, the deterministic slice kernels (casts
 //!   with 16-bit rounding, accumulation, norms). Depends on nothing.
+//! * [`plot`]: `train --metrics` files read back into runs and drawn as one SVG of curves
+//!   (`zerodp plot`, `train --plot`). Depends on nothing but `atomic_file`.
 //! * [`atomic_file`]: files and directories written under a temporary name and renamed into
 //!   place, so that a failed or killed write leaves what was there before. Depends on nothing.
 //! * [`outputs`]: the check every command's output paths pass before any work (not an input, not
@@ -62,6 +64,7 @@ pub mod offload;
 pub mod optim;
 pub mod outputs;
 pub mod planner;
+pub mod plot;
 mod prefetch;
 pub mod rng;
 pub mod setup;

@@ -72,6 +72,7 @@ pub fn run(a: EvalCmdArgs) -> anyhow::Result<i32> {
         steps,
         seed: 42,
         metrics: None,
+        plot: None,
         timeout: None,
         checkpoint_activations: false,
         preflight: Default::default(),

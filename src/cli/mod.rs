@@ -51,6 +51,7 @@ pub mod launch;
 mod nccl;
 pub mod op_scaling;
 pub mod plan;
+pub mod plot;
 pub mod preflight;
 pub mod train;
 
@@ -79,6 +80,8 @@ pub enum Command {
     Config(ConfigCommand),
     /// The held-out loss and perplexity of a model or checkpoint on data, without training.
     Eval(Box<eval::EvalCmdArgs>),
+    /// Draw training and evaluation curves of metrics files as one SVG.
+    Plot(plot::PlotArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -114,6 +117,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
         Command::Eval(a) => eval::run(*a),
+        Command::Plot(a) => plot::run(a),
     }
 }
 

@@ -90,6 +90,10 @@ pub struct TrainArgs {
     /// Write one JSON object per optimizer step and rank to this file.
     #[arg(long)]
     pub metrics: Option<PathBuf>,
+    /// Draw the run's curves (loss, held-out loss, learning rate, tokens/s, memory) into this
+    /// SVG as the run goes, rewritten at most once a second; `zerodp plot` draws several runs.
+    #[arg(long, value_name = "FILE.svg")]
+    pub plot: Option<PathBuf>,
     /// Seconds a rank waits inside one collective before failing, or inf for no limit [default:
     /// ZERODP_TIMEOUT or the communicator's default].
     #[arg(long)]
@@ -260,15 +264,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     )
     .with_breakdown(settings.wall_clock_breakdown);
     let started = Instant::now();
+    let plot = (rank == 0)
+        .then(|| args.plot.as_deref().map(LivePlotter::new))
+        .flatten();
     let mut observers: Vec<&dyn StepObserver> = vec![&progress];
-    if let Some(m) = &metrics {
-        observers.push(m);
-    }
+    observers.extend(metrics.as_ref().map(|m| m as &dyn StepObserver));
+    observers.extend(plot.as_ref().map(|p| p as &dyn StepObserver));
     let outcome = trainer.run(&data, args.steps, &observers);
     // The last checkpoint is committed (or the run failed): free the directory now, not after
     // the communicator's teardown, which under mpirun may be cut short by the launcher's SIGKILL
     // once a signal has ended the job.
     drop(save_dir_lock);
+    plot.as_ref().map(LivePlotter::finish);
     let outcome = outcome?;
     progress.bar.finish_and_clear();
     if rank == 0 {
@@ -847,6 +854,48 @@ impl StepObserver for ProgressLog {
     }
 }
 
+/// `--plot`: rank 0's metrics lines drawn into an SVG as they come. A plot that cannot be
+/// written is said once and the run goes on: a picture is no reason to lose a run.
+struct LivePlotter {
+    live: zerodp::plot::LivePlot,
+    failed: AtomicBool,
+}
+
+impl LivePlotter {
+    fn new(path: &Path) -> Self {
+        let name = path
+            .file_stem()
+            .map_or("train".into(), |s| s.to_string_lossy());
+        LivePlotter {
+            live: zerodp::plot::LivePlot::new(path, &name),
+            failed: AtomicBool::new(false),
+        }
+    }
+
+    fn warn(&self, e: zerodp::plot::PlotError) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            errln!("warning: --plot: {e}; training goes on without the plot");
+        }
+    }
+
+    fn finish(&self) {
+        if let Err(e) = self.live.finish() {
+            self.warn(e);
+        }
+    }
+}
+
+impl StepObserver for LivePlotter {
+    fn on_step(&self, e: &StepEvent<'_>) -> Result<(), TrainerError> {
+        if e.rank == 0 && !self.failed.load(Ordering::SeqCst) {
+            if let Err(err) = self.live.push(&zerodp::trainer::metrics_line(e)) {
+                self.warn(err);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The held-out loss after step `step`, on the log: 7 significant digits, as `zerodp eval`.
 fn eval_line(step: u64, e: &zerodp::zero::EvalLoss) -> String {
     format!(
@@ -908,6 +957,7 @@ fn check_paths(args: &TrainArgs, metrics: Option<&Path>) -> anyhow::Result<()> {
     let outputs: Vec<NamedPath<'_>> = [
         named("--save", args.save.as_deref()),
         named("--metrics", metrics),
+        named("--plot", args.plot.as_deref()),
     ]
     .into_iter()
     .flatten()

@@ -162,7 +162,7 @@ fn documents(source: &TokenSource) -> Vec<Range<usize>> {
             }
             ends
         }
-        TokenSource::Parts(p) => return vec![0..p.len()],
+        TokenSource::Parts(p) => return std::iter::once(0..p.len()).collect(),
     };
     let mut docs = Vec::with_capacity(ends.len() + 1);
     let mut start = 0;

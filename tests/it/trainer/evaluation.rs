@@ -279,9 +279,16 @@ fn train_and_zerodp_eval_agree_at_every_world_size() {
             "m.jsonl",
             "--save-dir",
             "ck",
+            "--plot",
+            "run.svg",
         ],
     );
     assert!(ok, "{err}");
+    let svg = std::fs::read_to_string(d.join("run.svg")).unwrap();
+    for metric in ["loss", "eval_loss", "lr", "tokens_per_s", "peak_bytes"] {
+        let series = format!("data-metric=\"{metric}\" data-x=\"step\"");
+        assert!(svg.contains(&series), "--plot draws {metric}");
+    }
     let lines: Vec<Value> = std::fs::read_to_string(d.join("m.jsonl"))
         .unwrap()
         .lines()
