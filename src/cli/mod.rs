@@ -46,6 +46,7 @@ pub mod data_args;
 pub mod device_args;
 pub mod eval;
 pub mod eval_args;
+pub mod generate;
 pub mod hf_model;
 pub mod launch;
 mod nccl;
@@ -80,6 +81,8 @@ pub enum Command {
     Config(ConfigCommand),
     /// The held-out loss and perplexity of a model or checkpoint on data, without training.
     Eval(Box<eval::EvalCmdArgs>),
+    /// Text from a model or checkpoint, streamed as it is written (a KV cache).
+    Generate(Box<generate::GenerateArgs>),
     /// Draw training and evaluation curves of metrics files as one SVG.
     Plot(plot::PlotArgs),
 }
@@ -117,6 +120,7 @@ pub fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Config(ConfigCommand::Check(a)) => config::run(a),
         Command::Ckpt(c) => ckpt::run(c),
         Command::Eval(a) => eval::run(*a),
+        Command::Generate(a) => generate::run(*a),
         Command::Plot(a) => plot::run(a),
     }
 }

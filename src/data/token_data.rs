@@ -119,6 +119,16 @@ impl TextTokenizer {
         self.eos.1
     }
 
+    /// The text of `ids`, special tokens left out (`decode(..., skip_special_tokens=True)`).
+    pub fn decode(&self, ids: &[u32]) -> Result<String, String> {
+        self.inner.decode(ids, true).map_err(|e| e.to_string())
+    }
+
+    /// The id of `token`, if the vocabulary has it (added tokens included).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
     /// SHA-256 of the tokenizer.json bytes, as `sha256sum` prints it.
     pub fn sha256(&self) -> &str {
         &self.sha256

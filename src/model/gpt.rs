@@ -81,6 +81,8 @@ use candle_core::{DType, Device, Tensor, D};
 use super::candle_unit::{compute_err, Candle, CandleSaved, CandleUnits};
 use super::gpt_block::{self, BlockSaved, BlockShape};
 use super::ops;
+
+mod decode;
 use crate::data::TokenBatch;
 use crate::rng::{fill_normal, mix_seed};
 use crate::zero::unit::{

@@ -26,6 +26,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::candle_unit::CandleUnits;
+
+mod decode;
 use super::hf::{LlamaConfig, MlpAct};
 use super::ops;
 use crate::data::TokenBatch;
@@ -449,10 +451,15 @@ impl Llama {
 
     /// `cos` and `sin` `[t, head_dim]` of positions `0..t` (frequencies repeated over both halves).
     fn rope_tables(&self, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        self.rope_tables_at(0, t)
+    }
+
+    /// [`Self::rope_tables`] of positions `start..start + t` (generation's new positions).
+    fn rope_tables_at(&self, start: usize, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
         let d = self.config.head_dim;
         let inv = self.inv_freq();
         let mut angles = Vec::with_capacity(t * d);
-        for pos in 0..t {
+        for pos in start..start + t {
             let row: Vec<f32> = inv.iter().map(|f| pos as f32 * f).collect();
             angles.extend_from_slice(&row);
             angles.extend_from_slice(&row);

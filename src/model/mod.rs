@@ -13,6 +13,7 @@ pub mod compute;
 mod cuda;
 pub mod export;
 mod gemm;
+pub mod generate;
 pub mod gpt;
 mod gpt_block;
 mod heap;

@@ -1,6 +1,7 @@
 //! Models on candle and Hugging Face directories (`src/model`).
 
 mod candle_unit;
+mod generate;
 mod gpt;
 mod hf_cli;
 mod hf_families;
