@@ -17,6 +17,7 @@
 //! So step `k` sees the same samples whatever `N` and the micro-batch size: the property behind
 //! "every stage at every world size trains to the same losses".
 
+pub mod chat;
 pub mod held_out;
 pub mod token_data;
 pub mod token_inputs;
@@ -32,6 +33,11 @@ use crate::zero::unit::BatchCounts;
 
 /// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
 pub const DEFAULT_CORPUS_PATH: &str = "data/corpus.txt";
+
+/// A target that is not trained on (a prompt's token in chat data, padding): it adds nothing to
+/// the loss, and the loss is the mean over the other targets (PyTorch's `ignore_index`, -100 in
+/// transformers' labels).
+pub const IGNORE_INDEX: u32 = u32::MAX;
 
 /// Vocabulary of the byte-level tokenizer.
 pub(crate) const BYTE_VOCAB: usize = 256;
@@ -514,6 +520,11 @@ impl TokenBatch {
             samples: self.batch_size,
             tokens: self.tokens.len(),
         }
+    }
+
+    /// The targets the loss is over: those that are not [`IGNORE_INDEX`].
+    pub fn loss_tokens(&self) -> usize {
+        self.targets.iter().filter(|&&t| t != IGNORE_INDEX).count()
     }
 }
 

@@ -49,6 +49,10 @@ pub(crate) const EOS_CANDIDATES: [&str; 4] = ["<|endoftext|>", "<|end_of_text|>"
 /// Bumped whenever the token stream's definition changes, so that old caches are rebuilt.
 const FORMAT_VERSION: u32 = 2;
 
+/// Token ids and each token's byte range `[start, end)` in the text they encode
+/// ([`TextTokenizer::encode_with_offsets`]).
+pub type IdsWithOffsets = (Vec<u32>, Vec<(usize, usize)>);
+
 /// A Hugging Face `tokenizer.json`, its SHA-256 and the EOS id put between documents.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
@@ -144,6 +148,23 @@ impl TextTokenizer {
             .encode_fast(text, true)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| e.to_string())
+    }
+
+    /// The ids of `text` and each token's byte range in it (`[start, end)`), for the masks of
+    /// chat data ([`super::chat`]): a token is trained by where its text lies. A special token
+    /// the tokenizer adds itself (`add_special_tokens`) has the empty range `(0, 0)`.
+    /// `apply_chat_template` encodes with `add_special_tokens = false`, the template having
+    /// written the BOS. No truncation or padding (switched off at load).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<IdsWithOffsets, String> {
+        let e = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| e.to_string())?;
+        Ok((e.get_ids().to_vec(), e.get_offsets().to_vec()))
     }
 }
 
