@@ -241,7 +241,7 @@ impl<'t> Streamed<'t> {
         };
         if whole > self.written && text.is_char_boundary(self.written) {
             let mut out = std::io::stdout().lock();
-            out.write_all(text[self.written..whole].as_bytes())?;
+            out.write_all(&text.as_bytes()[self.written..whole])?;
             out.flush()?;
             self.written = whole;
         }

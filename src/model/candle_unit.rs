@@ -166,6 +166,12 @@ pub trait CandleUnits: Send + Sync {
     /// the samples again).
     fn batch_counts(&self, batch: &Self::Batch) -> BatchCounts;
 
+    /// The terms `batch`'s mean loss averages ([`UnitModel::loss_tokens`]). [default: the
+    /// tokens of `batch_counts`]
+    fn loss_tokens(&self, batch: &Self::Batch) -> usize {
+        self.batch_counts(batch).tokens
+    }
+
     /// Deterministic initial values of unit `unit`'s own flat parameters (the concatenation of
     /// its [`ParamSpec`](crate::zero::unit::ParamSpec)s, row-major), a function of `seed` alone.
     /// [`crate::rng::SplitMix64`] and [`crate::rng::mix_seed`] give a stream per tensor.
@@ -759,6 +765,10 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
 
     fn batch_counts(&self, batch: &T::Batch) -> BatchCounts {
         self.units.batch_counts(batch)
+    }
+
+    fn loss_tokens(&self, batch: &T::Batch) -> usize {
+        self.units.loss_tokens(batch)
     }
 
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {

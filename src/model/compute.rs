@@ -84,6 +84,31 @@ pub(crate) fn assert_follows_f32(
     }
 }
 
+/// The mean cross-entropy of `logits [n, vocab]` against `targets`, over the targets that are not
+/// [`crate::data::IGNORE_INDEX`] (candle's `cross_entropy` on those rows; 0, with gradient 0,
+/// when there are none): the composite ops' counterpart of the fused kernels' masking.
+pub(crate) fn masked_cross_entropy(
+    logits: &candle_core::Tensor,
+    targets: &[u32],
+) -> candle_core::Result<candle_core::Tensor> {
+    use crate::data::IGNORE_INDEX;
+    let device = logits.device();
+    if !targets.contains(&IGNORE_INDEX) {
+        let t = candle_core::Tensor::from_slice(targets, targets.len(), device)?;
+        return candle_nn::loss::cross_entropy(logits, &t);
+    }
+    let keep: Vec<u32> = (0..targets.len() as u32)
+        .filter(|&i| targets[i as usize] != IGNORE_INDEX)
+        .collect();
+    if keep.is_empty() {
+        return logits.sum_all()? * 0.0;
+    }
+    let kept: Vec<u32> = keep.iter().map(|&i| targets[i as usize]).collect();
+    let rows = candle_core::Tensor::from_slice(&keep, keep.len(), device)?;
+    let t = candle_core::Tensor::from_slice(&kept, kept.len(), device)?;
+    candle_nn::loss::cross_entropy(&logits.index_select(&rows, 0)?, &t)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

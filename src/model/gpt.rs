@@ -578,8 +578,7 @@ impl Gpt {
         if super::compute::is_16_bit(self.dtype) {
             logits = logits.to_dtype(DType::F32)?;
         }
-        let targets = Tensor::from_slice(targets, targets.len(), &self.device)?;
-        self.cross_entropy(&logits, &targets)
+        super::compute::masked_cross_entropy(&logits, targets)
     }
 
     /// The LM head's logits `h @ wte^T` (tied weights): `[n, vocab]`.
@@ -729,7 +728,11 @@ impl Gpt {
             )));
         }
         let v = self.config.vocab_size as u32;
-        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
+        let targets = batch
+            .targets
+            .iter()
+            .filter(|&&t| t != crate::data::IGNORE_INDEX);
+        if let Some(&bad) = batch.tokens.iter().chain(targets).find(|&&x| x >= v) {
             return Err(ModelError::Invalid(format!(
                 "token id {bad} is outside the vocabulary of {v}"
             )));
@@ -762,6 +765,10 @@ impl CandleUnits for Gpt {
 
     fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
         batch.counts()
+    }
+
+    fn loss_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.loss_tokens()
     }
 
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
@@ -952,6 +959,10 @@ impl UnitModel for GptModel {
 
     fn batch_counts(&self, batch: &TokenBatch) -> BatchCounts {
         self.inner.batch_counts(batch)
+    }
+
+    fn loss_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.loss_tokens()
     }
 
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {

@@ -597,6 +597,10 @@ impl CandleUnits for Llama {
         batch.counts()
     }
 
+    fn loss_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.loss_tokens()
+    }
+
     /// Norm weights 1, biases 0, every matrix normal(0, `initializer_range`), as `transformers`
     /// starts one.
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
@@ -659,8 +663,7 @@ impl CandleUnits for Llama {
         let h = self.rms_norm(x, &p[0])?;
         // The softmax of a 16-bit run in f32, as PyTorch's autocast computes its cross-entropy.
         let logits = h.matmul(&p[1].t()?)?.to_dtype(DType::F32)?;
-        let targets = Tensor::from_slice(&batch.targets, b * t, &self.device)?;
-        candle_nn::loss::cross_entropy(&logits, &targets)
+        super::compute::masked_cross_entropy(&logits, &batch.targets)
     }
 
     fn dtype(&self) -> DType {
@@ -686,7 +689,11 @@ impl CandleUnits for Llama {
             .check_seq_len(batch.seq_len)
             .map_err(ModelError::Invalid)?;
         let v = self.config.vocab_size as u32;
-        if let Some(&bad) = batch.tokens.iter().chain(&batch.targets).find(|&&x| x >= v) {
+        let targets = batch
+            .targets
+            .iter()
+            .filter(|&&t| t != crate::data::IGNORE_INDEX);
+        if let Some(&bad) = batch.tokens.iter().chain(targets).find(|&&x| x >= v) {
             return Err(ModelError::Invalid(format!(
                 "token id {bad} is outside the vocabulary of {v}"
             )));

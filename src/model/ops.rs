@@ -18,6 +18,7 @@
 //! Reductions across rows (the LayerNorm weight and bias gradients, the bias gradient) are summed
 //! over a fixed chunking, in chunk order, so results do not depend on the number of threads.
 
+use crate::data::IGNORE_INDEX;
 use crate::prefetch::{self, BLOCK};
 use candle_core::backend::BackendStorage;
 use candle_core::{
@@ -1070,6 +1071,7 @@ impl CrossEntropy {
     /// The summed loss of `logits` (rows of `v`) against `targets`: a partial sum per task of
     /// [`ROWS_PER_TASK`] rows, the partials added in task order (the same value at every thread
     /// count).
+    /// Rows whose target is [`IGNORE_INDEX`] add nothing.
     fn loss_sum<T: Real>(logits: &[T], targets: &[u32], v: usize) -> f64 {
         let partials: Vec<f64> = logits
             .par_chunks(v * ROWS_PER_TASK)
@@ -1077,11 +1079,33 @@ impl CrossEntropy {
             .map(|(rows, ts)| {
                 rows.chunks(v)
                     .zip(ts)
+                    .filter(|(_, &t)| t != IGNORE_INDEX)
                     .map(|(row, &t)| (Self::lse(row) - row[t as usize]).to_f64())
                     .sum::<f64>()
             })
             .collect();
         partials.iter().sum()
+    }
+
+    /// The targets a mean is over: those not [`IGNORE_INDEX`] (at least 1, so that a batch
+    /// with none has loss and gradient 0).
+    pub(crate) fn trained(targets: &[u32]) -> usize {
+        targets
+            .iter()
+            .filter(|&&t| t != IGNORE_INDEX)
+            .count()
+            .max(1)
+    }
+
+    /// Refuses a target past the vocabulary ([`IGNORE_INDEX`] is no target).
+    fn check_targets(what: &str, targets: &[u32], v: usize) -> Result<()> {
+        let bad = targets
+            .iter()
+            .find(|&&t| t as usize >= v && t != IGNORE_INDEX);
+        if let Some(&bad) = bad {
+            bail!("{what}: target {bad} outside the vocabulary of {v}");
+        }
+        Ok(())
     }
 
     /// The logits in `d` (rows of `v`) replaced by their gradient `(softmax - onehot) * scale`.
@@ -1090,6 +1114,10 @@ impl CrossEntropy {
             .zip(targets.par_chunks(ROWS_PER_TASK))
             .for_each(|(ds, ts)| {
                 for (dr, &t) in ds.chunks_mut(v).zip(ts) {
+                    if t == IGNORE_INDEX {
+                        dr.fill(lit::<T>(0.0));
+                        continue;
+                    }
                     let lse = Self::lse(dr);
                     dr.iter_mut().for_each(|x| *x = (*x - lse).exp() * scale);
                     dr[t as usize] -= scale;
@@ -1115,13 +1143,12 @@ impl CustomOp2 for CrossEntropy {
         if targets.len() != n {
             bail!("cross entropy: {n} rows, {} targets", targets.len());
         }
-        if let Some(&bad) = targets.iter().find(|&&t| t as usize >= v) {
-            bail!("cross entropy: target {bad} outside the vocabulary of {v}");
-        }
+        Self::check_targets("cross entropy", targets, v)?;
         by_dtype!(storage_dtype(s1), self.name(), |T| {
             let total = Self::loss_sum(slice_of::<T>(s1, l1)?, targets, v);
+            let mean = total / Self::trained(targets) as f64;
             Ok((
-                T::to_cpu_storage_owned(vec![T::from_f64(total / n as f64)]),
+                T::to_cpu_storage_owned(vec![T::from_f64(mean)]),
                 Shape::from(()),
             ))
         })
@@ -1136,7 +1163,7 @@ impl CustomOp2 for CrossEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, v) = logits.dims2()?;
         let targets = targets.to_vec1::<u32>()?;
-        let g = dloss.to_dtype(DType::F64)?.to_scalar::<f64>()? / n as f64;
+        let g = dloss.to_dtype(DType::F64)?.to_scalar::<f64>()? / Self::trained(&targets) as f64;
         let d = by_dtype!(logits.dtype(), self.name(), |T| {
             with_slice::<T, _>(logits, |x| {
                 let mut d = x.to_vec();
@@ -1172,10 +1199,7 @@ impl HeadLoss {
         if self.targets.len() != n {
             bail!("lm head loss: {n} rows, {} targets", self.targets.len());
         }
-        if let Some(&bad) = self.targets.iter().find(|&&t| t as usize >= v) {
-            bail!("lm head loss: target {bad} outside the vocabulary of {v}");
-        }
-        Ok(())
+        CrossEntropy::check_targets("lm head loss", &self.targets, v)
     }
 
     /// One chunk's logits `h[rows] @ wte^T` into `logits` (rows x v).
@@ -1194,7 +1218,7 @@ impl HeadLoss {
             Self::logits(hs, wte, (c, v), x);
             total += CrossEntropy::loss_sum(x, ts, v);
         }
-        total / self.targets.len().max(1) as f64
+        total / CrossEntropy::trained(&self.targets) as f64
     }
 
     /// `(dh, dwte)` for a loss gradient `g` (d loss / d mean): per chunk, the logits again, their
@@ -1203,7 +1227,7 @@ impl HeadLoss {
         let v = wte.len() / c;
         let n = self.targets.len();
         let rows = Self::chunk_rows(v);
-        let scale = lit::<T>(g / n.max(1) as f64);
+        let scale = lit::<T>(g / CrossEntropy::trained(&self.targets) as f64);
         let mut logits = vec![lit::<T>(0.0); rows.min(n) * v];
         let mut dh = vec![lit::<T>(0.0); h.len()];
         let mut dwte = vec![lit::<T>(0.0); wte.len()];

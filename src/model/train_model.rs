@@ -208,6 +208,10 @@ impl UnitModel for TrainModel {
         batch.counts()
     }
 
+    fn loss_tokens(&self, batch: &TokenBatch) -> usize {
+        batch.loss_tokens()
+    }
+
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]) {
         match self {
             TrainModel::Gpt(m) => m.init_params(unit, seed, out),

@@ -553,11 +553,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         self.zero_grads()?;
         let mut loss_sum = 0.0f64;
         let mut counts = BatchCounts::default();
+        let weights = self.micro_weights(micro_batches)?;
         for (micro, batch) in micro_batches.iter().enumerate() {
             let (loss, stash) = self.forward(micro, batch)?;
-            self.backward(micro, batch, stash)?;
+            self.backward((micro, weights[micro]), batch, stash)?;
             self.finish_reduction(micro)?;
-            loss_sum += f64::from(loss);
+            loss_sum += f64::from(loss) * weights[micro];
             counts = counts + self.model.batch_counts(batch);
         }
         let t = Instant::now();
@@ -653,18 +654,41 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         Ok((loss, stash))
     }
 
-    /// Backward of micro-batch `micro`, from the last unit to the first. Each unit's gradient goes
-    /// on (see [`Engine::grad_complete`]) as soon as its last user's backward is done.
+    /// Each micro-batch's weight in the step's loss, against an equal share: 1 each, or under
+    /// [`EngineConfig::loss_per_token`] its loss terms' share of the global batch's
+    /// (`n_m x grad_accum x world / total`; 0 everywhere when the batch has none).
+    fn micro_weights(&mut self, micro_batches: &[M::Batch]) -> Result<Vec<f64>, EngineError> {
+        if !self.cfg.loss_per_token {
+            return Ok(vec![1.0; micro_batches.len()]);
+        }
+        let local: Vec<usize> = micro_batches
+            .iter()
+            .map(|b| self.model.loss_tokens(b))
+            .collect();
+        let (_, total) = eval::sum_over_ranks(self.comm, 0.0, local.iter().sum::<usize>() as u64)?;
+        let share = (self.cfg.grad_accum * self.cfg.world_size) as f64;
+        Ok(local
+            .iter()
+            .map(|&n| match total {
+                0 => 0.0,
+                _ => n as f64 * share / total as f64,
+            })
+            .collect())
+    }
+
+    /// Backward of micro-batch `micro` (of weight `factor`, [`Engine::micro_weights`]), from the
+    /// last unit to the first. Each unit's gradient goes on (see [`Engine::grad_complete`]) as
+    /// soon as its last user's backward is done.
     fn backward(
         &mut self,
-        micro: usize,
+        (micro, factor): (usize, f64),
         batch: &M::Batch,
         stash: Vec<Stash<M>>,
     ) -> Result<(), EngineError> {
         let n = self.layout.num_units();
         let reduce = self.reduces_at(micro);
         // fp16 scales the loss (and so every gradient) by the loss scale; 1 otherwise.
-        let weight = self.policy.loss_scale() as f32 / self.cfg.grad_accum as f32;
+        let weight = (self.policy.loss_scale() * factor / self.cfg.grad_accum as f64) as f32;
         let model = self.model;
         let mut grad: Option<M::Act> = None;
         for (u, stashed) in stash.into_iter().enumerate().rev() {

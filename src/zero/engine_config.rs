@@ -120,6 +120,12 @@ pub struct EngineConfig {
     /// back stochastically, with random bits fixed by the seed, the step and the parameter's place
     /// in the model (so every world size and stage gives the same bits). Needs bf16 parameters.
     pub bf16_master_weights: bool,
+    /// A step's loss is the mean over every loss term of the global batch (each micro-batch
+    /// weighed by its [`crate::zero::UnitModel::loss_tokens`], their sum agreed by the ranks in
+    /// one small exchange per step), as transformers' Trainer computes it for data whose
+    /// micro-batches train on unequal numbers of tokens (chat data). Off: each micro-batch's mean
+    /// counts equally (DeepSpeed's way; the same where every micro-batch has as many terms).
+    pub loss_per_token: bool,
 }
 
 /// Where a rank's optimizer states live.
@@ -198,6 +204,7 @@ impl EngineConfig {
             device_budget: None,
             optimizer_states_dtype: DType::F32,
             bf16_master_weights: false,
+            loss_per_token: false,
         }
     }
 }

@@ -194,6 +194,14 @@ pub trait UnitModel: Send + Sync {
     /// How many samples and tokens `batch` holds (for reports only).
     fn batch_counts(&self, batch: &Self::Batch) -> BatchCounts;
 
+    /// The terms `batch`'s mean loss averages (a language model's trained targets: chat data
+    /// trains on the answers only). With [`crate::zero::EngineConfig::loss_per_token`] a step's
+    /// loss weighs each micro-batch by it, so that the step's loss is the mean over every term of
+    /// the global batch. [default: `batch_counts(batch).tokens`]
+    fn loss_tokens(&self, batch: &Self::Batch) -> usize {
+        self.batch_counts(batch).tokens
+    }
+
     /// Deterministic initial values of unit `unit`'s own flat parameters (length `spec().units[unit]
     /// .numel()`), a function of `seed` alone, so that every rank and every world size starts equal.
     fn init_params(&self, unit: usize, seed: u64, out: &mut [f32]);

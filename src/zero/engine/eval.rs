@@ -21,7 +21,7 @@ use std::time::Instant;
 pub struct EvalLoss {
     /// The mean token cross-entropy: the sum of every token's loss over `tokens`.
     pub loss: f64,
-    /// The tokens it is the mean of.
+    /// The tokens it is the mean of (the trained targets: [`crate::zero::UnitModel::loss_tokens`]).
     pub tokens: u64,
     /// Wall-clock seconds the evaluation took on this rank.
     pub seconds: f64,
@@ -49,11 +49,9 @@ impl<M: UnitModel> Engine<'_, M> {
         for round in 0..rounds {
             let batch = batch_of(round)?;
             if let Some(loss) = self.eval_round(batch.as_ref())? {
-                let n = self
-                    .model
-                    .batch_counts(batch.as_ref().expect("a loss has a batch"));
-                loss_sum += f64::from(loss) * n.tokens as f64;
-                tokens += n.tokens as u64;
+                let n = batch.as_ref().map_or(0, |b| self.model.loss_tokens(b));
+                loss_sum += f64::from(loss) * n as f64;
+                tokens += n as u64;
             }
         }
         self.release_all()?;
@@ -107,7 +105,7 @@ impl<M: UnitModel> Engine<'_, M> {
 
 /// Every rank's `(loss_sum, tokens)`, exchanged as the bits of two f64 (an all-gather moves bytes
 /// and adds nothing) and added in rank order: the same total on every rank, rounded once per rank.
-fn sum_over_ranks(
+pub(super) fn sum_over_ranks(
     comm: &dyn Communicator,
     loss_sum: f64,
     tokens: u64,

@@ -10,5 +10,6 @@ mod hf_gpt2;
 mod hf_inputs;
 mod hf_llama;
 mod kernel_math;
+mod masked_loss;
 mod var_units;
 mod weights;
