@@ -9,7 +9,9 @@
 use anyhow::{bail, Context};
 use std::path::{Path, PathBuf};
 use zerodp::data::token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
-use zerodp::data::{Corpus, DataError, DataLoader, TokenSource, DEFAULT_CORPUS_PATH};
+use zerodp::data::{
+    chat, Corpus, DataError, DataLoader, ExampleLoader, TokenSource, DEFAULT_CORPUS_PATH,
+};
 use zerodp::model::GptConfig;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -33,6 +35,10 @@ pub struct DataArgs {
     /// --data path].
     #[arg(long, value_name = "DIR")]
     pub data_cache: Option<PathBuf>,
+    /// Chat and instruction data: cut every example to its first N tokens (at most the context
+    /// + 1) [default: an example longer than a row is refused, naming its line].
+    #[arg(long, value_name = "N")]
+    pub max_example_tokens: Option<usize>,
 }
 
 impl DataArgs {
@@ -164,6 +170,57 @@ impl DataArgs {
         })?;
         loader.source().check_vocab(gpt.vocab_size)?;
         Ok(loader)
+    }
+
+    /// Chat or instruction examples, when `paths` (with a tokenizer) are JSONL files of
+    /// `messages` or `prompt`/`completion` lines ([`zerodp::data::chat::is_chat_file`]): rendered
+    /// with the chat template beside the tokenizer, one example per row of `gpt.context`.
+    pub fn examples(
+        &self,
+        paths: &[PathBuf],
+        tokenizer: Option<&TextTokenizer>,
+        (gpt, seed): (&GptConfig, u64),
+    ) -> anyhow::Result<Option<ExampleLoader>> {
+        let Some(tokenizer) = tokenizer else {
+            return Ok(None);
+        };
+        let files = zerodp::data::token_inputs::resolve_inputs(paths)?;
+        let chat = files.iter().filter(|f| chat::is_chat_file(&f.path)).count();
+        if chat == 0 {
+            return Ok(None);
+        }
+        if chat < files.len() {
+            bail!("{} of {} data files are chat or instruction JSONL (messages, prompt/completion) and the others are not: train on one kind at a time", chat, files.len());
+        }
+        let dir = tokenizer.path().parent().unwrap_or(Path::new("."));
+        let template = match dir.join("tokenizer_config.json").is_file() {
+            true => Some(chat::ChatTemplate::from_tokenizer_dir(dir)?),
+            false => None,
+        };
+        let mut examples = Vec::new();
+        for f in &files {
+            examples.extend(chat::read_numbered_examples(
+                &f.path,
+                template.as_ref(),
+                tokenizer,
+            )?);
+        }
+        let name = files
+            .iter()
+            .map(|f| f.path.display().to_string())
+            .collect::<Vec<_>>();
+        let pad = tokenizer.eos_id();
+        let shape = (gpt.context, pad, seed);
+        let loader = ExampleLoader::new(name.join(", "), examples, shape, self.max_example_tokens)?;
+        if loader.max_id() as usize >= gpt.vocab_size {
+            bail!(
+                "{}: token id {} is past the model's vocabulary of {}",
+                loader.name(),
+                loader.max_id(),
+                gpt.vocab_size
+            );
+        }
+        Ok(Some(loader))
     }
 
     /// The token stream of `--data` (the demo corpus when none is given): the byte corpus, or

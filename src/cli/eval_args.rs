@@ -4,7 +4,9 @@
 use super::data_args::DataArgs;
 use anyhow::{bail, Context};
 use std::path::PathBuf;
-use zerodp::data::{split_documents, DataLoader, EvalWindows, TextTokenizer};
+use zerodp::data::{
+    split_documents, DataLoader, EvalWindows, ExampleLoader, HeldOutData, TextTokenizer, TrainData,
+};
 use zerodp::model::GptConfig;
 
 #[derive(clap::Args, Debug, Clone, Default)]
@@ -42,8 +44,51 @@ impl EvalArgs {
         gpt: &GptConfig,
         seed: u64,
         flags: (bool, bool),
-    ) -> anyhow::Result<(DataLoader, Option<EvalWindows>)> {
+    ) -> anyhow::Result<(TrainData, Option<HeldOutData>)> {
         self.check()?;
+        if let Some(examples) = data.examples(&data.paths, tokenizer, (gpt, seed))? {
+            let (train, held) = self.held_out_examples(examples, data, tokenizer, (gpt, seed))?;
+            return Ok((TrainData::Examples(train), held.map(HeldOutData::Examples)));
+        }
+        let (loader, held) = self.windows_data(data, tokenizer, (gpt, seed), flags)?;
+        Ok((TrainData::Windows(loader), held.map(HeldOutData::Windows)))
+    }
+
+    /// Chat data: the training examples and, when asked for, the held-out ones (`--eval-split`
+    /// of them, or `--eval-data`'s, which must be chat data too).
+    fn held_out_examples(
+        &self,
+        examples: ExampleLoader,
+        data: &DataArgs,
+        tokenizer: Option<&TextTokenizer>,
+        (gpt, seed): (&GptConfig, u64),
+    ) -> anyhow::Result<(ExampleLoader, Option<ExampleLoader>)> {
+        let limit = |e: ExampleLoader| match self.eval_windows {
+            Some(k) => e.take(k),
+            None => e,
+        };
+        if let Some(fraction) = self.eval_split {
+            let (train, held) = examples.split(fraction, seed)?;
+            return Ok((train, Some(limit(held))));
+        }
+        if self.eval_data.is_empty() {
+            return Ok((examples, None));
+        }
+        let held = data.examples(&self.eval_data, tokenizer, (gpt, seed))?;
+        let Some(held) = held else {
+            bail!("--data is chat or instruction data, so --eval-data must be too (JSONL of messages or prompt/completion)");
+        };
+        Ok((examples, Some(limit(held))))
+    }
+
+    /// Text data: the training windows and the held-out ones.
+    fn windows_data(
+        &self,
+        data: &DataArgs,
+        tokenizer: Option<&TextTokenizer>,
+        (gpt, seed): (&GptConfig, u64),
+        flags: (bool, bool),
+    ) -> anyhow::Result<(DataLoader, Option<EvalWindows>)> {
         let source = data.source(tokenizer, flags)?;
         if let Some(fraction) = self.eval_split {
             let split = split_documents(source, fraction, seed)?;

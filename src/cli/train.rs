@@ -212,20 +212,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
     let flags = (launch_rank == 0, !args.no_progress);
     let (data, held_out) = (args.eval).data(&args.data, tokenizer.as_ref(), &gpt, seed, flags)?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
-    if let Some(held_out) = &held_out {
-        let every = args.eval.eval_every;
-        trainer = trainer.with_eval(Evaluation {
-            data: held_out,
-            every,
-        });
-    }
-    // What the checkpoints record of the data, and what a resumed run checks it against.
-    // Rank 0 alone writes the manifest and reports a resume, so it alone reads the whole stream.
-    let wants_record = launch_rank == 0 && (args.save_dir.is_some() || resume.is_some());
-    let data_record = wants_record.then(|| data_record(&data));
-    if let (Some(r), Some(record)) = (&resume, &data_record) {
-        check_resumed_data(r, record);
-    }
+    trainer = with_data(trainer, &args, &data, held_out.as_ref());
+    let data_record = data_record(&args, &data, resume.as_ref(), launch_rank == 0);
     let comm_options = comm_options(&args, &settings)?;
     let rank;
     (rank, trainer, save_dir_lock) = join_ranks(
@@ -647,17 +635,40 @@ fn with_outputs<'m>(
 /// ([`data_record`]).
 pub const DATA_KEY: &str = "zerodp_data";
 
-/// What checkpoints record of the data a run trains on: its name, size and vocabulary, the window
-/// length, and the SHA-256 of its token stream.
-fn data_record(data: &zerodp::data::DataLoader) -> serde_json::Value {
-    let source = data.source();
-    serde_json::json!({
-        "source": source.name(),
-        "tokens": source.len(),
-        "vocab_size": source.vocab_size(),
-        "context": data.context(),
-        "sha256": source.fingerprint(),
-    })
+/// How the run treats its data: chat data trains on unequal numbers of tokens per row, so the
+/// step's loss is per token; held-out data is scored after the last step and every
+/// `--eval-every`.
+fn with_data<'m>(
+    mut trainer: Trainer<'m, TrainModel>,
+    args: &TrainArgs,
+    data: &zerodp::data::TrainData,
+    held_out: Option<&'m zerodp::data::HeldOutData>,
+) -> Trainer<'m, TrainModel> {
+    trainer.engine_config_mut().loss_per_token = data.loss_per_token();
+    match held_out {
+        Some(held_out) => trainer.with_eval(Evaluation {
+            data: held_out,
+            every: args.eval.eval_every,
+        }),
+        None => trainer,
+    }
+}
+
+/// What the checkpoints record of the data ([`zerodp::data::TrainData::record`]), and what a
+/// resumed run checks it against. Rank 0 (`lead`) alone writes the manifest and reports a
+/// resume, so it alone reads the whole stream.
+fn data_record(
+    args: &TrainArgs,
+    data: &zerodp::data::TrainData,
+    resume: Option<&Resume>,
+    lead: bool,
+) -> Option<serde_json::Value> {
+    let wanted = lead && (args.save_dir.is_some() || resume.is_some());
+    let record = wanted.then(|| data.record());
+    if let (Some(r), Some(record)) = (resume, &record) {
+        check_resumed_data(r, record);
+    }
+    record
 }
 
 /// A resumed run on other tokens than its checkpoint recorded is allowed (fine-tuning on new
@@ -708,7 +719,7 @@ fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result
 fn print_banner(
     trainer: &Trainer<'_, TrainModel>,
     (backend, nccl, settings, gpt): (Resolved, bool, &config::Settings, &GptConfig),
-    data: &zerodp::data::DataLoader,
+    data: &zerodp::data::TrainData,
 ) {
     let world = backend.world();
     let batch = &settings.batch;
@@ -721,7 +732,7 @@ fn print_banner(
     errln!(
         "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
-         steps x {world}; corpus {} ({} windows)",
+         steps x {world}; corpus {} ({} {})",
         trainer.model().arch(),
         gpt.layers,
         gpt.width,
@@ -732,8 +743,9 @@ fn print_banner(
         batch.train_batch_size,
         batch.micro_batch_per_gpu,
         batch.gradient_accumulation_steps,
-        data.source().name(),
-        data.num_windows(),
+        data.name(),
+        data.samples().0,
+        data.samples().1,
     );
 }
 

@@ -278,6 +278,16 @@ pub fn read_examples(
     template: Option<&ChatTemplate>,
     tokenizer: &TextTokenizer,
 ) -> Result<Vec<Example>, ChatError> {
+    let numbered = read_numbered_examples(path, template, tokenizer)?;
+    Ok(numbered.into_iter().map(|(_, e)| e).collect())
+}
+
+/// [`read_examples`] with each example's line number (1-based), for messages about it later.
+pub fn read_numbered_examples(
+    path: &Path,
+    template: Option<&ChatTemplate>,
+    tokenizer: &TextTokenizer,
+) -> Result<Vec<(usize, Example)>, ChatError> {
     let bytes = std::fs::read(path).map_err(|source| ChatError::Read {
         path: path.to_path_buf(),
         source,
@@ -296,9 +306,30 @@ pub fn read_examples(
         }
         let value: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| at(i + 1, ChatError::Example(format!("not valid JSON: {e}"))))?;
-        examples.push(encode_example(&value, template, tokenizer).map_err(|e| at(i + 1, e))?);
+        let example = encode_example(&value, template, tokenizer).map_err(|e| at(i + 1, e))?;
+        examples.push((i + 1, example));
     }
     Ok(examples)
+}
+
+/// Whether `path` holds chat or instruction examples: a JSONL file whose first line with text
+/// is an object with `messages` or `prompt` (training then takes one example per row, with the
+/// loss on the answers); any other file is text.
+pub fn is_chat_file(path: &Path) -> bool {
+    use std::io::BufRead;
+    let Ok(file) = std::fs::File::open(path) else {
+        return false;
+    };
+    let first = std::io::BufReader::new(file)
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| !l.trim().is_empty());
+    let Some(Ok(serde_json::Value::Object(map))) =
+        first.map(|l| serde_json::from_str::<serde_json::Value>(&l))
+    else {
+        return false;
+    };
+    map.contains_key("messages") || map.contains_key("prompt")
 }
 
 #[cfg(test)]

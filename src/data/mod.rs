@@ -18,17 +18,19 @@
 //! "every stage at every world size trains to the same losses".
 
 pub mod chat;
+pub mod examples;
 pub mod held_out;
+mod order;
 pub mod token_data;
 pub mod token_inputs;
 
+pub use examples::ExampleLoader;
 pub use held_out::{split_documents, DocumentSplit, EvalWindows, Parts};
 pub use token_data::{CacheStatus, TextTokenizer, TokenCorpus, TokenDataOptions};
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use crate::rng::{mix_seed, SplitMix64};
 use crate::zero::unit::BatchCounts;
 
 /// Where `scripts/fetch_corpus.sh` writes the demo corpus (relative to the repository root).
@@ -348,10 +350,8 @@ impl TokenSource {
 pub struct DataLoader {
     source: TokenSource,
     context: usize,
-    seed: u64,
     num_windows: usize,
-    /// The most recently used epoch orders (a step can straddle two epochs).
-    orders: Mutex<Vec<(u64, Arc<Vec<u32>>)>>,
+    orders: order::EpochOrders,
 }
 
 impl DataLoader {
@@ -379,9 +379,8 @@ impl DataLoader {
         Ok(Self {
             source,
             context,
-            seed,
             num_windows,
-            orders: Mutex::new(Vec::new()),
+            orders: order::EpochOrders::new(num_windows, seed),
         })
     }
 
@@ -409,24 +408,12 @@ impl DataLoader {
 
     /// The order in which epoch `epoch` visits the windows.
     pub fn epoch_order(&self, epoch: u64) -> Arc<Vec<u32>> {
-        let mut orders = self.orders.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, o)) = orders.iter().find(|(e, _)| *e == epoch) {
-            return o.clone();
-        }
-        let mut order: Vec<u32> = (0..self.num_windows as u32).collect();
-        SplitMix64::new(mix_seed(&[self.seed, epoch])).shuffle(&mut order);
-        let order = Arc::new(order);
-        if orders.len() >= 2 {
-            orders.remove(0);
-        }
-        orders.push((epoch, order.clone()));
-        order
+        self.orders.order(epoch)
     }
 
     /// The window index of global sample `g`.
     pub fn window_of_sample(&self, g: u64) -> usize {
-        let w = self.num_windows as u64;
-        self.epoch_order(g / w)[(g % w) as usize] as usize
+        self.orders.sample(g)
     }
 
     /// The global sample indices (positions in the infinite sample stream) that micro-batch
@@ -440,29 +427,8 @@ impl DataLoader {
         micro_batch_size: usize,
         micro_index: usize,
     ) -> Result<std::ops::Range<u64>, DataError> {
-        if world_size == 0 || rank >= world_size {
-            return Err(DataError::Split(format!(
-                "rank {rank} is outside world size {world_size}"
-            )));
-        }
-        if micro_batch_size == 0 {
-            return Err(DataError::Split(
-                "micro-batch size must be at least 1".into(),
-            ));
-        }
-        let lo = rank * train_batch_size / world_size;
-        let hi = (rank + 1) * train_batch_size / world_size;
-        let start = lo + micro_index * micro_batch_size;
-        let end = start + micro_batch_size;
-        if end > hi {
-            return Err(DataError::Split(format!(
-                "micro-batch {micro_index} of {micro_batch_size} samples runs past rank {rank}'s \
-                 share [{lo}, {hi}) of train_batch_size {train_batch_size} over {world_size} ranks; \
-                 train_batch_size must equal micro-batch size x accumulation steps x world size"
-            )));
-        }
-        let base = step * train_batch_size as u64;
-        Ok(base + start as u64..base + end as u64)
+        let split = (train_batch_size, world_size, rank);
+        order::sample_range(step, split, micro_batch_size, micro_index)
     }
 
     /// The tokens and targets of that micro-batch (see [`Self::micro_batch_samples`]).
@@ -542,5 +508,88 @@ impl crate::trainer::DataSource<TokenBatch> for DataLoader {
             at.micro,
         )
         .map_err(|e| e.to_string())
+    }
+}
+
+/// What a run trains on: windows of a token stream, or chat and instruction examples (one per
+/// row, the loss on the answers).
+#[derive(Debug)]
+pub enum TrainData {
+    Windows(DataLoader),
+    Examples(ExampleLoader),
+}
+
+impl TrainData {
+    pub fn name(&self) -> &str {
+        match self {
+            TrainData::Windows(d) => d.source().name(),
+            TrainData::Examples(e) => e.name(),
+        }
+    }
+
+    /// Samples per epoch, and what they are.
+    pub fn samples(&self) -> (usize, &'static str) {
+        match self {
+            TrainData::Windows(d) => (d.num_windows(), "windows"),
+            TrainData::Examples(e) => (e.len(), "examples"),
+        }
+    }
+
+    /// Whether a step's loss should be the mean over its trained targets
+    /// ([`crate::zero::EngineConfig::loss_per_token`]): examples train on unequal numbers.
+    pub fn loss_per_token(&self) -> bool {
+        matches!(self, TrainData::Examples(_))
+    }
+
+    /// What checkpoints record of the data (and what a resumed run checks it against): its
+    /// name, size, window length and the SHA-256 of what it trains on.
+    pub fn record(&self) -> serde_json::Value {
+        match self {
+            TrainData::Windows(d) => serde_json::json!({
+                "source": d.source().name(),
+                "tokens": d.source().len(),
+                "vocab_size": d.source().vocab_size(),
+                "context": d.context(),
+                "sha256": d.source().fingerprint(),
+            }),
+            TrainData::Examples(e) => serde_json::json!({
+                "source": e.name(),
+                "examples": e.len(),
+                "context": e.context(),
+                "sha256": e.fingerprint(),
+            }),
+        }
+    }
+}
+
+impl crate::trainer::DataSource<TokenBatch> for TrainData {
+    fn micro_batch(&self, at: crate::trainer::BatchIndex) -> Result<TokenBatch, String> {
+        match self {
+            TrainData::Windows(d) => crate::trainer::DataSource::micro_batch(d, at),
+            TrainData::Examples(e) => crate::trainer::DataSource::micro_batch(e, at),
+        }
+    }
+}
+
+/// Held-out data: windows of a token stream, or examples.
+#[derive(Debug)]
+pub enum HeldOutData {
+    Windows(EvalWindows),
+    Examples(ExampleLoader),
+}
+
+impl crate::trainer::EvalData<TokenBatch> for HeldOutData {
+    fn len(&self) -> usize {
+        match self {
+            HeldOutData::Windows(w) => w.windows(),
+            HeldOutData::Examples(e) => crate::trainer::EvalData::len(e),
+        }
+    }
+
+    fn batch(&self, range: std::ops::Range<usize>) -> Result<TokenBatch, String> {
+        match self {
+            HeldOutData::Windows(w) => crate::trainer::EvalData::batch(w, range),
+            HeldOutData::Examples(e) => crate::trainer::EvalData::batch(e, range),
+        }
     }
 }

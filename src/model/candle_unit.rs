@@ -897,7 +897,13 @@ impl<T: CandleUnits> UnitModel for Candle<T> {
         }
         let err = compute_err(&spec.name);
         let last = unit + 1 == self.units.spec().units.len();
-        let objective = if last {
+        let objective = if last && loss_weight == 0.0 {
+            // candle's backprop stops at an affine of factor 0; a product by a zero tensor
+            // carries the zero gradients on (a micro-batch without trained targets).
+            let zero = Tensor::zeros((), saved.result.dtype(), saved.result.device());
+            zero.and_then(|z| saved.result.broadcast_mul(&z))
+                .map_err(&err)?
+        } else if last {
             saved
                 .result
                 .affine(f64::from(loss_weight), 0.0)

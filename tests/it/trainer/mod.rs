@@ -1,5 +1,6 @@
 //! The trainer: configs, reliability, outputs and inputs (`src/trainer`).
 
+mod chat_training;
 mod config;
 mod evaluation;
 mod input_checks;
