@@ -14,7 +14,7 @@ use super::train::ModelArgs;
 use anyhow::{bail, Context};
 use std::io::Write;
 use std::path::PathBuf;
-use zerodp::data::TextTokenizer;
+use zerodp::data::{chat, TextTokenizer};
 use zerodp::model::generate::{Ended, GenerateOptions, Sampling, UnitTensors};
 use zerodp::model::hf::HfConfig;
 use zerodp::model::train_model::{build_model, HfModel, TrainModel, CHECKPOINT_KEY};
@@ -48,8 +48,13 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// The text to continue.
-    #[arg(long, required = true)]
-    pub prompt: String,
+    #[arg(long, required_unless_present = "chat", conflicts_with = "chat")]
+    pub prompt: Option<String>,
+    /// Conversations to answer: a JSONL file of `{"messages": [{"role", "content"}, ...]}`
+    /// lines, each rendered with the tokenizer's chat template and a generation prompt; the
+    /// answers are written one after the other, a blank line between.
+    #[arg(long, value_name = "JSONL")]
+    pub chat: Option<PathBuf>,
     #[arg(long, default_value_t = 128)]
     pub max_new_tokens: usize,
     /// 0 is greedy (the most likely token each step); above 0 samples from the softmax of the
@@ -72,10 +77,7 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
     let (model, weights, tokenizer) = load(&a)?;
     let cpu = (candle_core::Device::Cpu, candle_core::DType::F32);
     let w = UnitTensors::new(model.spec(), &weights, (&cpu.0, cpu.1))?;
-    let prompt = match &tokenizer {
-        Some(t) => t.encode(&a.prompt).map_err(anyhow::Error::msg)?,
-        None => a.prompt.bytes().map(u32::from).collect(),
-    };
+    let prompts = prompts(&a, tokenizer.as_ref())?;
     let options = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
         sampling: Sampling {
@@ -86,9 +88,74 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
         },
         stop: tokenizer.as_ref().map(stop_tokens).unwrap_or_default(),
     };
-    let mut text = Streamed::new(tokenizer.as_ref());
-    let g = model.generate(&w, &prompt, &options, |t| text.push(t))?;
-    text.finish()?;
+    for (i, prompt) in prompts.iter().enumerate() {
+        if i > 0 {
+            outln!("");
+        }
+        let mut text = Streamed::new(tokenizer.as_ref());
+        let g = model.generate(&w, prompt, &options, |t| text.push(t))?;
+        let closed = g.ended == Ended::Caller;
+        text.finish()?;
+        report(prompt.len(), &g);
+        if closed {
+            break;
+        }
+    }
+    Ok(0)
+}
+
+/// The token ids of `--prompt` (with the tokenizer's special tokens; its bytes without a
+/// tokenizer), or of each conversation of `--chat` rendered by the chat template beside the
+/// tokenizer with a generation prompt (the template writes the special tokens itself).
+fn prompts(a: &GenerateArgs, tokenizer: Option<&TextTokenizer>) -> anyhow::Result<Vec<Vec<u32>>> {
+    let Some(path) = &a.chat else {
+        let text = a.prompt.as_deref().unwrap_or_default();
+        return Ok(vec![match tokenizer {
+            Some(t) => t.encode(text).map_err(anyhow::Error::msg)?,
+            None => text.bytes().map(u32::from).collect(),
+        }]);
+    };
+    let Some(tokenizer) = tokenizer else {
+        bail!(
+            "--chat needs a tokenizer with a chat template (a model directory's, or --tokenizer)"
+        );
+    };
+    let dir = tokenizer
+        .path()
+        .parent()
+        .unwrap_or(std::path::Path::new("."));
+    let template = chat::ChatTemplate::from_tokenizer_dir(dir)?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("--chat {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let at = || format!("--chat {}: line {}", path.display(), i + 1);
+        let value: serde_json::Value = serde_json::from_str(line).with_context(at)?;
+        let list = value["messages"]
+            .as_array()
+            .with_context(|| format!("{}: no `messages` list", at()))?;
+        let messages = (list.iter().enumerate())
+            .map(|(k, m)| chat::Message::from_json(m, k))
+            .collect::<Result<Vec<_>, _>>()
+            .with_context(at)?;
+        let rendered = template.render(&messages, true).with_context(at)?;
+        let (ids, _) = tokenizer
+            .encode_with_offsets(&rendered.text, false)
+            .map_err(anyhow::Error::msg)?;
+        out.push(ids);
+    }
+    if out.is_empty() {
+        bail!("--chat {}: no conversation in it", path.display());
+    }
+    Ok(out)
+}
+
+/// One generation's statistics, on standard error.
+fn report(prompt: usize, g: &zerodp::model::generate::Generation) {
     let ended = match g.ended {
         Ended::Stop(_) => "a stop token",
         Ended::Length => "--max-new-tokens",
@@ -96,13 +163,11 @@ pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
         Ended::Caller => "standard output closed",
     };
     errln!(
-        "{} prompt tokens in {:.2} s, {} new tokens at {:.1} tokens/s; ended by {ended}",
-        prompt.len(),
+        "{prompt} prompt tokens in {:.2} s, {} new tokens at {:.1} tokens/s; ended by {ended}",
         g.prompt_s,
         g.tokens.len(),
         g.tokens.len().saturating_sub(1) as f64 / g.decode_s.max(1e-9)
     );
-    Ok(0)
 }
 
 fn check_sampling(a: &GenerateArgs) -> anyhow::Result<()> {

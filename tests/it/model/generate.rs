@@ -15,7 +15,11 @@ fn fixtures() -> PathBuf {
 }
 
 fn load(name: &str) -> (TrainModel, UnitTensors) {
-    let dir = fixtures().join(name);
+    load_dir(&fixtures().join(name))
+}
+
+fn load_dir(dir: &Path) -> (TrainModel, UnitTensors) {
+    let dir = dir.to_path_buf();
     let config = HfConfig::read(&dir.join("config.json")).unwrap();
     let hf_model = HfModel {
         config,
@@ -167,4 +171,76 @@ fn zerodp_generate_streams_the_greedy_text_and_nothing_else_to_stdout() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--top-p"));
+}
+
+#[test]
+fn zerodp_generate_answers_each_conversation_through_the_chat_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("qwen2");
+    std::fs::create_dir(&d).unwrap();
+    std::fs::copy(
+        fixtures().join("qwen2-tiny/model.safetensors"),
+        d.join("model.safetensors"),
+    )
+    .unwrap();
+    let mut config = read_json(&fixtures().join("qwen2-tiny/config.json"));
+    config["max_position_embeddings"] = 256.into(); // room for the template's system turn
+    std::fs::write(d.join("config.json"), config.to_string()).unwrap();
+    let chatml = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat/chatml");
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(chatml.join(f), d.join(f)).unwrap();
+    }
+    let convs = ["hi", "what is 2 + 2?"];
+    let lines: Vec<String> = convs
+        .iter()
+        .map(|c| serde_json::json!({"messages": [{"role": "user", "content": c}]}).to_string())
+        .collect();
+    std::fs::write(d.join("chat.jsonl"), lines.join("\n")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_zerodp"))
+        .args(["generate", "--model-dir"])
+        .arg(&d)
+        .arg("--chat")
+        .arg(d.join("chat.jsonl"))
+        .args(["--max-new-tokens", "5"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The same through the library: rendered with a generation prompt, greedy, decoded.
+    let tokenizer =
+        zerodp::data::TextTokenizer::from_file(&d.join("tokenizer.json"), None).unwrap();
+    let template = zerodp::data::chat::ChatTemplate::from_tokenizer_dir(&d).unwrap();
+    let (model, w) = load_dir(&d);
+    let stop: Vec<u32> = ["<|endoftext|>", "<|im_end|>"]
+        .iter()
+        .filter_map(|t| tokenizer.token_id(t))
+        .collect();
+    let answers: Vec<String> = convs
+        .iter()
+        .map(|c| {
+            let messages = [zerodp::data::chat::Message::new("user", *c)];
+            let text = template.render(&messages, true).unwrap().text;
+            assert!(
+                text.ends_with("<|im_start|>assistant\n"),
+                "a generation prompt: {text:?}"
+            );
+            let (prompt, _) = tokenizer.encode_with_offsets(&text, false).unwrap();
+            let options = GenerateOptions {
+                max_new_tokens: 5,
+                stop: stop.clone(),
+                ..Default::default()
+            };
+            let g = model.generate(&w, &prompt, &options, |_| true).unwrap();
+            tokenizer.decode(&g.tokens).unwrap()
+        })
+        .collect();
+    let want = format!("{}\n\n{}\n", answers[0], answers[1]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), want);
 }
