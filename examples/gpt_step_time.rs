@@ -51,6 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         targets: (0..n).map(|_| rng.below(cfg.vocab_size) as u32).collect(),
         batch_size,
         seq_len: cfg.context,
+        segment_starts: Vec::new(),
     };
     println!(
         "{preset} ({}): {} params, batch {batch_size} x {}, {} threads",

@@ -39,6 +39,11 @@ pub struct DataArgs {
     /// + 1) [default: an example longer than a row is refused, naming its line].
     #[arg(long, value_name = "N")]
     pub max_example_tokens: Option<usize>,
+    /// Chat and instruction data: one example per row, the rest padding [default: examples
+    /// share rows where they fit, each attending only to itself from position 0; on the CPU
+    /// kernels only, so a GPU run takes one per row].
+    #[arg(long)]
+    pub no_packing: bool,
 }
 
 impl DataArgs {
@@ -179,7 +184,7 @@ impl DataArgs {
         &self,
         paths: &[PathBuf],
         tokenizer: Option<&TextTokenizer>,
-        (gpt, seed): (&GptConfig, u64),
+        (gpt, seed, on_cpu): (&GptConfig, u64, bool),
     ) -> anyhow::Result<Option<ExampleLoader>> {
         let Some(tokenizer) = tokenizer else {
             return Ok(None);
@@ -211,7 +216,8 @@ impl DataArgs {
             .collect::<Vec<_>>();
         let pad = tokenizer.eos_id();
         let shape = (gpt.context, pad, seed);
-        let loader = ExampleLoader::new(name.join(", "), examples, shape, self.max_example_tokens)?;
+        let fit = (self.max_example_tokens, on_cpu && !self.no_packing);
+        let loader = ExampleLoader::new(name.join(", "), examples, shape, fit)?;
         if loader.max_id() as usize >= gpt.vocab_size {
             bail!(
                 "{}: token id {} is past the model's vocabulary of {}",

@@ -41,13 +41,13 @@ impl EvalArgs {
         &self,
         data: &DataArgs,
         tokenizer: Option<&TextTokenizer>,
-        gpt: &GptConfig,
-        seed: u64,
+        (gpt, seed, on_cpu): (&GptConfig, u64, bool),
         flags: (bool, bool),
     ) -> anyhow::Result<(TrainData, Option<HeldOutData>)> {
         self.check()?;
-        if let Some(examples) = data.examples(&data.paths, tokenizer, (gpt, seed))? {
-            let (train, held) = self.held_out_examples(examples, data, tokenizer, (gpt, seed))?;
+        if let Some(examples) = data.examples(&data.paths, tokenizer, (gpt, seed, on_cpu))? {
+            let shape = (gpt, seed, on_cpu);
+            let (train, held) = self.held_out_examples(examples, data, tokenizer, shape)?;
             return Ok((TrainData::Examples(train), held.map(HeldOutData::Examples)));
         }
         let (loader, held) = self.windows_data(data, tokenizer, (gpt, seed), flags)?;
@@ -61,7 +61,7 @@ impl EvalArgs {
         examples: ExampleLoader,
         data: &DataArgs,
         tokenizer: Option<&TextTokenizer>,
-        (gpt, seed): (&GptConfig, u64),
+        (gpt, seed, on_cpu): (&GptConfig, u64, bool),
     ) -> anyhow::Result<(ExampleLoader, Option<ExampleLoader>)> {
         let limit = |e: ExampleLoader| match self.eval_windows {
             Some(k) => e.take(k),
@@ -74,7 +74,7 @@ impl EvalArgs {
         if self.eval_data.is_empty() {
             return Ok((examples, None));
         }
-        let held = data.examples(&self.eval_data, tokenizer, (gpt, seed))?;
+        let held = data.examples(&self.eval_data, tokenizer, (gpt, seed, on_cpu))?;
         let Some(held) = held else {
             bail!("--data is chat or instruction data, so --eval-data must be too (JSONL of messages or prompt/completion)");
         };

@@ -210,7 +210,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         Resolved::Mpi { .. } => None,
     };
     let flags = (launch_rank == 0, !args.no_progress);
-    let (data, held_out) = (args.eval).data(&args.data, tokenizer.as_ref(), &gpt, seed, flags)?;
+    let shape = (&gpt, seed, device.gpu.is_none());
+    let (data, held_out) = (args.eval).data(&args.data, tokenizer.as_ref(), shape, flags)?;
     trainer = with_initial_weights(trainer, &args, hf.as_ref())?;
     trainer = with_data(trainer, &args, &data, held_out.as_ref());
     let data_record = data_record(&args, &data, resume.as_ref(), launch_rank == 0);

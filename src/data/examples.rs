@@ -1,14 +1,16 @@
-//! Chat and instruction examples as training rows ([`ExampleLoader`]): one example per row of
-//! `context` positions, its answer's tokens the only trained targets.
+//! Chat and instruction examples as training rows ([`ExampleLoader`]) of `context` positions,
+//! their answers' tokens the only trained targets.
 //!
-//! Row of an example of `L <= context + 1` ids: inputs `ids[..L - 1]`, targets `ids[1..]` where
-//! the target is trained ([`super::chat::Example::trained`]) and [`IGNORE_INDEX`] elsewhere; the
-//! rest of the row is padding (the pad id as input, [`IGNORE_INDEX`] as target). Causal attention
-//! keeps each example from seeing the padding after it, and each starts at position 0, so an
-//! example's loss is what it is alone. Examples are visited in the seeded order of windows
-//! ([`super::order`]), split across ranks and micro-batches the same way, and a step's loss is
-//! the mean over the global batch's trained targets
-//! ([`crate::zero::EngineConfig::loss_per_token`]).
+//! An example of `L <= context + 1` ids takes `L - 1` positions: inputs `ids[..L - 1]`, targets
+//! `ids[1..]` where the target is trained ([`super::chat::Example::trained`]) and
+//! [`IGNORE_INDEX`] elsewhere. Packed (the default on the CPU), consecutive examples in the
+//! files' order share a row while they fit, each marked as its own sequence
+//! ([`TokenBatch::segment_starts`]): it attends only to its own tokens and its positions start at
+//! 0, so its loss is what it would be alone. Unpacked, each example has a row. The rest of a row
+//! is padding (the pad id as input, [`IGNORE_INDEX`] as target, a sequence of its own). Rows are
+//! visited in the seeded order of windows ([`super::order`]), split across ranks and
+//! micro-batches the same way, and a step's loss is the mean over the global batch's trained
+//! targets ([`crate::zero::EngineConfig::loss_per_token`]).
 
 use super::chat::Example;
 use super::order::{sample_range, EpochOrders};
@@ -22,7 +24,32 @@ pub struct ExampleLoader {
     examples: Vec<Example>,
     context: usize,
     pad: u32,
+    /// Several examples per row where they fit.
+    pack: bool,
+    /// The examples of each row.
+    rows: Vec<Range<usize>>,
     orders: EpochOrders,
+}
+
+/// Rows of consecutive examples: as many as fit `context` positions (`L - 1` each) when
+/// `pack`, else one each.
+fn rows_of(examples: &[Example], context: usize, pack: bool) -> Vec<Range<usize>> {
+    let mut rows: Vec<Range<usize>> = Vec::new();
+    let mut used = 0;
+    for (i, e) in examples.iter().enumerate() {
+        let n = e.ids.len().saturating_sub(1);
+        match rows.last_mut() {
+            Some(row) if pack && used + n <= context => {
+                row.end = i + 1;
+                used += n;
+            }
+            _ => {
+                rows.push(i..i + 1);
+                used = n;
+            }
+        }
+    }
+    rows
 }
 
 impl ExampleLoader {
@@ -33,7 +60,7 @@ impl ExampleLoader {
         name: String,
         examples: Vec<(usize, Example)>,
         (context, pad, seed): (usize, u32, u64),
-        cut: Option<usize>,
+        (cut, pack): (Option<usize>, bool),
     ) -> Result<Self, DataError> {
         if examples.is_empty() || context == 0 {
             return Err(DataError::Split(format!("{name} holds no example")));
@@ -54,27 +81,39 @@ impl ExampleLoader {
             e.trained.truncate(keep);
             kept.push(e);
         }
-        let n = kept.len();
-        Ok(ExampleLoader {
+        Ok(Self::over(name, kept, (context, pad, seed), pack))
+    }
+
+    /// The loader of examples already cut to fit.
+    fn over(
+        name: String,
+        examples: Vec<Example>,
+        (context, pad, seed): (usize, u32, u64),
+        pack: bool,
+    ) -> Self {
+        let rows = rows_of(&examples, context, pack);
+        ExampleLoader {
             name,
-            examples: kept,
+            orders: EpochOrders::new(rows.len(), seed),
+            rows,
+            examples,
             context,
             pad,
-            orders: EpochOrders::new(n, seed),
-        })
+            pack,
+        }
     }
 
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// Examples, i.e. samples per epoch.
+    /// Rows, i.e. samples per epoch.
     pub fn len(&self) -> usize {
-        self.examples.len()
+        self.rows.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.examples.is_empty()
+        self.rows.is_empty()
     }
 
     pub fn context(&self) -> usize {
@@ -139,12 +178,10 @@ impl ExampleLoader {
                 false => train.push(e),
             }
         }
-        let side = |examples: Vec<Example>, what: &str| ExampleLoader {
-            name: format!("{} ({what} of --eval-split {fraction})", self.name),
-            orders: EpochOrders::new(examples.len(), seed),
-            examples,
-            context: self.context,
-            pad: self.pad,
+        let shape = (self.context, self.pad, seed);
+        let side = |examples: Vec<Example>, what: &str| {
+            let name = format!("{} ({what} of --eval-split {fraction})", self.name);
+            Self::over(name, examples, shape, self.pack)
         };
         Ok((side(train, "training part"), side(eval, "held-out part")))
     }
@@ -152,33 +189,41 @@ impl ExampleLoader {
     /// The first `k` examples only (`--eval-windows K` of held-out examples).
     pub fn take(mut self, k: usize) -> Self {
         self.examples.truncate(k.max(1));
-        self.orders = EpochOrders::new(self.examples.len(), 0);
-        self
+        let shape = (self.context, self.pad, 0);
+        Self::over(self.name, self.examples, shape, self.pack)
     }
 
-    /// Examples `indices` as rows of one batch.
+    /// Rows `indices` as one batch; packed rows with each example's sequence marked.
     fn rows(&self, indices: impl Iterator<Item = usize>) -> TokenBatch {
         let t = self.context;
-        let (mut tokens, mut targets, mut n) = (Vec::new(), Vec::new(), 0);
-        for i in indices {
-            let e = &self.examples[i];
-            let len = e.ids.len().saturating_sub(1);
-            tokens.extend_from_slice(&e.ids[..len]);
-            let trained = e.ids[1..].iter().zip(&e.trained[1..]);
-            targets.extend(trained.map(|(&id, &t)| if t { id } else { IGNORE_INDEX }));
-            tokens.resize((n + 1) * t, self.pad);
-            targets.resize((n + 1) * t, IGNORE_INDEX);
-            n += 1;
-        }
-        TokenBatch {
-            tokens,
-            targets,
-            batch_size: n,
+        let mut b = TokenBatch {
             seq_len: t,
+            ..Default::default()
+        };
+        for r in indices {
+            let row = b.batch_size * t;
+            for e in &self.examples[self.rows[r].clone()] {
+                let (at, len) = (b.tokens.len(), e.ids.len().saturating_sub(1));
+                b.tokens.extend_from_slice(&e.ids[..len]);
+                let trained = e.ids.iter().zip(&e.trained).skip(1);
+                b.targets
+                    .extend(trained.map(|(&id, &t)| if t { id } else { IGNORE_INDEX }));
+                let start = (at - row) as u32;
+                b.segment_starts.extend(std::iter::repeat_n(start, len));
+            }
+            let pad = (b.tokens.len() - row) as u32;
+            b.segment_starts.resize(row + t, pad);
+            b.tokens.resize(row + t, self.pad);
+            b.targets.resize(row + t, IGNORE_INDEX);
+            b.batch_size += 1;
         }
+        if !self.pack {
+            b.segment_starts.clear();
+        }
+        b
     }
 
-    /// Examples `range`, in order, as one batch (evaluation).
+    /// Rows `range`, in order, as one batch (evaluation).
     pub fn batch(&self, range: Range<usize>) -> TokenBatch {
         self.rows(range)
     }
@@ -195,14 +240,14 @@ impl crate::trainer::DataSource<TokenBatch> for ExampleLoader {
 
 impl crate::trainer::EvalData<TokenBatch> for ExampleLoader {
     fn len(&self) -> usize {
-        self.examples.len()
+        self.rows.len()
     }
 
     fn batch(&self, range: Range<usize>) -> Result<TokenBatch, String> {
-        if range.end > self.examples.len() {
+        if range.end > self.rows.len() {
             return Err(format!(
-                "examples {range:?} past the {} held out",
-                self.len()
+                "rows {range:?} past the {} held out",
+                self.rows.len()
             ));
         }
         Ok(self.rows(range))

@@ -248,6 +248,7 @@ impl EvalWindows {
             targets,
             batch_size: range.len(),
             seq_len: t,
+            segment_starts: Vec::new(),
         }
     }
 }

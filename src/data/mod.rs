@@ -465,18 +465,23 @@ impl DataLoader {
             targets,
             batch_size: micro_batch_size,
             seq_len: t,
+            segment_starts: Vec::new(),
         })
     }
 }
 
 /// A language model's micro-batch: `batch_size` windows of `seq_len` tokens and their next-token
 /// targets, row-major.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TokenBatch {
     pub tokens: Vec<u32>,
     pub targets: Vec<u32>,
     pub batch_size: usize,
     pub seq_len: usize,
+    /// Rows packed with several sequences (chat examples): for each token, where its sequence
+    /// starts in its row. A token attends only to the earlier tokens of its own sequence, and
+    /// its position is its place in that sequence. Empty: each row is one sequence.
+    pub segment_starts: Vec<u32>,
 }
 
 impl TokenBatch {
@@ -486,6 +491,17 @@ impl TokenBatch {
             samples: self.batch_size,
             tokens: self.tokens.len(),
         }
+    }
+
+    /// Each token's position in its sequence (see [`TokenBatch::segment_starts`]), when the rows
+    /// are packed.
+    pub fn positions(&self) -> Option<Vec<u32>> {
+        if self.segment_starts.is_empty() {
+            return None;
+        }
+        let t = self.seq_len.max(1);
+        let pos = self.segment_starts.iter().enumerate();
+        Some(pos.map(|(k, &s)| (k % t) as u32 - s).collect())
     }
 
     /// The targets the loss is over: those that are not [`IGNORE_INDEX`].

@@ -411,7 +411,35 @@ impl<T: Real> Scratch<T> {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+/// Rows packed with several sequences (`TokenBatch::segment_starts`): for every row of the
+/// batch, where its sequence starts in its row and one past where it ends.
+#[derive(Debug)]
+pub(crate) struct Segments {
+    starts: Vec<u32>,
+    ends: Vec<u32>,
+}
+
+impl Segments {
+    /// From each row's start (rows of `seq`).
+    pub fn new(starts: &[u32], seq: usize) -> Self {
+        let mut ends = vec![0u32; starts.len()];
+        for (row_starts, row_ends) in starts.chunks(seq).zip(ends.chunks_mut(seq)) {
+            let mut end = row_starts.len() as u32;
+            for i in (0..row_starts.len()).rev() {
+                row_ends[i] = end;
+                if row_starts[i] as usize == i {
+                    end = i as u32;
+                }
+            }
+        }
+        Segments {
+            starts: starts.to_vec(),
+            ends,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
 pub(crate) struct CausalAttention {
     pub batch: usize,
     pub seq: usize,
@@ -419,24 +447,64 @@ pub(crate) struct CausalAttention {
     /// A sliding window: query `i` sees keys `i + 1 - window ..= i` (Mistral's, Qwen's), and the
     /// tiles wholly outside it are not computed. `None`: every earlier key.
     pub window: Option<usize>,
+    /// Packed rows: a query sees only its own sequence's keys, and the tiles wholly outside it
+    /// are not computed. `None`: each row is one sequence.
+    pub segments: Option<std::sync::Arc<Segments>>,
+    /// The first row of the sequence a task computes (its place in `segments`).
+    offset: usize,
 }
 
 impl CausalAttention {
+    pub fn new(batch: usize, seq: usize, heads: usize, window: Option<usize>) -> Self {
+        CausalAttention {
+            batch,
+            seq,
+            heads,
+            window,
+            segments: None,
+            offset: 0,
+        }
+    }
+
+    /// Packed rows (`starts`: `TokenBatch::segment_starts`, or empty for none).
+    pub fn with_segments(mut self, starts: &[u32]) -> Self {
+        if !starts.is_empty() {
+            self.segments = Some(std::sync::Arc::new(Segments::new(starts, self.seq)));
+        }
+        self
+    }
+
+    /// The op for sequence `bi` of the batch.
+    fn in_sequence(&self, bi: usize) -> CausalAttention {
+        CausalAttention {
+            offset: bi * self.seq,
+            ..self.clone()
+        }
+    }
+
     /// The first key query `i` sees.
     #[inline(always)]
     fn first_key(&self, i: usize) -> usize {
-        match self.window {
+        let window = match self.window {
             Some(w) => (i + 1).saturating_sub(w),
             None => 0,
+        };
+        match &self.segments {
+            Some(s) => window.max(s.starts[self.offset + i] as usize),
+            None => window,
         }
     }
 
     /// One past the last query that sees key `j`.
     #[inline(always)]
     fn queries_end(&self, j: usize) -> usize {
-        match self.window {
+        let window = match self.window {
             Some(w) => (j + w).min(self.seq),
             None => self.seq,
+        };
+        match &self.segments {
+            Some(s) => window.min(s.ends[self.offset + j] as usize),
+            None => window,
         }
     }
 
@@ -504,8 +572,9 @@ impl CausalAttention {
                     let (bi, heads) =
                         (task / groups, even_split(self.heads, groups, task % groups));
                     let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
+                    let att = self.in_sequence(bi);
                     // SAFETY: this task writes only its heads' columns of sequence bi's rows.
-                    unsafe { forward_seq_wide(self, x, (y, bi * t * c), heads, cols3, s) };
+                    unsafe { forward_seq_wide(&att, x, (y, bi * t * c), heads, cols3, s) };
                 },
             )
         };
@@ -549,8 +618,9 @@ impl CausalAttention {
                         (task / groups, even_split(self.heads, groups, task % groups));
                     let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
                     let g = &dy[bi * t * c..(bi + 1) * t * c];
+                    let att = self.in_sequence(bi);
                     // SAFETY: this task writes only its heads' columns of sequence bi's rows.
-                    unsafe { backward_seq_wide(self, x, g, (dx, bi * t * cols3), heads, cols3, s) };
+                    unsafe { backward_seq_wide(&att, x, g, (dx, bi * t * cols3), heads, cols3, s) };
                 },
             )
         };
@@ -848,13 +918,54 @@ mod tests {
     fn blocked_causal_attention_matches_the_definition() {
         // Odd and even lengths (uneven query blocks), one row, two sequences.
         for (batch, t, heads, hd) in [(2, 7, 2, 4), (1, 8, 1, 3), (1, 1, 2, 2), (2, 33, 3, 5)] {
-            let attn = CausalAttention {
-                window: None,
-                batch,
-                seq: t,
-                heads,
-            };
+            let attn = CausalAttention::new(batch, t, heads, None);
             assert_matches_the_definition(attn, hd);
+        }
+    }
+
+    /// Packed rows: each sequence of a row attends only to itself, exactly as if it were a row
+    /// of its own (the definition run on each sequence's rows alone); sequences shorter and
+    /// longer than a 32-row tile, with and without a window.
+    #[test]
+    fn packed_rows_attend_within_their_own_sequence() {
+        let (heads, hd, t) = (2, 4, 80);
+        let row0: Vec<(usize, usize)> = vec![(0, 13), (13, 50), (50, 51), (51, 80)];
+        let row1: Vec<(usize, usize)> = vec![(0, 80)];
+        let starts: Vec<u32> = [&row0, &row1]
+            .iter()
+            .flat_map(|segs| {
+                segs.iter()
+                    .flat_map(|&(a, b)| (a..b).map(move |_| a as u32))
+            })
+            .collect();
+        for window in [None, Some(20)] {
+            let attn = CausalAttention::new(2, t, heads, window).with_segments(&starts);
+            let (qkv, dy, c3) = inputs(2, t, heads, hd);
+            let y = attn.forward(&qkv, c3).unwrap();
+            let d = attn.backward(&qkv, &dy, c3).unwrap();
+            let wide = |v: &[f32]| v.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+            for (b, segs) in [&row0, &row1].iter().enumerate() {
+                for &(lo, hi) in segs.iter() {
+                    let (r0, r1) = (b * t + lo, b * t + hi);
+                    let (y64, d64) = attention_f64(
+                        &wide(&qkv[r0 * c3..r1 * c3]),
+                        &wide(&dy[r0 * c3 / 3..r1 * c3 / 3]),
+                        (hi - lo, heads),
+                        window,
+                    );
+                    let close = |got: &[f32], want: &[f64], what: &str| {
+                        for (g, w) in got.iter().zip(want) {
+                            let err = (f64::from(*g) - w).abs();
+                            assert!(
+                                err <= 1e-5 * (1.0 + w.abs()),
+                                "{what} row {b} {lo}..{hi}: {g} vs {w}"
+                            );
+                        }
+                    };
+                    close(&y[r0 * c3 / 3..r1 * c3 / 3], &y64, "y");
+                    close(&d[r0 * c3..r1 * c3], &d64, "dqkv");
+                }
+            }
         }
     }
 
@@ -870,12 +981,7 @@ mod tests {
             (1, 9, 2, 3, 1),
             (1, 12, 2, 4, 12),
         ] {
-            let attn = CausalAttention {
-                window: Some(w),
-                batch,
-                seq: t,
-                heads,
-            };
+            let attn = CausalAttention::new(batch, t, heads, Some(w));
             assert_matches_the_definition(attn, hd);
         }
     }
@@ -886,12 +992,7 @@ mod tests {
     fn head_groups_give_the_same_bits_as_one_thread() {
         let (batch, t, heads, hd) = (2, 19, 6, 8);
         let (qkv, dy, c3) = inputs(batch, t, heads, hd);
-        let attn = CausalAttention {
-            window: None,
-            batch,
-            seq: t,
-            heads,
-        };
+        let attn = CausalAttention::new(batch, t, heads, None);
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
@@ -916,12 +1017,7 @@ mod tests {
 
     #[test]
     fn mismatched_shapes_are_errors_not_panics() {
-        let attn = CausalAttention {
-            window: None,
-            batch: 2,
-            seq: 4,
-            heads: 2,
-        };
+        let attn = CausalAttention::new(2, 4, 2, None);
         let c3 = 3 * 2 * 3;
         let qkv = vec![0.1f32; 2 * 4 * c3];
         let dy = vec![0.1f32; 2 * 4 * c3 / 3];
@@ -931,7 +1027,10 @@ mod tests {
         assert!(attn.forward::<f32>(&[], 0).is_err());
         assert!(attn.backward(&qkv, &dy[1..], c3).is_err());
         assert!(attn.backward(&qkv[3..], &dy, c3).is_err());
-        let empty = CausalAttention { seq: 0, ..attn };
+        let empty = CausalAttention {
+            seq: 0,
+            ..attn.clone()
+        };
         assert!(empty.forward::<f32>(&[], c3).is_err());
     }
 }

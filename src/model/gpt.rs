@@ -509,11 +509,13 @@ impl Gpt {
             })
         };
         match kind {
-            UnitKind::Embeddings => self.embed(&p[0], &p[1], &batch.tokens, b, t),
+            UnitKind::Embeddings => self.embed_batch(&p[0], &p[1], batch),
             UnitKind::Block => {
                 let x = need_input()?;
                 let h = self.layer_norm(x, &p[0], &p[1])?;
-                let x = (x + self.attention(&h, &p[2], &p[3], &p[4], &p[5], b, t)?)?;
+                let qkv = self.linear(&h, &p[2], &p[3])?;
+                let att = self.attention_packed(&qkv, (b, t), &batch.segment_starts)?;
+                let x = (x + self.linear(&att, &p[4], &p[5])?)?;
                 let h = self.layer_norm(&x, &p[6], &p[7])?;
                 let h = self.gelu(&self.linear(&h, &p[8], &p[9])?)?;
                 x + self.linear(&h, &p[10], &p[11])?
@@ -529,6 +531,48 @@ impl Gpt {
 
     // The ops below are `#[doc(hidden)] pub` for `zerodp bench ops` (src/cli/bench_ops.rs), which
     // times each on its own; they are the exact code the units run.
+
+    /// [`Gpt::embed`] of a batch, at each token's position in its sequence where rows are packed.
+    fn embed_batch(
+        &self,
+        wte: &Tensor,
+        wpe: &Tensor,
+        batch: &TokenBatch,
+    ) -> candle_core::Result<Tensor> {
+        let (b, t) = (batch.batch_size, batch.seq_len);
+        let Some(positions) = batch.positions() else {
+            return self.embed(wte, wpe, &batch.tokens, b, t);
+        };
+        if !self.fused {
+            let tokens = Tensor::from_slice(&batch.tokens, b * t, &self.device)?;
+            let pos = Tensor::from_slice(&positions, b * t, &self.device)?;
+            return wte.index_select(&tokens, 0)? + wpe.index_select(&pos, 0)?;
+        }
+        let op = ops::Embedding {
+            tokens: batch.tokens.clone(),
+            seq: t,
+            positions: Some(positions),
+        };
+        wte.contiguous()?.apply_op2(&wpe.contiguous()?, op)
+    }
+
+    /// [`Gpt::attention_core`], each packed sequence (`starts`, empty for none) attending to
+    /// itself only: on the fused kernel; the composite ops refuse packed rows.
+    fn attention_packed(
+        &self,
+        qkv: &Tensor,
+        (b, t): (usize, usize),
+        starts: &[u32],
+    ) -> candle_core::Result<Tensor> {
+        if starts.is_empty() {
+            return self.attention_core(qkv, b, t);
+        }
+        if !self.fused {
+            candle_core::bail!("rows packed with several sequences need the fused CPU kernels; this GPT runs on composite ops (a GPU)");
+        }
+        let attn = ops::CausalAttention::new(b, t, self.config.heads, None).with_segments(starts);
+        qkv.apply_op1(attn)
+    }
 
     /// Token plus position embeddings of `b x t` token ids: `[b*t, c]`.
     #[doc(hidden)]
@@ -548,6 +592,7 @@ impl Gpt {
             let op = ops::Embedding {
                 tokens: tokens.to_vec(),
                 seq: t,
+                positions: None,
             };
             return wte.contiguous()?.apply_op2(&wpe.contiguous()?, op);
         }
@@ -642,22 +687,6 @@ impl Gpt {
         }
     }
 
-    /// Causal multi-head self-attention on `[b*t, c]` rows.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        x: &Tensor,
-        w_attn: &Tensor,
-        b_attn: &Tensor,
-        w_proj: &Tensor,
-        b_proj: &Tensor,
-        b: usize,
-        t: usize,
-    ) -> candle_core::Result<Tensor> {
-        let qkv = self.linear(x, w_attn, b_attn)?;
-        self.linear(&self.attention_core(&qkv, b, t)?, w_proj, b_proj)
-    }
-
     /// The causal multi-head attention core: `qkv [b*t, 3c]` -> `[b*t, c]` (before the output
     /// projection).
     #[doc(hidden)]
@@ -666,12 +695,7 @@ impl Gpt {
         let nh = self.config.heads;
         let hd = c / nh;
         if self.fused {
-            let attn = ops::CausalAttention {
-                window: None,
-                batch: b,
-                seq: t,
-                heads: nh,
-            };
+            let attn = ops::CausalAttention::new(b, t, nh, None);
             return qkv.apply_op1(attn);
         }
         let qkv = qkv.reshape((b, t, 3, nh, hd))?;
@@ -917,6 +941,10 @@ impl GptModel {
             seq: batch.seq_len,
             eps: self.config().eps(),
             mlp: self.config().mlp(),
+            segments: (!batch.segment_starts.is_empty()).then(|| {
+                let s = super::attention::Segments::new(&batch.segment_starts, batch.seq_len);
+                std::sync::Arc::new(s)
+            }),
         }
     }
 
@@ -1064,6 +1092,7 @@ mod tests {
             targets,
             batch_size: 4,
             seq_len: 16,
+            segment_starts: Vec::new(),
         }
     }
 

@@ -21,7 +21,7 @@ use candle_core::{Device, Result, Tensor};
 use std::ops::Range;
 
 /// A block's shapes: width, heads, and the micro-batch's sequences and their length.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(super) struct BlockShape {
     pub width: usize,
     pub heads: usize,
@@ -30,6 +30,8 @@ pub(super) struct BlockShape {
     pub eps: f64,
     /// The MLP's inner width.
     pub mlp: usize,
+    /// Rows packed with several sequences, each attending to itself only.
+    pub segments: Option<std::sync::Arc<super::attention::Segments>>,
 }
 
 /// What a block's training forward keeps for its backward.
@@ -66,12 +68,9 @@ impl BlockShape {
     }
 
     fn attention(&self) -> CausalAttention {
-        CausalAttention {
-            window: None,
-            batch: self.batch,
-            seq: self.seq,
-            heads: self.heads,
-        }
+        let mut attention = CausalAttention::new(self.batch, self.seq, self.heads, None);
+        attention.segments = self.segments.clone();
+        attention
     }
 }
 

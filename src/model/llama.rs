@@ -378,9 +378,10 @@ impl Llama {
         &self,
         x: &Tensor,
         p: &[Tensor],
-        (b, t): (usize, usize),
+        batch: &TokenBatch,
         window: Option<usize>,
     ) -> candle_core::Result<Tensor> {
+        let (b, t) = (batch.batch_size, batch.seq_len);
         let (c, s) = (&self.config, &self.slots);
         let norm = ops::RmsNorm { eps: c.rms_eps };
         let linear = |x: &Tensor, (w, bias): Linear| -> candle_core::Result<Tensor> {
@@ -392,19 +393,17 @@ impl Llama {
         };
         let x = x.contiguous()?;
         let h = x.apply_op2(&self.norm_weight(&p[s.input_norm])?, norm)?;
-        let rope = self.cached_rope_op(t);
+        let mut rope = self.cached_rope_op(t);
+        // Packed rows: each token rotated by its position in its own sequence.
+        rope.positions = batch.positions().map(std::sync::Arc::new);
         let q = self.head_norm(linear(&h, s.q)?, s.q_norm.map(|w| &p[w]), c.heads)?;
         let k = self.head_norm(linear(&h, s.k)?, s.k_norm.map(|w| &p[w]), c.kv_heads)?;
         let q = q.apply_op1(rope.clone())?;
         let k = self.repeat_kv_rows(k.apply_op1(rope)?)?;
         let v = self.repeat_kv_rows(linear(&h, s.v)?)?;
         let qkv = Tensor::cat(&[&q, &k, &v], 1)?;
-        let attention = ops::CausalAttention {
-            batch: b,
-            seq: t,
-            heads: c.heads,
-            window,
-        };
+        let attention =
+            ops::CausalAttention::new(b, t, c.heads, window).with_segments(&batch.segment_starts);
         let x = (&x + linear(&qkv.apply_op1(attention)?, s.o)?)?;
         let h = x.apply_op2(&self.norm_weight(&p[s.post_norm])?, norm)?;
         let gated = self.gated(linear(&h, s.gate)?, linear(&h, s.up)?)?;
@@ -644,7 +643,11 @@ impl CandleUnits for Llama {
         if unit <= self.config.layers {
             let window = self.config.window_of(unit - 1);
             return match self.fused {
-                true => self.block_fused(x, p, (b, t), window),
+                true => self.block_fused(x, p, batch, window),
+                false if !batch.segment_starts.is_empty() => candle_core::bail!(
+                    "rows packed with several sequences need the fused CPU kernels; this model \
+                     runs on composite ops (a GPU)"
+                ),
                 false => self.block(x, p, (b, t), window),
             };
         }
@@ -739,6 +742,7 @@ mod tests {
             targets: ids[1..].to_vec(),
             batch_size: 4,
             seq_len: 16,
+            segment_starts: Vec::new(),
         };
         let (want, want_grads) = f32_model.end_to_end(&slices, &batch, 1.0).unwrap();
         for dtype in [DType::BF16, DType::F16] {

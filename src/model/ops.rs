@@ -886,6 +886,9 @@ pub(crate) struct Embedding {
     /// The token ids of `rows` rows, row `i` at position `i % seq`.
     pub tokens: Vec<u32>,
     pub seq: usize,
+    /// Packed rows: each row's position in its sequence (`TokenBatch::positions`), instead of
+    /// `i % seq`.
+    pub positions: Option<Vec<u32>>,
 }
 
 /// Columns of the embedding tables per backward task: every task reads all rows' slice of them.
@@ -903,14 +906,32 @@ impl Embedding {
         if let Some(&bad) = self.tokens.iter().find(|&&t| t as usize >= vocab) {
             bail!("embedding: token id {bad} outside the vocabulary of {vocab}");
         }
+        if let Some(p) = &self.positions {
+            if p.len() != self.tokens.len() || p.iter().any(|&x| x as usize >= self.seq) {
+                bail!(
+                    "embedding: positions do not fit {} tokens in sequences of {}",
+                    self.tokens.len(),
+                    self.seq
+                );
+            }
+        }
         Ok(())
+    }
+
+    /// Row `i`'s position.
+    #[inline(always)]
+    fn position(&self, i: usize) -> usize {
+        match &self.positions {
+            Some(p) => p[i] as usize,
+            None => i % self.seq,
+        }
     }
 
     fn fwd<T: Real>(&self, wte: &[T], wpe: &[T], c: usize) -> Vec<T> {
         let fill = |y: &mut [std::mem::MaybeUninit<T>]| {
             y.par_chunks_mut(c).enumerate().for_each(|(i, row)| {
                 let tok = &wte[self.tokens[i] as usize * c..][..c];
-                let pos = &wpe[(i % self.seq) * c..][..c];
+                let pos = &wpe[self.position(i) * c..][..c];
                 for ((y, &a), &b) in row.iter_mut().zip(tok).zip(pos) {
                     y.write(a + b);
                 }
@@ -944,6 +965,23 @@ impl Embedding {
             }
         });
         let mut dwpe = vec![zero; positions * c];
+        if self.positions.is_some() {
+            // Packed rows: positions repeat within a row, so tasks split the columns instead.
+            let out = SharedCols(dwpe.as_mut_ptr());
+            cols.par_iter().for_each(|&j0| {
+                let j1 = (j0 + EMBED_COLS_PER_TASK).min(c);
+                for i in 0..self.tokens.len() {
+                    let src = &dy[i * c + j0..i * c + j1];
+                    // SAFETY: this task alone writes columns j0..j1 of every row of dwpe, inside
+                    // its positions x c elements (positions were checked against seq).
+                    let dst = unsafe {
+                        std::slice::from_raw_parts_mut(out.at(self.position(i) * c + j0), j1 - j0)
+                    };
+                    dst.iter_mut().zip(src).for_each(|(d, &g)| *d += g);
+                }
+            });
+            return (dwte, dwpe);
+        }
         let seqs = self.tokens.len() / self.seq;
         dwpe[..self.seq * c]
             .par_chunks_mut(c)
@@ -1526,6 +1564,7 @@ mod tests {
                 let op = Embedding {
                     tokens: tokens.clone(),
                     seq: t,
+                    positions: None,
                 };
                 let y = wte.apply_op2(&wpe, op)?;
                 let g = (&y * &dy)?.sum_all()?.backward()?;
@@ -1548,6 +1587,7 @@ mod tests {
         let bad = Embedding {
             tokens: vec![11; t],
             seq: t,
+            positions: None,
         };
         assert!(
             wte.apply_op2(&wpe, bad).is_err(),

@@ -363,6 +363,7 @@ pub fn rank_batches(
                 targets,
                 batch_size: micro,
                 seq_len: seq,
+                segment_starts: Vec::new(),
             }
         })
         .collect()

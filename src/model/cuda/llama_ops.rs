@@ -110,6 +110,9 @@ pub(in crate::model) fn rope(
     inverse: bool,
 ) -> Result<(CudaStorage, Shape)> {
     let (rows, width) = rows_of(l.shape())?;
+    if op.positions.is_some() {
+        bail!("rope: rows packed with several sequences (chat examples) are not built on the GPU; train them on the CPU");
+    }
     let (d, half) = (op.head_dim, op.head_dim / 2);
     if d == 0 || d % 2 != 0 || width % d != 0 || op.seq == 0 || rows % op.seq != 0 {
         bail!(

@@ -205,6 +205,9 @@ impl CustomOp2 for RmsNorm {
 pub(crate) struct Rope {
     /// Sequence length: row r is position r % seq.
     pub seq: usize,
+    /// Packed rows: each row's position in its sequence (`TokenBatch::positions`), instead of
+    /// `r % seq`.
+    pub positions: Option<std::sync::Arc<Vec<u32>>>,
     pub head_dim: usize,
     /// `cos` and `sin` of positions `0..seq` by frequency `0..head_dim/2`, `[seq, head_dim/2]`.
     pub cos: std::sync::Arc<Vec<f32>>,
@@ -219,6 +222,7 @@ impl Rope {
     pub fn new(seq: usize, head_dim: usize, cos: Vec<f32>, sin: Vec<f32>) -> Self {
         Rope {
             seq,
+            positions: None,
             head_dim,
             cos: std::sync::Arc::new(cos),
             sin: std::sync::Arc::new(sin),
@@ -243,6 +247,15 @@ impl Rope {
                 self.seq
             );
         }
+        if let Some(p) = &self.positions {
+            if p.len() != x.len() / width || p.iter().any(|&q| q as usize >= self.seq) {
+                bail!(
+                    "rope: positions do not fit {} rows of sequences of {}",
+                    x.len() / width,
+                    self.seq
+                );
+            }
+        }
         let sign = lit::<T>(if inverse { -1.0 } else { 1.0 });
         let mut y = vec![lit::<T>(0.0); x.len()];
         y.par_chunks_mut(width * ROWS_PER_TASK)
@@ -254,7 +267,11 @@ impl Rope {
                     || {
                         for (r, (yr, xr)) in ys.chunks_mut(width).zip(xs.chunks(width)).enumerate()
                         {
-                            let pos = (task * ROWS_PER_TASK + r) % self.seq;
+                            let row = task * ROWS_PER_TASK + r;
+                            let pos = match &self.positions {
+                                Some(p) => p[row] as usize,
+                                None => row % self.seq,
+                            };
                             let cos = &self.cos[pos * half..][..half];
                             let sin = &self.sin[pos * half..][..half];
                             for (yh, xh) in yr.chunks_mut(d).zip(xr.chunks(d)) {

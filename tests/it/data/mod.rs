@@ -2,6 +2,7 @@
 //! instruction data's ids and trained masks (`src/data`).
 
 mod chat;
+mod packing;
 mod token_data;
 mod token_data_cli;
 mod windows;

@@ -32,6 +32,7 @@ fn random_batch(cfg: &GptConfig, batch_size: usize, seq_len: usize, seed: u64) -
         targets,
         batch_size,
         seq_len,
+        segment_starts: Vec::new(),
     }
 }
 

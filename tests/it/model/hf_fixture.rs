@@ -36,6 +36,7 @@ pub fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
         targets: cut(ids(&s["targets"])),
         batch_size: n,
         seq_len: seq,
+        segment_starts: Vec::new(),
     }
 }
 

@@ -42,6 +42,7 @@ fn rows(first: usize, n: usize) -> TokenBatch {
         targets: flat("targets"),
         batch_size: n,
         seq_len: 16,
+        segment_starts: Vec::new(),
     }
 }
 
