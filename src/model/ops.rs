@@ -29,7 +29,7 @@ use rayon::prelude::*;
 
 pub(crate) use super::attention::CausalAttention;
 pub(super) use super::gemm::Finish;
-use super::gemm::{gemm_finished, gemm_into, gemm_written};
+use super::gemm::{gemm_finished, gemm_into, gemm_into_packed, gemm_written, PackedRhs};
 
 /// Rows per parallel task: enough work per task to amortise scheduling, and a fixed split so
 /// that cross-row sums are reproducible.
@@ -1240,20 +1240,21 @@ impl HeadLoss {
         CrossEntropy::check_targets("lm head loss", &self.targets, v)
     }
 
-    /// One chunk's logits `h[rows] @ wte^T` into `logits` (rows x v).
-    fn logits<T: Real>(h: &[T], wte: &[T], (c, v): (usize, usize), logits: &mut [T]) {
-        let rows = h.len() / c;
-        gemm_into((rows, v, c), logits, false, h, (c, 1), wte, (1, c));
+    /// One chunk's logits `h[rows] @ wte^T` into `logits` (rows x v), `wte_t` the token table
+    /// as the right operand `[c, v]`, packed once for every chunk.
+    fn logits<T: Real>(h: &[T], wte_t: &PackedRhs<'_, T>, c: usize, logits: &mut [T]) {
+        gemm_into_packed(h.len() / c, logits, false, (h, (c, 1)), wte_t);
     }
 
     fn fwd<T: Real>(&self, h: &[T], wte: &[T], c: usize) -> f64 {
         let v = wte.len() / c;
         let rows = Self::chunk_rows(v);
+        let wte_t = PackedRhs::new((c, v), (wte, (1, c)));
         let mut logits = vec![lit::<T>(0.0); rows.min(self.targets.len()) * v];
         let mut total = 0f64;
         for (hs, ts) in h.chunks(rows * c).zip(self.targets.chunks(rows)) {
             let x = &mut logits[..ts.len() * v];
-            Self::logits(hs, wte, (c, v), x);
+            Self::logits(hs, &wte_t, c, x);
             total += CrossEntropy::loss_sum(x, ts, v);
         }
         total / CrossEntropy::trained(&self.targets) as f64
@@ -1269,13 +1270,18 @@ impl HeadLoss {
         let mut logits = vec![lit::<T>(0.0); rows.min(n) * v];
         let mut dh = vec![lit::<T>(0.0); h.len()];
         let mut dwte = vec![lit::<T>(0.0); wte.len()];
+        // Both layouts of the table, packed once for all the chunks.
+        let (wte_t, wte_rows) = rayon::join(
+            || PackedRhs::new((c, v), (wte, (1, c))),
+            || PackedRhs::new((v, c), (wte, (c, 1))),
+        );
         let chunks = h.chunks(rows * c).zip(self.targets.chunks(rows));
         for ((hs, ts), dhs) in chunks.zip(dh.chunks_mut(rows * c)) {
             let d = &mut logits[..ts.len() * v];
-            Self::logits(hs, wte, (c, v), d);
+            Self::logits(hs, &wte_t, c, d);
             CrossEntropy::grad_in_place(d, ts, v, scale);
             let r = ts.len();
-            gemm_into((r, c, v), dhs, false, d, (v, 1), wte, (c, 1));
+            gemm_into_packed(r, dhs, false, (d, (v, 1)), &wte_rows);
             gemm_into((v, c, r), &mut dwte, true, d, (1, v), hs, (c, 1));
         }
         (dh, dwte)

@@ -197,8 +197,67 @@ pub(super) unsafe fn gemm(
     if m == 0 || n == 0 {
         return;
     }
-    let kp = k.div_ceil(2);
     let (pa, pb) = rayon::join(|| pack_a(a, m, k), || pack_b(b, k, n));
+    // SAFETY: the caller's contract, passed on.
+    unsafe { products((m, n, k), (dst, ldd), accumulate, &pa, &pb) }
+}
+
+/// `B [k, n]` packed once for several [`gemm_packed`] products with it: the LM head's weight over
+/// its chunks of rows is 270 MB of panels at a 150k vocabulary, packed again for every chunk
+/// otherwise.
+pub(super) struct PackedB {
+    panels: Vec<u32>,
+    k: usize,
+    n: usize,
+}
+
+impl PackedB {
+    pub fn new(b: Operand<'_>, k: usize, n: usize) -> Self {
+        PackedB {
+            panels: pack_b(b, k, n),
+            k,
+            n,
+        }
+    }
+
+    /// Its `(k, n)`.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.k, self.n)
+    }
+}
+
+/// [`gemm`] with `B` packed beforehand.
+///
+/// # Safety
+/// As [`gemm`]'s.
+pub(super) unsafe fn gemm_packed(
+    m: usize,
+    (dst, ldd): (*mut f32, usize),
+    accumulate: bool,
+    a: Operand<'_>,
+    b: &PackedB,
+) {
+    let (k, n) = b.dims();
+    if m == 0 || n == 0 {
+        return;
+    }
+    let pa = pack_a(a, m, k);
+    // SAFETY: the caller's contract, passed on.
+    unsafe { products((m, n, k), (dst, ldd), accumulate, &pa, &b.panels) }
+}
+
+/// The tiles of `dst[m, n] (+)= A @ B` from packed operands, in parallel.
+///
+/// # Safety
+/// As [`gemm`]'s; `pa` and `pb` are `A` and `B` packed by [`pack_a`] and [`pack_b`].
+unsafe fn products(
+    (m, n, k): (usize, usize, usize),
+    (dst, ldd): (*mut f32, usize),
+    accumulate: bool,
+    pa: &[u32],
+    pb: &[u32],
+) {
+    let kp = k.div_ceil(2);
     let row_tasks = m.div_ceil(ROWS_PER_TASK);
     let panels = n.div_ceil(NR);
     let out = Dst(dst);
@@ -363,6 +422,23 @@ mod tests {
                     )
                 };
                 assert_eq!(other, dst, "{m}x{n}x{k}: the packing paths disagree");
+                // B packed once and used for two row blocks: the same bits as packed per call.
+                let packed = PackedB::new((&b, (1, k)), k, n);
+                let mut halves = vec![0.5f32; m * n];
+                let top = m / 2;
+                for (rows, at) in [(0..top, 0), (top..m, top)] {
+                    // SAFETY: as above, rows `rows` of a and of the destination.
+                    unsafe {
+                        gemm_packed(
+                            rows.len(),
+                            (halves.as_mut_ptr().add(at * n), n),
+                            accumulate,
+                            (&a[rows.start * k..], (k, 1)),
+                            &packed,
+                        )
+                    };
+                }
+                assert_eq!(halves, dst, "{m}x{n}x{k}: B packed once");
                 for i in 0..m {
                     for j in 0..n {
                         let want: f64 = (0..k)

@@ -42,6 +42,58 @@ pub(in crate::model) fn gemm_into<T: Real>(
     );
 }
 
+/// A right operand packed once for several products with it (the LM head's weight over its chunks
+/// of rows): bf16 panels where the AVX512-BF16 products run; elsewhere each product packs its own
+/// (the gemm crate keeps nothing between calls), as [`gemm_into`] does.
+pub(in crate::model) struct PackedRhs<'a, T> {
+    rhs: Strided<'a, T>,
+    k: usize,
+    n: usize,
+    bf16: Option<bf16::PackedB>,
+}
+
+impl<'a, T: Real> PackedRhs<'a, T> {
+    /// `rhs [k, n]`, packed now where that pays.
+    pub fn new((k, n): (usize, usize), rhs: Strided<'a, T>) -> Self {
+        let (data, (rs, cs)) = rhs;
+        let fits = k == 0 || n == 0 || data.len() > (k - 1) * rs + (n - 1) * cs;
+        assert!(fits, "packed gemm operand too small");
+        let bf16 = (T::DTYPE == DType::F32 && bf16::enabled() && k > 0 && n > 0)
+            .then(|| bf16::PackedB::new((bytemuck::cast_slice(data), (rs, cs)), k, n));
+        PackedRhs { rhs, k, n, bf16 }
+    }
+}
+
+/// [`gemm_into`] against a [`PackedRhs`]: `dst[m, n] (+)= lhs[m, k] @ rhs`.
+pub(in crate::model) fn gemm_into_packed<T: Real>(
+    m: usize,
+    dst: &mut [T],
+    accumulate: bool,
+    lhs: Strided<'_, T>,
+    rhs: &PackedRhs<'_, T>,
+) {
+    let (k, n) = (rhs.k, rhs.n);
+    let Some(packed) = &rhs.bf16 else {
+        let (r, rs) = rhs.rhs;
+        return gemm_into((m, n, k), dst, accumulate, lhs.0, lhs.1, r, rs);
+    };
+    let (a, (a_rs, a_cs)) = lhs;
+    assert!(m == 0 || dst.len() >= m * n, "gemm destination too small");
+    assert!(m == 0 || k == 0 || a.len() > (m - 1) * a_rs + (k - 1) * a_cs);
+    // SAFETY: the destination holds m rows of n (checked), the operands every element their
+    // strides reach (checked here and in `PackedRhs::new`), and `packed` exists only where the
+    // CPU has AVX512-BF16.
+    unsafe {
+        bf16::gemm_packed(
+            m,
+            (dst.as_mut_ptr().cast::<f32>(), n),
+            accumulate,
+            (bytemuck::cast_slice(a), (a_rs, a_cs)),
+            packed,
+        )
+    }
+}
+
 /// A matrix operand: the slice its first element starts and its (row, column) strides.
 pub(in crate::model) type Strided<'a, T> = (&'a [T], (usize, usize));
 
