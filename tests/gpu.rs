@@ -593,3 +593,43 @@ fn gpu_nccl_collectives_equal_the_in_process_backends() {
     .unwrap();
     assert_eq!(nccl, inproc);
 }
+
+/// Generation on the GPU writes the CPU's greedy tokens (which equal transformers', see
+/// tests/it/model/generate.rs), for the GPT-2 and the Llama fixtures.
+#[test]
+fn generation_on_the_gpu_writes_the_cpus_greedy_tokens() {
+    use zerodp::model::generate::{GenerateOptions, UnitTensors};
+    use zerodp::model::hf::{self, HfConfig};
+    use zerodp::model::train_model::{build_model, HfModel};
+    let Some(gpu) = gpu_or_skip("generation_on_the_gpu_writes_the_cpus_greedy_tokens") else {
+        return;
+    };
+    let device = zerodp::model::candle_device(Some(&gpu)).unwrap();
+    let fixtures = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf");
+    for name in ["gpt2-tiny", "llama-tiny", "mistral-tiny"] {
+        let dir = fixtures.join(name);
+        let hf_model = HfModel {
+            config: HfConfig::read(&dir.join("config.json")).unwrap(),
+            dir: Some(dir.clone()),
+        };
+        let run = |on: candle_core::Device| {
+            let model = build_model(
+                &hf_model.config.gpt,
+                Some(&hf_model),
+                (on.clone(), DType::F32),
+            )
+            .unwrap();
+            let weights = hf::load_weights(&dir, model.spec()).unwrap();
+            let w = UnitTensors::new(model.spec(), &weights, (&on, DType::F32)).unwrap();
+            let options = GenerateOptions {
+                max_new_tokens: 20,
+                ..Default::default()
+            };
+            model
+                .generate(&w, &[5, 17, 42, 7], &options, |_| true)
+                .unwrap()
+                .tokens
+        };
+        assert_eq!(run(device.clone()), run(candle_core::Device::Cpu), "{name}");
+    }
+}

@@ -70,13 +70,17 @@ pub struct GenerateArgs {
     /// Seed of the sampling (the same seed writes the same text).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Where the model computes: the CPU (all its cores) or `cuda[:N]` (a `cuda` build), in f32.
+    #[command(flatten)]
+    pub device: super::device_args::DeviceArgs,
 }
 
 pub fn run(a: GenerateArgs) -> anyhow::Result<i32> {
     check_sampling(&a)?;
-    let (model, weights, tokenizer) = load(&a)?;
-    let cpu = (candle_core::Device::Cpu, candle_core::DType::F32);
-    let w = UnitTensors::new(model.spec(), &weights, (&cpu.0, cpu.1))?;
+    let open = a.device.open(zerodp::config::Precision::Fp32)?;
+    let on = open.on();
+    let (model, weights, tokenizer) = load(&a, on.clone())?;
+    let w = UnitTensors::new(model.spec(), &weights, (&on.0, on.1))?;
     let prompts = prompts(&a, tokenizer.as_ref())?;
     let options = GenerateOptions {
         max_new_tokens: a.max_new_tokens,
@@ -184,8 +188,10 @@ fn check_sampling(a: &GenerateArgs) -> anyhow::Result<()> {
 }
 
 /// The model, its weights and its tokenizer, from the flags.
-fn load(a: &GenerateArgs) -> anyhow::Result<(TrainModel, Vec<Vec<f32>>, Option<TextTokenizer>)> {
-    let cpu = (candle_core::Device::Cpu, candle_core::DType::F32);
+fn load(
+    a: &GenerateArgs,
+    on: (candle_core::Device, candle_core::DType),
+) -> anyhow::Result<(TrainModel, Vec<Vec<f32>>, Option<TextTokenizer>)> {
     if let Some(dir) = &a.checkpoint {
         let (manifest, weights) = zerodp::checkpoint::read_params(dir)
             .with_context(|| format!("--checkpoint {}", dir.display()))?;
@@ -201,14 +207,14 @@ fn load(a: &GenerateArgs) -> anyhow::Result<(TrainModel, Vec<Vec<f32>>, Option<T
         let beside = recorded("model_dir").map(|d| d.join("tokenizer.json"));
         let tokenizer = tokenizer(a.tokenizer.clone().or(recorded("tokenizer")).or(beside))?;
         let gpt = gpt_of(a, hf.as_ref(), tokenizer.as_ref())?;
-        let model = build_model(&gpt, hf.as_ref(), cpu)?;
+        let model = build_model(&gpt, hf.as_ref(), on)?;
         return Ok((model, weights, tokenizer));
     }
     let hf = a.hf.read()?;
     let from_dir = a.hf.model_dir.as_ref().map(|d| d.join("tokenizer.json"));
     let tokenizer = tokenizer(a.tokenizer.clone().or(from_dir))?;
     let gpt = gpt_of(a, hf.as_ref(), tokenizer.as_ref())?;
-    let model = build_model(&gpt, hf.as_ref(), cpu)?;
+    let model = build_model(&gpt, hf.as_ref(), on)?;
     let spec = model.spec().clone();
     let weights = match (&a.init, hf.as_ref().filter(|m| m.dir.is_some())) {
         (Some(p), _) => load_safetensors(p, &spec)?,
