@@ -57,6 +57,7 @@ pub mod config;
 pub mod data;
 pub mod device;
 pub mod flat;
+pub mod isa;
 pub mod limits;
 pub mod memory;
 pub mod model;

@@ -110,6 +110,16 @@ pub enum ConfigCommand {
 
 /// Runs the parsed command; returns the process exit code.
 pub fn run(cli: Cli) -> anyhow::Result<i32> {
+    // A cap on the kernels' instruction set is refused at once when misspelt, and said when set.
+    if let Some(isa) = zerodp::isa::cap_from_env().map_err(anyhow::Error::msg)? {
+        errln!(
+            "note: {}={} holds zerodp's kernels to {} (the gemm crate's f32 products use AVX2 \
+             either way)",
+            zerodp::isa::ISA_ENV,
+            isa.name(),
+            isa.name()
+        );
+    }
     match cli.command {
         Command::Train(a) => train::run(*a),
         Command::Plan(a) => plan::run(a),

@@ -181,7 +181,10 @@ unsafe fn reduce_lanes<T: Lane>(
     // lanes per instruction, and bf16 rounding packs without SSE2's shuffles. Same IEEE operations
     // in the same order, so the same bits.
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c") {
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("f16c")
+        && crate::isa::allows(crate::isa::Isa::Avx2)
+    {
         return reduce_lanes_avx2(op, srcs, dsts, len, store);
     }
     reduce_lanes_body::<T, false>(op, srcs, dsts, len, store)

@@ -164,10 +164,11 @@ pub(super) enum Width {
 impl Width {
     pub(super) fn of_cpu() -> Width {
         let fma = std::arch::is_x86_feature_detected!("fma");
-        if std::arch::is_x86_feature_detected!("avx512f") && fma {
+        use crate::isa::{allows, Isa};
+        if std::arch::is_x86_feature_detected!("avx512f") && fma && allows(Isa::Avx512) {
             return Width::Avx512;
         }
-        if std::arch::is_x86_feature_detected!("avx2") && fma {
+        if std::arch::is_x86_feature_detected!("avx2") && fma && allows(Isa::Avx2) {
             return Width::Avx2;
         }
         Width::Baseline

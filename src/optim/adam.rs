@@ -213,7 +213,7 @@ pub const ADAM_ISA_ENV: &str = "ZERODP_ADAM_ISA";
 pub enum AdamIsaError {
     #[error("ZERODP_ADAM_ISA={value:?} names no Adam kernel path; use portable, avx2 or avx512")]
     Unknown { value: String },
-    #[error("ZERODP_ADAM_ISA={isa}: this CPU cannot run that path; it has {available}")]
+    #[error("ZERODP_ADAM_ISA={isa}: this CPU cannot run that path (or ZERODP_ISA holds the kernels below it); it has {available}")]
     Unavailable {
         isa: &'static str,
         available: String,
@@ -245,9 +245,15 @@ impl AdamIsa {
         match self {
             AdamIsa::Portable => true,
             #[cfg(target_arch = "x86_64")]
-            AdamIsa::Avx2 => std::arch::is_x86_feature_detected!("avx2"),
+            AdamIsa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && crate::isa::allows(crate::isa::Isa::Avx2)
+            }
             #[cfg(target_arch = "x86_64")]
-            AdamIsa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            AdamIsa::Avx512 => {
+                std::arch::is_x86_feature_detected!("avx512f")
+                    && crate::isa::allows(crate::isa::Isa::Avx512)
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }

@@ -64,7 +64,7 @@ pub fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| match std::env::var(GEMM_ENV).as_deref() {
         Ok("gemm") => false,
-        _ => usable(),
+        _ => usable() && crate::isa::allows(crate::isa::Isa::Avx512),
     })
 }
 

@@ -33,6 +33,7 @@ pub fn available() -> bool {
     {
         std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bf16")
+            && crate::isa::allows(crate::isa::Isa::Avx512)
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

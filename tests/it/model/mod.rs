@@ -9,6 +9,7 @@ pub mod hf_fixture;
 mod hf_gpt2;
 mod hf_inputs;
 mod hf_llama;
+mod isa;
 mod kernel_math;
 mod masked_loss;
 mod var_units;
