@@ -733,7 +733,7 @@ fn print_banner(
     errln!(
         "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
-         steps x {world}; corpus {} ({} {})",
+         steps x {world}; corpus {} ({})",
         trainer.model().arch(),
         gpt.layers,
         gpt.width,
@@ -745,8 +745,7 @@ fn print_banner(
         batch.micro_batch_per_gpu,
         batch.gradient_accumulation_steps,
         data.name(),
-        data.samples().0,
-        data.samples().1,
+        data.samples(),
     );
 }
 

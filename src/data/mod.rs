@@ -543,11 +543,13 @@ impl TrainData {
         }
     }
 
-    /// Samples per epoch, and what they are.
-    pub fn samples(&self) -> (usize, &'static str) {
+    /// Samples per epoch, and what they are: `624 windows`, `12 rows of 40 examples`.
+    pub fn samples(&self) -> String {
         match self {
-            TrainData::Windows(d) => (d.num_windows(), "windows"),
-            TrainData::Examples(e) => (e.len(), "examples"),
+            TrainData::Windows(d) => format!("{} windows", d.num_windows()),
+            TrainData::Examples(e) => {
+                format!("{} rows of {} examples", e.len(), e.examples().len())
+            }
         }
     }
 
