@@ -494,14 +494,44 @@ impl TokenBatch {
     }
 
     /// Each token's position in its sequence (see [`TokenBatch::segment_starts`]), when the rows
-    /// are packed.
+    /// are packed (checked by [`TokenBatch::check_segments`]; a start past its token counts 0).
     pub fn positions(&self) -> Option<Vec<u32>> {
         if self.segment_starts.is_empty() {
             return None;
         }
         let t = self.seq_len.max(1);
         let pos = self.segment_starts.iter().enumerate();
-        Some(pos.map(|(k, &s)| (k % t) as u32 - s).collect())
+        Some(
+            pos.map(|(k, &s)| ((k % t) as u32).saturating_sub(s))
+                .collect(),
+        )
+    }
+
+    /// Refuses segment starts that do not describe sequences of the rows: one per token, each at
+    /// or before its token, a token starting its own sequence or continuing the one before it.
+    pub fn check_segments(&self) -> Result<(), String> {
+        let starts = &self.segment_starts;
+        if starts.is_empty() {
+            return Ok(());
+        }
+        if starts.len() != self.tokens.len() || self.seq_len == 0 {
+            return Err(format!(
+                "{} segment starts for {} tokens: give one per token, or none",
+                starts.len(),
+                self.tokens.len()
+            ));
+        }
+        for (k, &s) in starts.iter().enumerate() {
+            let i = k % self.seq_len;
+            let continues = i > 0 && starts[k - 1] == s;
+            if s as usize > i || (s as usize != i && !continues) {
+                return Err(format!(
+                    "segment start {s} of row {} position {i} is not where its sequence starts",
+                    k / self.seq_len
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The targets the loss is over: those that are not [`IGNORE_INDEX`].

@@ -751,6 +751,7 @@ impl Gpt {
                 batch.targets.len()
             )));
         }
+        batch.check_segments().map_err(ModelError::Invalid)?;
         let v = self.config.vocab_size as u32;
         let targets = batch
             .targets

@@ -691,6 +691,7 @@ impl CandleUnits for Llama {
         self.config
             .check_seq_len(batch.seq_len)
             .map_err(ModelError::Invalid)?;
+        batch.check_segments().map_err(ModelError::Invalid)?;
         let v = self.config.vocab_size as u32;
         let targets = batch
             .targets

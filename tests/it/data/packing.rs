@@ -159,3 +159,31 @@ fn a_training_step_on_packed_rows_equals_the_step_on_one_example_per_row() {
     // may move its weight another way, by a part of lr, in either layout.
     assert!(worst <= 1e-3 * 1e-3, "parameters differ by {worst}");
 }
+
+/// Segment starts that describe no sequences are refused before any compute, not a panic.
+#[test]
+fn bad_segment_starts_are_errors() {
+    let model = GptModel::new(GptConfig::tiny()).unwrap();
+    let weights: Vec<Vec<f32>> = (0..model.spec().units.len())
+        .map(|u| vec![0.01; model.spec().units[u].numel()])
+        .collect();
+    let slices: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
+    let batch = |starts: Vec<u32>| TokenBatch {
+        tokens: vec![1; 8],
+        targets: vec![2; 8],
+        batch_size: 2,
+        seq_len: 4,
+        segment_starts: starts,
+    };
+    assert!(model
+        .end_to_end(&slices, &batch(vec![0, 0, 2, 2, 0, 1, 1, 3]), 1.0)
+        .is_ok());
+    for (starts, why) in [
+        (vec![0, 0, 3, 3, 0, 0, 0, 0], "a start after its token"),
+        (vec![0, 0, 1, 1, 0, 0, 0, 0], "a start no token begins"),
+        (vec![0, 0, 0], "too few"),
+    ] {
+        let e = model.end_to_end(&slices, &batch(starts), 1.0).unwrap_err();
+        assert!(e.to_string().contains("segment start"), "{why}: {e}");
+    }
+}
