@@ -243,7 +243,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<i32> {
         .map(|p| open_metrics(p, resumed_at))
         .transpose()?;
     if rank == 0 {
-        print_banner(&trainer, (backend, args.nccl, &settings, &gpt), &data);
+        print_banner(&trainer, (backend, &args, &settings, &gpt), &data);
         print_compute(&device, gpu_memory.as_deref(), trainer.engine_config());
     }
     let progress = ProgressLog::new(
@@ -719,9 +719,11 @@ fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result
 /// The run's first line: the model, the stage, the world and the batch, the corpus.
 fn print_banner(
     trainer: &Trainer<'_, TrainModel>,
-    (backend, nccl, settings, gpt): (Resolved, bool, &config::Settings, &GptConfig),
+    (backend, args, settings, gpt): (Resolved, &TrainArgs, &config::Settings, &GptConfig),
     data: &zerodp::data::TrainData,
 ) {
+    let command = if args.eval_only { "eval" } else { "train" };
+    let nccl = args.nccl;
     let world = backend.world();
     let batch = &settings.batch;
     let backend_note = match (backend, nccl) {
@@ -731,7 +733,7 @@ fn print_banner(
         (Resolved::InProcess { .. }, false) => "",
     };
     errln!(
-        "zerodp train: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
+        "zerodp {command}: {} {} layers, width {}, {} heads, context {} ({} parameters); ZeRO stage {}, \
          world size {world}{backend_note}, train_batch_size {} = {} per rank x {} accumulation \
          steps x {world}; corpus {} ({})",
         trainer.model().arch(),
