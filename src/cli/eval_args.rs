@@ -74,6 +74,11 @@ impl EvalArgs {
         if self.eval_data.is_empty() {
             return Ok((examples, None));
         }
+        // The training data scored (`zerodp eval`): tokenized once.
+        if self.eval_data == data.paths {
+            let held = examples.copy();
+            return Ok((examples, Some(limit(held))));
+        }
         let held = data.examples(&self.eval_data, tokenizer, (gpt, seed, on_cpu))?;
         let Some(held) = held else {
             bail!("--data is chat or instruction data, so --eval-data must be too (JSONL of messages or prompt/completion)");
@@ -104,10 +109,16 @@ impl EvalArgs {
             let held = self.windows(split.held_out, gpt, "--eval-split's held-out part")?;
             return Ok((data.loader_over(split.train, gpt, seed)?, Some(held)));
         }
-        let loader = data.loader_over(source, gpt, seed)?;
         if self.eval_data.is_empty() {
-            return Ok((loader, None));
+            return Ok((data.loader_over(source, gpt, seed)?, None));
         }
+        // The training data scored (`zerodp eval`): read and checked once, shared.
+        if self.eval_data == data.paths {
+            let (train, held) = zerodp::data::held_out::shared(source);
+            let held = self.windows(held, gpt, "--eval-data")?;
+            return Ok((data.loader_over(train, gpt, seed)?, Some(held)));
+        }
+        let loader = data.loader_over(source, gpt, seed)?;
         let source = data.source_of(&self.eval_data, ("--eval-data", false), tokenizer, flags)?;
         source.check_vocab(gpt.vocab_size)?;
         Ok((loader, Some(self.windows(source, gpt, "--eval-data")?)))

@@ -65,6 +65,13 @@ impl ExampleLoader {
         if examples.is_empty() || context == 0 {
             return Err(DataError::Split(format!("{name} holds no example")));
         }
+        if cut.is_some_and(|c| c < 2) {
+            return Err(DataError::Split(
+                "--max-example-tokens must be at least 2: an example trains on the tokens after \
+                 its first"
+                    .into(),
+            ));
+        }
         let room = context + 1;
         let keep = cut.map_or(room, |c| c.min(room));
         let mut kept = Vec::with_capacity(examples.len());
@@ -163,14 +170,7 @@ impl ExampleLoader {
                  0 and 1 and leave at least one example on each side"
             )));
         }
-        let held = ((fraction * d as f64).round() as usize).clamp(1, d - 1);
-        let mut order: Vec<u32> = (0..d as u32).collect();
-        let stream = crate::rng::mix_seed(&[seed, 0x6576_616c]);
-        crate::rng::SplitMix64::new(stream).shuffle(&mut order);
-        let mut is_held = vec![false; d];
-        order[..held]
-            .iter()
-            .for_each(|&i| is_held[i as usize] = true);
+        let (is_held, _) = super::held_out::held_out_choice(d, fraction, seed);
         let (mut train, mut eval) = (Vec::new(), Vec::new());
         for (e, h) in self.examples.into_iter().zip(is_held) {
             match h {
@@ -184,6 +184,12 @@ impl ExampleLoader {
             Self::over(name, examples, shape, self.pack)
         };
         Ok((side(train, "training part"), side(eval, "held-out part")))
+    }
+
+    /// The same examples again, in their order (the training data scored as held out).
+    pub fn copy(&self) -> ExampleLoader {
+        let shape = (self.context, self.pad, 0);
+        Self::over(self.name.clone(), self.examples.clone(), shape, self.pack)
     }
 
     /// The first `k` examples only (`--eval-windows K` of held-out examples).

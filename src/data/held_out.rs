@@ -49,7 +49,7 @@ impl Parts {
     }
 
     pub fn len(&self) -> usize {
-        *self.starts.last().expect("one start at least")
+        self.starts.last().copied().unwrap_or(0)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -112,13 +112,7 @@ pub fn split_documents(
             }
         )));
     }
-    let held = ((fraction * d as f64).round() as usize).clamp(1, d - 1);
-    let mut order: Vec<u32> = (0..d as u32).collect();
-    SplitMix64::new(mix_seed(&[seed, 0x6576_616c])).shuffle(&mut order);
-    let mut is_held = vec![false; d];
-    for &i in &order[..held] {
-        is_held[i as usize] = true;
-    }
+    let (is_held, held) = held_out_choice(d, fraction, seed);
     let side = |keep: bool| merged(docs.iter().zip(&is_held).filter(|(_, &h)| h == keep));
     let (train_ranges, held_ranges) = (side(false), side(true));
     let base = Arc::new(source);
@@ -137,6 +131,35 @@ pub fn split_documents(
         train_documents: d - held,
         held_out_documents: held,
     })
+}
+
+/// Which of `d >= 2` documents (or examples) are held out, and how many: `round(F x d)`, at
+/// least one and at least one left, the first of a Fisher-Yates order drawn from `seed`.
+pub(crate) fn held_out_choice(d: usize, fraction: f64, seed: u64) -> (Vec<bool>, usize) {
+    let held = ((fraction * d as f64).round() as usize).clamp(1, d.max(2) - 1);
+    let mut order: Vec<u32> = (0..d as u32).collect();
+    SplitMix64::new(mix_seed(&[seed, 0x6576_616c])).shuffle(&mut order);
+    let mut is_held = vec![false; d];
+    for &i in &order[..held.min(d)] {
+        is_held[i as usize] = true;
+    }
+    (is_held, held)
+}
+
+/// The whole of `source` twice, one stream read once: training data that is also scored
+/// (`zerodp eval`, or `--eval-data` naming `--data`).
+pub fn shared(source: TokenSource) -> (TokenSource, TokenSource) {
+    let all: Vec<Range<usize>> = std::iter::once(0..source.len()).collect();
+    let name = source.name().to_string();
+    let base = Arc::new(source);
+    let side = || {
+        TokenSource::Parts(Box::new(Parts::new(
+            base.clone(),
+            all.clone(),
+            name.clone(),
+        )))
+    };
+    (side(), side())
 }
 
 /// The documents of `source`, each with its separator (see the module docs).
@@ -234,22 +257,7 @@ impl EvalWindows {
 
     /// Windows `range` as one batch (inputs and next-token targets).
     pub fn batch(&self, range: Range<usize>) -> TokenBatch {
-        let t = self.context;
-        let mut window = Vec::with_capacity(t + 1);
-        let (mut tokens, mut targets) = (Vec::new(), Vec::new());
-        for w in range.clone() {
-            window.clear();
-            self.source.read_into(w * (t + 1), t + 1, &mut window);
-            tokens.extend_from_slice(&window[..t]);
-            targets.extend_from_slice(&window[1..]);
-        }
-        TokenBatch {
-            tokens,
-            targets,
-            batch_size: range.len(),
-            seq_len: t,
-            segment_starts: Vec::new(),
-        }
+        self.source.windows_batch(self.context, range)
     }
 }
 

@@ -301,6 +301,8 @@ impl TokenSource {
                 }
             }
             TokenSource::Ids(c) => return c.sha256().to_string(),
+            // The whole stream is the stream itself.
+            TokenSource::Parts(p) if p.len() == p.base().len() => return p.base().fingerprint(),
             // The whole stream's and which parts of it: another split is other data.
             TokenSource::Parts(p) => {
                 hash.update(p.base().fingerprint().as_bytes());
@@ -328,6 +330,34 @@ impl TokenSource {
             }
             TokenSource::Ids(c) => c.read_into(start, len, out),
             TokenSource::Parts(p) => p.read_into(start, len, out),
+        }
+    }
+
+    /// Windows `windows` (of `context + 1` tokens, window `w` at token `w * (context + 1)`) as
+    /// the rows of one batch: inputs their first `context` tokens, targets their last.
+    pub(crate) fn windows_batch(
+        &self,
+        context: usize,
+        windows: impl Iterator<Item = usize>,
+    ) -> TokenBatch {
+        let (n, t) = (windows.size_hint().0, context);
+        let mut tokens = Vec::with_capacity(n * t);
+        let mut targets = Vec::with_capacity(n * t);
+        let mut window = Vec::with_capacity(t + 1);
+        let mut rows = 0;
+        for w in windows {
+            rows += 1;
+            window.clear();
+            self.read_into(w * (t + 1), t + 1, &mut window);
+            tokens.extend_from_slice(&window[..t]);
+            targets.extend_from_slice(&window[1..]);
+        }
+        TokenBatch {
+            tokens,
+            targets,
+            batch_size: rows,
+            seq_len: t,
+            segment_starts: Vec::new(),
         }
     }
 
@@ -449,24 +479,8 @@ impl DataLoader {
             micro_batch_size,
             micro_index,
         )?;
-        let t = self.context;
-        let mut tokens = Vec::with_capacity(micro_batch_size * t);
-        let mut targets = Vec::with_capacity(micro_batch_size * t);
-        let mut window = Vec::with_capacity(t + 1);
-        for g in samples {
-            let w = self.window_of_sample(g);
-            window.clear();
-            self.source.read_into(w * (t + 1), t + 1, &mut window);
-            tokens.extend_from_slice(&window[..t]);
-            targets.extend_from_slice(&window[1..]);
-        }
-        Ok(TokenBatch {
-            tokens,
-            targets,
-            batch_size: micro_batch_size,
-            seq_len: t,
-            segment_starts: Vec::new(),
-        })
+        let windows = samples.map(|g| self.window_of_sample(g));
+        Ok(self.source.windows_batch(self.context, windows))
     }
 }
 

@@ -423,6 +423,7 @@ impl Segments {
     /// From each row's start (rows of `seq`).
     pub fn new(starts: &[u32], seq: usize) -> Self {
         let mut ends = vec![0u32; starts.len()];
+        let seq = seq.max(1);
         for (row_starts, row_ends) in starts.chunks(seq).zip(ends.chunks_mut(seq)) {
             let mut end = row_starts.len() as u32;
             for i in (0..row_starts.len()).rev() {

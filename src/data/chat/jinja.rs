@@ -24,20 +24,19 @@ impl std::error::Error for Raised {}
 
 /// An environment set up as transformers' `ImmutableSandboxedEnvironment(trim_blocks=True,
 /// lstrip_blocks=True, extensions=[loopcontrols])` with its filters and globals.
-pub(super) fn environment() -> Environment<'static> {
+pub(super) fn environment() -> Result<Environment<'static>, minijinja::Error> {
     let mut env = Environment::new();
     let syntax = minijinja::syntax::SyntaxConfig::builder()
         .trim_blocks(true)
         .lstrip_blocks(true)
-        .build()
-        .expect("the default delimiters are valid");
+        .build()?;
     env.set_syntax(syntax);
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.set_formatter(python_formatter);
     env.add_filter("tojson", tojson);
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
-    env
+    Ok(env)
 }
 
 /// `{{ none }}` prints `None` and booleans `True`/`False` in Jinja2 (Python's `str`); minijinja
@@ -307,7 +306,7 @@ mod tests {
     use super::*;
 
     fn render(source: &str, ctx: Value) -> String {
-        let env = environment();
+        let env = environment().unwrap();
         env.render_str(source, ctx).unwrap()
     }
 
@@ -358,7 +357,7 @@ mod tests {
 
     #[test]
     fn raise_exception_carries_its_message() {
-        let env = environment();
+        let env = environment().unwrap();
         let err = env
             .render_str("{{ raise_exception('roles must alternate') }}", ())
             .unwrap_err();

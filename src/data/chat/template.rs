@@ -89,7 +89,7 @@ impl ChatTemplate {
                 line: Some(line),
                 msg,
             })?;
-        let mut env = environment();
+        let mut env = environment().map_err(|e| template_error(&path, source, &e))?;
         env.add_filter(GEN_FILTER, |body: String| {
             format!("{GEN_START}{body}{GEN_END}")
         });
@@ -150,10 +150,7 @@ impl ChatTemplate {
         );
         ctx.insert("tools".into(), Value::from(()));
         ctx.insert("documents".into(), Value::from(()));
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .expect("added when the template was compiled");
+        let template = (self.env.get_template(TEMPLATE_NAME)).map_err(|e| self.render_error(&e))?;
         let raw = template
             .render(Value::from(ctx))
             .map_err(|e| self.render_error(&e))?;

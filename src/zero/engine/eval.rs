@@ -126,7 +126,7 @@ pub(super) fn sum_over_ranks(
     let (_, all) = comm
         .all_gather(Buffer::F32(vec![a, b, c, d]), out)
         .wait_pair()?;
-    let all = all.as_f32().expect("an f32 gather");
+    let all = crate::comm::returned_f32(all, comm.rank())?;
     let bits = |hi: f32, lo: f32| (u64::from(hi.to_bits()) << 32) | u64::from(lo.to_bits());
     let (mut sum, mut count) = (0.0f64, 0u64);
     for r in all.chunks_exact(4) {

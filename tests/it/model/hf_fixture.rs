@@ -4,6 +4,7 @@
 use serde_json::Value;
 use std::path::Path;
 use zerodp::data::TokenBatch;
+use zerodp::zero::{EngineConfig, Stage};
 
 pub fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
@@ -42,4 +43,20 @@ pub fn batch(exp: &Value, step: usize, first: usize, n: usize) -> TokenBatch {
 
 pub fn rel(a: f64, b: f64) -> f64 {
     (a - b).abs() / b.abs()
+}
+
+/// The fixture's AdamW (torch.optim.AdamW: decoupled decay, bias correction) at `stage` on
+/// `world` ranks, each taking an equal share of its global batch, every unit gathered on use.
+pub fn adamw_config(exp: &Value, stage: Stage, world: usize) -> EngineConfig {
+    let o = &exp["optimizer"];
+    let mut cfg = EngineConfig::new(stage, world);
+    cfg.micro_batch = exp["batch"].as_u64().unwrap() as usize / world;
+    cfg.adam.beta1 = o["betas"][0].as_f64().unwrap();
+    cfg.adam.beta2 = o["betas"][1].as_f64().unwrap();
+    cfg.adam.eps = o["eps"].as_f64().unwrap();
+    cfg.adam.weight_decay = o["weight_decay"].as_f64().unwrap();
+    cfg.adam.adam_w_mode = true;
+    cfg.adam.bias_correction = true;
+    cfg.param_persistence_threshold = 0;
+    cfg
 }

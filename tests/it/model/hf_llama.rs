@@ -14,7 +14,7 @@ use zerodp::model::llama::Llama;
 use zerodp::model::Candle;
 use zerodp::trainer::{BatchIndex, LrSchedule, ReportLog, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, Stage};
+use zerodp::zero::Stage;
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-tiny")
@@ -59,16 +59,7 @@ fn train(stage: Stage, world: usize, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>) {
     let exp = expected();
     let (model, weights) = load();
     let o = &exp["optimizer"];
-    let global = exp["batch"].as_u64().unwrap() as usize;
-    let mut cfg = EngineConfig::new(stage, world);
-    cfg.micro_batch = global / world;
-    cfg.adam.beta1 = o["betas"][0].as_f64().unwrap();
-    cfg.adam.beta2 = o["betas"][1].as_f64().unwrap();
-    cfg.adam.eps = o["eps"].as_f64().unwrap();
-    cfg.adam.weight_decay = o["weight_decay"].as_f64().unwrap();
-    cfg.adam.adam_w_mode = true;
-    cfg.adam.bias_correction = true;
-    cfg.param_persistence_threshold = 0;
+    let cfg = adamw_config(&exp, stage, world);
     let source = |at: BatchIndex| -> Result<TokenBatch, String> {
         let n = at.micro_batch_size;
         let first = (at.micro * at.world_size + at.rank) * n;

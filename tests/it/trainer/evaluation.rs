@@ -13,7 +13,7 @@ use zerodp::model::llama::Llama;
 use zerodp::model::Candle;
 use zerodp::trainer::{BatchIndex, EvalData, Evaluation, LrSchedule, Trainer};
 use zerodp::zero::unit::UnitModel;
-use zerodp::zero::{EngineConfig, EvalLoss, Stage};
+use zerodp::zero::{EvalLoss, Stage};
 
 fn fixture_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf/llama-tiny")
@@ -43,15 +43,7 @@ fn evals(stage: Stage, world: usize, every: u64) -> Vec<(u64, EvalLoss)> {
     let model = Candle::new(Llama::new(config).unwrap());
     let weights = hf::load_weights(&fixture_dir(), model.spec()).unwrap();
     let o = &exp["optimizer"];
-    let mut cfg = EngineConfig::new(stage, world);
-    cfg.micro_batch = exp["batch"].as_u64().unwrap() as usize / world;
-    cfg.adam.beta1 = o["betas"][0].as_f64().unwrap();
-    cfg.adam.beta2 = o["betas"][1].as_f64().unwrap();
-    cfg.adam.eps = o["eps"].as_f64().unwrap();
-    cfg.adam.weight_decay = o["weight_decay"].as_f64().unwrap();
-    cfg.adam.adam_w_mode = true;
-    cfg.adam.bias_correction = true;
-    cfg.param_persistence_threshold = 0;
+    let cfg = adamw_config(&exp, stage, world);
     let source = |at: BatchIndex| -> Result<TokenBatch, String> {
         let n = at.micro_batch_size;
         Ok(batch(
