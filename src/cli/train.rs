@@ -542,12 +542,22 @@ fn preflight(
     let ranks_in_process = backend.ranks_in_process() as u64;
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).
+    // The gemm crate's packing memory where the products run on it (not on zerodp's bf16 or AMX
+    // kernels), sized by its own rules for this CPU.
+    let gemm = match zerodp::model::gemm_path() == "gemm" {
+        true => {
+            let tokens = engine_cfg.micro_batch * gpt.context;
+            zerodp::model::gemm_footprint(&zerodp::model::gpt_products(gpt, tokens))
+        }
+        false => zerodp::model::GemmFootprint::default(),
+    };
     let process = TrainProcess {
         corpus_bytes: args.data.input_bytes(),
         threads_per_rank: trainer.threads_per_rank() as u64,
         checkpoint_staging: args.save_dir.is_some(),
         compute_on_gpu: device.gpu.is_some(),
-        f32_gemm: zerodp::model::gemm_path() == "gemm",
+        gemm_per_thread: gemm.per_thread,
+        gemm_per_rank: gemm.per_rank,
         cuda_build: cfg!(feature = "cuda"),
         ranks_in_process,
     };

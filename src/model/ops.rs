@@ -29,7 +29,9 @@ use rayon::prelude::*;
 
 pub(crate) use super::attention::CausalAttention;
 pub(super) use super::gemm::Finish;
-use super::gemm::{gemm_finished, gemm_into, gemm_into_packed, gemm_written, PackedRhs};
+use super::gemm::{
+    gemm_finished, gemm_into, gemm_into_packed, gemm_written, two_products, PackedRhs,
+};
 
 /// Rows per parallel task: enough work per task to amortise scheduling, and a fixed split so
 /// that cross-row sums are reproducible.
@@ -767,10 +769,10 @@ impl Linear {
         let inp = w.len() / out;
         let n = x.len() / inp;
         // dx [n, in] = dy [n, out] @ w [out, in]; dw [out, in] = dy^T [out, n] @ x [n, in]:
-        // independent, so side by side on the pool (see `bwd_into`).
+        // independent, so side by side on a large pool ([`two_products`]).
         let ((dx, dw), db) = rayon::join(
             || {
-                rayon::join(
+                two_products(
                     || gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1))),
                     || gemm_written((out, inp, n), (dy, (1, out)), (x, (inp, 1))),
                 )
@@ -793,12 +795,12 @@ impl Linear {
         let inp = w.len() / out;
         let n = x.len() / inp;
         // The input gradient, the weight gradient and the bias gradient read the same operands
-        // and write different outputs: run side by side on the pool, each product's tasks fill
-        // the threads the other leaves idle at its start and end (a small model's products
-        // alone kept 16 threads about half busy). Each is the same arithmetic as alone.
+        // and write different outputs: the bias gradient beside the products, and the products
+        // side by side on a large pool ([`two_products`]), where each product's tasks fill the
+        // threads the other leaves idle. Each is the same arithmetic as alone.
         let ((dx, ()), db) = rayon::join(
             || {
-                rayon::join(
+                two_products(
                     || gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1))),
                     || gemm_into((out, inp, n), dw, true, dy, (1, out), x, (inp, 1)),
                 )

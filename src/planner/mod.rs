@@ -39,8 +39,7 @@ pub use memory::{
 };
 pub use model::{GptShape, ModelSize, GPT_PRESETS};
 pub use process::{
-    gpt_step_memory, GptStepMemory, TrainProcess, CUDA_LIBRARIES_BYTES, POOL_THREAD_BYTES,
-    PROCESS_BASE_BYTES,
+    gpt_step_memory, GptStepMemory, TrainProcess, CUDA_LIBRARIES_BYTES, PROCESS_BASE_BYTES,
 };
 pub use recommend::{recommend, Recommendation};
 pub use size::{

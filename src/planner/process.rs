@@ -45,9 +45,10 @@
 //! Ranks are threads of one process: the process holds every rank's share plus, once, the binary and
 //! its libraries and what it touches once training starts ([`PROCESS_BASE_BYTES`]: code, stacks,
 //! the malloc arena's retained free blocks), the training text with its window order (4 bytes a window per cached epoch, two
-//! epochs), and per pool thread gemm's packing memory where the products run on it
-//! ([`POOL_THREAD_BYTES`]). The two constants cannot be counted from the code and are fitted to
-//! `scripts/preflight_rss.sh`'s measurements.
+//! epochs), and gemm's packing memory where the products run on it: a slab per pool thread and
+//! the largest product's buffers per rank, both sized by the gemm crate's own rules for this
+//! CPU's caches (`crate::model::gemm_footprint`, computed by the caller). The base cannot be
+//! counted from the code and is fitted to `scripts/preflight_rss.sh`'s measurements.
 
 use super::model::GptShape;
 
@@ -71,12 +72,6 @@ pub const PROCESS_BASE_BYTES: u64 = 12_400_000;
 /// GPU the driver and the CUDA context add host memory of their own, not counted here.
 pub const CUDA_LIBRARIES_BYTES: u64 = 163_000_000;
 
-/// Per thread of a rank's compute pool when its products run on the gemm crate's f32 kernels:
-/// gemm's per-thread packing slab (an L2 cache's size, allocated once per thread) and its packed
-/// panels. Nothing when the products run on zerodp's bf16 or AMX kernels, which pack into the
-/// step's own buffers. Fitted to the same grid: about 1 MB per pool thread on a 1 MiB-L2 CPU.
-pub const POOL_THREAD_BYTES: u64 = 1_000_000;
-
 /// The `zerodp train` process a plan is for: what it holds beyond its ranks' model states, buffers
 /// and activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -91,9 +86,12 @@ pub struct TrainProcess {
     /// The units compute on a GPU (`--device cuda`): their activations and weight copies are in
     /// its memory, not this process's (the GPU pre-flight checks them there).
     pub compute_on_gpu: bool,
-    /// The model's products run on the gemm crate's f32 kernels, with their per-thread packing
-    /// memory ([`POOL_THREAD_BYTES`]); false for bf16 runs on AVX512-BF16 and products on AMX.
-    pub f32_gemm: bool,
+    /// Bytes the gemm crate holds per thread of a rank's pool for the model's f32 products on
+    /// this CPU (its L2-sized packing slab); 0 where the products run on zerodp's bf16 or AMX
+    /// kernels, which pack into the step's own buffers.
+    pub gemm_per_thread: u64,
+    /// Bytes of the largest product's packing buffers on this CPU, per rank (0 as above).
+    pub gemm_per_rank: u64,
     /// The binary was built with the `cuda` feature and holds the CUDA libraries
     /// ([`CUDA_LIBRARIES_BYTES`]).
     pub cuda_build: bool,
@@ -113,10 +111,7 @@ impl TrainProcess {
         };
         let windows = self.corpus_bytes / (context + 1).max(1);
         let data = self.corpus_bytes + 2 * 4 * windows;
-        let pool = match self.f32_gemm {
-            true => self.threads_per_rank.max(1) * POOL_THREAD_BYTES,
-            false => 0,
-        };
+        let pool = self.threads_per_rank.max(1) * self.gemm_per_thread + self.gemm_per_rank;
         let libraries = match self.cuda_build {
             true => CUDA_LIBRARIES_BYTES,
             false => 0,
@@ -332,16 +327,16 @@ mod tests {
         let p = TrainProcess {
             corpus_bytes: 1_000_000,
             threads_per_rank: 2,
-            f32_gemm: true,
+            gemm_per_thread: 1 << 20,
+            gemm_per_rank: 3 << 20,
             ..TrainProcess::default()
         };
         // The corpus, two epochs of window orders (4 bytes a window) and the estimated process.
         let shared = 1_000_000 + 8 * (1_000_000 / 65) + PROCESS_BASE_BYTES;
-        assert_eq!(p.overhead_per_rank(1, 64), shared + 2 * POOL_THREAD_BYTES);
-        assert_eq!(
-            p.overhead_per_rank(4, 64),
-            shared.div_ceil(4) + 2 * POOL_THREAD_BYTES
-        );
+        // Each rank's two pool threads hold a slab each, and the rank one product's buffers.
+        let gemm = 2 * (1 << 20) + (3 << 20);
+        assert_eq!(p.overhead_per_rank(1, 64), shared + gemm);
+        assert_eq!(p.overhead_per_rank(4, 64), shared.div_ceil(4) + gemm);
         // Under MPI every process holds its own.
         let mpi = TrainProcess {
             ranks_in_process: 1,
@@ -359,12 +354,13 @@ mod tests {
         );
         // Products on zerodp's own kernels hold no gemm packing memory.
         let bf16 = TrainProcess {
-            f32_gemm: false,
+            gemm_per_thread: 0,
+            gemm_per_rank: 0,
             ..p
         };
         assert_eq!(
             p.overhead_per_rank(2, 64) - bf16.overhead_per_rank(2, 64),
-            2 * POOL_THREAD_BYTES
+            gemm
         );
     }
 }

@@ -31,9 +31,22 @@ pub struct GradPool {
 }
 
 impl GradPool {
+    /// Every buffer is written once here, so its memory is the process's from the start: the
+    /// plan and the pre-flight count all of them, and a buffer first used in the middle of a run
+    /// (when more reductions happen to be in flight) would otherwise commit its pages only then,
+    /// past the check, and the resident set would follow the threads' timing.
     pub fn new(plan: &BufferPlan) -> Self {
         let free = (0..plan.grad_scratch_count)
-            .map(|_| Vec::with_capacity(plan.grad_scratch_elems))
+            .map(|_| {
+                let mut g = vec![0.0f32; plan.grad_scratch_elems];
+                // calloc's fresh pages are mapped only when written: write one word per page.
+                for i in (0..g.len()).step_by(1024) {
+                    // SAFETY: `i` is in bounds; a volatile write is not elided.
+                    unsafe { std::ptr::write_volatile(g.as_mut_ptr().add(i), 0.0) };
+                }
+                g.clear();
+                g
+            })
             .collect();
         GradPool { free }
     }

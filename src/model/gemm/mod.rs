@@ -10,9 +10,11 @@ mod amx;
 #[path = "amx_off.rs"]
 mod amx;
 mod bf16;
+mod footprint;
 
 pub use amx::{path_name as gemm_path, GEMM_ENV};
 pub use bf16::{available as bf16_products_available, set_bf16_products};
+pub use footprint::{gemm_footprint, gpt_products, GemmFootprint};
 
 use super::ops::{lit, wide, written, Real, ROWS_PER_TASK};
 use candle_core::{bail, DType, Result};
@@ -271,6 +273,32 @@ impl<'a, T: Real> Finish<'a, T> {
                 }
             }
         }
+    }
+}
+
+/// Pools of at least this many threads run a backward's two independent products side by side
+/// ([`two_products`]); smaller pools run them one after the other.
+const SIDE_BY_SIDE_THREADS: usize = 8;
+
+/// Two independent products of a backward (the input and the weight gradient), side by side on
+/// the pool from [`SIDE_BY_SIDE_THREADS`] threads, else one after the other on this thread.
+///
+/// WHY: a product run side by side starts on a pool worker, and the `gemm` crate allocates its
+/// packing buffers (0.5-2 MiB) on the thread that calls it, at a moment the threads' timing
+/// decides. In the process's one malloc arena those blocks land among the step's activations,
+/// and the heap's high-water mark moved 5-15% from run to run (the small GPT with activation
+/// checkpointing on 2 threads: 95-106 MiB, against 90-94 one after the other), which the
+/// pre-flight cannot plan. One after the other, a step's allocations come in program order on the
+/// rank's thread, and each product alone fills a small pool: on 2 cores the same tokens/s (small
+/// GPT 7,928 against 7,754; 25M GPT 1,043 against 1,034). On 16 threads a small model's products
+/// alone left the pool about half idle, so large pools keep them side by side.
+pub(in crate::model) fn two_products<A: Send, B: Send>(
+    a: impl FnOnce() -> A + Send,
+    b: impl FnOnce() -> B + Send,
+) -> (A, B) {
+    match rayon::current_num_threads() >= SIDE_BY_SIDE_THREADS {
+        true => rayon::join(a, b),
+        false => (a(), b()),
     }
 }
 

@@ -56,7 +56,7 @@ impl CustomOp2 for MatMulT {
                 with_slice::<T, _>(w, |w| {
                     with_slice::<T, _>(dy, |dy| {
                         // dx [n, in] = dy @ w and dw [out, in] = dy^T @ x, side by side.
-                        Ok(rayon::join(
+                        Ok(two_products(
                             || gemm_written((n, inp, out), (dy, (out, 1)), (w, (inp, 1))),
                             || gemm_written((out, inp, n), (dy, (1, out)), (x, (inp, 1))),
                         ))
