@@ -97,6 +97,7 @@ pub fn engine_config(
     cfg.param_persistence_threshold = usize_of(z.param_persistence_threshold);
     cfg.max_live_parameters = usize_of(z.max_live_parameters);
     cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
+    cfg.hpz_partition_size = usize_of(z.zero_hpz_partition_size).max(1);
     let ac = &s.activation_checkpointing;
     cfg.activation_checkpointing = ac.number_checkpoints.is_some()
         || ac.partition_activations

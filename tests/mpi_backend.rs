@@ -13,7 +13,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 use zerodp::comm::reduce::reduce_reference;
 use zerodp::comm::{
-    shard_range, CollectiveKind, CommError, CommOptions, Communicator, MpiComm, ReduceOp,
+    shard_range, CollectiveKind, CommError, CommOptions, Communicator, MpiComm, Partition, ReduceOp,
 };
 use zerodp::flat::{Buffer, DType};
 
@@ -168,7 +168,34 @@ fn worker_collectives() -> Result<(), CommError> {
         })
         .sum();
     assert_eq!(t.sent(CollectiveKind::AllGather), ag);
-    let (hosts, shm) = (comm.topology().hosts, comm.shared_memory_calls());
+    let topo = comm.topology();
+    // Across hosts numbered host by host, part of those bytes went to the other host.
+    assert_eq!(t.inter_host_sent() > 0, topo.ranks_per_host().is_some());
+    // Gathers within groups (hpZ's within a host; across hosts): each group gathers its own
+    // shards of the same tensor; within a host, nothing crosses to another.
+    for part in [Partition::Within(2), Partition::Across(2)] {
+        if !part.fits(n) {
+            continue;
+        }
+        for len in [1001usize, 700_001] {
+            let full = input(DType::F32, len, 0, 7);
+            let mine = shard_range(len, part.group_size(n), part.index(r));
+            let mut buf = Buffer::zeros(DType::F32, len);
+            buf.write_at(mine.start, &full.copy_range(mine));
+            let before = comm.traffic();
+            let got = comm.all_gather_group_in_place(part, buf).wait_one()?;
+            assert_eq!(
+                bits(&got),
+                bits(&full),
+                "all_gather {part:?} {len} rank {r}"
+            );
+            let crossed = comm.traffic().since(&before).inter_host_sent();
+            if topo.ranks_per_host() == Some(2) && part == Partition::Within(2) {
+                assert_eq!(crossed, 0, "{part:?} {len} rank {r}");
+            }
+        }
+    }
+    let (hosts, shm) = (topo.hosts, comm.shared_memory_calls());
     println!(
         "WORKER-OK rank {r} on {hosts} host(s): {checked} reductions bitwise equal, \
          {shm} collectives through shared memory"
@@ -312,7 +339,16 @@ fn corpus(dir: &Path) -> PathBuf {
 }
 
 fn config(dir: &Path, stage: usize, bf16: bool) -> PathBuf {
-    let p = dir.join(format!("s{stage}{}.json", if bf16 { "bf16" } else { "" }));
+    config_with(dir, stage, bf16, "")
+}
+
+/// [`config`] with `extra` keys in `zero_optimization` (each followed by a comma).
+fn config_with(dir: &Path, stage: usize, bf16: bool, extra: &str) -> PathBuf {
+    let tag = extra.len();
+    let p = dir.join(format!(
+        "s{stage}{}-{tag}.json",
+        if bf16 { "bf16" } else { "" }
+    ));
     let bf16 = if bf16 {
         r#""bf16": { "enabled": true },"#
     } else {
@@ -324,7 +360,7 @@ fn config(dir: &Path, stage: usize, bf16: bool) -> PathBuf {
             r#"{{ "train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, {bf16}
                  "optimizer": {{ "type": "AdamW", "params": {{ "lr": 3e-3 }} }},
                  "gradient_clipping": 1.0,
-                 "zero_optimization": {{ "stage": {stage}, "reduce_bucket_size": 300000,
+                 "zero_optimization": {{ "stage": {stage}, {extra} "reduce_bucket_size": 300000,
                    "stage3_param_persistence_threshold": 0 }} }}"#
         ),
     )
@@ -381,10 +417,24 @@ fn training_under_mpirun_equals_in_process_bitwise_stages_0_to_3() {
 /// Trains the tiny GPT under `mpirun` (on this host, or across `hosts`) and in-process at the
 /// same world size, and asserts that every rank's losses and gradient norms are bitwise equal.
 fn train_and_compare(hosts: Option<&NetnsHosts>, dir: &Path, np: usize, stage: usize, bf16: bool) {
+    train_and_compare_with(hosts, dir, (np, stage, bf16), "");
+}
+
+/// [`train_and_compare`] with `extra` keys in the config's `zero_optimization`.
+fn train_and_compare_with(
+    hosts: Option<&NetnsHosts>,
+    dir: &Path,
+    (np, stage, bf16): (usize, usize, bool),
+    extra: &str,
+) {
     let bin = &zerodp_bin(dir);
     let text = corpus(dir);
-    let cfg = config(dir, stage, bf16);
-    let tag = format!("np{np}-s{stage}-{bf16}-{}", hosts.map_or(1, |_| 2));
+    let cfg = config_with(dir, stage, bf16, extra);
+    let tag = format!(
+        "np{np}-s{stage}-{bf16}-{}-{}",
+        hosts.map_or(1, |_| 2),
+        extra.len()
+    );
     let m_mpi = dir.join(format!("{tag}-mpi.jsonl"));
     let m_inp = dir.join(format!("{tag}-inp.jsonl"));
     let common = |m: &Path| -> Vec<String> {
@@ -409,6 +459,10 @@ fn train_and_compare(hosts: Option<&NetnsHosts>, dir: &Path, np: usize, stage: u
         "{tag}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    if extra.contains("hpz") {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("ZeRO++ hpZ"), "{tag}: hpZ is off\n{stderr}");
+    }
     let mut args = common(&m_inp);
     args.extend(["--world-size".into(), np.to_string()]);
     args.extend(["--backend".into(), "inprocess".into()]);
@@ -989,6 +1043,12 @@ fn training_across_two_namespace_hosts_equals_in_process_bitwise() {
     let dir = tempfile::tempdir().unwrap();
     for (np, stage, bf16) in [(2, 2, true), (4, 1, false), (4, 3, false), (4, 2, true)] {
         train_and_compare(Some(&hosts), dir.path(), np, stage, bf16);
+    }
+    // ZeRO++'s hpZ: "auto" is the launcher's 2 ranks per host under mpirun (the backward's
+    // gathers stay in the host) and 1 in one process (plain stage 3): the same bits.
+    let hpz = r#""zero_hpz_partition_size": "auto","#;
+    for bf16 in [false, true] {
+        train_and_compare_with(Some(&hosts), dir.path(), (4, 3, bf16), hpz);
     }
 }
 

@@ -51,14 +51,15 @@ pub struct PlanFlags {
     #[arg(long, default_value_t = 1024, requires = "layers")]
     pub context: u64,
 
-    /// Nodes (machines).
-    #[arg(long)]
+    /// Nodes (machines; `--hosts` too).
+    #[arg(long, alias = "hosts")]
     pub nodes: Option<u64>,
     /// Devices in total.
     #[arg(long)]
     pub devices: Option<u64>,
-    /// Devices per node (default 8, or all devices when they fit one node).
-    #[arg(long)]
+    /// Devices per node (default 8, or all devices when they fit one node; `--ranks-per-host`
+    /// too).
+    #[arg(long, alias = "ranks-per-host")]
     pub devices_per_node: Option<u64>,
     /// Memory per device: 80GiB, 80GB, 40GiB; or `gpu`, the memory free now on this process's
     /// GPU (the local rank's, as `train --device cuda` picks it; needs a `cuda` build).
@@ -80,8 +81,9 @@ pub struct PlanFlags {
     /// Overrides the intra-node latency per ring step: 3us.
     #[arg(long)]
     pub intra_latency: Option<String>,
-    /// Overrides the network bandwidth per node (all NICs): 400GB/s, 3200Gbps.
-    #[arg(long)]
+    /// Overrides the network bandwidth per node (all NICs): 400GB/s, 3200Gbps, 10Gbps
+    /// (`--inter-host-bandwidth` too).
+    #[arg(long, alias = "inter-host-bandwidth")]
     pub inter_bandwidth: Option<String>,
     /// Overrides the network latency per ring step: 5us.
     #[arg(long)]

@@ -475,6 +475,10 @@ fn load_settings(
         },
         hidden_size: Some(gpt.width),
         total_steps: Some(args.steps as usize),
+        // The launcher's ranks per host fill `zero_hpz_partition_size: "auto"`.
+        ranks_per_host: zerodp::comm::detect_mpi_launch()
+            .filter(|_| matches!(backend, Resolved::Mpi { .. }))
+            .and_then(|l| l.local_size),
         ..Default::default()
     };
     let loaded = match &args.config {
@@ -536,6 +540,13 @@ fn preflight(
     (gpt, device, backend): (&GptConfig, &super::device_args::OpenDevice, Resolved),
 ) -> anyhow::Result<Option<String>> {
     let engine_cfg = trainer.engine_config();
+    if args.nccl && engine_cfg.hpz_active() {
+        bail!(
+            "zero_hpz_partition_size {} asks for gathers within hosts, which the NCCL backend does \
+             not run: remove --nccl (the MPI backend runs them) or set zero_hpz_partition_size to 1",
+            engine_cfg.hpz_partition_size
+        );
+    }
     let spec = trainer.model().spec();
     // In-process ranks share this process (and spread over its GPUs, or share cuda:N); MPI ranks
     // each have their own process (and their local rank's GPU).
@@ -723,6 +734,12 @@ fn comm_options(args: &TrainArgs, settings: &config::Settings) -> anyhow::Result
     if settings.comms_logger.enabled && comm_options.trace < TraceLevel::Info {
         comm_options.trace = TraceLevel::Info;
     }
+    // In one process, hpZ's host groups stand for hosts: the counters tell the bytes that would
+    // cross between them apart (MPI counts its real hosts).
+    let hpz = settings.zero_optimization.zero_hpz_partition_size as usize;
+    if hpz > 1 && comm_options.ranks_per_host.is_none() {
+        comm_options.ranks_per_host = Some(hpz);
+    }
     Ok(comm_options)
 }
 
@@ -759,6 +776,14 @@ fn print_banner(
         data.name(),
         data.samples(),
     );
+    let cfg = trainer.engine_config();
+    if cfg.hpz_active() {
+        errln!(
+            "ZeRO++ hpZ: a unit's first gather of a step crosses hosts; its later ones gather a \
+             secondary partition within hosts of {} ranks (zero_hpz_partition_size)",
+            cfg.hpz_partition_size
+        );
+    }
 }
 
 /// Rank 0's closing lines: steps, final loss, tokens/s and memory; the process's peak resident set.

@@ -88,6 +88,58 @@ pub fn shard_range(len: usize, world: usize, rank: usize) -> std::ops::Range<usi
     start..start + size
 }
 
+/// The ranks a grouped collective runs among. The world is numbered host by host (rank = host x
+/// ranks per host + local rank, as `mpirun` places ranks by slot), so `Within(h)` is the ranks of
+/// one host and `Across(h)` the ranks of one local rank on every host, for `h` ranks per host.
+/// Every rank of the world calls a grouped collective at the same point; each group runs it on
+/// its own, and a rank's shard is its index in its group (`shard_range(len, group size, index)`).
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub enum Partition {
+    /// One group: the whole world.
+    #[default]
+    World,
+    /// Groups of `h` consecutive ranks: one host's ranks.
+    Within(usize),
+    /// Groups of the ranks `h` apart: one local rank of every host.
+    Across(usize),
+}
+
+impl Partition {
+    /// Whether `world` ranks split into these groups: `h` at least 1 and dividing the world.
+    pub fn fits(self, world: usize) -> bool {
+        match self {
+            Partition::World => true,
+            Partition::Within(h) | Partition::Across(h) => h >= 1 && world % h == 0,
+        }
+    }
+    /// Ranks in each group of a world of `world` ranks.
+    pub fn group_size(self, world: usize) -> usize {
+        match self {
+            Partition::World => world,
+            Partition::Within(h) => h,
+            Partition::Across(h) => world / h.max(1),
+        }
+    }
+    /// `rank`'s index in its group.
+    pub fn index(self, rank: usize) -> usize {
+        match self {
+            Partition::World => rank,
+            Partition::Within(h) => rank % h.max(1),
+            Partition::Across(h) => rank / h.max(1),
+        }
+    }
+    /// The world rank at index `i` of `rank`'s group.
+    pub fn member(self, rank: usize, i: usize) -> usize {
+        match self {
+            Partition::World => i,
+            Partition::Within(h) => rank / h.max(1) * h + i,
+            Partition::Across(h) => rank % h.max(1) + i * h,
+        }
+    }
+}
+
 /// Bytes sent and received per collective kind, counted by the ring-algorithm formulas (so numbers
 /// are comparable across backends): for a full buffer of B bytes, reduce-scatter and all-gather move
 /// B minus this rank's shard each way, all-reduce twice that, broadcast B (received by non-roots,
@@ -98,6 +150,12 @@ pub struct TrafficCounters {
     pub sent_bytes: [u64; 5],
     pub recv_bytes: [u64; 5],
     pub calls: [u64; 5],
+    /// Of `sent_bytes` and `recv_bytes`, those to and from ranks on other hosts
+    /// ([`crate::comm::CommOptions::ranks_per_host`]; all zero on one host).
+    #[serde(default)]
+    pub inter_host_sent_bytes: [u64; 5],
+    #[serde(default)]
+    pub inter_host_recv_bytes: [u64; 5],
 }
 
 impl TrafficCounters {
@@ -116,6 +174,24 @@ impl TrafficCounters {
     pub fn total_recv(&self) -> u64 {
         self.recv_bytes.iter().sum()
     }
+    /// Bytes sent to ranks on other hosts, every kind.
+    pub fn inter_host_sent(&self) -> u64 {
+        self.inter_host_sent_bytes.iter().sum()
+    }
+    /// Bytes received from ranks on other hosts, every kind.
+    pub fn inter_host_recv(&self) -> u64 {
+        self.inter_host_recv_bytes.iter().sum()
+    }
+    /// Adds `other`'s bytes and calls to these.
+    pub fn add(&mut self, other: &TrafficCounters) {
+        for i in 0..5 {
+            self.sent_bytes[i] += other.sent_bytes[i];
+            self.recv_bytes[i] += other.recv_bytes[i];
+            self.calls[i] += other.calls[i];
+            self.inter_host_sent_bytes[i] += other.inter_host_sent_bytes[i];
+            self.inter_host_recv_bytes[i] += other.inter_host_recv_bytes[i];
+        }
+    }
     /// `self - earlier`: the traffic between two snapshots (for per-step numbers).
     pub fn since(&self, earlier: &TrafficCounters) -> TrafficCounters {
         let mut d = TrafficCounters::default();
@@ -123,6 +199,10 @@ impl TrafficCounters {
             d.sent_bytes[i] = self.sent_bytes[i] - earlier.sent_bytes[i];
             d.recv_bytes[i] = self.recv_bytes[i] - earlier.recv_bytes[i];
             d.calls[i] = self.calls[i] - earlier.calls[i];
+            d.inter_host_sent_bytes[i] =
+                self.inter_host_sent_bytes[i] - earlier.inter_host_sent_bytes[i];
+            d.inter_host_recv_bytes[i] =
+                self.inter_host_recv_bytes[i] - earlier.inter_host_recv_bytes[i];
         }
         d
     }
@@ -306,6 +386,23 @@ pub trait Communicator: Send + Sync {
         let shard = buf.copy_range(mine);
         self.all_gather(shard, buf)
             .map_buffers(|mut bufs| vec![bufs.swap_remove(1)])
+    }
+
+    /// In-place all-gather within this rank's group of `part` ([`Partition`]): `buf` holds this
+    /// rank's shard at `shard_range(len, group size, index)`; returns `[buf]` holding every
+    /// shard of its group. Every rank of the world calls it at the same point. Backends that run
+    /// no grouped collectives refuse partitions other than the world.
+    fn all_gather_group_in_place(&self, part: Partition, buf: Buffer) -> CommHandle {
+        match part.group_size(self.world_size()) == self.world_size() {
+            true => self.all_gather_in_place(buf),
+            false => CommHandle::ready(Err(CommError::InvalidArgument {
+                rank: self.rank(),
+                what: format!(
+                    "this backend runs no collectives within groups of ranks ({part:?}); \
+                     use the in-process or MPI backend, or turn zero_hpz_partition_size off"
+                ),
+            })),
+        }
     }
 
     /// In-place reduce-scatter (see the trait docs): returns `[buf]` whose `shard_range` for this

@@ -35,7 +35,7 @@ use crate::comm::reduce::{
 use crate::comm::rendezvous::{Exposed, Meeting, Rendezvous, Straggler};
 use crate::comm::stats::CommStats;
 use crate::comm::{
-    shard_range, CommError, CommHandle, CommOptions, Communicator, Completion, ReduceOp,
+    shard_range, CommError, CommHandle, CommOptions, Communicator, Completion, Partition, ReduceOp,
     TrafficCounters,
 };
 use crate::flat::{Buffer, DType};
@@ -303,23 +303,26 @@ impl Exec<'_> {
     /// form). Per rank that is one read of a shard and n writes of it, against n reads and n
     /// writes for pulling every shard: the least memory traffic an out-of-place all-gather can
     /// draw. `len` and `dtype` describe the full output.
+    /// Within a [`Partition`]'s groups, the same among the ranks of this rank's group (every
+    /// rank of the world meets).
     fn push_gather(
         &mut self,
         shard: usize,
         output: usize,
-        len: usize,
-        dtype: DType,
+        (len, dtype): (usize, DType),
+        part: Partition,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.world.size, self.meeting.rank);
+        let r = self.meeting.rank;
+        let (g, me) = (part.group_size(self.world.size), part.index(r));
         let esz = dtype.size();
-        let mine = shard_range(len, n, r);
+        let mine = shard_range(len, g, me);
         self.arrive(Some(expose(shard, output)))?;
         let departure = Departure::new(self.world, r);
         let sc = &mut *self.scratch;
         sc.addrs.clear();
         sc.addrs.extend(
-            (1..=n)
-                .map(|k| sc.peers[(r + k) % n].output + mine.start * esz)
+            (1..=g)
+                .map(|k| sc.peers[part.member(r, (me + k) % g)].output + mine.start * esz)
                 .filter(|&dst| dst != shard),
         );
         let bytes = mine.len() * esz;
@@ -336,8 +339,6 @@ impl Exec<'_> {
     }
 
     fn execute(&mut self, call: Call) -> Completion {
-        let n = self.world.size;
-        let r = self.meeting.rank;
         match call {
             Call::Barrier => {
                 self.arrive(None)?;
@@ -347,19 +348,25 @@ impl Exec<'_> {
             Call::ReduceScatter(input, output, op) => self.reduce_scatter(input, output, op),
             Call::AllGather(input, mut output) => {
                 let out = buffer_addr_mut(&mut output);
-                self.push_gather(buffer_addr(&input), out, output.len(), output.dtype())?;
+                let full = (output.len(), output.dtype());
+                self.push_gather(buffer_addr(&input), out, full, Partition::World)?;
                 Ok(vec![input, output])
             }
             Call::ReduceScatterInPlace(buf, op) => self.reduce_scatter_in_place(buf, op),
-            Call::AllGatherInPlace(mut buf) => {
-                let (len, esz) = (buf.len(), buf.dtype().size());
-                let addr = buffer_addr_mut(&mut buf);
-                let mine = shard_range(len, n, r);
-                self.push_gather(addr + mine.start * esz, addr, len, buf.dtype())?;
-                Ok(vec![buf])
-            }
+            Call::AllGatherInPlace(buf) => self.gather_in_place(buf, Partition::World),
+            Call::AllGatherGroup(buf, part) => self.gather_in_place(buf, part),
             Call::Broadcast(buf, root) => self.broadcast(buf, root),
         }
+    }
+
+    /// In-place all-gather within `part`'s groups: this rank's shard sits in its group's range.
+    fn gather_in_place(&mut self, mut buf: Buffer, part: Partition) -> Completion {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let addr = buffer_addr_mut(&mut buf);
+        let r = self.meeting.rank;
+        let mine = shard_range(len, part.group_size(self.world.size), part.index(r));
+        self.push_gather(addr + mine.start * dtype.size(), addr, (len, dtype), part)?;
+        Ok(vec![buf])
     }
 
     /// All-reduce in place: rank r reduces shard r of every rank's buffer into all of them.

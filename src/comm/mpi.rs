@@ -79,9 +79,9 @@ use crate::comm::rendezvous::CallDesc;
 use crate::comm::stats::CommStats;
 use crate::comm::{
     shard_range, CollectiveKind, CommError, CommHandle, CommOptions, Communicator, Completion,
-    ReduceOp, TrafficCounters,
+    Partition, ReduceOp, TrafficCounters,
 };
-use crate::flat::DType;
+use crate::flat::{Buffer, DType};
 use ::mpi::ffi;
 use std::ffi::c_void;
 use std::fmt;
@@ -106,9 +106,9 @@ const PIECE_BYTES: usize = 8 << 20;
 /// Words of a collective's descriptor: what must match ([`MATCH_WORDS`]), then the process id
 /// and where its buffers live for the shared-memory path (input and output: fd, region id, region
 /// length, offset; `u64::MAX` for none).
-const DESC_WORDS: usize = 15;
+const DESC_WORDS: usize = 16;
 /// The leading descriptor words every rank must present equally.
-const MATCH_WORDS: usize = 6;
+const MATCH_WORDS: usize = 7;
 /// Tag of the departure messages of a shared-memory collective.
 const TAG_DONE: c_int = 14;
 /// Peers' mappings kept at most: beyond this the cache is emptied at the next collective
@@ -125,6 +125,18 @@ pub struct MpiTopology {
     pub local_rank: usize,
     /// Distinct hosts in the job.
     pub hosts: usize,
+    /// Ranks are numbered host by host, equally many on every host (rank = host x `local_size`
+    /// plus `local_rank`, as `mpirun` places them by slot): what collectives within a host or
+    /// across hosts ([`crate::comm::Partition`]) and the inter-host byte counts assume.
+    pub host_major: bool,
+}
+
+impl MpiTopology {
+    /// Ranks per host for [`CommOptions::ranks_per_host`]: where the job spans hosts numbered
+    /// host by host.
+    pub fn ranks_per_host(&self) -> Option<usize> {
+        (self.hosts > 1 && self.host_major).then_some(self.local_size)
+    }
 }
 
 /// What the caller's side and the communication thread share.
@@ -206,6 +218,8 @@ impl MpiComm {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .world_size = topo.size;
+        let mut options = options;
+        options.ranks_per_host = topo.ranks_per_host();
         Ok(MpiComm {
             topo,
             options,
@@ -492,13 +506,26 @@ impl Engine {
             )?;
             let pids: Vec<u64> = ids.iter().step_by(2).copied().collect();
             let local: Vec<bool> = ids.iter().skip(1).step_by(2).map(|&h| h == me[1]).collect();
+            // Every rank's host is named by its lowest rank: host by host means rank k's is
+            // k rounded down to a multiple of the ranks per host (the same test on every rank).
+            let per_host = (local_size as u64).max(1);
+            let host_major = (size as u64) % per_host == 0
+                && ids
+                    .iter()
+                    .skip(1)
+                    .step_by(2)
+                    .enumerate()
+                    .all(|(k, &h)| h == k as u64 / per_host * per_host);
             let topo = MpiTopology {
                 rank: rank as usize,
                 size: size as usize,
                 local_size: local_size as usize,
                 local_rank: local_rank as usize,
                 hosts: hosts as usize,
+                host_major,
             };
+            let mut options = options;
+            options.ranks_per_host = topo.ranks_per_host();
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
             let spin = options.spin.resolve(topo.local_size, cores);
             let mut e = Engine {
@@ -726,6 +753,7 @@ impl Engine {
                 Call::AllReduce(b, _)
                 | Call::ReduceScatterInPlace(b, _)
                 | Call::AllGatherInPlace(b)
+                | Call::AllGatherGroup(b, _)
                 | Call::Broadcast(b, _) => vec![b],
                 Call::ReduceScatter(i, mut o, op) => {
                     self.reduce_scatter(
@@ -754,7 +782,7 @@ impl Engine {
                 let mine = shard_range(len, n, r);
                 let res = self
                     .reduce_scatter(w, addr, addr + mine.start * dtype.size(), len, dtype, op)
-                    .and_then(|()| self.all_gather(w, addr, len, dtype, IN_AT));
+                    .and_then(|()| self.all_gather(w, addr, (len, dtype), IN_AT, Partition::World));
                 match res {
                     Ok(()) => Ok(vec![buf]),
                     Err(e) => Err(self.leak_on(e, vec![buf])),
@@ -796,19 +824,13 @@ impl Engine {
                         input.bytes(),
                     )
                 };
-                match self.all_gather(w, out, len, dtype, OUT_AT) {
+                match self.all_gather(w, out, (len, dtype), OUT_AT, Partition::World) {
                     Ok(()) => Ok(vec![input, output]),
                     Err(e) => Err(self.leak_on(e, vec![input, output])),
                 }
             }
-            Call::AllGatherInPlace(mut buf) => {
-                let (len, dtype) = (buf.len(), buf.dtype());
-                let addr = buffer_addr_mut(&mut buf);
-                match self.all_gather(w, addr, len, dtype, OUT_AT) {
-                    Ok(()) => Ok(vec![buf]),
-                    Err(e) => Err(self.leak_on(e, vec![buf])),
-                }
-            }
+            Call::AllGatherInPlace(buf) => self.gather_in_place(w, buf, Partition::World),
+            Call::AllGatherGroup(buf, part) => self.gather_in_place(w, buf, part),
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
@@ -817,6 +839,16 @@ impl Engine {
                     Err(e) => Err(self.leak_on(e, vec![buf])),
                 }
             }
+        }
+    }
+
+    /// The message path's in-place all-gather within `part`'s groups.
+    fn gather_in_place(&mut self, w: &Wait, mut buf: Buffer, part: Partition) -> Completion {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let addr = buffer_addr_mut(&mut buf);
+        match self.all_gather(w, addr, (len, dtype), OUT_AT, part) {
+            Ok(()) => Ok(vec![buf]),
+            Err(e) => Err(self.leak_on(e, vec![buf])),
         }
     }
 
@@ -922,18 +954,13 @@ impl Engine {
                 vec![buf]
             }
             Call::AllGather(input, mut output) => {
-                let (len, dtype) = (output.len(), output.dtype());
+                let full = (output.len(), output.dtype());
                 let own = buffer_addr_mut(&mut output);
-                self.shm_push(buffer_addr(&input), own, len, dtype, &mut addrs)?;
+                self.shm_push(buffer_addr(&input), own, full, Partition::World, &mut addrs)?;
                 vec![input, output]
             }
-            Call::AllGatherInPlace(mut buf) => {
-                let (len, dtype) = (buf.len(), buf.dtype());
-                let own = buffer_addr_mut(&mut buf);
-                let mine = shard_range(len, n, r);
-                self.shm_push(own + mine.start * dtype.size(), own, len, dtype, &mut addrs)?;
-                vec![buf]
-            }
+            Call::AllGatherInPlace(buf) => self.shm_gather(buf, Partition::World, &mut addrs)?,
+            Call::AllGatherGroup(buf, part) => self.shm_gather(buf, part, &mut addrs)?,
             Call::Broadcast(mut buf, root) => {
                 if r != root {
                     let src = self.peer_addr(root, IN_AT)?;
@@ -944,6 +971,25 @@ impl Engine {
             }
         };
         self.depart(w, out)
+    }
+
+    /// The shared-memory path's in-place all-gather within `part`'s groups.
+    fn shm_gather(
+        &mut self,
+        mut buf: Buffer,
+        part: Partition,
+        addrs: &mut Vec<usize>,
+    ) -> Result<Vec<Buffer>, CommError> {
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let own = buffer_addr_mut(&mut buf);
+        let mine = shard_range(
+            len,
+            part.group_size(self.topo.size),
+            part.index(self.topo.rank),
+        );
+        let shard = own + mine.start * dtype.size();
+        self.shm_push(shard, own, (len, dtype), part, addrs)?;
+        Ok(vec![buf])
     }
 
     /// The departure of a collective that used shared memory: an empty message to and from every
@@ -969,19 +1015,21 @@ impl Engine {
 
     /// All-gather by pushing, as in-process: this rank's shard into its range of every rank's
     /// output (its right neighbour's first; not onto itself when already in place).
+    /// Within a [`Partition`]'s groups, into the outputs of this rank's group.
     fn shm_push(
         &mut self,
         shard: usize,
         own_out: usize,
-        len: usize,
-        dtype: DType,
+        (len, dtype): (usize, DType),
+        part: Partition,
         addrs: &mut Vec<usize>,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.topo.size, self.topo.rank);
+        let r = self.topo.rank;
+        let (g, me) = (part.group_size(self.topo.size), part.index(r));
         let esz = dtype.size();
-        let mine = shard_range(len, n, r);
-        for j in 1..=n {
-            let k = (r + j) % n;
+        let mine = shard_range(len, g, me);
+        for j in 1..=g {
+            let k = part.member(r, (me + j) % g);
             let base = if k == r {
                 own_out
             } else {
@@ -1348,20 +1396,26 @@ impl Engine {
     /// In-place all-gather over `buf` of `len` elements: this rank's shard is in place; every
     /// rank sends it to every other and receives theirs into their ranges, except that it copies
     /// its shard straight into the buffers of near peers (their region `peer_at` of this call).
+    /// Within a [`Partition`]'s groups, the same among this rank's group.
     fn all_gather(
         &mut self,
         w: &Wait,
         buf: usize,
-        len: usize,
-        dtype: DType,
+        (len, dtype): (usize, DType),
         peer_at: usize,
+        part: Partition,
     ) -> Result<(), CommError> {
-        let (n, r) = (self.topo.size, self.topo.rank);
+        let r = self.topo.rank;
+        let (g, me) = (part.group_size(self.topo.size), part.index(r));
         let esz = dtype.size();
-        let mine = shard_range(len, n, r);
+        let mine = shard_range(len, g, me);
         let near = self.near.clone();
-        for k in (0..n).filter(|&k| k != r && !near[k]) {
-            let s = shard_range(len, n, k);
+        for j in (0..g).filter(|&j| j != me) {
+            let k = part.member(r, j);
+            if near[k] {
+                continue;
+            }
+            let s = shard_range(len, g, j);
             if !s.is_empty() {
                 self.post_recv(buf + s.start * esz, s.len() * esz, k, TAG_DATA)?;
             }
@@ -1370,8 +1424,11 @@ impl Engine {
             }
         }
         let mut dsts = Vec::new();
-        for k in (0..n).filter(|&k| near[k]) {
-            dsts.push(self.peer_addr(k, peer_at)? + mine.start * esz);
+        for j in (0..g).filter(|&j| j != me) {
+            let k = part.member(r, j);
+            if near[k] {
+                dsts.push(self.peer_addr(k, peer_at)? + mine.start * esz);
+            }
         }
         if !dsts.is_empty() && !mine.is_empty() {
             // SAFETY: range r of a near peer's buffer is written by this rank alone until the
@@ -1469,7 +1526,9 @@ fn exposed(call: &Call) -> (Span, Span) {
             (whole(b), None)
         }
         Call::ReduceScatter(i, _, _) => (whole(i), None),
-        Call::AllGather(_, o) | Call::AllGatherInPlace(o) => (None, whole(o)),
+        Call::AllGather(_, o) | Call::AllGatherInPlace(o) | Call::AllGatherGroup(o, _) => {
+            (None, whole(o))
+        }
         Call::Barrier => (None, None),
     }
 }
@@ -1487,6 +1546,11 @@ fn encode(seq: u64, d: &CallDesc) -> [u64; MATCH_WORDS] {
         Some(ReduceOp::Avg) => 2,
         Some(ReduceOp::Max) => 3,
     };
+    let group = match d.group {
+        Partition::World => 0,
+        Partition::Within(h) => (1 << 32) | h as u64,
+        Partition::Across(h) => (2 << 32) | h as u64,
+    };
     [
         seq,
         d.kind as u64,
@@ -1494,6 +1558,7 @@ fn encode(seq: u64, d: &CallDesc) -> [u64; MATCH_WORDS] {
         d.len as u64,
         op,
         d.root.map_or(u64::MAX, |r| r as u64),
+        group,
     ]
 }
 
@@ -1519,6 +1584,11 @@ fn decode(w: &[u64; DESC_WORDS]) -> String {
             _ => None,
         },
         root: (w[5] != u64::MAX).then_some(w[5] as usize),
+        group: match w[6] >> 32 {
+            1 => Partition::Within((w[6] & 0xffff_ffff) as usize),
+            2 => Partition::Across((w[6] & 0xffff_ffff) as usize),
+            _ => Partition::World,
+        },
     };
     format!("{desc} (sequence #{})", w[0])
 }

@@ -591,6 +591,16 @@ impl Engine {
                 self.send = shard;
                 gathered.map(|()| vec![buf])
             }
+            Call::AllGatherGroup(buf, part) if part.group_size(self.world) == self.world => {
+                self.execute(Call::AllGatherInPlace(buf))
+            }
+            Call::AllGatherGroup(_, part) => Err(CommError::InvalidArgument {
+                rank: self.rank,
+                what: format!(
+                    "NCCL runs no collectives within groups of ranks ({part:?}); turn \
+                     zero_hpz_partition_size off on GPUs"
+                ),
+            }),
             Call::Broadcast(mut buf, root) => {
                 self.broadcast_bytes(bytes_of_mut(&mut buf), root)?;
                 Ok(vec![buf])

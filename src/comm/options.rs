@@ -135,6 +135,10 @@ pub struct CommOptions {
     pub trace_sink: TraceSink,
     /// Busy-waiting for peers at meetings (`ZERODP_SPIN_US`).
     pub spin: Spin,
+    /// Ranks per host when the world spans hosts, numbered host by host: the traffic counters
+    /// and traces tell bytes to other hosts apart. `None`: one host. The MPI backend sets it from
+    /// its topology; an in-process world may set it to stand for hosts (tests, ZeRO++'s hpZ).
+    pub ranks_per_host: Option<usize>,
 }
 
 impl Default for CommOptions {
@@ -145,6 +149,7 @@ impl Default for CommOptions {
             straggler_threshold: DEFAULT_STRAGGLER_THRESHOLD,
             trace_sink: TraceSink::Stderr,
             spin: Spin::Auto,
+            ranks_per_host: None,
         }
     }
 }

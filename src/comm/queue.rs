@@ -2,10 +2,10 @@
 //! descriptor, and the trace lines of a finished collective.
 
 use crate::comm::rendezvous::{CallDesc, Straggler};
-use crate::comm::stats::{bandwidths, count_traffic, CommStats};
+use crate::comm::stats::{bandwidths, count_traffic, CommStats, Placement};
 use crate::comm::{
-    shard_range, CollectiveKind, CommError, CommOptions, Completion, ReduceOp, TraceLevel,
-    TrafficCounters,
+    shard_range, CollectiveKind, CommError, CommOptions, Completion, Partition, ReduceOp,
+    TraceLevel, TrafficCounters,
 };
 use crate::flat::Buffer;
 use std::sync::{mpsc, Mutex};
@@ -20,6 +20,8 @@ pub(crate) enum Call {
     /// In place: the rank's shard sits in its own range of the full buffer.
     ReduceScatterInPlace(Buffer, ReduceOp),
     AllGatherInPlace(Buffer),
+    /// In place within each group of the partition: the rank's shard sits in its group's range.
+    AllGatherGroup(Buffer, Partition),
     Broadcast(Buffer, usize),
     Barrier,
 }
@@ -98,6 +100,13 @@ macro_rules! queued_collectives {
         fn all_gather_in_place(&self, buf: $crate::flat::Buffer) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::AllGatherInPlace(buf))
         }
+        fn all_gather_group_in_place(
+            &self,
+            part: $crate::comm::Partition,
+            buf: $crate::flat::Buffer,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::AllGatherGroup(buf, part))
+        }
         fn reduce_scatter_in_place(
             &self,
             buf: $crate::flat::Buffer,
@@ -151,6 +160,12 @@ pub(crate) fn validate(call: &Call, n: usize, rank: usize) -> Result<(), CommErr
                 ));
             }
         }
+        Call::AllGatherGroup(_, part) if !part.fits(n) => {
+            return bad(format!(
+                "a collective within groups ({part:?}) needs groups that divide the world of {n} \
+                 ranks"
+            ));
+        }
         Call::Broadcast(_, root) if *root >= n => {
             return bad(format!(
                 "broadcast root {root} is not a rank of this world of {n} (0..{n})"
@@ -175,15 +190,15 @@ pub(crate) fn account(
 ) {
     let elem_bytes = desc.dtype.map_or(0, |d| d.size());
     let bytes = (desc.len * elem_bytes) as u64;
-    count_traffic(
-        &mut traffic.lock().unwrap_or_else(|e| e.into_inner()),
-        desc.kind,
+    let at = Placement {
         world,
         rank,
-        desc.len,
-        elem_bytes,
-        desc.root,
-    );
+        group: desc.group,
+        ranks_per_host: options.ranks_per_host,
+    };
+    let mut this = TrafficCounters::default();
+    count_traffic(&mut this, desc.kind, at, desc.len, elem_bytes, desc.root);
+    traffic.lock().unwrap_or_else(|e| e.into_inner()).add(&this);
     stats.lock().unwrap_or_else(|e| e.into_inner()).record(
         desc.kind,
         desc.dtype,
@@ -191,11 +206,14 @@ pub(crate) fn account(
         elapsed,
         straggler.is_some(),
     );
-    trace(options, world, rank, seq, desc, bytes, elapsed, straggler);
+    let inter_host = options.ranks_per_host.map(|_| this.inter_host_sent());
+    let sizes = (bytes, inter_host);
+    trace(options, world, rank, seq, desc, sizes, elapsed, straggler);
 }
 
 /// Writes the trace lines of one finished collective (straggler note at `Warn`, one line per
-/// collective at `Info`), in the same format for every backend.
+/// collective at `Info`), in the same format for every backend. `bytes`: the full tensor's;
+/// `inter_host`: what this rank sent to other hosts, where the world spans hosts.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn trace(
     options: &CommOptions,
@@ -203,7 +221,7 @@ pub(crate) fn trace(
     rank: usize,
     seq: u64,
     desc: &CallDesc,
-    bytes: u64,
+    (bytes, inter_host): (u64, Option<u64>),
     elapsed: Duration,
     straggler: Option<Straggler>,
 ) {
@@ -229,11 +247,20 @@ pub(crate) fn trace(
             ),
             Some(dtype) => {
                 let (alg, bus) = bandwidths(desc.kind, world_size, bytes, elapsed);
-                format!(
+                let mut line = format!(
                     "zerodp INFO rank {rank}: {} #{seq} dtype={dtype} elements={} bytes={bytes} \
                      time={time_us:.1}us algbw={alg:.3}GB/s busbw={bus:.3}GB/s world={}",
                     desc.kind, desc.len, world_size
-                )
+                );
+                match desc.group {
+                    Partition::World => {}
+                    Partition::Within(h) => line.push_str(&format!(" within={h}")),
+                    Partition::Across(h) => line.push_str(&format!(" across={h}")),
+                }
+                if let Some(b) = inter_host {
+                    line.push_str(&format!(" inter_host_sent={b}"));
+                }
+                line
             }
         };
         options.trace_sink.emit(line);
@@ -249,6 +276,7 @@ pub(crate) fn describe(call: &Call) -> CallDesc {
             len: b.len(),
             op: Some(*op),
             root: None,
+            group: Partition::World,
         },
         Call::ReduceScatter(i, _, op) | Call::ReduceScatterInPlace(i, op) => CallDesc {
             kind: CollectiveKind::ReduceScatter,
@@ -256,6 +284,7 @@ pub(crate) fn describe(call: &Call) -> CallDesc {
             len: i.len(),
             op: Some(*op),
             root: None,
+            group: Partition::World,
         },
         Call::AllGather(_, o) | Call::AllGatherInPlace(o) => CallDesc {
             kind: CollectiveKind::AllGather,
@@ -263,6 +292,15 @@ pub(crate) fn describe(call: &Call) -> CallDesc {
             len: o.len(),
             op: None,
             root: None,
+            group: Partition::World,
+        },
+        Call::AllGatherGroup(o, part) => CallDesc {
+            kind: CollectiveKind::AllGather,
+            dtype: Some(o.dtype()),
+            len: o.len(),
+            op: None,
+            root: None,
+            group: *part,
         },
         Call::Broadcast(b, root) => CallDesc {
             kind: CollectiveKind::Broadcast,
@@ -270,6 +308,7 @@ pub(crate) fn describe(call: &Call) -> CallDesc {
             len: b.len(),
             op: None,
             root: Some(*root),
+            group: Partition::World,
         },
         Call::Barrier => CallDesc::barrier(),
     }

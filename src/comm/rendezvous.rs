@@ -6,7 +6,7 @@
 //! One mutex and one condition variable guard the whole state. Collectives meet here two or three
 //! times each, so the state is tiny and the critical sections are a few dozen instructions.
 
-use crate::comm::{CollectiveKind, CommError, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, Partition, ReduceOp};
 use crate::flat::DType;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +22,8 @@ pub(crate) struct CallDesc {
     pub len: usize,
     pub op: Option<ReduceOp>,
     pub root: Option<usize>,
+    /// The groups it runs in ([`Partition::World`] but for grouped collectives).
+    pub group: Partition,
 }
 
 impl CallDesc {
@@ -32,6 +34,7 @@ impl CallDesc {
             len: 0,
             op: None,
             root: None,
+            group: Partition::World,
         }
     }
 }
@@ -48,6 +51,11 @@ impl fmt::Display for CallDesc {
         }
         if let Some(r) = self.root {
             parts.push(format!("root {r}"));
+        }
+        match self.group {
+            Partition::World => {}
+            Partition::Within(h) => parts.push(format!("within groups of {h}")),
+            Partition::Across(h) => parts.push(format!("across groups of {h}")),
         }
         write!(f, "{})", parts.join(", "))
     }

@@ -1,7 +1,7 @@
 //! Bandwidth conventions (nccl-tests'), the ring-formula byte counts, and the per-op/per-size
 //! statistics behind the on-demand summary table.
 
-use crate::comm::{shard_range, CollectiveKind, TrafficCounters};
+use crate::comm::{shard_range, CollectiveKind, Partition, TrafficCounters};
 use crate::flat::DType;
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -28,36 +28,74 @@ pub fn bandwidths(kind: CollectiveKind, world: usize, bytes: u64, time: Duration
     (algbw, algbw * bus_factor(kind, world))
 }
 
+/// Where a collective ran, for its byte counts: the world, this rank, the group it ran in, and
+/// the hosts the world spans (`None`: one host).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Placement {
+    pub world: usize,
+    pub rank: usize,
+    pub group: Partition,
+    pub ranks_per_host: Option<usize>,
+}
+
+impl Placement {
+    /// Whether world rank `peer` is on another host than this rank.
+    fn remote(&self, peer: usize) -> bool {
+        self.ranks_per_host
+            .is_some_and(|h| h > 0 && peer / h != self.rank / h)
+    }
+}
+
 /// Adds one collective's ring-formula traffic to `c`: for a full tensor of `len` elements of
-/// `elem_bytes` bytes, reduce-scatter and all-gather send and receive the full buffer minus this
-/// rank's shard, all-reduce twice that, broadcast the buffer (received by every non-root, sent by
-/// the root once per other rank), barrier nothing.
+/// `elem_bytes` bytes over a group of n ranks, reduce-scatter and all-gather send and receive the
+/// full buffer minus this rank's shard, all-reduce twice that, broadcast the buffer (received by
+/// every non-root, sent by the root once per other rank), barrier nothing. Of those, the bytes
+/// exchanged with ranks on other hosts (`inter_host_*`), as point-to-point exchanges move them:
+/// a shard from or to each such peer (the same as the ring's when the shards are equal, as the
+/// engine's padded buffers make them).
 pub(crate) fn count_traffic(
     c: &mut TrafficCounters,
     kind: CollectiveKind,
-    world: usize,
-    rank: usize,
+    at: Placement,
     len: usize,
     elem_bytes: usize,
     root: Option<usize>,
 ) {
+    let n = at.group.group_size(at.world);
+    let me = at.group.index(at.rank);
     let full = (len * elem_bytes) as u64;
-    let shard = (shard_range(len, world, rank).len() * elem_bytes) as u64;
+    let shard_of = |i: usize| (shard_range(len, n, i).len() * elem_bytes) as u64;
+    let shard = shard_of(me);
     let (sent, recv) = match kind {
         CollectiveKind::ReduceScatter | CollectiveKind::AllGather => (full - shard, full - shard),
         CollectiveKind::AllReduce => (2 * (full - shard), 2 * (full - shard)),
-        CollectiveKind::Broadcast => {
-            if root == Some(rank) {
-                (full * (world as u64 - 1), 0)
-            } else {
-                (0, full)
-            }
-        }
+        CollectiveKind::Broadcast => match root == Some(me) {
+            true => (full * (n as u64 - 1), 0),
+            false => (0, full),
+        },
+        CollectiveKind::Barrier => (0, 0),
+    };
+    let remote: Vec<usize> = (0..n)
+        .filter(|&i| i != me && at.remote(at.group.member(at.rank, i)))
+        .collect();
+    let others = remote.len() as u64;
+    let theirs: u64 = remote.iter().map(|&i| shard_of(i)).sum();
+    let (inter_sent, inter_recv) = match kind {
+        CollectiveKind::AllGather => (others * shard, theirs),
+        CollectiveKind::ReduceScatter => (theirs, others * shard),
+        CollectiveKind::AllReduce => (theirs + others * shard, theirs + others * shard),
+        CollectiveKind::Broadcast => match root {
+            Some(r) if r == me => (full * others, 0),
+            Some(r) if at.remote(at.group.member(at.rank, r)) => (0, full),
+            _ => (0, 0),
+        },
         CollectiveKind::Barrier => (0, 0),
     };
     let k = kind as usize;
     c.sent_bytes[k] += sent;
     c.recv_bytes[k] += recv;
+    c.inter_host_sent_bytes[k] += inter_sent;
+    c.inter_host_recv_bytes[k] += inter_recv;
     c.calls[k] += 1;
 }
 
@@ -188,14 +226,22 @@ mod tests {
     #[test]
     fn ring_formulas_and_bus_factors() {
         let mut c = TrafficCounters::default();
+        let at = |rank| Placement {
+            world: 4,
+            rank,
+            group: Partition::World,
+            ranks_per_host: None,
+        };
         // 10 f32 over 4 ranks: shards 3,3,2,2.
-        count_traffic(&mut c, CollectiveKind::ReduceScatter, 4, 0, 10, 4, None);
+        count_traffic(&mut c, CollectiveKind::ReduceScatter, at(0), 10, 4, None);
         assert_eq!(c.sent(CollectiveKind::ReduceScatter), 28);
-        count_traffic(&mut c, CollectiveKind::AllReduce, 4, 3, 10, 4, None);
+        count_traffic(&mut c, CollectiveKind::AllReduce, at(3), 10, 4, None);
         assert_eq!(c.recv(CollectiveKind::AllReduce), 64);
-        count_traffic(&mut c, CollectiveKind::Broadcast, 4, 1, 10, 2, Some(1));
+        count_traffic(&mut c, CollectiveKind::Broadcast, at(1), 10, 2, Some(1));
         assert_eq!(c.sent(CollectiveKind::Broadcast), 60);
         assert_eq!(c.recv(CollectiveKind::Broadcast), 0);
+        // One host: nothing crosses hosts.
+        assert_eq!(c.inter_host_sent_bytes, [0; 5]);
         assert_eq!(bus_factor(CollectiveKind::AllReduce, 4), 1.5);
         assert_eq!(bus_factor(CollectiveKind::AllGather, 2), 0.5);
         let (a, b) = bandwidths(
@@ -205,5 +251,62 @@ mod tests {
             Duration::from_secs(1),
         );
         assert_eq!((a, b), (2.0, 2.0));
+    }
+
+    #[test]
+    fn bytes_to_other_hosts_are_counted_apart() {
+        // 8 f32 over 4 ranks on two hosts of two: shards of 2 elements (8 bytes).
+        let at = |rank, group| Placement {
+            world: 4,
+            rank,
+            group,
+            ranks_per_host: Some(2),
+        };
+        let mut c = TrafficCounters::default();
+        count_traffic(
+            &mut c,
+            CollectiveKind::AllGather,
+            at(1, Partition::World),
+            8,
+            4,
+            None,
+        );
+        let k = CollectiveKind::AllGather as usize;
+        assert_eq!((c.sent_bytes[k], c.recv_bytes[k]), (24, 24));
+        // Ranks 2 and 3 are on the other host: one shard to and from each.
+        assert_eq!(c.inter_host_sent_bytes[k], 16);
+        assert_eq!(c.inter_host_recv_bytes[k], 16);
+        // Within the host (ranks 0 and 1), the group's shards are 4 elements.
+        let mut c = TrafficCounters::default();
+        count_traffic(
+            &mut c,
+            CollectiveKind::AllGather,
+            at(1, Partition::Within(2)),
+            8,
+            4,
+            None,
+        );
+        assert_eq!((c.sent_bytes[k], c.inter_host_sent_bytes[k]), (16, 0));
+        // Across hosts (ranks 1 and 3): everything crosses.
+        let mut c = TrafficCounters::default();
+        count_traffic(
+            &mut c,
+            CollectiveKind::AllGather,
+            at(1, Partition::Across(2)),
+            8,
+            4,
+            None,
+        );
+        assert_eq!((c.sent_bytes[k], c.inter_host_sent_bytes[k]), (16, 16));
+        let r = CollectiveKind::AllReduce as usize;
+        count_traffic(
+            &mut c,
+            CollectiveKind::AllReduce,
+            at(0, Partition::World),
+            8,
+            4,
+            None,
+        );
+        assert_eq!(c.inter_host_recv_bytes[r], 32);
     }
 }

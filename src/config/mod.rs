@@ -88,6 +88,9 @@ pub struct ResolveContext {
     pub total_steps: Option<usize>,
     /// `config check`: unresolved `"auto"` becomes a warning (and null in JSON), not an error.
     pub check_mode: bool,
+    /// Ranks per host from the launcher (MPI's shared-memory split): fills
+    /// `zero_hpz_partition_size: "auto"`; `None` (one host, or not known) makes it 1, off.
+    pub ranks_per_host: Option<usize>,
 }
 
 impl Default for ResolveContext {
@@ -102,6 +105,7 @@ impl Default for ResolveContext {
             lr: None,
             total_steps: None,
             check_mode: false,
+            ranks_per_host: None,
         }
     }
 }

@@ -155,7 +155,8 @@ pub struct ZeroSettings {
     pub use_all_reduce_for_fetch_params: bool,
     pub ignore_unused_parameters: bool,
     pub round_robin_gradients: bool,
-    /// ZeRO++ hpZ (not supported yet). Default 1.
+    /// ZeRO++ hpZ at stage 3: ranks per host holding a secondary partition of the parameters
+    /// (`"auto"`: the launcher's ranks per host). Default 1, off.
     pub zero_hpz_partition_size: u64,
     /// ZeRO++ qwZ (not supported yet).
     pub zero_quantized_weights: bool,

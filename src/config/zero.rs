@@ -474,8 +474,18 @@ fn zeropp_and_other_keys(
     z.ignore_unused_parameters =
         r.bool_or(obj, "ignore_unused_parameters", z.ignore_unused_parameters)?;
     z.round_robin_gradients = r.bool_or(obj, "round_robin_gradients", z.round_robin_gradients)?;
-    z.zero_hpz_partition_size =
-        r.u64_or(obj, "zero_hpz_partition_size", z.zero_hpz_partition_size)?;
+    // "auto": the ranks of a host, as the launcher placed them (off on one host).
+    let auto = r.ctx.ranks_per_host.map_or(1, |h| h as u64);
+    let path = join(obj.path, "zero_hpz_partition_size");
+    let default = z.zero_hpz_partition_size;
+    z.zero_hpz_partition_size = r.read(
+        &path,
+        obj.get("zero_hpz_partition_size"),
+        default,
+        Some(auto),
+        "an integer (ranks per host) or \"auto\"",
+        |r, p, n| r.node_u64(p, n),
+    )?;
     z.zero_quantized_weights = r.bool_or(obj, "zero_quantized_weights", false)?;
     z.zero_quantized_nontrainable_weights =
         r.bool_or(obj, "zero_quantized_nontrainable_weights", false)?;
@@ -748,10 +758,20 @@ fn stage_warnings(r: &mut Reader<'_>, obj: Obj<'_>, z: &ZeroSettings) {
              effect at stage {stage}"
         ));
     }
-    let mut zpp = Vec::new();
-    if z.zero_hpz_partition_size > 1 {
-        zpp.push("zero_hpz_partition_size");
+    let (hpz, world) = (z.zero_hpz_partition_size, r.ctx.world_size as u64);
+    if hpz > 1 && stage < 3 {
+        r.warn(format!(
+            "zero_optimization.zero_hpz_partition_size only acts at stage 3 (it partitions the \
+             gathered parameters); it has no effect at stage {stage}"
+        ));
+    } else if hpz > 1 && (hpz >= world || world % hpz != 0) {
+        r.warn(format!(
+            "zero_optimization.zero_hpz_partition_size {hpz} on {world} rank(s): hpZ needs hosts \
+             of {hpz} ranks that split the world into two or more; training runs plain stage 3 \
+             (set it to the ranks per host, or \"auto\")"
+        ));
     }
+    let mut zpp = Vec::new();
     if z.zero_quantized_weights {
         zpp.push("zero_quantized_weights");
     }

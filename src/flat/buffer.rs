@@ -121,6 +121,23 @@ impl Buffer {
             ),
         }
     }
+    /// Copies elements `range` of `src` over the start of `self` (no allocation).
+    ///
+    /// # Panics
+    /// If the dtypes differ or the range does not fit.
+    pub fn copy_from_range(&mut self, src: &Buffer, range: std::ops::Range<usize>) {
+        let len = range.len();
+        match (self, src) {
+            (Buffer::F32(d), Buffer::F32(s)) => d[..len].copy_from_slice(&s[range]),
+            (Buffer::BF16(d), Buffer::BF16(s)) => d[..len].copy_from_slice(&s[range]),
+            (Buffer::F16(d), Buffer::F16(s)) => d[..len].copy_from_slice(&s[range]),
+            (d, s) => panic!(
+                "Buffer::copy_from_range: a {} buffer cannot take {} elements",
+                d.dtype(),
+                s.dtype()
+            ),
+        }
+    }
     /// Element `i` widened to f32 (for tests and small reads; not for hot loops).
     pub fn get_f32(&self, i: usize) -> f32 {
         match self {

@@ -20,6 +20,7 @@ mod chart;
 mod cluster;
 mod deepspeed;
 mod engine;
+mod hpz;
 mod memory;
 mod model;
 pub mod preflight;
@@ -32,6 +33,7 @@ pub use chart::memory_chart_svg;
 pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link, INTERCONNECTS};
 pub use deepspeed::{config_precision, ConfigKeys};
 pub use engine::{comm_dtype, planned_engine_config, run_settings, EngineRun};
+pub use hpz::HpzEffect;
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ReductionDtypes,
@@ -273,6 +275,8 @@ pub struct PlanOption {
     pub predicted_step_s: f64,
     /// True for the option the recommendation picks (set by [`plan`]).
     pub recommended: bool,
+    /// Stage 3 across nodes: the same option with ZeRO++'s hpZ (set by [`plan`]).
+    pub hpz: Option<HpzEffect>,
 }
 
 impl PlanOption {
@@ -401,6 +405,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         predicted_compute_s: compute_s,
         predicted_step_s: compute_s + comm_s + offload.predicted_s,
         recommended: false,
+        hpz: None,
     }
 }
 
@@ -553,6 +558,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
              the accumulation steps (--grad-accum, or the config's gradient_accumulation_steps)",
             input.grad_accum, input.model.params as f64
         )));
+    }
+    for o in &mut options {
+        o.hpz = hpz::hpz_effect(input, o);
     }
     let recommendation = recommend(input, &options);
     for o in &mut options {

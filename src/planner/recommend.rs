@@ -53,6 +53,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
                 ));
             }
             reasons.extend(network_comparisons(best, &ranked));
+            reasons.extend(hpz_reason(best));
         }
         None => {
             reasons.push(format!(
@@ -100,6 +101,33 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
         reasons,
         config_advice: config_advice(input, options, chosen),
     }
+}
+
+/// ZeRO++'s hpZ for a stage-3 choice across nodes: on when the network makes it pay.
+fn hpz_reason(best: &PlanOption) -> Option<String> {
+    let h = best.hpz.as_ref()?;
+    let saving = format!(
+        "{} instead of {} per step ({} instead of {} per device to other nodes), for {} per device of secondary partition",
+        format_seconds(h.step_s),
+        format_seconds(best.predicted_step_s),
+        format_gb(h.inter_node_bytes_hpz),
+        format_gb(h.inter_node_bytes),
+        format_gb(h.secondary_bytes)
+    );
+    Some(match (h.worth_it, h.fits) {
+        (true, _) => format!(
+            "turn on ZeRO++'s hpZ (zero_hpz_partition_size: {}): the backward's all-gathers stay inside the node, {saving}",
+            h.ranks_per_host
+        ),
+        (false, true) => format!(
+            "hpZ (zero_hpz_partition_size: {}) would gain little on this network: {saving}",
+            h.ranks_per_host
+        ),
+        (false, false) => format!(
+            "hpZ (zero_hpz_partition_size: {}) does not fit: {saving}",
+            h.ranks_per_host
+        ),
+    })
 }
 
 /// What the network and the host links do to the alternatives that also fit.

@@ -23,6 +23,7 @@
 //! | `device_tier_bytes` | what the device tier holds in GPU memory when it is there (one GPU without offload: parameters, gradients, master and moments; `model_state_bytes` are then its host mirror), else 0 |
 //! | `eval_loss`, `eval_ppl`, `eval_tokens` | only on a step after which held-out data was scored: the mean token cross-entropy, its exponential and the tokens scored (the same on every rank) |
 //! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
+//! | `inter_host_sent_bytes`, `inter_host_recv_bytes` | of those, the bytes to and from ranks on other hosts (all 0 on one host; in one process, hpZ's host groups stand for hosts) |
 
 use super::{StepEvent, StepObserver, TrainerError};
 use crate::comm::{CollectiveKind, TrafficCounters};
@@ -74,6 +75,8 @@ pub fn metrics_line(e: &StepEvent<'_>) -> serde_json::Value {
         "device_tier_bytes": r.device_tier_bytes,
         "sent_bytes": traffic.sent_bytes,
         "recv_bytes": traffic.recv_bytes,
+        "inter_host_sent_bytes": traffic.inter_host_sent_bytes,
+        "inter_host_recv_bytes": traffic.inter_host_recv_bytes,
         "calls": CollectiveKind::ALL
             .iter()
             .filter(|k| **k != CollectiveKind::Barrier)
@@ -264,6 +267,11 @@ impl StepObserver for ReportLog {
 pub(crate) struct TrafficByKind {
     pub sent_bytes: BTreeMap<String, u64>,
     pub recv_bytes: BTreeMap<String, u64>,
+    /// Of those, to and from other hosts.
+    #[serde(default)]
+    pub inter_host_sent_bytes: BTreeMap<String, u64>,
+    #[serde(default)]
+    pub inter_host_recv_bytes: BTreeMap<String, u64>,
 }
 
 impl TrafficByKind {
@@ -273,8 +281,14 @@ impl TrafficByKind {
             if kind == CollectiveKind::Barrier {
                 continue;
             }
-            out.sent_bytes.insert(kind.name().to_string(), t.sent(kind));
-            out.recv_bytes.insert(kind.name().to_string(), t.recv(kind));
+            let name = kind.name().to_string();
+            out.sent_bytes.insert(name.clone(), t.sent(kind));
+            out.recv_bytes.insert(name.clone(), t.recv(kind));
+            let k = kind as usize;
+            out.inter_host_sent_bytes
+                .insert(name.clone(), t.inter_host_sent_bytes[k]);
+            out.inter_host_recv_bytes
+                .insert(name, t.inter_host_recv_bytes[k]);
         }
         out
     }

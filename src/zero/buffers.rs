@@ -64,6 +64,9 @@ pub struct BufferPlan {
     pub keep_graph: Vec<bool>,
     /// Stage 3: elements of weights held by kept graphs at most (beside the pool).
     pub kept_graph_elems: usize,
+    /// Stage 3 with hpZ (`zero_hpz_partition_size`): elements of this rank's secondary shards,
+    /// its slice of every non-persistent unit over its host's ranks (0 where hpZ is off).
+    pub secondary_elems: usize,
     /// Stage 3: which units stay gathered for the whole step.
     pub persistent: Vec<bool>,
     /// Dtype of the gathered parameters.
@@ -94,7 +97,8 @@ impl BufferPlan {
     /// pool holds parameters as they travel (the parameter dtype); a kept graph holds the f32
     /// weights the model computed with.
     pub fn gather_bytes(&self) -> u64 {
-        (self.gather_pool_elems * self.param_dtype.size() + self.kept_graph_elems * 4) as u64
+        let pool = self.gather_pool_elems + self.secondary_elems;
+        (pool * self.param_dtype.size() + self.kept_graph_elems * 4) as u64
     }
 }
 
@@ -305,6 +309,14 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
     } else {
         0
     };
+    let h = cfg.hpz_partition_size;
+    let secondary_elems = match cfg.hpz_active() {
+        true => (0..n)
+            .filter(|&u| !persistent[u])
+            .map(|u| layout.units[u].padded / h)
+            .sum(),
+        false => 0,
+    };
     BufferPlan {
         bucket_elems: reduction.bucket_elems,
         bucket_count: reduction.bucket_count,
@@ -317,6 +329,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         gather_pool_elems,
         keep_graph,
         kept_graph_elems,
+        secondary_elems,
         persistent,
         param_dtype: cfg.param_dtype,
         param_scratch: if cfg.is_mixed() {

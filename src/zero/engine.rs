@@ -46,7 +46,7 @@ use super::buckets::{BucketMode, Buckets};
 use super::buffers::{kept_graph_elems, plan, BufferPlan};
 use super::device_tier::{self, DeviceTier, UnitUpload, UnitValues};
 use super::engine_config::{EngineConfig, OptimizerTier, ParamTier, Stage};
-use super::gather::{Coordinator, GatherError};
+use super::gather::{Coordinator, GatherError, Secondary};
 use super::layout::FlatLayout;
 use super::loss_scaler::{unscale_and_clip_factor, LossScaleError};
 use super::schedule;
@@ -1381,14 +1381,19 @@ fn coordinator(
         }
         ParamTier::Device | ParamTier::Host => ShardStore::Memory(shards),
     };
-    Ok(Coordinator::new(
+    let padded: Vec<usize> = layout.units.iter().map(|u| u.padded).collect();
+    let at = (rank, cfg.world_size);
+    let hpz = cfg.hpz_partition_size;
+    let secondary = Secondary::new(at, hpz, &padded, &plan.persistent, store.dtype());
+    let coordinator = Coordinator::new(
         store,
         layout,
         plan.persistent.clone(),
         plan.gather_pool_elems,
         prefetch,
         schedule::gather_needs(&visits, &kept_graph),
-    ))
+    );
+    Ok(coordinator.with_secondary(secondary))
 }
 
 /// Staging buffers for shards read from the parameter swap file: `offload_param.buffer_count`,
@@ -1510,6 +1515,7 @@ fn initial_ledger(
         ledger.alloc_in(Tier::Host, MemoryKind::Buffers, n.buffer_bytes());
     }
     if let StageState::ShardedParams { coordinator, .. } = &state.stage {
+        ledger.alloc(MemoryKind::Gather, coordinator.secondary_bytes());
         if let ShardStore::Nvme(s) = coordinator.shards() {
             ledger.alloc_in(Tier::Nvme, MemoryKind::Params, s.file_bytes());
             ledger.alloc_in(Tier::Host, MemoryKind::Buffers, s.host_bytes());

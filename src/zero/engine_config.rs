@@ -65,6 +65,11 @@ pub struct EngineConfig {
     pub gradient_clipping: f32,
     /// Stage 3: elements that may be prefetched ahead of use (`stage3_prefetch_bucket_size`).
     pub prefetch_bucket_size: usize,
+    /// Stage 3: ranks per host for ZeRO++'s hierarchical partitioning, hpZ
+    /// (`zero_hpz_partition_size`; ranks numbered host by host): a unit's first gather of a step
+    /// crosses hosts, its later ones come from a secondary shard within the host. 1 (or the
+    /// world size): off.
+    pub hpz_partition_size: usize,
     /// Stage 3: units with at most this many elements stay gathered for the whole step
     /// (`stage3_param_persistence_threshold`).
     pub param_persistence_threshold: usize,
@@ -172,6 +177,12 @@ pub enum ParamTier {
 }
 
 impl EngineConfig {
+    /// Whether ZeRO++'s hpZ acts: stage 3, with hosts of `hpz_partition_size` ranks that split
+    /// the world into two or more.
+    pub fn hpz_active(&self) -> bool {
+        let h = self.hpz_partition_size;
+        self.stage == Stage::Zero3 && h > 1 && h < self.world_size && self.world_size % h == 0
+    }
     /// DeepSpeed's defaults for a stage and world size ([`crate::config::defaults`]): micro-batch
     /// 1, no accumulation, 5e8-element buckets, no clipping, stage-3 knobs 5e7 / 1e5 / 1e9 / 1e9 —
     /// except `overlap_comm`, which is on at every stage here (DeepSpeed turns it on at stage 3
@@ -187,6 +198,7 @@ impl EngineConfig {
             overlap_comm: true,
             gradient_clipping: 0.0,
             prefetch_bucket_size: size(defaults::PREFETCH_BUCKET_SIZE),
+            hpz_partition_size: 1,
             param_persistence_threshold: size(defaults::PARAM_PERSISTENCE_THRESHOLD),
             max_live_parameters: size(defaults::MAX_LIVE_PARAMETERS),
             max_reuse_distance: size(defaults::MAX_REUSE_DISTANCE),

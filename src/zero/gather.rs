@@ -16,7 +16,7 @@
 
 use super::layout::FlatLayout;
 use super::shards::ShardStore;
-use crate::comm::{CommError, CommHandle, Communicator};
+use crate::comm::{shard_range, CommError, CommHandle, Communicator, Partition};
 use crate::flat::{Buffer, DType};
 use crate::memory::accounting::{MemoryKind, MemoryLedger};
 use crate::offload::OffloadError;
@@ -97,9 +97,75 @@ pub(crate) fn stays_gathered(
 
 enum Residency {
     Released,
-    /// The gather is in flight; the shard travels inside it.
-    InFlight(CommHandle),
+    /// The gather is in flight; the shard travels inside it (a primary gather's) or its
+    /// secondary copy was written into the slab (hpZ).
+    InFlight(CommHandle, Source),
     Ready(Buffer),
+}
+
+/// Where a gather's shards come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// The ranks' own shards, over the whole world.
+    Primary,
+    /// hpZ's secondary shards, within this rank's host.
+    Secondary,
+}
+
+/// Whether hpZ with `ranks_per_host` ranks per host does anything on `world` ranks: hosts of
+/// more than one rank that divide the world into more than one host.
+pub(crate) fn hpz_active(ranks_per_host: usize, world: usize) -> bool {
+    ranks_per_host > 1 && ranks_per_host < world && world % ranks_per_host == 0
+}
+
+/// ZeRO++'s hierarchical partitioning (hpZ): a second shard of every unit held within each
+/// host. A unit's first gather of a step crosses hosts as always, and leaves each rank its slice
+/// of the unit over its host's ranks; the step's later gathers of that unit (backward, and a
+/// recomputation) gather those slices within the host, where the bytes move over shared memory
+/// rather than the network. The gathered parameters are the first gather's bits, so training is
+/// bit for bit plain stage 3's. The slices cost the unit's size over the ranks per host, for
+/// every unit that is gathered and released (DeepSpeed's hpZ holds the same).
+pub(crate) struct Secondary {
+    /// The groups of one host's ranks.
+    part: Partition,
+    /// This rank's index in its host group.
+    index: usize,
+    /// Per unit, this rank's slice (empty for persistent units, which stay gathered).
+    slices: Vec<Buffer>,
+    /// The slice holds this step's parameters: set by the unit's first gather of the step.
+    fresh: Vec<bool>,
+}
+
+impl Secondary {
+    /// Slices of `ranks_per_host`-rank hosts for the non-persistent units of `padded` sizes, on
+    /// rank `rank`; `None` when hpZ is off (one rank per host group, or the whole world).
+    pub(crate) fn new(
+        (rank, world): (usize, usize),
+        ranks_per_host: usize,
+        padded: &[usize],
+        persistent: &[bool],
+        dtype: DType,
+    ) -> Option<Secondary> {
+        if !hpz_active(ranks_per_host, world) {
+            return None;
+        }
+        let part = Partition::Within(ranks_per_host);
+        let index = part.index(rank);
+        let slices = padded
+            .iter()
+            .zip(persistent)
+            .map(|(&len, &keep)| match keep {
+                true => Buffer::zeros(dtype, 0),
+                false => Buffer::zeros(dtype, shard_range(len, ranks_per_host, index).len()),
+            })
+            .collect::<Vec<_>>();
+        Some(Secondary {
+            part,
+            index,
+            fresh: vec![false; slices.len()],
+            slices,
+        })
+    }
 }
 
 /// Gathers, prefetches and releases the units of a stage-3 step.
@@ -118,6 +184,8 @@ pub struct Coordinator {
     needs: Vec<Vec<usize>>,
     /// Every visit before this one has all its units issued.
     issued_upto: usize,
+    /// hpZ's secondary shards, where it is on (boxed: most runs have none).
+    secondary: Option<Box<Secondary>>,
 }
 
 impl Coordinator {
@@ -141,7 +209,21 @@ impl Coordinator {
             prefetch_limit,
             needs,
             issued_upto: 0,
+            secondary: None,
         }
+    }
+
+    /// Bytes of hpZ's secondary shards (0 where it is off).
+    pub(crate) fn secondary_bytes(&self) -> u64 {
+        self.secondary
+            .as_ref()
+            .map_or(0, |s| s.slices.iter().map(|b| b.bytes() as u64).sum())
+    }
+
+    /// Turns hpZ on with `secondary`'s shards.
+    pub(crate) fn with_secondary(mut self, secondary: Option<Secondary>) -> Self {
+        self.secondary = secondary.map(Box::new);
+        self
     }
 
     /// The shards, for the optimizer step and restores. Only valid after
@@ -171,26 +253,61 @@ impl Coordinator {
         unit: usize,
         ledger: &mut MemoryLedger,
     ) -> Result<(), OffloadError> {
-        let shard = self.shards.take(unit)?;
-        let out = self.pool.take(self.padded[unit], ledger);
-        let h = comm.all_gather(shard, out);
-        self.residency[unit] = Residency::InFlight(h);
-        self.live += self.padded[unit];
+        let len = self.padded[unit];
+        let from_host = self.secondary.as_ref().filter(|s| s.fresh[unit]);
+        let flight = match from_host {
+            Some(sec) => {
+                let mut out = self.pool.take(len, ledger);
+                let range = shard_range(len, sec.part.group_size(comm.world_size()), sec.index);
+                out.write_at(range.start, &sec.slices[unit]);
+                let h = comm.all_gather_group_in_place(sec.part, out);
+                Residency::InFlight(h, Source::Secondary)
+            }
+            None => {
+                let shard = self.shards.take(unit)?;
+                let out = self.pool.take(len, ledger);
+                Residency::InFlight(comm.all_gather(shard, out), Source::Primary)
+            }
+        };
+        self.residency[unit] = flight;
+        self.live += len;
         Ok(())
     }
 
     fn wait(&mut self, unit: usize) -> Result<(), CommError> {
-        if let Residency::InFlight(_) = self.residency[unit] {
-            let Residency::InFlight(h) =
+        if let Residency::InFlight(..) = self.residency[unit] {
+            let Residency::InFlight(h, source) =
                 std::mem::replace(&mut self.residency[unit], Residency::Released)
             else {
                 unreachable!()
             };
-            let (shard, full) = h.wait_pair()?;
-            self.shards.give_back(unit, shard);
+            let full = match source {
+                Source::Secondary => h.wait_one()?,
+                Source::Primary => {
+                    let (shard, full) = h.wait_pair()?;
+                    self.shards.give_back(unit, shard);
+                    self.keep_secondary(unit, &full);
+                    full
+                }
+            };
             self.residency[unit] = Residency::Ready(full);
         }
         Ok(())
+    }
+
+    /// hpZ: after a unit's first gather of the step, keep this rank's slice of it for the later
+    /// gathers within the host.
+    fn keep_secondary(&mut self, unit: usize, full: &Buffer) {
+        let Some(sec) = &mut self.secondary else {
+            return;
+        };
+        let slice = &mut sec.slices[unit];
+        if !slice.is_empty() {
+            // Units are padded to a multiple of the world, so every slice is the same length.
+            let start = sec.index * slice.len();
+            slice.copy_from_range(full, start..start + slice.len());
+            sec.fresh[unit] = true;
+        }
     }
 
     /// Make visit `pos`'s units ready, and prefetch what fits for the following visits.
@@ -328,6 +445,10 @@ impl Coordinator {
         }
         self.shards.settle();
         self.issued_upto = 0;
+        if let Some(sec) = &mut self.secondary {
+            // The parameters are about to change: the next step's first gathers cross hosts.
+            sec.fresh.fill(false);
+        }
         Ok(())
     }
 }

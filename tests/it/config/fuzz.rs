@@ -139,6 +139,7 @@ fn context() -> impl Strategy<Value = ResolveContext> {
             lr: Some(1e-3),
             total_steps: Some(100),
             check_mode: check,
+            ranks_per_host: None,
         })
 }
 

@@ -670,8 +670,21 @@ fn keys_without_effect_at_the_stage_warn() {
     );
     assert!(has_warning(
         &l,
-        "ZeRO++ / MiCS (zero_hpz_partition_size, zero_quantized_weights, mics_shard_size) are not supported yet"
+        "ZeRO++ / MiCS (zero_quantized_weights, mics_shard_size) are not supported yet"
     ));
+    // hpZ is acted on, where the world has more than one host of that many ranks.
+    assert!(has_warning(&l, "zero_hpz_partition_size 8 on 1 rank(s)"));
+    let l = ok(
+        r#"{"train_batch_size": 16, "zero_optimization": {"stage": 3,
+            "zero_hpz_partition_size": "auto"}}"#,
+        &ctx(16),
+    );
+    assert!(
+        !l.warnings.iter().any(|w| w.contains("hpz")),
+        "{:?}",
+        l.warnings
+    );
+    assert_eq!(l.settings.zero_optimization.zero_hpz_partition_size, 1);
 }
 
 #[test]

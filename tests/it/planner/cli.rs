@@ -446,3 +446,67 @@ fn device_memory_gpu_reads_this_process_gpu_or_says_why_not() {
         }
     }
 }
+
+/// ZeRO++'s hpZ across hosts: recommended where the network between hosts is the bottleneck,
+/// not where it is fast; JSON gives its bytes and times beside stage 3's.
+#[test]
+fn hpz_is_chosen_on_a_slow_link_and_not_on_a_fast_one() {
+    let run = |bandwidth: &str, format: &str| {
+        let (code, out, err) = zerodp(&[
+            "--params",
+            "45e9",
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "8",
+            "--device-memory",
+            "80GB",
+            "--inter-host-bandwidth",
+            bandwidth,
+            "--format",
+            format,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    let stage3 = |bandwidth: &str| {
+        let v: serde_json::Value = serde_json::from_str(&run(bandwidth, "json")).unwrap();
+        let options = v.as_array().expect("a list of options");
+        options
+            .iter()
+            .find(|o| o["label"] == "stage 3")
+            .cloned()
+            .unwrap()
+    };
+    let slow = stage3("10Gbps");
+    let h = &slow["hpz"];
+    assert_eq!(h["ranks_per_host"], 8);
+    assert!(h["worth_it"].as_bool().unwrap(), "{h}");
+    // Only the backward's gathers leave the network: a third of stage 3's 3Ψ.
+    let (plain, hpz) = (
+        h["inter_node_bytes"].as_f64().unwrap(),
+        h["inter_node_bytes_hpz"].as_f64().unwrap(),
+    );
+    assert!((hpz / plain - 2.0 / 3.0).abs() < 0.01, "{hpz} vs {plain}");
+    assert!(h["step_s"].as_f64().unwrap() < slow["predicted_step_s"].as_f64().unwrap());
+    // The secondary partition: the 16-bit parameters over a node's 8 devices.
+    assert_eq!(h["secondary_bytes"].as_f64().unwrap(), 45e9 * 2.0 / 8.0);
+    let table = run("10Gbps", "table");
+    assert!(table.contains("recommendation: stage 3\n"), "{table}");
+    assert!(
+        table.contains("turn on ZeRO++'s hpZ (zero_hpz_partition_size: 8)"),
+        "{table}"
+    );
+    let fast = stage3("3200Gbps");
+    assert!(
+        !fast["hpz"]["worth_it"].as_bool().unwrap(),
+        "{}",
+        fast["hpz"]
+    );
+    let table = run("3200Gbps", "table");
+    assert!(!table.contains("turn on ZeRO++'s hpZ"), "{table}");
+    assert!(
+        table.contains("would gain little on this network"),
+        "{table}"
+    );
+}
