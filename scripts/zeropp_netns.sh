@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ZeRO++ on slow links: plain stage 3 against hpZ (`zero_hpz_partition_size: "auto"`) across two
+# ZeRO++ on slow links: plain stage 3 against hpZ (`zero_hpz_partition_size: "auto"`) and hpZ with
+# qwZ (`zero_quantized_weights`) across two
 # namespace hosts of two ranks each (scripts/netns_hosts.sh), the link between them held to a rate
 # by tc's tbf. For each rate and each run: the median step time and tokens/s, the bytes rank 0
 # sends to the other host per step (the counters' `inter_host_sent_bytes`), and the share of the
@@ -31,14 +32,17 @@ trap cleanup EXIT
 cp "$bin" "$work/zerodp"
 awk 'BEGIN { srand(7); split("the of and to in a is that for it as was with be by on not he this are or from at which but", w, " ");
      n = 0; while (n < 300000) { s = w[int(rand() * 24) + 1] " "; printf "%s", s; n += length(s) } }' > "$work/corpus.txt"
-for hpz in 1 auto; do
-    cat > "$work/s3-$hpz.json" <<JSON
+# name|zero_hpz_partition_size|zero_quantized_weights
+runs=("plain|1|false" "hpZ|\"auto\"|false" "hpZ+qwZ|\"auto\"|true")
+for entry in "${runs[@]}"; do
+    IFS='|' read -r name hpz qwz <<< "$entry"
+    cat > "$work/s3-$name.json" <<JSON
 {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
- "zero_optimization": {"stage": 3, "zero_hpz_partition_size": "$hpz",
+ "zero_optimization": {"stage": 3, "zero_hpz_partition_size": $hpz,
+   "zero_quantized_weights": $qwz,
    "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": $reuse}}
 JSON
 done
-sed -i 's/"zero_hpz_partition_size": "1"/"zero_hpz_partition_size": 1/' "$work/s3-1.json"
 
 scripts/netns_hosts.sh down >/dev/null 2>&1 || true
 scripts/netns_hosts.sh up >/dev/null
@@ -53,27 +57,26 @@ step = statistics.median(l["step_time_s"] for l in later)
 comm = statistics.median(l["phase_s"]["comm"] for l in later)
 inter = statistics.median(sum(l["inter_host_sent_bytes"].values()) for l in later)
 tokens = 4 * 128
-print(f"{rate:>8} {run:>7} {step * 1e3:10.0f} {tokens / step:9.0f} {inter / 1e6:14.2f} {comm / step:8.0%}")
+print(f"{rate:>8} {run:>8} {step * 1e3:10.0f} {tokens / step:9.0f} {inter / 1e6:14.2f} {comm / step:8.0%}")
 PY
 }
 
-printf '%8s %7s %10s %9s %14s %8s\n' rate run "step ms" tokens/s "inter MB/step" comm
+printf '%8s %8s %10s %9s %14s %8s\n' rate run "step ms" tokens/s "inter MB/step" comm
 for rate in $rates; do
     for ns in zdp-h1 zdp-h2; do
         dev=zdp-v${ns#zdp-h}
         ip netns exec "$ns" tc qdisc replace dev "$dev" root tbf rate "$rate" burst 512kb latency 400ms
     done
-    for hpz in 1 auto; do
-        metrics="$work/m-$rate-$hpz.jsonl"
-        if ! out=$(scripts/netns_hosts.sh run 2 "$work/zerodp" train --config "$work/s3-$hpz.json" \
+    for entry in "${runs[@]}"; do
+        name=${entry%%|*}
+        metrics="$work/m-$rate-$name.jsonl"
+        if ! out=$(scripts/netns_hosts.sh run 2 "$work/zerodp" train --config "$work/s3-$name.json" \
             --model demo --layers 8 --width 512 --steps "$steps" --no-progress \
             --data "$work/corpus.txt" --metrics "$metrics" 2>&1); then
-            echo "$rate hpz=$hpz failed:" >&2
+            echo "$rate $name failed:" >&2
             echo "$out" >&2
             exit 2
         fi
-        label=plain
-        [[ $hpz == auto ]] && label=hpZ
-        summary "$metrics" "$rate" "$label"
+        summary "$metrics" "$rate" "$name"
     done
 done

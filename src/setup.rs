@@ -98,6 +98,7 @@ pub fn engine_config(
     cfg.max_live_parameters = usize_of(z.max_live_parameters);
     cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
     cfg.hpz_partition_size = usize_of(z.zero_hpz_partition_size).max(1);
+    cfg.quantized_weights = stage.shards_params() && z.zero_quantized_weights;
     let ac = &s.activation_checkpointing;
     cfg.activation_checkpointing = ac.number_checkpoints.is_some()
         || ac.partition_activations

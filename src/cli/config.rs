@@ -199,7 +199,30 @@ fn stage3_rows(s: &Settings) -> Vec<(String, String)> {
             z.max_reuse_distance.to_string(),
         ),
         ("sub_group_size".into(), z.sub_group_size.to_string()),
+        (
+            "zero_hpz_partition_size".into(),
+            zeropp_row(z.stage, "hpZ", {
+                let h = z.zero_hpz_partition_size;
+                (h > 1).then(|| format!("{h} ranks per host"))
+            }),
+        ),
+        (
+            "zero_quantized_weights".into(),
+            zeropp_row(z.stage, "qwZ", {
+                z.zero_quantized_weights
+                    .then(|| "int8 all-gathers".to_string())
+            }),
+        ),
     ]
+}
+
+/// A ZeRO++ key's row: off, or what it does and whether this stage acts on it.
+fn zeropp_row(stage: u8, name: &str, on: Option<String>) -> String {
+    match (on, stage) {
+        (None, _) => "off".into(),
+        (Some(what), 3) => format!("{what} ({name}: acted on)"),
+        (Some(what), _) => format!("{what} ({name}: no effect below stage 3)"),
+    }
 }
 
 /// The loss scale (fp16), optimizer, scheduler, clipping, dtypes and logging rows.

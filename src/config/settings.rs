@@ -158,7 +158,7 @@ pub struct ZeroSettings {
     /// ZeRO++ hpZ at stage 3: ranks per host holding a secondary partition of the parameters
     /// (`"auto"`: the launcher's ranks per host). Default 1, off.
     pub zero_hpz_partition_size: u64,
-    /// ZeRO++ qwZ (not supported yet).
+    /// ZeRO++ qwZ at stage 3: the parameters' all-gathers carry block-wise int8.
     pub zero_quantized_weights: bool,
     pub zero_quantized_nontrainable_weights: bool,
     /// ZeRO++ qgZ (not supported yet).

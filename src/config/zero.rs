@@ -771,10 +771,13 @@ fn stage_warnings(r: &mut Reader<'_>, obj: Obj<'_>, z: &ZeroSettings) {
              (set it to the ranks per host, or \"auto\")"
         ));
     }
-    let mut zpp = Vec::new();
-    if z.zero_quantized_weights {
-        zpp.push("zero_quantized_weights");
+    if z.zero_quantized_weights && stage < 3 {
+        r.warn(format!(
+            "zero_optimization.zero_quantized_weights only acts at stage 3 (it quantizes the \
+             parameters' all-gathers); it has no effect at stage {stage}"
+        ));
     }
+    let mut zpp = Vec::new();
     if z.zero_quantized_nontrainable_weights {
         zpp.push("zero_quantized_nontrainable_weights");
     }

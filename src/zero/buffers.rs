@@ -64,6 +64,10 @@ pub struct BufferPlan {
     pub keep_graph: Vec<bool>,
     /// Stage 3: elements of weights held by kept graphs at most (beside the pool).
     pub kept_graph_elems: usize,
+    /// Stage 3 with qwZ (`zero_quantized_weights`): 16-bit elements of the int8 payloads the
+    /// gathers travel in, at most (planned high: a shard's and the gathered payload for every
+    /// unit the pool can hold).
+    pub quantized_payload_elems: usize,
     /// Stage 3 with hpZ (`zero_hpz_partition_size`): elements of this rank's secondary shards,
     /// its slice of every non-persistent unit over its host's ranks (0 where hpZ is off).
     pub secondary_elems: usize,
@@ -98,7 +102,8 @@ impl BufferPlan {
     /// weights the model computed with.
     pub fn gather_bytes(&self) -> u64 {
         let pool = self.gather_pool_elems + self.secondary_elems;
-        (pool * self.param_dtype.size() + self.kept_graph_elems * 4) as u64
+        let payloads = self.quantized_payload_elems * 2;
+        (pool * self.param_dtype.size() + self.kept_graph_elems * 4 + payloads) as u64
     }
 }
 
@@ -317,6 +322,14 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
             .sum(),
         false => 0,
     };
+    let quantized_payload_elems = match stage == Stage::Zero3 && cfg.quantized_weights {
+        true if cfg.world_size > 1 => {
+            let shard = gather_pool_elems / cfg.world_size;
+            crate::zero::quantize::payload_elems(gather_pool_elems)
+                + crate::zero::quantize::payload_elems(shard)
+        }
+        _ => 0,
+    };
     BufferPlan {
         bucket_elems: reduction.bucket_elems,
         bucket_count: reduction.bucket_count,
@@ -329,6 +342,7 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         gather_pool_elems,
         keep_graph,
         kept_graph_elems,
+        quantized_payload_elems,
         secondary_elems,
         persistent,
         param_dtype: cfg.param_dtype,

@@ -1393,7 +1393,11 @@ fn coordinator(
         prefetch,
         schedule::gather_needs(&visits, &kept_graph),
     );
-    Ok(coordinator.with_secondary(secondary))
+    let coordinator = coordinator.with_secondary(secondary);
+    Ok(match cfg.quantized_weights && cfg.world_size > 1 {
+        true => coordinator.with_quantized_weights(cfg.world_size),
+        false => coordinator,
+    })
 }
 
 /// Staging buffers for shards read from the parameter swap file: `offload_param.buffer_count`,

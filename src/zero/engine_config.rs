@@ -70,6 +70,9 @@ pub struct EngineConfig {
     /// crosses hosts, its later ones come from a secondary shard within the host. 1 (or the
     /// world size): off.
     pub hpz_partition_size: usize,
+    /// Stage 3: ZeRO++'s quantized weights, qwZ (`zero_quantized_weights`): the all-gathers that
+    /// cross the world carry block-wise int8 shards ([`super::quantize`]).
+    pub quantized_weights: bool,
     /// Stage 3: units with at most this many elements stay gathered for the whole step
     /// (`stage3_param_persistence_threshold`).
     pub param_persistence_threshold: usize,
@@ -199,6 +202,7 @@ impl EngineConfig {
             gradient_clipping: 0.0,
             prefetch_bucket_size: size(defaults::PREFETCH_BUCKET_SIZE),
             hpz_partition_size: 1,
+            quantized_weights: false,
             param_persistence_threshold: size(defaults::PARAM_PERSISTENCE_THRESHOLD),
             max_live_parameters: size(defaults::MAX_LIVE_PARAMETERS),
             max_reuse_distance: size(defaults::MAX_REUSE_DISTANCE),

@@ -15,6 +15,7 @@
 //! visit needs units, so a demand fetch always finds one.
 
 use super::layout::FlatLayout;
+use super::quantize;
 use super::shards::ShardStore;
 use crate::comm::{shard_range, CommError, CommHandle, Communicator, Partition};
 use crate::flat::{Buffer, DType};
@@ -104,12 +105,13 @@ enum Residency {
 }
 
 /// Where a gather's shards come from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
     /// The ranks' own shards, over the whole world.
     Primary,
     /// hpZ's secondary shards, within this rank's host.
     Secondary,
+    /// qwZ: the ranks' own shards as block-wise int8, widened on arrival into this slab.
+    Quantized(Buffer),
 }
 
 /// Whether hpZ with `ranks_per_host` ranks per host does anything on `world` ranks: hosts of
@@ -186,6 +188,9 @@ pub struct Coordinator {
     issued_upto: usize,
     /// hpZ's secondary shards, where it is on (boxed: most runs have none).
     secondary: Option<Box<Secondary>>,
+    /// qwZ: the world size whose shards the primary gathers carry quantized, and the recycled
+    /// payload buffers they travel in; `None` when off.
+    quantized: Option<Box<(usize, GatherPool)>>,
 }
 
 impl Coordinator {
@@ -210,7 +215,17 @@ impl Coordinator {
             needs,
             issued_upto: 0,
             secondary: None,
+            quantized: None,
         }
+    }
+
+    /// Turns qwZ on for a world of `world` ranks: payload buffers up to the pool's limit.
+    pub(crate) fn with_quantized_weights(mut self, world: usize) -> Self {
+        // A unit's payloads (its shard's and the gathered ones) are about half its 16-bit
+        // elements; twice the pool's limit can never be reached.
+        let limit = 2 * self.pool.limit;
+        self.quantized = Some(Box::new((world, GatherPool::new(limit, DType::F16))));
+        self
     }
 
     /// Bytes of hpZ's secondary shards (0 where it is off).
@@ -263,11 +278,24 @@ impl Coordinator {
                 let h = comm.all_gather_group_in_place(sec.part, out);
                 Residency::InFlight(h, Source::Secondary)
             }
-            None => {
-                let shard = self.shards.take(unit)?;
-                let out = self.pool.take(len, ledger);
-                Residency::InFlight(comm.all_gather(shard, out), Source::Primary)
-            }
+            None => match self.quantized.as_deref_mut() {
+                Some((world, payloads)) => {
+                    let shard = self.shards.take(unit)?;
+                    let each = quantize::payload_elems(shard.len());
+                    let mut send = payloads.take(each, ledger);
+                    quantize::quantize_into(&shard, &mut send);
+                    self.shards.give_back(unit, shard);
+                    let recv = payloads.take(each * *world, ledger);
+                    let slab = self.pool.take(len, ledger);
+                    let h = comm.all_gather(send, recv);
+                    Residency::InFlight(h, Source::Quantized(slab))
+                }
+                None => {
+                    let shard = self.shards.take(unit)?;
+                    let out = self.pool.take(len, ledger);
+                    Residency::InFlight(comm.all_gather(shard, out), Source::Primary)
+                }
+            },
         };
         self.residency[unit] = flight;
         self.live += len;
@@ -288,6 +316,17 @@ impl Coordinator {
                     self.shards.give_back(unit, shard);
                     self.keep_secondary(unit, &full);
                     full
+                }
+                Source::Quantized(mut slab) => {
+                    let (send, recv) = h.wait_pair()?;
+                    if let Some((world, payloads)) = self.quantized.as_deref_mut() {
+                        let shard = slab.len() / *world;
+                        quantize::dequantize_gathered(&recv, shard, &mut slab);
+                        payloads.give(send);
+                        payloads.give(recv);
+                    }
+                    self.keep_secondary(unit, &slab);
+                    slab
                 }
             };
             self.residency[unit] = Residency::Ready(full);

@@ -24,6 +24,7 @@ pub mod engine_config;
 pub mod gather;
 pub mod layout;
 pub mod loss_scaler;
+pub mod quantize;
 pub mod schedule;
 pub mod shards;
 pub mod state;

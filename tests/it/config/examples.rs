@@ -260,3 +260,34 @@ fn config_check_json_shows_unresolved_auto_as_null() {
     assert_eq!(v["reduce_bucket_size"], 1024 * 1024);
     assert!(v["gradient_clipping"].is_null());
 }
+
+/// A ZeRO++ config as DeepSpeed's tutorial writes it: `config check` reports hpZ and qwZ as
+/// acted on at stage 3 and warns only about what is not built.
+#[test]
+fn config_check_reports_zeropp_keys_as_acted_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("zeropp.json");
+    std::fs::write(
+        &path,
+        r#"{"train_batch_size": 16, "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": true},
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 10000000,
+              "zero_quantized_weights": true, "zero_hpz_partition_size": 8,
+              "zero_quantized_gradients": true, "overlap_comm": true}}"#,
+    )
+    .unwrap();
+    let out = zerodp(&[
+        "config",
+        "check",
+        path.to_str().unwrap(),
+        "--world-size",
+        "16",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("8 ranks per host (hpZ: acted on)"), "{text}");
+    assert!(text.contains("int8 all-gathers (qwZ: acted on)"), "{text}");
+    assert!(
+        text.contains("(zero_quantized_gradients) are not supported yet"),
+        "{text}"
+    );
+}

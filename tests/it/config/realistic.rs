@@ -670,7 +670,7 @@ fn keys_without_effect_at_the_stage_warn() {
     );
     assert!(has_warning(
         &l,
-        "ZeRO++ / MiCS (zero_quantized_weights, mics_shard_size) are not supported yet"
+        "ZeRO++ / MiCS (mics_shard_size) are not supported yet"
     ));
     // hpZ is acted on, where the world has more than one host of that many ranks.
     assert!(has_warning(&l, "zero_hpz_partition_size 8 on 1 rank(s)"));

@@ -5,7 +5,7 @@ mod device_tier;
 mod equivalence;
 mod example_mlp;
 mod gpt;
-mod hpz;
 mod memory_traffic;
 mod mixed_precision;
 mod mixed_precision_cli;
+mod zeropp;

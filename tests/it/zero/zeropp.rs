@@ -1,7 +1,8 @@
-//! ZeRO++'s hierarchical partitioning (hpZ, `zero_hpz_partition_size`): in-process ranks stand
-//! for two hosts of two. The later gathers of a step come from the secondary shards within a
+//! ZeRO++ in one process, whose ranks stand for two hosts of two. hpZ
+//! (`zero_hpz_partition_size`): the later gathers of a step come from the secondary shards within a
 //! host, so training is bit for bit plain stage 3's, and the bytes that cross between the hosts
-//! fall by the backward's gathers.
+//! fall by the backward's gathers. qwZ (`zero_quantized_weights`): the gathers carry int8, a
+//! quarter of the f32 bytes, and training follows the exact run closely.
 
 use zerodp::comm::{CollectiveKind, CommOptions};
 use zerodp::data::{Corpus, DataLoader};
@@ -20,6 +21,10 @@ struct Run {
 }
 
 fn run(hpz: usize, reuse: usize, checkpointing: bool) -> Run {
+    run_with(hpz, false, reuse, checkpointing, 4)
+}
+
+fn run_with(hpz: usize, qwz: bool, reuse: usize, checkpointing: bool, steps: u64) -> Run {
     let model = GptModel::new(GptConfig::tiny()).unwrap();
     let text = "the quick brown fox jumps over the lazy dog; pack my box with five dozen jugs. "
         .repeat(40);
@@ -37,6 +42,7 @@ fn run(hpz: usize, reuse: usize, checkpointing: bool) -> Run {
     cfg.max_reuse_distance = reuse;
     cfg.activation_checkpointing = checkpointing;
     cfg.hpz_partition_size = hpz;
+    cfg.quantized_weights = qwz;
     let comm = CommOptions {
         ranks_per_host: Some(PER_HOST),
         ..CommOptions::default()
@@ -46,7 +52,7 @@ fn run(hpz: usize, reuse: usize, checkpointing: bool) -> Run {
         .with_comm_options(comm)
         .with_schedule(LrSchedule::Constant(3e-3))
         .keep_params(true)
-        .run(&data, 4, &[&log])
+        .run(&data, steps, &[&log])
         .unwrap_or_else(|e| panic!("{e}"));
     let reports = log.into_reports().swap_remove(0);
     Run {
@@ -94,4 +100,43 @@ fn hpz_trains_bit_for_bit_as_plain_stage_3_and_keeps_later_gathers_in_the_host()
         }
         assert!(hpz_all <= plain_all, "{case}");
     }
+}
+
+#[test]
+fn quantized_gathers_carry_a_quarter_of_the_bytes_and_training_follows_the_exact_run() {
+    let steps = 30;
+    let exact = run_with(1, false, 0, false, steps);
+    let qwz = run_with(1, true, 0, false, steps);
+    let both = run_with(PER_HOST, true, 0, false, steps);
+    let gathered = |r: &Run| {
+        let k = CollectiveKind::AllGather as usize;
+        r.reports[1].traffic.sent_bytes[k]
+    };
+    // int8 values and one f32 scale per 2048 elements instead of f32 values.
+    let ratio = gathered(&qwz) as f64 / gathered(&exact) as f64;
+    assert!((0.25..0.26).contains(&ratio), "{ratio}");
+    // The parameters computed with are the widened int8 ones: the losses move a little, and
+    // follow the exact run.
+    assert_ne!(exact.losses, qwz.losses);
+    let last = |r: &Run| *r.losses.last().unwrap();
+    let drift = (last(&qwz) - last(&exact)).abs() / last(&exact);
+    eprintln!(
+        "after {steps} steps: exact {} qwZ {} (drift {drift:.2e}); all-gather bytes {ratio:.4} of f32",
+        last(&exact),
+        last(&qwz)
+    );
+    assert!(drift < 0.02, "{} vs {}", last(&qwz), last(&exact));
+    assert!(last(&qwz) < qwz.losses[0] - 1.0, "{:?}", qwz.losses);
+    // With hpZ the backward's gathers come from the secondary partition of the widened
+    // parameters: the same bits as qwZ alone, and only the forward crosses hosts, in int8.
+    assert_eq!(both.losses, qwz.losses);
+    let (inter_exact, _) = inter_host_gather_bytes(&exact.reports[1]);
+    let (inter_both, _) = inter_host_gather_bytes(&both.reports[1]);
+    eprintln!(
+        "gather bytes to the other host per step: plain {inter_exact}, hpZ + qwZ {inter_both}"
+    );
+    assert!(
+        inter_both * 7 < inter_exact,
+        "{inter_both} vs {inter_exact}"
+    );
 }
