@@ -25,6 +25,10 @@ pub struct HpzEffect {
     /// Predicted communication and step time with hpZ (the option's own are without).
     pub comm_s: f64,
     pub step_s: f64,
+    /// With qwZ too (`zero_quantized_weights`: the crossing gathers in int8): bytes to other
+    /// nodes and the step time.
+    pub inter_node_bytes_with_qwz: u64,
+    pub step_s_with_qwz: f64,
     /// Memory per device of the secondary partition.
     pub secondary_bytes: u64,
     /// Whether the option still fits its devices with the secondary partition.
@@ -61,6 +65,10 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
     let mut hpz_inter = 0u64;
     let mut comm_s = 0.0;
     let mut first_gathers = 0u64;
+    // qwZ: int8 and a 4-byte scale per block instead of the parameters' own bytes.
+    let param = input.precision.param_bytes() as f64;
+    let qwz = (1.0 + 4.0 / crate::zero::quantize::BLOCK as f64) / param;
+    let (mut qwz_inter, mut qwz_comm_s) = (0u64, 0.0);
     for t in &option.collectives {
         let crossing = inter_node(t.op, t.full_bytes, c);
         plain_inter = plain_inter.saturating_add(crossing);
@@ -85,10 +93,21 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
         };
         if let Some(f) = &first {
             comm_s += f.predicted_s;
-            hpz_inter = hpz_inter.saturating_add(inter_node(f.op, f.full_bytes, c));
+            let crossing = inter_node(f.op, f.full_bytes, c);
+            hpz_inter = hpz_inter.saturating_add(crossing);
+            let (bytes, secs) = match f.op == Collective::AllGather {
+                true => {
+                    let b = (f.full_bytes as f64 * qwz) as u64;
+                    (b, priced(f.op, f.what, b, f.calls, c).predicted_s)
+                }
+                false => (f.full_bytes, f.predicted_s),
+            };
+            qwz_inter = qwz_inter.saturating_add(inter_node(f.op, bytes, c));
+            qwz_comm_s += secs;
         }
         if let Some(l) = &later {
             comm_s += l.predicted_s;
+            qwz_comm_s += l.predicted_s;
         }
     }
     let secondary_bytes = first_gathers / c.devices_per_node;
@@ -100,6 +119,8 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
         inter_node_bytes_hpz: hpz_inter,
         comm_s,
         step_s,
+        inter_node_bytes_with_qwz: qwz_inter,
+        step_s_with_qwz: option.predicted_compute_s + qwz_comm_s + option.offload.predicted_s,
         secondary_bytes,
         fits,
         worth_it: fits && step_s < WORTH * option.predicted_step_s,
