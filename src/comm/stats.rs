@@ -75,11 +75,10 @@ pub(crate) fn count_traffic(
         },
         CollectiveKind::Barrier => (0, 0),
     };
-    let remote: Vec<usize> = (0..n)
+    // Peers on other hosts, and the sum of their shards (no allocation: this runs per call).
+    let (others, theirs) = (0..n)
         .filter(|&i| i != me && at.remote(at.group.member(at.rank, i)))
-        .collect();
-    let others = remote.len() as u64;
-    let theirs: u64 = remote.iter().map(|&i| shard_of(i)).sum();
+        .fold((0u64, 0u64), |(k, b), i| (k + 1, b + shard_of(i)));
     let (inter_sent, inter_recv) = match kind {
         CollectiveKind::AllGather => (others * shard, theirs),
         CollectiveKind::ReduceScatter => (theirs, others * shard),

@@ -322,13 +322,13 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
             .sum(),
         false => 0,
     };
-    let quantized_payload_elems = match stage == Stage::Zero3 && cfg.quantized_weights {
-        true if cfg.world_size > 1 => {
+    let quantized_payload_elems = match cfg.qwz_active() {
+        true => {
             let shard = gather_pool_elems / cfg.world_size;
             crate::zero::quantize::payload_elems(gather_pool_elems)
                 + crate::zero::quantize::payload_elems(shard)
         }
-        _ => 0,
+        false => 0,
     };
     BufferPlan {
         bucket_elems: reduction.bucket_elems,

@@ -1382,9 +1382,10 @@ fn coordinator(
         ParamTier::Device | ParamTier::Host => ShardStore::Memory(shards),
     };
     let padded: Vec<usize> = layout.units.iter().map(|u| u.padded).collect();
-    let at = (rank, cfg.world_size);
-    let hpz = cfg.hpz_partition_size;
-    let secondary = Secondary::new(at, hpz, &padded, &plan.persistent, store.dtype());
+    let (hpz, dtype) = (cfg.hpz_partition_size, store.dtype());
+    let secondary = cfg
+        .hpz_active()
+        .then(|| Secondary::new(rank, hpz, &padded, &plan.persistent, dtype));
     let coordinator = Coordinator::new(
         store,
         layout,
@@ -1394,7 +1395,7 @@ fn coordinator(
         schedule::gather_needs(&visits, &kept_graph),
     );
     let coordinator = coordinator.with_secondary(secondary);
-    Ok(match cfg.quantized_weights && cfg.world_size > 1 {
+    Ok(match cfg.qwz_active() {
         true => coordinator.with_quantized_weights(cfg.world_size),
         false => coordinator,
     })

@@ -180,6 +180,10 @@ pub enum ParamTier {
 }
 
 impl EngineConfig {
+    /// Whether ZeRO++'s qwZ acts: stage 3 on more than one rank, with `quantized_weights`.
+    pub fn qwz_active(&self) -> bool {
+        self.stage == Stage::Zero3 && self.quantized_weights && self.world_size > 1
+    }
     /// Whether ZeRO++'s hpZ acts: stage 3, with hosts of `hpz_partition_size` ranks that split
     /// the world into two or more.
     pub fn hpz_active(&self) -> bool {

@@ -114,10 +114,11 @@ enum Source {
     Quantized(Buffer),
 }
 
-/// Whether hpZ with `ranks_per_host` ranks per host does anything on `world` ranks: hosts of
-/// more than one rank that divide the world into more than one host.
-pub(crate) fn hpz_active(ranks_per_host: usize, world: usize) -> bool {
-    ranks_per_host > 1 && ranks_per_host < world && world % ranks_per_host == 0
+/// ZeRO++'s quantized weights (qwZ): the primary gathers carry the shards of `world` ranks as
+/// int8 payloads ([`quantize`]), in buffers recycled through `payloads`.
+struct QuantizedGathers {
+    world: usize,
+    payloads: GatherPool,
 }
 
 /// ZeRO++'s hierarchical partitioning (hpZ): a second shard of every unit held within each
@@ -128,8 +129,8 @@ pub(crate) fn hpz_active(ranks_per_host: usize, world: usize) -> bool {
 /// bit for bit plain stage 3's. The slices cost the unit's size over the ranks per host, for
 /// every unit that is gathered and released (DeepSpeed's hpZ holds the same).
 pub(crate) struct Secondary {
-    /// The groups of one host's ranks.
-    part: Partition,
+    /// Ranks per host: the groups are `Partition::Within(per_host)`.
+    per_host: usize,
     /// This rank's index in its host group.
     index: usize,
     /// Per unit, this rank's slice (empty for persistent units, which stay gathered).
@@ -140,33 +141,30 @@ pub(crate) struct Secondary {
 
 impl Secondary {
     /// Slices of `ranks_per_host`-rank hosts for the non-persistent units of `padded` sizes, on
-    /// rank `rank`; `None` when hpZ is off (one rank per host group, or the whole world).
+    /// rank `rank` (hpZ on: [`crate::zero::EngineConfig::hpz_active`]).
     pub(crate) fn new(
-        (rank, world): (usize, usize),
+        rank: usize,
         ranks_per_host: usize,
         padded: &[usize],
         persistent: &[bool],
         dtype: DType,
-    ) -> Option<Secondary> {
-        if !hpz_active(ranks_per_host, world) {
-            return None;
+    ) -> Secondary {
+        let mut sec = Secondary {
+            per_host: ranks_per_host,
+            index: Partition::Within(ranks_per_host).index(rank),
+            slices: Vec::with_capacity(padded.len()),
+            fresh: vec![false; padded.len()],
+        };
+        for (&len, &keep) in padded.iter().zip(persistent) {
+            let elems = if keep { 0 } else { sec.range(len).len() };
+            sec.slices.push(Buffer::zeros(dtype, elems));
         }
-        let part = Partition::Within(ranks_per_host);
-        let index = part.index(rank);
-        let slices = padded
-            .iter()
-            .zip(persistent)
-            .map(|(&len, &keep)| match keep {
-                true => Buffer::zeros(dtype, 0),
-                false => Buffer::zeros(dtype, shard_range(len, ranks_per_host, index).len()),
-            })
-            .collect::<Vec<_>>();
-        Some(Secondary {
-            part,
-            index,
-            fresh: vec![false; slices.len()],
-            slices,
-        })
+        sec
+    }
+
+    /// This rank's slice of a unit of `len` (padded) elements.
+    fn range(&self, len: usize) -> std::ops::Range<usize> {
+        shard_range(len, self.per_host, self.index)
     }
 }
 
@@ -188,9 +186,8 @@ pub struct Coordinator {
     issued_upto: usize,
     /// hpZ's secondary shards, where it is on (boxed: most runs have none).
     secondary: Option<Box<Secondary>>,
-    /// qwZ: the world size whose shards the primary gathers carry quantized, and the recycled
-    /// payload buffers they travel in; `None` when off.
-    quantized: Option<Box<(usize, GatherPool)>>,
+    /// qwZ's state, where it is on (boxed: most runs have none).
+    quantized: Option<Box<QuantizedGathers>>,
 }
 
 impl Coordinator {
@@ -224,7 +221,8 @@ impl Coordinator {
         // A unit's payloads (its shard's and the gathered ones) are about half its 16-bit
         // elements; twice the pool's limit can never be reached.
         let limit = 2 * self.pool.limit;
-        self.quantized = Some(Box::new((world, GatherPool::new(limit, DType::F16))));
+        let payloads = GatherPool::new(limit, DType::F16);
+        self.quantized = Some(Box::new(QuantizedGathers { world, payloads }));
         self
     }
 
@@ -273,13 +271,12 @@ impl Coordinator {
         let flight = match from_host {
             Some(sec) => {
                 let mut out = self.pool.take(len, ledger);
-                let range = shard_range(len, sec.part.group_size(comm.world_size()), sec.index);
-                out.write_at(range.start, &sec.slices[unit]);
-                let h = comm.all_gather_group_in_place(sec.part, out);
+                out.write_at(sec.range(len).start, &sec.slices[unit]);
+                let h = comm.all_gather_group_in_place(Partition::Within(sec.per_host), out);
                 Residency::InFlight(h, Source::Secondary)
             }
             None => match self.quantized.as_deref_mut() {
-                Some((world, payloads)) => {
+                Some(QuantizedGathers { world, payloads }) => {
                     let shard = self.shards.take(unit)?;
                     let each = quantize::payload_elems(shard.len());
                     let mut send = payloads.take(each, ledger);
@@ -319,7 +316,9 @@ impl Coordinator {
                 }
                 Source::Quantized(mut slab) => {
                     let (send, recv) = h.wait_pair()?;
-                    if let Some((world, payloads)) = self.quantized.as_deref_mut() {
+                    if let Some(QuantizedGathers { world, payloads }) =
+                        self.quantized.as_deref_mut()
+                    {
                         let shard = slab.len() / *world;
                         quantize::dequantize_gathered(&recv, shard, &mut slab);
                         payloads.give(send);
@@ -340,11 +339,10 @@ impl Coordinator {
         let Some(sec) = &mut self.secondary else {
             return;
         };
+        let range = sec.range(full.len());
         let slice = &mut sec.slices[unit];
         if !slice.is_empty() {
-            // Units are padded to a multiple of the world, so every slice is the same length.
-            let start = sec.index * slice.len();
-            slice.copy_from_range(full, start..start + slice.len());
+            slice.copy_from_range(full, range);
             sec.fresh[unit] = true;
         }
     }
