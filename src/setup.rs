@@ -99,6 +99,7 @@ pub fn engine_config(
     cfg.max_reuse_distance = usize_of(z.max_reuse_distance);
     cfg.hpz_partition_size = usize_of(z.zero_hpz_partition_size).max(1);
     cfg.quantized_weights = stage.shards_params() && z.zero_quantized_weights;
+    cfg.quantized_gradients = stage.shards_params() && z.zero_quantized_gradients;
     let ac = &s.activation_checkpointing;
     cfg.activation_checkpointing = ac.number_checkpoints.is_some()
         || ac.partition_activations

@@ -195,11 +195,44 @@ fn worker_collectives() -> Result<(), CommError> {
             }
         }
     }
+    check_all_to_all(&comm, n, r)?;
     let (hosts, shm) = (topo.hosts, comm.shared_memory_calls());
     println!(
         "WORKER-OK rank {r} on {hosts} host(s): {checked} reductions bitwise equal, \
          {shm} collectives through shared memory"
     );
+    Ok(())
+}
+
+/// All-to-all within the world and within and across hosts of two: every chunk arrives where it
+/// was sent, bit for bit, and the counters book every chunk but the own one each way.
+fn check_all_to_all(comm: &MpiComm, n: usize, r: usize) -> Result<(), CommError> {
+    let value = |from: usize, to: usize, i: usize| ((from * 31 + to * 7 + i) % 2000) as f32;
+    for part in [Partition::World, Partition::Within(2), Partition::Across(2)] {
+        if !part.fits(n) {
+            continue;
+        }
+        let g = part.group_size(n);
+        for (dtype, chunk) in [(DType::F32, 1001usize), (DType::F16, 350_001)] {
+            let fill = |f: &dyn Fn(usize, usize) -> f32| {
+                let v: Vec<f32> = (0..g * chunk).map(|e| f(e / chunk, e % chunk)).collect();
+                Buffer::from_f32(dtype, &v)
+            };
+            let input = fill(&|j, i| value(r, part.member(r, j), i));
+            let want = fill(&|j, i| value(part.member(r, j), r, i));
+            let before = comm.traffic();
+            let out = Buffer::zeros(dtype, g * chunk);
+            let (_, got) = comm.all_to_all_group(part, input, out).wait_pair()?;
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "all_to_all {part:?} {dtype} rank {r}"
+            );
+            let t = comm.traffic().since(&before);
+            let each = ((g - 1) * chunk * dtype.size()) as u64;
+            assert_eq!(t.sent(CollectiveKind::AllToAll), each, "{part:?} rank {r}");
+        }
+    }
     Ok(())
 }
 

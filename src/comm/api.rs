@@ -44,15 +44,21 @@ pub enum CollectiveKind {
     AllGather,
     Broadcast,
     Barrier,
+    /// Within groups ([`Partition`]): chunk j of a rank's input goes to the group's member j.
+    AllToAll,
 }
 
+/// How many kinds of collective there are (the length of the traffic counters' arrays).
+pub const COLLECTIVE_KINDS: usize = 6;
+
 impl CollectiveKind {
-    pub(crate) const ALL: [CollectiveKind; 5] = [
+    pub(crate) const ALL: [CollectiveKind; COLLECTIVE_KINDS] = [
         CollectiveKind::AllReduce,
         CollectiveKind::ReduceScatter,
         CollectiveKind::AllGather,
         CollectiveKind::Broadcast,
         CollectiveKind::Barrier,
+        CollectiveKind::AllToAll,
     ];
     /// The snake_case name used in traces, metrics and JSON (`all_reduce`, ...).
     pub fn name(self) -> &'static str {
@@ -62,6 +68,7 @@ impl CollectiveKind {
             CollectiveKind::AllGather => "all_gather",
             CollectiveKind::Broadcast => "broadcast",
             CollectiveKind::Barrier => "barrier",
+            CollectiveKind::AllToAll => "all_to_all",
         }
     }
 }
@@ -147,15 +154,15 @@ impl Partition {
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct TrafficCounters {
     /// Indexed by `CollectiveKind as usize`.
-    pub sent_bytes: [u64; 5],
-    pub recv_bytes: [u64; 5],
-    pub calls: [u64; 5],
+    pub sent_bytes: [u64; COLLECTIVE_KINDS],
+    pub recv_bytes: [u64; COLLECTIVE_KINDS],
+    pub calls: [u64; COLLECTIVE_KINDS],
     /// Of `sent_bytes` and `recv_bytes`, those to and from ranks on other hosts
     /// ([`crate::comm::CommOptions::ranks_per_host`]; all zero on one host).
     #[serde(default)]
-    pub inter_host_sent_bytes: [u64; 5],
+    pub inter_host_sent_bytes: [u64; COLLECTIVE_KINDS],
     #[serde(default)]
-    pub inter_host_recv_bytes: [u64; 5],
+    pub inter_host_recv_bytes: [u64; COLLECTIVE_KINDS],
 }
 
 impl TrafficCounters {
@@ -184,7 +191,7 @@ impl TrafficCounters {
     }
     /// Adds `other`'s bytes and calls to these.
     pub fn add(&mut self, other: &TrafficCounters) {
-        for i in 0..5 {
+        for i in 0..COLLECTIVE_KINDS {
             self.sent_bytes[i] += other.sent_bytes[i];
             self.recv_bytes[i] += other.recv_bytes[i];
             self.calls[i] += other.calls[i];
@@ -195,7 +202,7 @@ impl TrafficCounters {
     /// `self - earlier`: the traffic between two snapshots (for per-step numbers).
     pub fn since(&self, earlier: &TrafficCounters) -> TrafficCounters {
         let mut d = TrafficCounters::default();
-        for i in 0..5 {
+        for i in 0..COLLECTIVE_KINDS {
             d.sent_bytes[i] = self.sent_bytes[i] - earlier.sent_bytes[i];
             d.recv_bytes[i] = self.recv_bytes[i] - earlier.recv_bytes[i];
             d.calls[i] = self.calls[i] - earlier.calls[i];
@@ -403,6 +410,35 @@ pub trait Communicator: Send + Sync {
                 ),
             })),
         }
+    }
+
+    /// All-to-all within this rank's group of `part` ([`Partition`]): `input` and `output` hold
+    /// one chunk per member of the group (equal chunks, `len / group size` elements each); chunk
+    /// j of this rank's input goes to member j, and chunk j of its output receives member j's
+    /// chunk for this rank (its own chunk is copied across). Returns `[input, output]` (use
+    /// [`CommHandle::wait_pair`]). Every rank of the world calls it at the same point; buffers
+    /// carry bytes, never reduced, so a 16-bit buffer may carry any payload. Backends that run
+    /// no all-to-all refuse groups of more than one rank.
+    fn all_to_all_group(&self, part: Partition, input: Buffer, mut output: Buffer) -> CommHandle {
+        let same = input.len() == output.len() && input.dtype() == output.dtype();
+        if part.group_size(self.world_size()) == 1 && same {
+            output.write_at(0, &input);
+            return CommHandle::ready(Ok(vec![input, output]));
+        }
+        CommHandle::ready(Err(CommError::InvalidArgument {
+            rank: self.rank(),
+            what: format!(
+                "this backend runs no all-to-all ({part:?}); use the in-process or MPI backend, \
+                 or turn zero_quantized_gradients off"
+            ),
+        }))
+    }
+
+    /// Ranks per host where this communicator's world spans hosts numbered host by host (as
+    /// `mpirun` places ranks by slot, or as [`crate::comm::CommOptions::ranks_per_host`] says
+    /// in one process); `None` on one host or where it is not known.
+    fn ranks_per_host(&self) -> Option<usize> {
+        None
     }
 
     /// In-place reduce-scatter (see the trait docs): returns `[buf]` whose `shard_range` for this

@@ -188,6 +188,9 @@ impl Communicator for InprocComm {
     fn report_failure(&self, reason: String) {
         self.fail(reason);
     }
+    fn ranks_per_host(&self) -> Option<usize> {
+        self.world.options.ranks_per_host
+    }
     fn traffic(&self) -> TrafficCounters {
         self.shared
             .traffic
@@ -355,8 +358,29 @@ impl Exec<'_> {
             Call::ReduceScatterInPlace(buf, op) => self.reduce_scatter_in_place(buf, op),
             Call::AllGatherInPlace(buf) => self.gather_in_place(buf, Partition::World),
             Call::AllGatherGroup(buf, part) => self.gather_in_place(buf, part),
+            Call::AllToAll(input, output, part) => self.all_to_all(input, output, part),
             Call::Broadcast(buf, root) => self.broadcast(buf, root),
         }
+    }
+
+    /// All-to-all within `part`'s groups by pulling: this rank copies its chunk of every member's
+    /// input into that member's chunk of its own output. Inputs are only read and each output is
+    /// written by its own rank, so nothing is staged.
+    fn all_to_all(&mut self, input: Buffer, mut output: Buffer, part: Partition) -> Completion {
+        let r = self.meeting.rank;
+        let (g, me) = (part.group_size(self.world.size), part.index(r));
+        let chunk = input.bytes() / g;
+        let out = buffer_addr_mut(&mut output);
+        self.arrive(Some(expose(buffer_addr(&input), out)))?;
+        let departure = Departure::new(self.world, r);
+        for j in 0..g {
+            let src = self.scratch.peers[part.member(r, j)].input + me * chunk;
+            // SAFETY: inputs are only read until the final meeting; the output is this rank's
+            // own, and the meeting compared descriptors, so every input holds `g` chunks.
+            unsafe { copy_bytes(src, out + j * chunk, chunk) };
+        }
+        drop(departure);
+        Ok(vec![input, output])
     }
 
     /// In-place all-gather within `part`'s groups: this rank's shard sits in its group's range.

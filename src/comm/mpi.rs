@@ -305,6 +305,9 @@ impl Communicator for MpiComm {
     fn world_size(&self) -> usize {
         self.topo.size
     }
+    fn ranks_per_host(&self) -> Option<usize> {
+        self.topology().ranks_per_host()
+    }
     fn traffic(&self) -> TrafficCounters {
         self.shared
             .traffic
@@ -623,6 +626,15 @@ impl Engine {
                         ffi::MPI_Bcast(dst, count as c_int, f, 0, self.world)
                     }
                     CollectiveKind::Barrier => ffi::MPI_Barrier(self.world),
+                    CollectiveKind::AllToAll => ffi::MPI_Alltoall(
+                        src,
+                        shard as c_int,
+                        f,
+                        dst,
+                        shard as c_int,
+                        f,
+                        self.world,
+                    ),
                 };
                 check(rc, "raw MPI collective")?;
                 if i >= job.warmup {
@@ -767,7 +779,7 @@ impl Engine {
                     .map_err(|e| self.leak_on(e, vec![]))?;
                     vec![i, o]
                 }
-                Call::AllGather(i, mut o) => {
+                Call::AllGather(i, mut o) | Call::AllToAll(i, mut o, _) => {
                     // SAFETY: distinct buffers, `i` is the whole of `o` here.
                     unsafe { copy_bytes(buffer_addr(&i), buffer_addr_mut(&mut o), i.bytes()) };
                     vec![i, o]
@@ -831,6 +843,13 @@ impl Engine {
             }
             Call::AllGatherInPlace(buf) => self.gather_in_place(w, buf, Partition::World),
             Call::AllGatherGroup(buf, part) => self.gather_in_place(w, buf, part),
+            Call::AllToAll(input, mut output, part) => {
+                let (bytes, out) = (input.bytes(), buffer_addr_mut(&mut output));
+                match self.all_to_all(w, buffer_addr(&input), out, bytes, part) {
+                    Ok(()) => Ok(vec![input, output]),
+                    Err(e) => Err(self.leak_on(e, vec![input, output])),
+                }
+            }
             Call::Broadcast(mut buf, root) => {
                 let bytes = buf.bytes();
                 let addr = buffer_addr_mut(&mut buf);
@@ -860,9 +879,9 @@ impl Engine {
         let mut here = self.descs.iter().zip(&self.local).filter(|(_, l)| **l);
         match desc.kind {
             CollectiveKind::Barrier => false,
-            CollectiveKind::AllReduce | CollectiveKind::ReduceScatter => {
-                here.all(|(d, _)| has(d, IN_AT))
-            }
+            CollectiveKind::AllReduce
+            | CollectiveKind::ReduceScatter
+            | CollectiveKind::AllToAll => here.all(|(d, _)| has(d, IN_AT)),
             CollectiveKind::AllGather => here.all(|(d, _)| has(d, OUT_AT)),
             CollectiveKind::Broadcast => {
                 let root = desc.root.unwrap_or(0);
@@ -961,6 +980,11 @@ impl Engine {
             }
             Call::AllGatherInPlace(buf) => self.shm_gather(buf, Partition::World, &mut addrs)?,
             Call::AllGatherGroup(buf, part) => self.shm_gather(buf, part, &mut addrs)?,
+            Call::AllToAll(input, mut output, part) => {
+                let out = buffer_addr_mut(&mut output);
+                self.all_to_all(w, buffer_addr(&input), out, input.bytes(), part)?;
+                vec![input, output]
+            }
             Call::Broadcast(mut buf, root) => {
                 if r != root {
                     let src = self.peer_addr(root, IN_AT)?;
@@ -1445,6 +1469,39 @@ impl Engine {
         self.wait_all(w)
     }
 
+    /// All-to-all within `part`'s groups of `bytes` at `input` into `output`, one equal chunk
+    /// per member: the chunk of a near peer is pulled from its input (which only this rank reads
+    /// there until the departure), every other is a message each way; this rank's own chunk is
+    /// copied across.
+    fn all_to_all(
+        &mut self,
+        w: &Wait,
+        input: usize,
+        output: usize,
+        bytes: usize,
+        part: Partition,
+    ) -> Result<(), CommError> {
+        let r = self.topo.rank;
+        let (g, me) = (part.group_size(self.topo.size), part.index(r));
+        let chunk = bytes / g;
+        for j in 0..g {
+            let k = part.member(r, j);
+            let (from, to) = (input + j * chunk, output + j * chunk);
+            if k == r {
+                // SAFETY: distinct buffers of `g` chunks each (the call was validated).
+                unsafe { copy_bytes(input + me * chunk, to, chunk) };
+            } else if self.near[k] {
+                let src = self.peer_addr(k, IN_AT)? + me * chunk;
+                // SAFETY: a near peer's input is only read until the departure.
+                unsafe { copy_bytes(src, to, chunk) };
+            } else if chunk > 0 {
+                self.post_recv(to, chunk, k, TAG_DATA)?;
+                self.post_send(from, chunk, k, TAG_DATA)?;
+            }
+        }
+        self.wait_all(w)
+    }
+
     /// `MPI_Ibcast` in messages of at most [`MAX_MSG`], polled like every wait.
     fn broadcast(
         &mut self,
@@ -1525,7 +1582,7 @@ fn exposed(call: &Call) -> (Span, Span) {
         Call::AllReduce(b, _) | Call::ReduceScatterInPlace(b, _) | Call::Broadcast(b, _) => {
             (whole(b), None)
         }
-        Call::ReduceScatter(i, _, _) => (whole(i), None),
+        Call::ReduceScatter(i, _, _) | Call::AllToAll(i, _, _) => (whole(i), None),
         Call::AllGather(_, o) | Call::AllGatherInPlace(o) | Call::AllGatherGroup(o, _) => {
             (None, whole(o))
         }

@@ -22,6 +22,8 @@ pub(crate) enum Call {
     AllGatherInPlace(Buffer),
     /// In place within each group of the partition: the rank's shard sits in its group's range.
     AllGatherGroup(Buffer, Partition),
+    /// Within each group of the partition: (input, output), one chunk per member.
+    AllToAll(Buffer, Buffer, Partition),
     Broadcast(Buffer, usize),
     Barrier,
 }
@@ -107,6 +109,14 @@ macro_rules! queued_collectives {
         ) -> $crate::comm::CommHandle {
             self.submit($crate::comm::queue::Call::AllGatherGroup(buf, part))
         }
+        fn all_to_all_group(
+            &self,
+            part: $crate::comm::Partition,
+            input: $crate::flat::Buffer,
+            output: $crate::flat::Buffer,
+        ) -> $crate::comm::CommHandle {
+            self.submit($crate::comm::queue::Call::AllToAll(input, output, part))
+        }
         fn reduce_scatter_in_place(
             &self,
             buf: $crate::flat::Buffer,
@@ -156,6 +166,32 @@ pub(crate) fn validate(call: &Call, n: usize, rank: usize) -> Result<(), CommErr
                      shard of {want} elements (shard_range), not {}",
                     output.len(),
                     rank,
+                    input.len()
+                ));
+            }
+        }
+        Call::AllToAll(input, output, part) => {
+            if !part.fits(n) {
+                return bad(format!(
+                    "a collective within groups ({part:?}) needs groups that divide the world of \
+                     {n} ranks"
+                ));
+            }
+            let g = part.group_size(n);
+            if input.dtype() != output.dtype() || input.len() != output.len() {
+                return bad(format!(
+                    "all_to_all input is {} elements of {} but output {} of {}; give both the \
+                     same length and dtype",
+                    input.len(),
+                    input.dtype(),
+                    output.len(),
+                    output.dtype()
+                ));
+            }
+            if input.len() % g != 0 {
+                return bad(format!(
+                    "all_to_all of {} elements within groups of {g} ranks: the length must be a \
+                     multiple of the group size (one equal chunk per member)",
                     input.len()
                 ));
             }
@@ -298,6 +334,14 @@ pub(crate) fn describe(call: &Call) -> CallDesc {
             kind: CollectiveKind::AllGather,
             dtype: Some(o.dtype()),
             len: o.len(),
+            op: None,
+            root: None,
+            group: *part,
+        },
+        Call::AllToAll(i, _, part) => CallDesc {
+            kind: CollectiveKind::AllToAll,
+            dtype: Some(i.dtype()),
+            len: i.len(),
             op: None,
             root: None,
             group: *part,

@@ -12,7 +12,9 @@ pub(crate) fn bus_factor(kind: CollectiveKind, world: usize) -> f64 {
     let n = world as f64;
     match kind {
         CollectiveKind::AllReduce => 2.0 * (n - 1.0) / n,
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather => (n - 1.0) / n,
+        CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
+            (n - 1.0) / n
+        }
         CollectiveKind::Broadcast => 1.0,
         CollectiveKind::Barrier => 0.0,
     }
@@ -48,7 +50,8 @@ impl Placement {
 
 /// Adds one collective's ring-formula traffic to `c`: for a full tensor of `len` elements of
 /// `elem_bytes` bytes over a group of n ranks, reduce-scatter and all-gather send and receive the
-/// full buffer minus this rank's shard, all-reduce twice that, broadcast the buffer (received by
+/// full buffer minus this rank's shard (all-to-all too: every chunk but its own), all-reduce
+/// twice that, broadcast the buffer (received by
 /// every non-root, sent by the root once per other rank), barrier nothing. Of those, the bytes
 /// exchanged with ranks on other hosts (`inter_host_*`), as point-to-point exchanges move them:
 /// a shard from or to each such peer (the same as the ring's when the shards are equal, as the
@@ -67,7 +70,9 @@ pub(crate) fn count_traffic(
     let shard_of = |i: usize| (shard_range(len, n, i).len() * elem_bytes) as u64;
     let shard = shard_of(me);
     let (sent, recv) = match kind {
-        CollectiveKind::ReduceScatter | CollectiveKind::AllGather => (full - shard, full - shard),
+        CollectiveKind::ReduceScatter | CollectiveKind::AllGather | CollectiveKind::AllToAll => {
+            (full - shard, full - shard)
+        }
         CollectiveKind::AllReduce => (2 * (full - shard), 2 * (full - shard)),
         CollectiveKind::Broadcast => match root == Some(me) {
             true => (full * (n as u64 - 1), 0),
@@ -81,7 +86,7 @@ pub(crate) fn count_traffic(
         .fold((0u64, 0u64), |(k, b), i| (k + 1, b + shard_of(i)));
     let (inter_sent, inter_recv) = match kind {
         CollectiveKind::AllGather => (others * shard, theirs),
-        CollectiveKind::ReduceScatter => (theirs, others * shard),
+        CollectiveKind::ReduceScatter | CollectiveKind::AllToAll => (theirs, others * shard),
         CollectiveKind::AllReduce => (theirs + others * shard, theirs + others * shard),
         CollectiveKind::Broadcast => match root {
             Some(r) if r == me => (full * others, 0),
@@ -240,7 +245,7 @@ mod tests {
         assert_eq!(c.sent(CollectiveKind::Broadcast), 60);
         assert_eq!(c.recv(CollectiveKind::Broadcast), 0);
         // One host: nothing crosses hosts.
-        assert_eq!(c.inter_host_sent_bytes, [0; 5]);
+        assert_eq!(c.inter_host_sent_bytes, [0; crate::comm::COLLECTIVE_KINDS]);
         assert_eq!(bus_factor(CollectiveKind::AllReduce, 4), 1.5);
         assert_eq!(bus_factor(CollectiveKind::AllGather, 2), 0.5);
         let (a, b) = bandwidths(

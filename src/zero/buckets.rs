@@ -41,6 +41,7 @@ use super::state::FlatState;
 use crate::flat::Slice;
 use std::collections::VecDeque;
 
+use super::qgz;
 use crate::comm::{CommError, CommHandle, Communicator, ReduceOp};
 use crate::flat::Buffer;
 
@@ -77,6 +78,20 @@ struct Slot {
     flight: Option<CommHandle>,
 }
 
+/// A unit's in-place reduction in flight.
+enum InFlight {
+    /// One collective in the unit's own buffer.
+    Plain(usize, CommHandle),
+    /// qgZ's all-to-alls, one phase after the other ([`qgz`]).
+    Quantized(qgz::Flight),
+}
+
+/// qgZ's hosts and its spare payload buffers (one pair per unit that can be in flight).
+struct Qgz {
+    hosts: qgz::Hosts,
+    spare: Vec<(Buffer, Buffer)>,
+}
+
 /// The engine's reduction buckets.
 pub struct Buckets {
     slots: Vec<Slot>,
@@ -89,8 +104,10 @@ pub struct Buckets {
     reduce_in_place: bool,
     /// Whether a bucket holds one unit and is launched as soon as that unit is in it.
     per_unit: bool,
-    /// In-place unit collectives in flight: the unit, and the collective holding its buffer.
-    units_in_flight: VecDeque<(usize, CommHandle)>,
+    /// In-place unit collectives in flight, in the order they were issued.
+    units_in_flight: VecDeque<InFlight>,
+    /// ZeRO++'s quantized gradients (qgZ): the hosts, and the payload buffers not in flight.
+    qgz: Option<Qgz>,
     /// Stages 2-3: transient gradients in flight at most (the plan's `units_in_flight`).
     max_in_flight: usize,
 }
@@ -118,7 +135,20 @@ impl Buckets {
             per_unit: plan.per_unit,
             units_in_flight: VecDeque::new(),
             max_in_flight: plan.units_in_flight,
+            qgz: None,
         }
+    }
+
+    /// With ZeRO++'s quantized gradients (qgZ): the stage 2-3 reductions, which `plan` runs per
+    /// unit in place, go through [`qgz`]'s two all-to-alls over `hosts` (world and ranks per
+    /// host), with the payload buffers the plan sized (`qgz_payload_pairs` pairs for units of
+    /// `qgz_payload_elems` elements).
+    pub(crate) fn with_quantized_gradients(mut self, plan: &BufferPlan, hosts: qgz::Hosts) -> Self {
+        let spare = (0..plan.qgz_payload_pairs)
+            .map(|_| qgz::payload_pair(plan.qgz_payload_elems))
+            .collect();
+        self.qgz = Some(Qgz { hosts, spare });
+        self
     }
 
     /// Switch what the buckets do; only between flushes.
@@ -234,21 +264,39 @@ impl Buckets {
             }
             return Ok(());
         }
-        if self.mode == BucketMode::ReduceScatterAccumulate
+        // A unit in qgZ's first phase goes back in line for its second, so wait until one is
+        // done: every rank decides alike, from the order of pushes alone.
+        while self.mode == BucketMode::ReduceScatterAccumulate
             && self.units_in_flight.len() >= self.max_in_flight.max(1)
         {
-            self.complete_oldest_unit(state, layout)?;
+            self.complete_oldest_unit(comm, state, layout)?;
         }
-        let grad = state.take_grad(unit);
-        let handle = match self.mode {
-            BucketMode::AllReduce => comm.all_reduce(grad, ReduceOp::Avg),
-            BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
-                comm.reduce_scatter_in_place(grad, ReduceOp::Avg)
+        let quantized = self.mode == BucketMode::ReduceScatterAccumulate;
+        let flight = match self.qgz.as_mut().filter(|_| quantized) {
+            Some(q) => {
+                let grad = std::mem::take(&mut state.grads[unit]);
+                let payloads = q.spare.pop().ok_or_else(|| CommError::InvalidArgument {
+                    rank: layout.rank,
+                    what: "qgZ ran out of its planned payload buffers".into(),
+                })?;
+                InFlight::Quantized(qgz::start(comm, q.hosts, unit, grad, payloads)?)
+            }
+            None => {
+                let grad = state.take_grad(unit);
+                InFlight::Plain(
+                    unit,
+                    match self.mode {
+                        BucketMode::AllReduce => comm.all_reduce(grad, ReduceOp::Avg),
+                        BucketMode::ReduceScatterStore | BucketMode::ReduceScatterAccumulate => {
+                            comm.reduce_scatter_in_place(grad, ReduceOp::Avg)
+                        }
+                    },
+                )
             }
         };
-        self.units_in_flight.push_back((unit, handle));
+        self.units_in_flight.push_back(flight);
         if !self.overlap {
-            self.complete_units(state, layout)?;
+            self.complete_units(comm, state, layout)?;
         }
         Ok(())
     }
@@ -256,27 +304,52 @@ impl Buckets {
     /// Wait for the in-place unit collectives in flight, in the order they were issued.
     fn complete_units(
         &mut self,
+        comm: &dyn Communicator,
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
         while !self.units_in_flight.is_empty() {
-            self.complete_oldest_unit(state, layout)?;
+            self.complete_oldest_unit(comm, state, layout)?;
         }
         Ok(())
     }
 
     /// Wait for the oldest in-place unit collective and give its unit the buffer back, the reduced
     /// gradient (at stage 1, its own shard at its place); a transient gradient's shard is added to
-    /// the rank's gradient shards and the buffer freed.
+    /// the rank's gradient shards and the buffer freed. A unit in qgZ's first phase goes on to its
+    /// second, at the back of the line.
     fn complete_oldest_unit(
         &mut self,
+        comm: &dyn Communicator,
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
-        let Some((unit, handle)) = self.units_in_flight.pop_front() else {
-            return Ok(());
+        let (unit, buf) = match self.units_in_flight.pop_front() {
+            None => return Ok(()),
+            Some(InFlight::Plain(unit, handle)) => (unit, handle.wait_one()?),
+            Some(InFlight::Quantized(flight)) => {
+                let Some(q) = self.qgz.as_mut() else {
+                    return Err(CommError::InvalidArgument {
+                        rank: layout.rank,
+                        what: "a quantized reduction in flight without qgZ's buffers".into(),
+                    });
+                };
+                match qgz::advance(comm, q.hosts, flight)? {
+                    qgz::Advanced::InFlight(next) => {
+                        self.units_in_flight.push_back(InFlight::Quantized(next));
+                        return Ok(());
+                    }
+                    qgz::Advanced::Done {
+                        unit,
+                        grad,
+                        payloads,
+                    } => {
+                        q.spare.push(payloads);
+                        (unit, Buffer::F32(grad))
+                    }
+                }
+            }
         };
-        let buf = handle.wait_one()?;
         match self.mode {
             BucketMode::AllReduce | BucketMode::ReduceScatterStore => {
                 state.put_grad(unit, buf, layout.rank)?
@@ -300,7 +373,7 @@ impl Buckets {
         state: &mut FlatState,
         layout: &FlatLayout,
     ) -> Result<(), CommError> {
-        self.complete_units(state, layout)?;
+        self.complete_units(comm, state, layout)?;
         if self.slots.is_empty() {
             return Ok(());
         }

@@ -13,6 +13,8 @@
 //!   each unit's gradient is reduced on its own, in place where its dtypes allow at any unit size,
 //!   else through a staging bucket of one unit where it must be converted to the communication
 //!   dtype (bf16 and fp16 reductions of f32 gradients).
+//! * Stage 3 with qgZ: each unit's gradient reduced on its own (no bucket), two units in flight
+//!   with `overlap_comm`, each with a send and a receive buffer of int8 payloads.
 //! * Stages 2-3 (and 0-1 with non-f32 gradients): transient full-unit f32 gradient buffers, each
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
@@ -68,6 +70,11 @@ pub struct BufferPlan {
     /// gathers travel in, at most (planned high: a shard's and the gathered payload for every
     /// unit the pool can hold).
     pub quantized_payload_elems: usize,
+    /// Stage 3 with qgZ (`zero_quantized_gradients`): 16-bit elements of each buffer the
+    /// gradients' int8 payloads travel in (a quantized shard per rank of the largest unit)...
+    pub qgz_payload_elems: usize,
+    /// ... and how many pairs of them (a send and a receive buffer per unit in flight).
+    pub qgz_payload_pairs: usize,
     /// Stage 3 with hpZ (`zero_hpz_partition_size`): elements of this rank's secondary shards,
     /// its slice of every non-persistent unit over its host's ranks (0 where hpZ is off).
     pub secondary_elems: usize,
@@ -84,7 +91,8 @@ impl BufferPlan {
     /// Bytes of the reduction buckets (the collectives run in place: nothing beside them); the
     /// rest of [`BufferPlan::buffer_bytes`] is scratch (full-unit gradient buffers).
     pub fn bucket_bytes(&self) -> u64 {
-        (self.bucket_count * self.bucket_elems * self.comm_dtype.size()) as u64
+        let qgz = 2 * self.qgz_payload_pairs * self.qgz_payload_elems * 2;
+        (self.bucket_count * self.bucket_elems * self.comm_dtype.size() + qgz) as u64
     }
     /// Bytes of the f32 scratch the model reads and writes: transient gradient buffers and, under
     /// mixed precision, the widened parameters.
@@ -247,17 +255,24 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         0 => 0,
         b => (b.min(total) / world).max(1) * world,
     };
-    let reduction = reduction_plan(
+    let qgz = cfg.qgz_active();
+    let mut reduction = reduction_plan(
         cfg.stage.shards_grads(),
         ReductionDtypes {
             grad_accum: cfg.grad_accum_dtype,
-            comm: cfg.comm_dtype,
+            // qgZ quantizes the f32 gradients itself.
+            comm: if qgz { DType::F32 } else { cfg.comm_dtype },
         },
         layout.largest_padded(),
-        asked,
+        // qgZ reduces each unit on its own, as DeepSpeed's qgZ each gradient.
+        if qgz { 0 } else { asked },
         Some(spec.units.len()),
         cfg.overlap_comm,
     );
+    if qgz && cfg.overlap_comm {
+        // Two in flight, so a unit's second (inter-host) phase overlaps the next unit's backward.
+        reduction.units_in_flight = 2.min(spec.units.len()).max(1);
+    }
     let stage = cfg.stage;
     let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
         (
@@ -330,7 +345,16 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         }
         false => 0,
     };
+    let (qgz_payload_elems, qgz_payload_pairs) = match qgz {
+        true => (
+            super::qgz::payload_elems(layout.largest_padded(), world),
+            reduction.units_in_flight.max(1),
+        ),
+        false => (0, 0),
+    };
     BufferPlan {
+        qgz_payload_elems,
+        qgz_payload_pairs,
         bucket_elems: reduction.bucket_elems,
         bucket_count: reduction.bucket_count,
         reduce_in_place: reduction.in_place,

@@ -336,6 +336,10 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         let state = flat_state(&spec, &cfg, &layout, &plan, &units, params, comm.rank())?;
         let ledger = initial_ledger(&spec, &cfg, comm.rank(), nvme.as_ref(), &state);
         let buckets = Buckets::new(&plan, cfg.world_size, cfg.overlap_comm);
+        let buckets = match cfg.qgz_active() {
+            true => buckets.with_quantized_gradients(&plan, qgz_hosts(&cfg, comm)),
+            false => buckets,
+        };
         let widened = plan
             .param_scratch
             .iter()
@@ -1399,6 +1403,13 @@ fn coordinator(
         true => coordinator.with_quantized_weights(cfg.world_size),
         false => coordinator,
     })
+}
+
+/// qgZ's hosts: the communicator's ranks per host (MPI's hosts; in one process, what its
+/// options say), else hpZ's partition, else one host.
+fn qgz_hosts(cfg: &EngineConfig, comm: &dyn Communicator) -> super::qgz::Hosts {
+    let hpz = cfg.hpz_active().then_some(cfg.hpz_partition_size);
+    super::qgz::Hosts::new(cfg.world_size, comm.ranks_per_host().or(hpz))
 }
 
 /// Staging buffers for shards read from the parameter swap file: `offload_param.buffer_count`,

@@ -73,6 +73,10 @@ pub struct EngineConfig {
     /// Stage 3: ZeRO++'s quantized weights, qwZ (`zero_quantized_weights`): the all-gathers that
     /// cross the world carry block-wise int8 shards ([`super::quantize`]).
     pub quantized_weights: bool,
+    /// Stage 3: ZeRO++'s quantized gradients, qgZ (`zero_quantized_gradients`): each unit's
+    /// gradient reduce-scatter becomes two all-to-alls of block-wise int8 payloads, within hosts
+    /// and then across them (the communicator's ranks per host), reduced in f32 on arrival.
+    pub quantized_gradients: bool,
     /// Stage 3: units with at most this many elements stay gathered for the whole step
     /// (`stage3_param_persistence_threshold`).
     pub param_persistence_threshold: usize,
@@ -184,6 +188,10 @@ impl EngineConfig {
     pub fn qwz_active(&self) -> bool {
         self.stage == Stage::Zero3 && self.quantized_weights && self.world_size > 1
     }
+    /// Whether ZeRO++'s qgZ acts: stage 3 on more than one rank, with `quantized_gradients`.
+    pub fn qgz_active(&self) -> bool {
+        self.stage == Stage::Zero3 && self.quantized_gradients && self.world_size > 1
+    }
     /// Whether ZeRO++'s hpZ acts: stage 3, with hosts of `hpz_partition_size` ranks that split
     /// the world into two or more.
     pub fn hpz_active(&self) -> bool {
@@ -207,6 +215,7 @@ impl EngineConfig {
             prefetch_bucket_size: size(defaults::PREFETCH_BUCKET_SIZE),
             hpz_partition_size: 1,
             quantized_weights: false,
+            quantized_gradients: false,
             param_persistence_threshold: size(defaults::PARAM_PERSISTENCE_THRESHOLD),
             max_live_parameters: size(defaults::MAX_LIVE_PARAMETERS),
             max_reuse_distance: size(defaults::MAX_REUSE_DISTANCE),

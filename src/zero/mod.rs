@@ -8,6 +8,8 @@
 //! * [`state`]: what a rank keeps of the model (parameters, gradients), one variant per stage.
 //! * [`buckets`]: bucketed all-reduce (stage 0), true reduce-scatter (stages 1-3) and the
 //!   post-step all-gather (stages 1-2).
+//! * [`quantize`] and `qgz`: ZeRO++'s int8 payloads, for the weights' gathers (qwZ) and the
+//!   gradients' two all-to-alls within and across hosts (qgZ).
 //! * [`gather`]: the stage-3 fetch/prefetch/release coordinator and its bounded pool.
 //! * [`shards`]: where a stage-3 rank keeps its parameter shards: memory or an NVMe swap file.
 //! * [`device_tier`]: the device tier held in a model's device memory (a GPU's), and when a run
@@ -24,6 +26,7 @@ pub mod engine_config;
 pub mod gather;
 pub mod layout;
 pub mod loss_scaler;
+mod qgz;
 pub mod quantize;
 pub mod schedule;
 pub mod shards;

@@ -30,7 +30,8 @@ pub fn payload_buffer(len: usize, count: usize) -> Buffer {
     Buffer::zeros(DType::F16, payload_elems(len) * count)
 }
 
-fn bytes_mut(b: &mut Buffer) -> &mut [u8] {
+/// The bytes of a buffer (the payloads ride in 16-bit buffers).
+pub(crate) fn bytes_mut(b: &mut Buffer) -> &mut [u8] {
     match b {
         Buffer::F16(v) => bytemuck::cast_slice_mut::<f16, u8>(v),
         Buffer::BF16(v) => bytemuck::cast_slice_mut(v),
@@ -38,7 +39,8 @@ fn bytes_mut(b: &mut Buffer) -> &mut [u8] {
     }
 }
 
-fn bytes(b: &Buffer) -> &[u8] {
+/// The bytes of a buffer, read-only.
+pub(crate) fn bytes(b: &Buffer) -> &[u8] {
     match b {
         Buffer::F16(v) => bytemuck::cast_slice::<f16, u8>(v),
         Buffer::BF16(v) => bytemuck::cast_slice(v),
@@ -69,16 +71,49 @@ pub fn quantize_into(src: &Buffer, payload: &mut Buffer) {
                 .zip(&v[r.clone()])
                 .for_each(|(d, s)| *d = s.to_f32()),
         }
-        let peak = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = match peak.is_finite() && peak > 0.0 {
-            true => peak / 127.0,
-            false => 0.0,
-        };
-        scales[b * 4..b * 4 + 4].copy_from_slice(&scale.to_le_bytes());
-        let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-        for (q, &v) in values[r].iter_mut().zip(x.iter()) {
-            *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
-        }
+        quantize_block(x, &mut scales[b * 4..b * 4 + 4], &mut values[r]);
+    }
+}
+
+/// Writes the quantized form of the f32 `src` into the start of `out` (at least
+/// [`payload_bytes`] of `src.len()` bytes): qgZ's gradients, with no widening copy.
+pub(crate) fn quantize_f32(src: &[f32], out: &mut [u8]) {
+    let blocks = src.len().div_ceil(BLOCK);
+    let (scales, values) = out[..payload_bytes(src.len())].split_at_mut(blocks * 4);
+    for (b, (x, q)) in src.chunks(BLOCK).zip(values.chunks_mut(BLOCK)).enumerate() {
+        quantize_block(x, &mut scales[b * 4..b * 4 + 4], q);
+    }
+}
+
+/// One block: its scale (largest magnitude / 127; 0 for a block of zeros) and a signed byte per
+/// element. A block holding an Inf or NaN gets a NaN scale, so that it widens to NaN: an
+/// overflow travels on to the loss scaler's check instead of vanishing into zeros.
+fn quantize_block(x: &[f32], scale_out: &mut [u8], values: &mut [u8]) {
+    let peak = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let finite = peak.is_finite() && x.iter().all(|v| !v.is_nan());
+    let scale = match (finite, peak > 0.0) {
+        (false, _) => f32::NAN,
+        (true, true) => peak / 127.0,
+        (true, false) => 0.0,
+    };
+    scale_out.copy_from_slice(&scale.to_le_bytes());
+    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    for (q, &v) in values.iter_mut().zip(x) {
+        *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+    }
+}
+
+/// Adds the widened values of the quantized form of `dst.len()` elements at the start of
+/// `payload` into `dst` (qgZ's reduction of the payloads that arrive, in f32).
+pub(crate) fn accumulate_f32(payload: &[u8], dst: &mut [f32]) {
+    let blocks = dst.len().div_ceil(BLOCK);
+    let (scales, values) = payload.split_at(blocks * 4);
+    for (b, (d, q)) in dst.chunks_mut(BLOCK).zip(values.chunks(BLOCK)).enumerate() {
+        let at = &scales[b * 4..b * 4 + 4];
+        let s = f32::from_le_bytes([at[0], at[1], at[2], at[3]]);
+        d.iter_mut()
+            .zip(q)
+            .for_each(|(d, &q)| *d += q as i8 as f32 * s);
     }
 }
 
@@ -177,6 +212,32 @@ mod tests {
         let mut back = Buffer::F32(vec![1.0; 10]);
         dequantize_into(bytes(&p), 10, &mut back, 0);
         assert_eq!(back.into_f32().unwrap(), vec![0.0; 10]);
+    }
+
+    #[test]
+    fn gradients_accumulate_in_f32_and_an_overflow_stays_an_overflow() {
+        let len = BLOCK + 9;
+        let x = sample(len);
+        let mut payload = vec![0u8; payload_bytes(len)];
+        quantize_f32(&x, &mut payload);
+        let mut sum = vec![1.0f32; len];
+        accumulate_f32(&payload, &mut sum);
+        accumulate_f32(&payload, &mut sum);
+        let want: Vec<f32> = x.iter().map(|v| 1.0 + 2.0 * v).collect();
+        let (max, _) = relative_error(&want, &sum);
+        assert!(max < 2.0 * 0.5 / 127.0 * 0.4, "{max}");
+        for bad in [f32::INFINITY, f32::NAN] {
+            let mut y = x.clone();
+            y[BLOCK + 3] = bad;
+            quantize_f32(&y, &mut payload);
+            let mut out = vec![0.0f32; len];
+            accumulate_f32(&payload, &mut out);
+            assert!(
+                out[..BLOCK].iter().all(|v| v.is_finite()),
+                "{bad}: first block"
+            );
+            assert!(out[BLOCK..].iter().all(|v| v.is_nan()), "{bad}: its block");
+        }
     }
 
     #[test]

@@ -96,6 +96,9 @@ fn cases(n: usize) -> Vec<(CollectiveKind, DType, ReduceOp, usize, usize)> {
                 v.push((CollectiveKind::ReduceScatter, dtype, op, len, 0));
             }
             v.push((CollectiveKind::AllGather, dtype, ReduceOp::Sum, len, 0));
+            // Equal chunks: the length rounded down to a multiple of the world.
+            let even = len / n * n;
+            v.push((CollectiveKind::AllToAll, dtype, ReduceOp::Sum, even, 0));
             v.push((
                 CollectiveKind::Broadcast,
                 dtype,
@@ -131,6 +134,11 @@ fn run_world(n: usize) -> Vec<Vec<Vec<f32>>> {
                 }
                 CollectiveKind::Broadcast => comm.broadcast(make(dtype, len, rank, salt), root),
                 CollectiveKind::Barrier => comm.barrier(),
+                CollectiveKind::AllToAll => comm.all_to_all_group(
+                    zerodp::comm::Partition::World,
+                    make(dtype, len, rank, salt),
+                    Buffer::zeros(dtype, len),
+                ),
             })
             .collect();
         handles
@@ -168,6 +176,13 @@ fn every_collective_matches_the_serial_reference_for_world_sizes_1_to_8() {
                     CollectiveKind::AllGather => to_f32s(&make(dtype, len, 0, c)),
                     CollectiveKind::Broadcast => to_f32s(&inputs[root]),
                     CollectiveKind::Barrier => vec![],
+                    // Chunk j is chunk `rank` of rank j's input.
+                    CollectiveKind::AllToAll => (0..n)
+                        .flat_map(|j| {
+                            let chunk = len / n;
+                            to_f32s(&inputs[j])[rank * chunk..(rank + 1) * chunk].to_vec()
+                        })
+                        .collect(),
                 };
                 assert_eq!(
                     bits(got),
@@ -316,4 +331,63 @@ fn waiting_for_the_wrong_number_of_buffers_is_an_error_not_a_panic() {
             "{pair}"
         );
     }
+}
+
+#[test]
+fn all_to_all_sends_chunk_j_to_member_j_and_counts_the_bytes_that_cross_hosts() {
+    use zerodp::comm::Partition;
+    // Chunk j of rank r's input is tagged (r, j); member j must find it at chunk index(r).
+    let tag = |from: usize, to: usize, i: usize| (from * 100 + to * 10 + i % 7) as f32;
+    for n in 1..=6 {
+        for part in [Partition::World, Partition::Within(2), Partition::Across(2)] {
+            if !part.fits(n) {
+                continue;
+            }
+            let g = part.group_size(n);
+            let chunk = 2049;
+            let options = CommOptions {
+                ranks_per_host: (n % 2 == 0).then_some(2),
+                ..CommOptions::default()
+            };
+            let out = run_ranks(n, options, |comm, r| {
+                let fill = |f: &dyn Fn(usize, usize) -> f32| {
+                    let v: Vec<f32> = (0..g * chunk).map(|e| f(e / chunk, e % chunk)).collect();
+                    Buffer::from_f32(DType::BF16, &v)
+                };
+                let input = fill(&|j, i| tag(r, part.member(r, j), i));
+                let want = fill(&|j, i| tag(part.member(r, j), r, i));
+                let out = Buffer::zeros(DType::BF16, g * chunk);
+                let (back, got) = comm.all_to_all_group(part, input, out).wait_pair()?;
+                assert_eq!(back.len(), g * chunk);
+                Ok::<_, CommError>((got == want, comm.traffic()))
+            })
+            .unwrap();
+            for (r, (same, t)) in out.iter().enumerate() {
+                assert!(same, "world {n} {part:?} rank {r}: chunks misplaced");
+                let each = ((g - 1) * chunk * 2) as u64;
+                assert_eq!(t.sent(CollectiveKind::AllToAll), each);
+                assert_eq!(t.recv(CollectiveKind::AllToAll), each);
+                // Across hosts of two, every peer of an `Across` group is on another host and no
+                // peer of a `Within` group is.
+                let remote = match (n % 2 == 0, part) {
+                    (false, _) | (true, Partition::Within(2)) => 0,
+                    (true, Partition::Across(2)) => each,
+                    (true, _) => ((n - 2) * chunk * 2) as u64,
+                };
+                assert_eq!(t.inter_host_sent(), remote, "world {n} {part:?} rank {r}");
+            }
+        }
+    }
+    // Chunks that do not divide, or buffers that differ, are refused before any rank meets.
+    let e = run_ranks(2, CommOptions::default(), |comm, _| {
+        comm.all_to_all_group(
+            Partition::World,
+            Buffer::zeros(DType::F32, 5),
+            Buffer::zeros(DType::F32, 5),
+        )
+        .wait_pair()
+        .map(|_| ())
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("multiple of the group size"), "{e}");
 }
