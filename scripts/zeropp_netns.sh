@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# ZeRO++ on slow links: plain stage 3 against hpZ (`zero_hpz_partition_size: "auto"`) and hpZ with
-# qwZ (`zero_quantized_weights`) across two
+# ZeRO++ on slow links: plain stage 3 against hpZ (`zero_hpz_partition_size: "auto"`), hpZ with
+# qwZ (`zero_quantized_weights`) and all three with qgZ (`zero_quantized_gradients`) across two
 # namespace hosts of two ranks each (scripts/netns_hosts.sh), the link between them held to a rate
 # by tc's tbf. For each rate and each run: the median step time and tokens/s, the bytes rank 0
 # sends to the other host per step (the counters' `inter_host_sent_bytes`), and the share of the
@@ -32,14 +32,15 @@ trap cleanup EXIT
 cp "$bin" "$work/zerodp"
 awk 'BEGIN { srand(7); split("the of and to in a is that for it as was with be by on not he this are or from at which but", w, " ");
      n = 0; while (n < 300000) { s = w[int(rand() * 24) + 1] " "; printf "%s", s; n += length(s) } }' > "$work/corpus.txt"
-# name|zero_hpz_partition_size|zero_quantized_weights
-runs=("plain|1|false" "hpZ|\"auto\"|false" "hpZ+qwZ|\"auto\"|true")
+# name|zero_hpz_partition_size|zero_quantized_weights|zero_quantized_gradients
+runs=("plain|1|false|false" "hpZ|\"auto\"|false|false" "hpZ+qwZ|\"auto\"|true|false"
+    "+qgZ|\"auto\"|true|true")
 for entry in "${runs[@]}"; do
-    IFS='|' read -r name hpz qwz <<< "$entry"
+    IFS='|' read -r name hpz qwz qgz <<< "$entry"
     cat > "$work/s3-$name.json" <<JSON
 {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 1,
  "zero_optimization": {"stage": 3, "zero_hpz_partition_size": $hpz,
-   "zero_quantized_weights": $qwz,
+   "zero_quantized_weights": $qwz, "zero_quantized_gradients": $qgz,
    "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": $reuse}}
 JSON
 done

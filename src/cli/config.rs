@@ -213,6 +213,13 @@ fn stage3_rows(s: &Settings) -> Vec<(String, String)> {
                     .then(|| "int8 all-gathers".to_string())
             }),
         ),
+        (
+            "zero_quantized_gradients".into(),
+            zeropp_row(z.stage, "qgZ", {
+                z.zero_quantized_gradients
+                    .then(|| "int8 all-to-alls within, then across hosts".to_string())
+            }),
+        ),
     ]
 }
 

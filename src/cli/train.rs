@@ -547,6 +547,12 @@ fn preflight(
             engine_cfg.hpz_partition_size
         );
     }
+    if args.nccl && engine_cfg.qgz_active() {
+        bail!(
+            "zero_quantized_gradients asks for all-to-alls, which the NCCL backend does not run: \
+             remove --nccl (the MPI backend runs them) or set zero_quantized_gradients to false"
+        );
+    }
     let spec = trainer.model().spec();
     // In-process ranks share this process (and spread over its GPUs, or share cuda:N); MPI ranks
     // each have their own process (and their local rank's GPU).
@@ -783,6 +789,17 @@ fn print_banner(
              secondary partition within hosts of {} ranks (zero_hpz_partition_size)",
             cfg.hpz_partition_size
         );
+    }
+    if cfg.qwz_active() || cfg.qgz_active() {
+        let what = match (cfg.qwz_active(), cfg.qgz_active()) {
+            (true, true) => {
+                "the all-gathers carry int8 weights (qwZ) and the gradients cross \
+                             hosts as int8 all-to-alls (qgZ)"
+            }
+            (true, false) => "the all-gathers carry int8 weights (qwZ)",
+            _ => "the gradients cross hosts as int8 all-to-alls (qgZ)",
+        };
+        errln!("ZeRO++: {what}; blocks of 2048 with one f32 scale, reduced in f32");
     }
 }
 

@@ -161,7 +161,8 @@ pub struct ZeroSettings {
     /// ZeRO++ qwZ at stage 3: the parameters' all-gathers carry block-wise int8.
     pub zero_quantized_weights: bool,
     pub zero_quantized_nontrainable_weights: bool,
-    /// ZeRO++ qgZ (not supported yet).
+    /// ZeRO++ qgZ at stage 3: the gradients' reduce-scatter as int8 all-to-alls within and
+    /// across hosts.
     pub zero_quantized_gradients: bool,
     pub zeropp_loco_param: Option<LocoSettings>,
     /// MiCS (not supported yet); enabled when > 0. Default -1.

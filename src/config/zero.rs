@@ -777,12 +777,15 @@ fn stage_warnings(r: &mut Reader<'_>, obj: Obj<'_>, z: &ZeroSettings) {
              parameters' all-gathers); it has no effect at stage {stage}"
         ));
     }
+    if z.zero_quantized_gradients && stage < 3 {
+        r.warn(format!(
+            "zero_optimization.zero_quantized_gradients only acts at stage 3 (it quantizes the \
+             gradients' reduce-scatter); it has no effect at stage {stage}"
+        ));
+    }
     let mut zpp = Vec::new();
     if z.zero_quantized_nontrainable_weights {
         zpp.push("zero_quantized_nontrainable_weights");
-    }
-    if z.zero_quantized_gradients {
-        zpp.push("zero_quantized_gradients");
     }
     if z.zeropp_loco_param.is_some() {
         zpp.push("zeropp_loco_param");

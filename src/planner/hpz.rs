@@ -5,7 +5,8 @@
 //! With hpZ each node keeps a secondary partition of the parameters (every unit split over the
 //! node's devices). A unit's first all-gather of a step crosses nodes as plain stage 3's does;
 //! every later one (the other micro-steps' forwards, the backward, a recomputation) gathers the
-//! secondary partition inside the node. The gradients' reduce-scatter is unchanged.
+//! secondary partition inside the node. The gradients' reduce-scatter is unchanged by hpZ; qgZ
+//! replaces it by int8 all-to-alls within and across nodes.
 
 use super::cluster::{Cluster, Collective};
 use super::traffic::{priced, CollectiveTraffic};
@@ -29,6 +30,11 @@ pub struct HpzEffect {
     /// nodes and the step time.
     pub inter_node_bytes_with_qwz: u64,
     pub step_s_with_qwz: f64,
+    /// With qwZ and qgZ too (`zero_quantized_gradients`: the gradients reduced by int8
+    /// all-to-alls within the node, then across nodes on a node's 1/g): bytes to other nodes
+    /// and the step time.
+    pub inter_node_bytes_with_qgz: u64,
+    pub step_s_with_qgz: f64,
     /// Memory per device of the secondary partition.
     pub secondary_bytes: u64,
     /// Whether the option still fits its devices with the secondary partition.
@@ -69,6 +75,10 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
     let param = input.precision.param_bytes() as f64;
     let qwz = (1.0 + 4.0 / crate::zero::quantize::BLOCK as f64) / param;
     let (mut qwz_inter, mut qwz_comm_s) = (0u64, 0.0);
+    let (mut qgz_inter, mut qgz_comm_s) = (0u64, 0.0);
+    // qgZ: int8 and a scale per block instead of the gradients' communication bytes.
+    let qgz =
+        (1.0 + 4.0 / crate::zero::quantize::BLOCK as f64) / input.precision.param_bytes() as f64;
     for t in &option.collectives {
         let crossing = inter_node(t.op, t.full_bytes, c);
         plain_inter = plain_inter.saturating_add(crossing);
@@ -104,10 +114,26 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
             };
             qwz_inter = qwz_inter.saturating_add(inter_node(f.op, bytes, c));
             qwz_comm_s += secs;
+            let (bytes, secs) = match f.op == Collective::ReduceScatter {
+                // Within the node on the whole gradient, then across on the node's 1/g share,
+                // the node's links shared by its g devices: the hierarchical algorithm's time.
+                true => {
+                    let q = (f.full_bytes as f64 * qgz) as u64;
+                    let t = c.hierarchical_time(f.op, q as f64 / f.calls.max(1) as f64);
+                    (
+                        inter_node(f.op, q, c) / c.devices_per_node,
+                        t * f.calls.max(1) as f64,
+                    )
+                }
+                false => (inter_node(f.op, bytes, c), secs),
+            };
+            qgz_inter = qgz_inter.saturating_add(bytes);
+            qgz_comm_s += secs;
         }
         if let Some(l) = &later {
             comm_s += l.predicted_s;
             qwz_comm_s += l.predicted_s;
+            qgz_comm_s += l.predicted_s;
         }
     }
     let secondary_bytes = first_gathers / c.devices_per_node;
@@ -121,6 +147,8 @@ pub fn hpz_effect(input: &PlanInput, option: &PlanOption) -> Option<HpzEffect> {
         step_s,
         inter_node_bytes_with_qwz: qwz_inter,
         step_s_with_qwz: option.predicted_compute_s + qwz_comm_s + option.offload.predicted_s,
+        inter_node_bytes_with_qgz: qgz_inter,
+        step_s_with_qgz: option.predicted_compute_s + qgz_comm_s + option.offload.predicted_s,
         secondary_bytes,
         fits,
         worth_it: fits && step_s < WORTH * option.predicted_step_s,

@@ -116,10 +116,12 @@ fn hpz_reason(best: &PlanOption) -> Option<String> {
     );
     Some(match (h.worth_it, h.fits) {
         (true, _) => format!(
-            "turn on ZeRO++'s hpZ (zero_hpz_partition_size: {}): the backward's all-gathers stay inside the node, {saving}; with zero_quantized_weights too (qwZ, int8 gathers) {} per step, {} per device to other nodes",
+            "turn on ZeRO++'s hpZ (zero_hpz_partition_size: {}): the backward's all-gathers stay inside the node, {saving}; with zero_quantized_weights too (qwZ, int8 gathers) {} per step, {} per device to other nodes; and with zero_quantized_gradients (qgZ, int8 gradients across nodes) {} per step, {} per device to other nodes",
             h.ranks_per_host,
             format_seconds(h.step_s_with_qwz),
-            format_gb(h.inter_node_bytes_with_qwz)
+            format_gb(h.inter_node_bytes_with_qwz),
+            format_seconds(h.step_s_with_qgz),
+            format_gb(h.inter_node_bytes_with_qgz)
         ),
         (false, true) => format!(
             "hpZ (zero_hpz_partition_size: {}) would gain little on this network: {saving}",

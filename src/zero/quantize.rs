@@ -77,7 +77,7 @@ pub fn quantize_into(src: &Buffer, payload: &mut Buffer) {
 
 /// Writes the quantized form of the f32 `src` into the start of `out` (at least
 /// [`payload_bytes`] of `src.len()` bytes): qgZ's gradients, with no widening copy.
-pub(crate) fn quantize_f32(src: &[f32], out: &mut [u8]) {
+pub fn quantize_f32(src: &[f32], out: &mut [u8]) {
     let blocks = src.len().div_ceil(BLOCK);
     let (scales, values) = out[..payload_bytes(src.len())].split_at_mut(blocks * 4);
     for (b, (x, q)) in src.chunks(BLOCK).zip(values.chunks_mut(BLOCK)).enumerate() {
@@ -89,23 +89,34 @@ pub(crate) fn quantize_f32(src: &[f32], out: &mut [u8]) {
 /// element. A block holding an Inf or NaN gets a NaN scale, so that it widens to NaN: an
 /// overflow travels on to the loss scaler's check instead of vanishing into zeros.
 fn quantize_block(x: &[f32], scale_out: &mut [u8], values: &mut [u8]) {
-    let peak = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-    let finite = peak.is_finite() && x.iter().all(|v| !v.is_nan());
+    // The largest magnitude as bits: an integer maximum vectorizes where a float one does not,
+    // and any Inf or NaN has the largest bits of all.
+    let bits = x.iter().fold(0u32, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
+    let (peak, finite) = (f32::from_bits(bits), bits < 0x7f80_0000);
     let scale = match (finite, peak > 0.0) {
         (false, _) => f32::NAN,
         (true, true) => peak / 127.0,
         (true, false) => 0.0,
     };
     scale_out.copy_from_slice(&scale.to_le_bytes());
-    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+    if !(finite && peak > 0.0) {
+        values.fill(0);
+        return;
+    }
+    let inv = 1.0 / scale;
+    // Round to nearest (ties to even) by adding and taking away 1.5 x 2^23, which needs no
+    // rounding instruction and so vectorizes on every x86-64.
+    const MAGIC: f32 = 12_582_912.0;
     for (q, &v) in values.iter_mut().zip(x) {
-        *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+        let t = ((v * inv).clamp(-127.0, 127.0) + MAGIC) - MAGIC;
+        // SAFETY: `t` is finite (the block is) and within [-127, 127].
+        *q = unsafe { t.to_int_unchecked::<i32>() } as i8 as u8;
     }
 }
 
 /// Adds the widened values of the quantized form of `dst.len()` elements at the start of
 /// `payload` into `dst` (qgZ's reduction of the payloads that arrive, in f32).
-pub(crate) fn accumulate_f32(payload: &[u8], dst: &mut [f32]) {
+pub fn accumulate_f32(payload: &[u8], dst: &mut [f32]) {
     let blocks = dst.len().div_ceil(BLOCK);
     let (scales, values) = payload.split_at(blocks * 4);
     for (b, (d, q)) in dst.chunks_mut(BLOCK).zip(values.chunks(BLOCK)).enumerate() {

@@ -261,8 +261,8 @@ fn config_check_json_shows_unresolved_auto_as_null() {
     assert!(v["gradient_clipping"].is_null());
 }
 
-/// A ZeRO++ config as DeepSpeed's tutorial writes it: `config check` reports hpZ and qwZ as
-/// acted on at stage 3 and warns only about what is not built.
+/// A ZeRO++ config as DeepSpeed's tutorial writes it: `config check` reports hpZ, qwZ and qgZ as
+/// acted on at stage 3, with no warning.
 #[test]
 fn config_check_reports_zeropp_keys_as_acted_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -287,7 +287,8 @@ fn config_check_reports_zeropp_keys_as_acted_on() {
     assert!(text.contains("8 ranks per host (hpZ: acted on)"), "{text}");
     assert!(text.contains("int8 all-gathers (qwZ: acted on)"), "{text}");
     assert!(
-        text.contains("(zero_quantized_gradients) are not supported yet"),
+        text.contains("int8 all-to-alls within, then across hosts (qgZ: acted on)"),
         "{text}"
     );
+    assert!(!text.contains("not supported yet"), "{text}");
 }

@@ -496,6 +496,14 @@ fn hpz_is_chosen_on_a_slow_link_and_not_on_a_fast_one() {
         "{with_qwz} vs {plain}"
     );
     assert!(h["step_s_with_qwz"].as_f64().unwrap() < h["step_s"].as_f64().unwrap());
+    // qgZ: the reduce-scatter's third in int8 (half of bf16), and only a node's 1/8 of it
+    // crosses: (1/2 + 1/2 / 8) / 3 of plain stage 3's bytes.
+    let with_qgz = h["inter_node_bytes_with_qgz"].as_f64().unwrap();
+    assert!(
+        (with_qgz / plain - 0.1875).abs() < 0.002,
+        "{with_qgz} vs {plain}"
+    );
+    assert!(h["step_s_with_qgz"].as_f64().unwrap() < h["step_s_with_qwz"].as_f64().unwrap());
     // The secondary partition: the 16-bit parameters over a node's 8 devices.
     assert_eq!(h["secondary_bytes"].as_f64().unwrap(), 45e9 * 2.0 / 8.0);
     let table = run("10Gbps", "table");
