@@ -492,9 +492,15 @@ fn train_and_compare_with(
         "{tag}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let stderr = String::from_utf8_lossy(&out.stderr);
     if extra.contains("hpz") {
-        let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("ZeRO++ hpZ"), "{tag}: hpZ is off\n{stderr}");
+    }
+    if extra.contains("quantized_gradients") {
+        assert!(
+            stderr.contains("int8 all-to-alls (qgZ)"),
+            "{tag}: qgZ is off\n{stderr}"
+        );
     }
     let mut args = common(&m_inp);
     args.extend(["--world-size".into(), np.to_string()]);
@@ -1083,6 +1089,11 @@ fn training_across_two_namespace_hosts_equals_in_process_bitwise() {
     for bf16 in [false, true] {
         train_and_compare_with(Some(&hosts), dir.path(), (4, 3, bf16), hpz);
     }
+    // All of ZeRO++ (hpZ, qwZ, qgZ) on hosts of 2: in one process the partition stands for the
+    // hosts, so qgZ's two all-to-alls (within, then across) run alike and give the same bits.
+    let zeropp = r#""zero_hpz_partition_size": 2, "zero_quantized_weights": true,
+        "zero_quantized_gradients": true,"#;
+    train_and_compare_with(Some(&hosts), dir.path(), (4, 3, false), zeropp);
 }
 
 #[test]

@@ -601,6 +601,13 @@ impl Engine {
                      zero_hpz_partition_size off on GPUs"
                 ),
             }),
+            Call::AllToAll(_, _, part) => Err(CommError::InvalidArgument {
+                rank: self.rank,
+                what: format!(
+                    "NCCL runs no all-to-all here ({part:?}); turn zero_quantized_gradients off \
+                     on GPUs"
+                ),
+            }),
             Call::Broadcast(mut buf, root) => {
                 self.broadcast_bytes(bytes_of_mut(&mut buf), root)?;
                 Ok(vec![buf])

@@ -21,6 +21,7 @@ mod cluster;
 mod deepspeed;
 mod engine;
 mod hpz;
+mod hsdp;
 mod memory;
 mod model;
 pub mod preflight;
@@ -34,6 +35,7 @@ pub use cluster::{interconnect, Algorithm, Cluster, Collective, HostLinks, Link,
 pub use deepspeed::{config_precision, ConfigKeys};
 pub use engine::{comm_dtype, planned_engine_config, run_settings, EngineRun};
 pub use hpz::HpzEffect;
+pub use hsdp::HsdpEffect;
 pub use memory::{
     activation_bytes, engine_buffer_bytes, model_state_bytes, persistent_elements, Activations,
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ReductionDtypes,
@@ -277,6 +279,9 @@ pub struct PlanOption {
     pub recommended: bool,
     /// Stage 3 across nodes: the same option with ZeRO++'s hpZ (set by [`plan`]).
     pub hpz: Option<HpzEffect>,
+    /// Stage 3 across nodes: the same option as HSDP, sharded within nodes and replicated
+    /// across them (set by [`plan`]; a comparison: zerodp does not run it).
+    pub hsdp: Option<HsdpEffect>,
 }
 
 impl PlanOption {
@@ -406,6 +411,7 @@ pub fn plan_option(input: &PlanInput, choice: ZeroChoice) -> PlanOption {
         predicted_step_s: compute_s + comm_s + offload.predicted_s,
         recommended: false,
         hpz: None,
+        hsdp: None,
     }
 }
 
@@ -561,6 +567,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan, PlanError> {
     }
     for o in &mut options {
         o.hpz = hpz::hpz_effect(input, o);
+        o.hsdp = hsdp::hsdp_effect(input, o);
     }
     let recommendation = recommend(input, &options);
     for o in &mut options {

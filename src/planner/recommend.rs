@@ -54,6 +54,7 @@ pub fn recommend(input: &PlanInput, options: &[PlanOption]) -> Recommendation {
             }
             reasons.extend(network_comparisons(best, &ranked));
             reasons.extend(hpz_reason(best));
+            reasons.extend(hsdp_reason(best));
         }
         None => {
             reasons.push(format!(
@@ -132,6 +133,22 @@ fn hpz_reason(best: &PlanOption) -> Option<String> {
             h.ranks_per_host
         ),
     })
+}
+
+/// HSDP for a stage-3 choice across nodes, named where it would be faster by enough and fits
+/// (zerodp does not run it: FSDP's and DeepSpeed's users can).
+fn hsdp_reason(best: &PlanOption) -> Option<String> {
+    let h = best.hsdp.as_ref().filter(|h| h.worth_it)?;
+    Some(format!(
+        "HSDP (stage 3 within each node of {} devices, data parallel across nodes: FSDP's HYBRID_SHARD, DeepSpeed's MiCS) would take {} instead of {} per step ({} instead of {} per device to other nodes), for {} per device of model states instead of {}; zerodp does not run it",
+        h.shard_size,
+        format_seconds(h.step_s),
+        format_seconds(best.predicted_step_s),
+        format_gb(h.inter_node_bytes),
+        format_gb(best.hpz.as_ref().map_or(0, |p| p.inter_node_bytes)),
+        format_gb(h.model_state_bytes),
+        format_gb(best.bytes_per_device.model_states)
+    ))
 }
 
 /// What the network and the host links do to the alternatives that also fit.

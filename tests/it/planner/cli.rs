@@ -525,3 +525,62 @@ fn hpz_is_chosen_on_a_slow_link_and_not_on_a_fast_one() {
         "{table}"
     );
 }
+
+/// HSDP across hosts (stage 3 within a node, data parallel across): its model states are the
+/// node's shard, only the gradient shards' all-reduce crosses nodes, and the recommendation
+/// names it, as something zerodp does not run, where it is faster and fits.
+#[test]
+fn hsdp_is_priced_beside_stage_3_across_hosts() {
+    let stage3 = |params: &str, format: &str| {
+        let (code, out, err) = zerodp(&[
+            "--params",
+            params,
+            "--hosts",
+            "2",
+            "--ranks-per-host",
+            "8",
+            "--device-memory",
+            "80GB",
+            "--inter-host-bandwidth",
+            "10Gbps",
+            // Too little host memory to offload: stage 3 is the choice.
+            "--host-memory",
+            "100GB",
+            "--format",
+            format,
+        ]);
+        assert_eq!(code, 0, "{err}");
+        out
+    };
+    let json = |params: &str| {
+        let v: serde_json::Value = serde_json::from_str(&stage3(params, "json")).unwrap();
+        let o = v
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|o| o["label"] == "stage 3")
+            .cloned();
+        o.unwrap()["hsdp"].clone()
+    };
+    // bf16 mixed precision: 16 bytes of model states per parameter over a node's 8 devices; the
+    // bf16 gradient shard (2 bytes x params / 8) all-reduced with the other node: 2 x 1/2 of it.
+    let h = json("30e9");
+    assert_eq!(h["shard_size"], 8);
+    assert_eq!(h["model_state_bytes"].as_f64().unwrap(), 16.0 * 30e9 / 8.0);
+    let inter = h["inter_node_bytes"].as_f64().unwrap();
+    assert!((inter / (2.0 * 30e9 / 8.0) - 1.0).abs() < 1e-6, "{h}");
+    assert!(
+        h["fits"].as_bool().unwrap() && h["worth_it"].as_bool().unwrap(),
+        "{h}"
+    );
+    let table = stage3("30e9", "table");
+    assert!(
+        table.contains("HSDP (stage 3 within each node of 8 devices"),
+        "{table}"
+    );
+    assert!(table.contains("zerodp does not run it"), "{table}");
+    // 45e9 parameters: a node's shard of the model states (90 GB) does not fit 80 GB.
+    let h = json("45e9");
+    assert!(!h["fits"].as_bool().unwrap(), "{h}");
+    assert!(!stage3("45e9", "table").contains("HSDP ("));
+}
