@@ -286,6 +286,11 @@ mod tests {
             let max = err.iter().fold(0.0f32, |m, &v| m.max(v));
             let rms = (err.iter().map(|e| e * e).sum::<f32>() / shard as f32).sqrt();
             let case = format!("world {world} hosts of {per_host:?} rank {r}");
+            let (rel_max, rel_rms) = super::super::quantize::relative_error(&exact, got);
+            eprintln!(
+                "{case}: qgZ reduce-scatter against f32: max {max:.3e} rms {rms:.3e} \
+                 (relative to the exact shard's peak: max {rel_max:.3e} rms {rel_rms:.3e})"
+            );
             assert!(max <= peak / 127.0 * 1.001, "{case}: {max} vs {peak}");
             assert!(rms < peak / 127.0 / 4.0, "{case}: rms {rms}");
             assert!(max > 0.0, "{case}: quantized, so not exact");
