@@ -22,7 +22,7 @@
 //! | `peak_bytes` | the largest `total` so far, gathered parameters in flight included |
 //! | `device_tier_bytes` | what the device tier holds in GPU memory when it is there (one GPU without offload: parameters, gradients, master and moments; `model_state_bytes` are then its host mirror), else 0 |
 //! | `eval_loss`, `eval_ppl`, `eval_tokens` | only on a step after which held-out data was scored: the mean token cross-entropy, its exponential and the tokens scored (the same on every rank) |
-//! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`), ring-algorithm byte counts |
+//! | `sent_bytes`, `recv_bytes`, `calls` | this rank's traffic in this step per collective (`all_reduce`, `reduce_scatter`, `all_gather`, `broadcast`, `all_to_all`), ring-algorithm byte counts |
 //! | `inter_host_sent_bytes`, `inter_host_recv_bytes` | of those, the bytes to and from ranks on other hosts (all 0 on one host; in one process, hpZ's host groups stand for hosts) |
 
 use super::{StepEvent, StepObserver, TrainerError};
@@ -306,7 +306,8 @@ mod tests {
         let k = TrafficByKind::from_counters(&t);
         assert_eq!(k.sent_bytes["reduce_scatter"], 7);
         assert_eq!(k.recv_bytes["all_gather"], 9);
-        assert_eq!(k.sent_bytes.len(), 4);
+        assert_eq!(k.sent_bytes.len(), 5);
+        assert!(k.sent_bytes.contains_key("all_to_all"));
         assert!(!k.sent_bytes.contains_key("barrier"));
     }
 }
