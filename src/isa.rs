@@ -3,7 +3,8 @@
 //! what an AVX2-only server runs. Every kernel's run-time dispatch asks [`allows`]: the
 //! element-wise ops and attention, the Adam step, the bf16 products (AVX512-BF16) and AMX, the
 //! 16-bit reductions. The f32 products of the `gemm` crate use AVX2 with FMA either way (its
-//! AVX-512 kernels need a nightly compiler). Decided once per process.
+//! AVX-512 kernels need a nightly compiler). On aarch64 `portable` turns off the hand-written NEON
+//! kernels ([`neon`]). Decided once per process.
 
 /// The environment variable that caps the kernels: `avx512` (no cap), `avx2` or `portable`.
 pub const ISA_ENV: &str = "ZERODP_ISA";
@@ -57,6 +58,12 @@ pub fn cap() -> Isa {
 /// Whether kernels may use `isa` (the CPU must have it too: each kernel checks that itself).
 pub fn allows(isa: Isa) -> bool {
     isa <= cap()
+}
+
+/// Whether aarch64's hand-written NEON kernels run: on every aarch64 CPU (NEON is its baseline)
+/// unless `ZERODP_ISA=portable`, which leaves the portable loops the compiler vectorises itself.
+pub fn neon() -> bool {
+    cfg!(target_arch = "aarch64") && cap() > Isa::Portable
 }
 
 #[cfg(test)]

@@ -92,11 +92,28 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
     // (those checks cost as much as the multiply-adds). The panels and strides come from
     // `CausalAttention::width`'s checked shapes, so this holds; were it not to, the bounds-checked
     // loop below would run instead of the unchecked one.
-    #[cfg(target_arch = "x86_64")]
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     let in_bounds = {
         let last = (R - 1) * a.row + (ks.end - 1) * a.col;
         last < a.data.len() && (ks.end - 1) * ldb + NR <= b.len()
     };
+    #[cfg(target_arch = "aarch64")]
+    if in_bounds
+        && crate::isa::neon()
+        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
+    {
+        let a32 = Strided {
+            data: bytemuck::cast_slice::<T, f32>(a.data),
+            row: a.row,
+            col: a.col,
+        };
+        // SAFETY: the reads are in bounds (`in_bounds`); T is f32, so the cast is the same bits.
+        let tile = unsafe { tile_f32_neon::<R>(a32, bytemuck::cast_slice(b), ldb, ks) };
+        for (acc, row) in acc.iter_mut().zip(&tile) {
+            bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
+        }
+        return acc;
+    }
     #[cfg(target_arch = "x86_64")]
     if AVX512 && in_bounds && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
         let a32 = Strided {
@@ -112,6 +129,18 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
         }
         return acc;
     }
+    tile_portable(a, b, ldb, ks, acc)
+}
+
+/// [`tile`]'s loop as written, bounds-checked: what any CPU without a hand-written tile runs.
+#[inline(always)]
+fn tile_portable<T: Real, const R: usize>(
+    a: Strided<'_, T>,
+    b: &[T],
+    ldb: usize,
+    ks: Range<usize>,
+    mut acc: [[T; NR]; R],
+) -> [[T; NR]; R] {
     for p in ks {
         let b_row = &b[p * ldb..][..NR];
         for (i, acc) in acc.iter_mut().enumerate() {
@@ -122,6 +151,52 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
         }
     }
     acc
+}
+
+/// [`tile`] for f32 with NEON intrinsics (aarch64's baseline), the same fused multiply-adds in
+/// the same order, so the same bits. A row's 32 columns are 8 vectors: all of them for 6 rows
+/// would need 48 accumulators of NEON's 32 registers, so the tile runs as two halves of 16
+/// columns (24 accumulators and 4 loads), each over every `p`.
+///
+/// # Safety
+/// `a` and `b` hold every entry the loop reads (see [`tile`]).
+#[cfg(target_arch = "aarch64")]
+#[inline]
+unsafe fn tile_f32_neon<const R: usize>(
+    a: Strided<'_, f32>,
+    b: &[f32],
+    ldb: usize,
+    ks: Range<usize>,
+) -> [[f32; NR]; R] {
+    use std::arch::aarch64::*;
+    let mut out = [[0f32; NR]; R];
+    for half in 0..2 {
+        // SAFETY: the caller checked that every read is in bounds; `out` rows hold NR floats.
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); 4]; R];
+            for p in ks.clone() {
+                let bp = b.as_ptr().add(p * ldb + half * 16);
+                let bv = [
+                    vld1q_f32(bp),
+                    vld1q_f32(bp.add(4)),
+                    vld1q_f32(bp.add(8)),
+                    vld1q_f32(bp.add(12)),
+                ];
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let x = vdupq_n_f32(*a.data.get_unchecked(i * a.row + p * a.col));
+                    for (s, &y) in acc.iter_mut().zip(&bv) {
+                        *s = vfmaq_f32(*s, x, y);
+                    }
+                }
+            }
+            for (o, acc) in out.iter_mut().zip(&acc) {
+                for (j, &v) in acc.iter().enumerate() {
+                    vst1q_f32(o.as_mut_ptr().add(half * 16 + 4 * j), v);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// [`tile`] for f32 with AVX-512 intrinsics: two vectors of accumulators per row.
@@ -817,6 +892,51 @@ wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: (SharedRows<T>,
 #[cfg(test)]
 mod tests {
     use super::CausalAttention;
+
+    /// The hand-written f32 tile of this CPU (NEON on aarch64; AVX-512 where the CPU has it)
+    /// gives the portable loop's bits, for every row count and inner lengths around the lanes.
+    #[test]
+    fn the_intrinsic_tiles_equal_the_portable_loop_bit_for_bit() {
+        use super::{tile_portable, Strided, MR, NR};
+        let (rows, inner) = (MR, 37);
+        let a: Vec<f32> = (0..rows * inner)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+            .collect();
+        let b: Vec<f32> = (0..inner * NR)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.021)
+            .collect();
+        let strided = Strided {
+            data: &a[..],
+            row: inner,
+            col: 1,
+        };
+        let bits =
+            |t: &[[f32; NR]; MR]| -> Vec<u32> { t.iter().flatten().map(|v| v.to_bits()).collect() };
+        let mut checked = 0;
+        for ks in [0..inner, 3..inner, 0..1, 5..6, 0..0] {
+            let want = tile_portable::<f32, MR>(strided, &b, NR, ks.clone(), [[0.0; NR]; MR]);
+            #[cfg(target_arch = "aarch64")]
+            if !ks.is_empty() {
+                // SAFETY: every read of a 6 x 37 matrix and a 37 x 32 one is in bounds.
+                let got = unsafe { super::tile_f32_neon::<MR>(strided, &b, NR, ks.clone()) };
+                assert_eq!(bits(&got), bits(&want), "NEON tile over {ks:?}");
+                checked += 1;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if !ks.is_empty()
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU has AVX-512F and FMA; the reads are in bounds as above.
+                let got = unsafe { super::tile_f32_avx512::<MR>(strided, &b, NR, ks.clone()) };
+                assert_eq!(bits(&got), bits(&want), "AVX-512 tile over {ks:?}");
+                checked += 1;
+            }
+        }
+        if checked == 0 {
+            eprintln!("SKIPPED: this CPU has no hand-written attention tile");
+        }
+    }
 
     /// Causal attention in f64 from the definition, for one sequence: `y [t, c]` and, for the
     /// output gradient `dy`, `dqkv [t, 3c]`.
