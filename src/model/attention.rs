@@ -84,7 +84,7 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
     ldb: usize,
     ks: Range<usize>,
 ) -> [[T; NR]; R] {
-    let mut acc = [[lit::<T>(0.0); NR]; R];
+    let acc = [[lit::<T>(0.0); NR]; R];
     if ks.is_empty() {
         return acc;
     }
@@ -97,39 +97,42 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
         let last = (R - 1) * a.row + (ks.end - 1) * a.col;
         last < a.data.len() && (ks.end - 1) * ldb + NR <= b.len()
     };
+    #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+    let f32_tile = in_bounds && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
     #[cfg(target_arch = "aarch64")]
-    if in_bounds
-        && crate::isa::neon()
-        && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>()
-    {
-        let a32 = Strided {
-            data: bytemuck::cast_slice::<T, f32>(a.data),
-            row: a.row,
-            col: a.col,
-        };
-        // SAFETY: the reads are in bounds (`in_bounds`); T is f32, so the cast is the same bits.
-        let tile = unsafe { tile_f32_neon::<R>(a32, bytemuck::cast_slice(b), ldb, ks) };
-        for (acc, row) in acc.iter_mut().zip(&tile) {
-            bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
-        }
-        return acc;
+    if f32_tile && crate::isa::neon() {
+        // SAFETY: the reads are in bounds (`in_bounds`).
+        return as_f32_tile(a, b, |a, b| unsafe { tile_f32_neon::<R>(a, b, ldb, ks) });
     }
     #[cfg(target_arch = "x86_64")]
-    if AVX512 && in_bounds && std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
-        let a32 = Strided {
-            data: bytemuck::cast_slice::<T, f32>(a.data),
-            row: a.row,
-            col: a.col,
-        };
+    if AVX512 && f32_tile {
         // SAFETY: AVX512 is set only in code compiled for AVX-512F and FMA, run on a CPU that
-        // has them; the reads are in bounds (`in_bounds`); T is f32, so the cast is the same bits.
-        let tile = unsafe { tile_f32_avx512::<R>(a32, bytemuck::cast_slice(b), ldb, ks) };
-        for (acc, row) in acc.iter_mut().zip(&tile) {
-            bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
-        }
-        return acc;
+        // has them; the reads are in bounds (`in_bounds`).
+        return as_f32_tile(a, b, |a, b| unsafe { tile_f32_avx512::<R>(a, b, ldb, ks) });
     }
     tile_portable(a, b, ldb, ks, acc)
+}
+
+/// Runs an f32 tile `kernel` on `a` and `b` of a `T` that is f32 (the caller checked), and
+/// hands its result back as `T`: the same bits.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[inline(always)]
+fn as_f32_tile<T: Real, const R: usize>(
+    a: Strided<'_, T>,
+    b: &[T],
+    kernel: impl FnOnce(Strided<'_, f32>, &[f32]) -> [[f32; NR]; R],
+) -> [[T; NR]; R] {
+    let a32 = Strided {
+        data: bytemuck::cast_slice::<T, f32>(a.data),
+        row: a.row,
+        col: a.col,
+    };
+    let tile = kernel(a32, bytemuck::cast_slice(b));
+    let mut acc = [[lit::<T>(0.0); NR]; R];
+    for (acc, row) in acc.iter_mut().zip(&tile) {
+        bytemuck::cast_slice_mut::<T, f32>(acc).copy_from_slice(row);
+    }
+    acc
 }
 
 /// [`tile`]'s loop as written, bounds-checked: what any CPU without a hand-written tile runs.

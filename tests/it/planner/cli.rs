@@ -451,24 +451,7 @@ fn device_memory_gpu_reads_this_process_gpu_or_says_why_not() {
 /// not where it is fast; JSON gives its bytes and times beside stage 3's.
 #[test]
 fn hpz_is_chosen_on_a_slow_link_and_not_on_a_fast_one() {
-    let run = |bandwidth: &str, format: &str| {
-        let (code, out, err) = zerodp(&[
-            "--params",
-            "45e9",
-            "--hosts",
-            "2",
-            "--ranks-per-host",
-            "8",
-            "--device-memory",
-            "80GB",
-            "--inter-host-bandwidth",
-            bandwidth,
-            "--format",
-            format,
-        ]);
-        assert_eq!(code, 0, "{err}");
-        out
-    };
+    let run = |bandwidth: &str, format: &str| across_hosts("45e9", bandwidth, &[], format);
     let stage3 = |bandwidth: &str| {
         let v: serde_json::Value = serde_json::from_str(&run(bandwidth, "json")).unwrap();
         let options = v.as_array().expect("a list of options");
@@ -531,27 +514,9 @@ fn hpz_is_chosen_on_a_slow_link_and_not_on_a_fast_one() {
 /// names it, as something zerodp does not run, where it is faster and fits.
 #[test]
 fn hsdp_is_priced_beside_stage_3_across_hosts() {
-    let stage3 = |params: &str, format: &str| {
-        let (code, out, err) = zerodp(&[
-            "--params",
-            params,
-            "--hosts",
-            "2",
-            "--ranks-per-host",
-            "8",
-            "--device-memory",
-            "80GB",
-            "--inter-host-bandwidth",
-            "10Gbps",
-            // Too little host memory to offload: stage 3 is the choice.
-            "--host-memory",
-            "100GB",
-            "--format",
-            format,
-        ]);
-        assert_eq!(code, 0, "{err}");
-        out
-    };
+    // Too little host memory to offload: stage 3 is the choice.
+    let host = ["--host-memory", "100GB"];
+    let stage3 = |params: &str, format: &str| across_hosts(params, "10Gbps", &host, format);
     let json = |params: &str| {
         let v: serde_json::Value = serde_json::from_str(&stage3(params, "json")).unwrap();
         let o = v
@@ -583,4 +548,27 @@ fn hsdp_is_priced_beside_stage_3_across_hosts() {
     let h = json("45e9");
     assert!(!h["fits"].as_bool().unwrap(), "{h}");
     assert!(!stage3("45e9", "table").contains("HSDP ("));
+}
+
+/// `zerodp plan` of `params` on 2 hosts of 8 devices of 80 GB joined at `bandwidth`, with
+/// `extra` flags, in `format`: its stdout.
+fn across_hosts(params: &str, bandwidth: &str, extra: &[&str], format: &str) -> String {
+    let mut args = vec![
+        "--params",
+        params,
+        "--hosts",
+        "2",
+        "--ranks-per-host",
+        "8",
+        "--device-memory",
+        "80GB",
+        "--inter-host-bandwidth",
+        bandwidth,
+        "--format",
+        format,
+    ];
+    args.extend_from_slice(extra);
+    let (code, out, err) = zerodp(&args);
+    assert_eq!(code, 0, "{err}");
+    out
 }
