@@ -84,27 +84,13 @@ pub(crate) fn start(
     payloads: (Buffer, Buffer),
 ) -> Result<Flight, CommError> {
     let (h, n) = (hosts.per_host, hosts.count());
-    let shard = grad.len() / hosts.world;
-    let (mut send, mut recv) = payloads;
     if h == 1 {
         // Every rank its own host: the shards are the host's sums already.
-        let owners: Vec<usize> = (0..n).collect();
-        return issue_across(comm, hosts, unit, grad, &owners, (send, recv));
+        return issue_across(comm, hosts, unit, grad, 0..n, payloads);
     }
-    let each = quantized_elems(shard);
-    fit(&mut send, hosts.world * each);
-    fit(&mut recv, hosts.world * each);
-    let out = bytes_mut(&mut send);
-    // Chunk l' holds, for every host n', shard n' x h + l'.
-    for l in 0..h {
-        for host in 0..n {
-            let s = host * h + l;
-            let at = (l * n + host) * each * 2;
-            let src = &grad[s * shard..(s + 1) * shard];
-            super::quantize::quantize_f32(src, &mut out[at..at + each * 2]);
-        }
-    }
-    let handle = comm.all_to_all_group(Partition::Within(h), send, recv);
+    // Chunk l' holds, for every host n', shard n' x h + l': slot l' x n + n'.
+    let order = (0..h * n).map(|slot| (slot % n) * h + slot / n);
+    let handle = issue(comm, (&grad, hosts), order, Partition::Within(h), payloads);
     Ok(Flight {
         unit,
         grad,
@@ -113,33 +99,46 @@ pub(crate) fn start(
     })
 }
 
-/// Quantizes the host sums of the shards `owners[n']` (one per host, in host order) into the
-/// send payload and issues the all-to-all across hosts.
+/// Quantizes the host sums of the shards `owners` (one per host, in host order) into the send
+/// payload and issues the all-to-all across hosts.
 fn issue_across(
     comm: &dyn Communicator,
     hosts: Hosts,
     unit: usize,
     grad: Vec<f32>,
-    owners: &[usize],
-    (mut send, mut recv): (Buffer, Buffer),
+    owners: impl ExactSizeIterator<Item = usize>,
+    payloads: (Buffer, Buffer),
 ) -> Result<Flight, CommError> {
-    let shard = grad.len() / hosts.world;
-    let each = quantized_elems(shard);
-    fit(&mut send, owners.len() * each);
-    fit(&mut recv, owners.len() * each);
-    let out = bytes_mut(&mut send);
-    for (host, &s) in owners.iter().enumerate() {
-        let at = host * each * 2;
-        let src = &grad[s * shard..(s + 1) * shard];
-        super::quantize::quantize_f32(src, &mut out[at..at + each * 2]);
-    }
-    let handle = comm.all_to_all_group(Partition::Across(hosts.per_host), send, recv);
+    let part = Partition::Across(hosts.per_host);
+    let handle = issue(comm, (&grad, hosts), owners, part, payloads);
     Ok(Flight {
         unit,
         grad,
         phase: Phase::Across,
         handle,
     })
+}
+
+/// Quantizes the gradient's shards `order` one after the other into the send payload (both
+/// payloads fitted to that many) and issues the all-to-all within `part`'s groups.
+fn issue(
+    comm: &dyn Communicator,
+    (grad, hosts): (&[f32], Hosts),
+    order: impl ExactSizeIterator<Item = usize>,
+    part: Partition,
+    (mut send, mut recv): (Buffer, Buffer),
+) -> CommHandle {
+    let shard = grad.len() / hosts.world;
+    let each = quantized_elems(shard);
+    fit(&mut send, order.len() * each);
+    fit(&mut recv, order.len() * each);
+    let out = bytes_mut(&mut send);
+    for (slot, s) in order.enumerate() {
+        let at = slot * each * 2;
+        let src = &grad[s * shard..(s + 1) * shard];
+        super::quantize::quantize_f32(src, &mut out[at..at + each * 2]);
+    }
+    comm.all_to_all_group(part, send, recv)
 }
 
 /// Waits for a unit's phase, reduces what arrived in f32, and issues the next phase or
@@ -164,8 +163,8 @@ pub(crate) fn advance(
     match phase {
         Phase::Within => {
             // From each local peer l'', chunk l'' holds its quantized shards n' x h + local.
-            let owners: Vec<usize> = (0..n).map(|host| host * h + local).collect();
-            for (slot, &s) in owners.iter().enumerate() {
+            let owners = (0..n).map(|host| host * h + local);
+            for (slot, s) in owners.clone().enumerate() {
                 let dst = &mut grad[s * shard..(s + 1) * shard];
                 dst.fill(0.0);
                 for peer in 0..h {
@@ -175,7 +174,7 @@ pub(crate) fn advance(
             }
             match n {
                 1 => Ok(finish(unit, grad, hosts, r, (send, recv))),
-                _ => issue_across(comm, hosts, unit, grad, &owners, (send, recv))
+                _ => issue_across(comm, hosts, unit, grad, owners, (send, recv))
                     .map(Advanced::InFlight),
             }
         }
