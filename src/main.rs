@@ -5,10 +5,15 @@ use clap::Parser;
 mod cli;
 
 /// Under MPI, large buffers live in shared memory so that ranks on one host exchange them
-/// directly (see `zerodp::comm::mpi_shm`); without an MPI launcher it is the system allocator.
+/// directly (see `zerodp::comm::mpi_shm`); without an MPI launcher, and in a build without MPI,
+/// it is the system allocator keeping freed blocks above 32 MiB for the next step
+/// (`zerodp::memory::ReuseAlloc`).
 #[cfg(feature = "mpi")]
 #[global_allocator]
 static ALLOC: zerodp::comm::ShmAlloc = zerodp::comm::ShmAlloc;
+#[cfg(not(feature = "mpi"))]
+#[global_allocator]
+static ALLOC: zerodp::memory::ReuseAlloc = zerodp::memory::ReuseAlloc;
 
 fn main() {
     // Before any thread starts: candle's element-wise ops otherwise share one process-wide spinning

@@ -14,7 +14,9 @@
 mod model;
 
 use model::{accuracy, mlp_units, predict, MlpConfig, Spirals};
-use zerodp::model::{run_candle_elementwise_on_caller_thread, Candle, CandleUnits};
+use zerodp::model::{
+    keep_freed_buffers, run_candle_elementwise_on_caller_thread, Candle, CandleUnits,
+};
 use zerodp::trainer::{BatchIndex, StepEvent, StepObserver, Trainer, TrainerError};
 
 /// Prints rank 0's loss after every optimizer step (every rank reports the same global loss).
@@ -82,9 +84,16 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
+/// Freed blocks of 32 MiB or more come back for the next step instead of being mapped and zeroed
+/// afresh (this MLP has none; a model with a large vocabulary has several every step).
+#[global_allocator]
+static ALLOC: zerodp::memory::ReuseAlloc = zerodp::memory::ReuseAlloc;
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Before any candle op or thread: keep candle's element-wise ops on the ranks' own threads.
     run_candle_elementwise_on_caller_thread();
+    // Freed activation buffers stay in the process for the next step (one malloc arena).
+    keep_freed_buffers();
     let args = parse_args()?;
 
     let cfg = MlpConfig {

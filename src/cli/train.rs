@@ -830,8 +830,17 @@ fn report_end(outcome: &TrainOutcome, started: Instant, tokens_per_step: usize, 
             Resolved::Mpi { .. } => 1,
             Resolved::InProcess { world } => world,
         };
+        // Only the binary's allocator counts them: a library user's process shows nothing.
+        let reuse = zerodp::memory::ReuseAlloc::stats();
+        let reused = match reuse.hits + reuse.misses {
+            0 => String::new(),
+            n => format!(
+                "; blocks of 32 MiB or more served again: {} of {n}",
+                reuse.hits
+            ),
+        };
         errln!(
-            "process peak resident set: {} ({} per rank)",
+            "process peak resident set: {} ({} per rank){reused}",
             human_bytes(peak),
             human_bytes(peak / in_process as u64)
         );

@@ -19,7 +19,9 @@
 //! was active, or when the memfd limit is reached) makes that one collective take the
 //! point-to-point path; every rank sees every rank's descriptor, so they all choose alike.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
+
+use crate::memory::ReuseAlloc;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
@@ -226,9 +228,10 @@ pub(crate) fn region_of(addr: usize, bytes: usize) -> Option<RegionRef> {
 /// The global allocator of a binary built with the `mpi` feature; see the [module docs](self).
 pub struct ShmAlloc;
 
-// SAFETY: every pointer handed out is either the system allocator's or the start of a fresh
-// private mapping of at least the layout's size, page-aligned (alignments above a page go to the
-// system allocator); each is freed by the allocator that made it.
+// SAFETY: every pointer handed out is either `ReuseAlloc`'s (the system allocator keeping large
+// freed blocks) or the start of a fresh private mapping of at least the layout's size,
+// page-aligned (alignments above a page go to `ReuseAlloc`); each is freed by the allocator that
+// made it.
 unsafe impl GlobalAlloc for ShmAlloc {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         if l.size() >= SHM_MIN_BYTES && l.align() <= PAGE && enabled() {
@@ -236,7 +239,7 @@ unsafe impl GlobalAlloc for ShmAlloc {
                 return p;
             }
         }
-        System.alloc(l)
+        ReuseAlloc.alloc(l)
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         if l.size() >= SHM_MIN_BYTES && l.align() <= PAGE && enabled() {
@@ -244,18 +247,18 @@ unsafe impl GlobalAlloc for ShmAlloc {
                 return p;
             }
         }
-        System.alloc_zeroed(l)
+        ReuseAlloc.alloc_zeroed(l)
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         if l.size() >= SHM_MIN_BYTES && ENABLED.load(Ordering::Relaxed) == 1 && shm_free(p) {
             return;
         }
-        System.dealloc(p, l)
+        ReuseAlloc.dealloc(p, l)
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new_size: usize) -> *mut u8 {
         let ours = l.size() >= SHM_MIN_BYTES && ENABLED.load(Ordering::Relaxed) == 1;
         if !ours && (new_size < SHM_MIN_BYTES || !enabled()) {
-            return System.realloc(p, l, new_size);
+            return ReuseAlloc.realloc(p, l, new_size);
         }
         let new_layout = Layout::from_size_align_unchecked(new_size, l.align());
         let q = self.alloc(new_layout);

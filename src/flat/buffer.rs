@@ -21,11 +21,32 @@ pub const HUGE_PAGE_MIN_BYTES: usize = 2 << 20;
 /// 28 bytes per parameter), and with 4 KiB pages every 4 KiB of each stream is a TLB miss: on
 /// 100M parameters the CPU Adam step ran 10-12% faster with huge pages. The advice is only that:
 /// on a kernel with THP off, or where it fails, the buffer is ordinary memory. Linux only.
+///
+/// A buffer of [`crate::memory::REUSE_MIN_BYTES`] or more is then touched, one write per page, so
+/// that it is resident from the start rather than from its first use: the allocator's bound on the
+/// blocks it keeps for reuse reads the process's resident set, and the optimizer states first
+/// written in the first step would otherwise arrive unseen while blocks are kept. The pages are
+/// faulted in once either way.
 pub fn zeroed_vec<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
     // `alloc_zeroed` (calloc): a large block is fresh mmap'd memory, not yet touched.
-    let v: Vec<T> = bytemuck::allocation::zeroed_vec(len);
+    let mut v: Vec<T> = bytemuck::allocation::zeroed_vec(len);
     advise_huge_pages(&v);
+    touch_pages(&mut v);
     v
+}
+
+/// Writes a zero byte into every 4 KiB page of a large buffer that is all zero bytes already.
+fn touch_pages<T: bytemuck::Zeroable>(buf: &mut [T]) {
+    let bytes = std::mem::size_of_val(buf);
+    if bytes < crate::memory::REUSE_MIN_BYTES {
+        return;
+    }
+    let base = buf.as_mut_ptr() as *mut u8;
+    for offset in (0..bytes).step_by(4096) {
+        // SAFETY: `offset` lies within the buffer, whose bytes are all zero (a `Zeroable` buffer
+        // from `alloc_zeroed`); volatile, so that the write to calloc's memory is not elided.
+        unsafe { std::ptr::write_volatile(base.add(offset), 0) };
+    }
 }
 
 /// Advises huge pages for the whole 4 KiB pages of `buf` (best effort, errors ignored).

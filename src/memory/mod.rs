@@ -3,3 +3,6 @@
 //! a run, lives above the engine in [`crate::planner`].
 
 pub mod accounting;
+mod reuse;
+
+pub use reuse::{BlockCache, ReuseAlloc, ReuseStats, REUSE_MIN_BYTES};

@@ -131,7 +131,15 @@ fn pack_a((a, (rs, cs)): Operand<'_>, m: usize, k: usize) -> Vec<u32> {
 fn pack_pairs<const W: usize>((x, (ks, js)): Operand<'_>, k: usize, n: usize) -> Vec<u32> {
     let kp = k.div_ceil(2);
     let groups = n.div_ceil(W);
-    let mut out = vec![0u32; groups * kp * W];
+    // Zeroes written, not calloc'd: the block (272 MB for Qwen2.5-0.5B's head) comes back from
+    // the allocator's kept blocks each step, and one it saw written is known resident, where a
+    // calloc'd one may map the zero page (`memory::ReuseAlloc` counts it whole again).
+    #[allow(clippy::slow_vector_initialization)]
+    let mut out = {
+        let mut v = Vec::with_capacity(groups * kp * W);
+        v.resize(groups * kp * W, 0u32);
+        v
+    };
     out.par_chunks_mut(kp * W)
         .enumerate()
         .for_each(|(q, group)| {
