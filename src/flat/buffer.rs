@@ -31,16 +31,16 @@ pub fn zeroed_vec<T: bytemuck::Zeroable + Clone>(len: usize) -> Vec<T> {
     // `alloc_zeroed` (calloc): a large block is fresh mmap'd memory, not yet touched.
     let mut v: Vec<T> = bytemuck::allocation::zeroed_vec(len);
     advise_huge_pages(&v);
-    touch_pages(&mut v);
+    if std::mem::size_of_val(v.as_slice()) >= crate::memory::REUSE_MIN_BYTES {
+        touch_pages(&mut v);
+    }
     v
 }
 
-/// Writes a zero byte into every 4 KiB page of a large buffer that is all zero bytes already.
-fn touch_pages<T: bytemuck::Zeroable>(buf: &mut [T]) {
+/// Writes a zero byte into every 4 KiB page of a buffer that is all zero bytes already, so that
+/// calloc's fresh pages are the process's now rather than at their first use.
+pub(crate) fn touch_pages<T: bytemuck::Zeroable>(buf: &mut [T]) {
     let bytes = std::mem::size_of_val(buf);
-    if bytes < crate::memory::REUSE_MIN_BYTES {
-        return;
-    }
     let base = buf.as_mut_ptr() as *mut u8;
     for offset in (0..bytes).step_by(4096) {
         // SAFETY: `offset` lies within the buffer, whose bytes are all zero (a `Zeroable` buffer

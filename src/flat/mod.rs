@@ -9,6 +9,7 @@ pub(crate) mod lanes;
 pub mod slices;
 mod view;
 
+pub(crate) use buffer::touch_pages;
 pub use buffer::{zeroed_vec, Buffer, HUGE_PAGE_MIN_BYTES};
 pub use dtype::DType;
 pub use lanes::f32_to_bf16_bits;

@@ -48,6 +48,30 @@ struct Kept {
     resident: usize,
 }
 
+impl Kept {
+    /// Gives the block back to the allocator it came from.
+    ///
+    /// # Safety
+    /// `inner` made the block, with this size and alignment.
+    unsafe fn free(self, inner: &impl GlobalAlloc) {
+        inner.dealloc(
+            self.addr as *mut u8,
+            Layout::from_size_align_unchecked(self.size, self.align),
+        );
+    }
+}
+
+/// `inner`'s block for `l`, zeroed where asked.
+///
+/// # Safety
+/// As [`GlobalAlloc::alloc`].
+unsafe fn inner_alloc(inner: &impl GlobalAlloc, l: Layout, zeroed: bool) -> *mut u8 {
+    match zeroed {
+        true => inner.alloc_zeroed(l),
+        false => inner.alloc(l),
+    }
+}
+
 struct State {
     kept: [Option<Kept>; SLOTS],
     /// Bytes of large blocks in use.
@@ -165,10 +189,7 @@ impl BlockCache {
     /// `inner`.
     pub unsafe fn alloc(&self, l: Layout, zeroed: bool, inner: &impl GlobalAlloc) -> *mut u8 {
         if !Self::is_large(l) {
-            let p = match zeroed {
-                true => inner.alloc_zeroed(l),
-                false => inner.alloc(l),
-            };
+            let p = inner_alloc(inner, l, zeroed);
             if !p.is_null() {
                 self.count_small(l.size(), inner);
             }
@@ -202,10 +223,7 @@ impl BlockCache {
             }
             return p;
         }
-        let p = match zeroed {
-            true => inner.alloc_zeroed(l),
-            false => inner.alloc(l),
-        };
+        let p = inner_alloc(inner, l, zeroed);
         if !p.is_null() {
             let mut s = self.state();
             s.misses += 1;
@@ -225,7 +243,9 @@ impl BlockCache {
     /// the bound was last enforced while blocks are kept, it is enforced again.
     unsafe fn count_small(&self, size: usize, inner: &impl GlobalAlloc) {
         let now = self.small_live.fetch_add(size, Relaxed) + size;
-        self.small_high.fetch_max(now, Relaxed);
+        if now > self.small_high.load(Relaxed) {
+            self.small_high.fetch_max(now, Relaxed);
+        }
         if now > self.small_checked.load(Relaxed).saturating_add(SMALL_STEP)
             && self.cached.load(Relaxed) > 0
         {
@@ -272,12 +292,7 @@ impl BlockCache {
             self.cached.store(s.cached, Relaxed);
         }
         // Outside the lock: the inner allocator may take its own.
-        for k in evicted.into_iter().flatten() {
-            inner.dealloc(
-                k.addr as *mut u8,
-                Layout::from_size_align_unchecked(k.size, k.align),
-            );
-        }
+        evicted.into_iter().flatten().for_each(|k| k.free(inner));
     }
 
     /// Keeps a freed large block (or frees it through `inner` when every slot is taken).
@@ -369,12 +384,7 @@ impl BlockCache {
             self.cached.store(0, Relaxed);
             std::mem::replace(&mut s.kept, [None; SLOTS])
         };
-        for k in taken.into_iter().flatten() {
-            inner.dealloc(
-                k.addr as *mut u8,
-                Layout::from_size_align_unchecked(k.size, k.align),
-            );
-        }
+        taken.into_iter().flatten().for_each(|k| k.free(inner));
     }
 }
 
@@ -385,7 +395,7 @@ fn nonresident_bytes(addr: usize, bytes: usize) -> usize {
     #[cfg(target_os = "linux")]
     {
         const PAGE: usize = 4096;
-        let mut resident = [0u8; 1024];
+        let mut resident = [0u8; 4096];
         let end = addr + bytes;
         let mut page = addr / PAGE * PAGE;
         let mut missing = 0;

@@ -39,11 +39,7 @@ impl GradPool {
         let free = (0..plan.grad_scratch_count)
             .map(|_| {
                 let mut g = vec![0.0f32; plan.grad_scratch_elems];
-                // calloc's fresh pages are mapped only when written: write one word per page.
-                for i in (0..g.len()).step_by(1024) {
-                    // SAFETY: `i` is in bounds; a volatile write is not elided.
-                    unsafe { std::ptr::write_volatile(g.as_mut_ptr().add(i), 0.0) };
-                }
+                crate::flat::touch_pages(&mut g);
                 g.clear();
                 g
             })
