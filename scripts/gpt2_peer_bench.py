@@ -20,11 +20,14 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--warmup", type=int, default=1)
 p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
 p.add_argument("--threads", type=int, default=1)
+p.add_argument("--ddp", action="store_true",
+               help="wrap in DDP even at world size 1 (under torchrun): a DDP rank's memory, buckets included")
 a = p.parse_args()
 
 torch.set_num_threads(a.threads)
 world = int(os.environ.get("WORLD_SIZE", "1"))
-if world > 1:
+ddp = world > 1 or a.ddp
+if ddp:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if world > 1 else 0
 torch.manual_seed(0)
@@ -32,10 +35,10 @@ with open(a.config) as f:
     fields = json.load(f)
 model = AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
 model.config.use_cache = False
-if world > 1:
+if ddp:
     model = torch.nn.parallel.DistributedDataParallel(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-vocab = model.module.config.vocab_size if world > 1 else model.config.vocab_size
+vocab = model.module.config.vocab_size if ddp else model.config.vocab_size
 g = torch.Generator().manual_seed(rank)
 times = []
 for step in range(a.warmup + a.steps):
@@ -46,7 +49,7 @@ for step in range(a.warmup + a.steps):
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if world > 1:
+    if ddp:
         dist.barrier()
     if step >= a.warmup:
         times.append(time.perf_counter() - t0)
@@ -54,6 +57,6 @@ if rank == 0:
     tokens = a.batch * a.context * world
     print(json.dumps({"tokens_per_s": tokens / statistics.median(times), "median_step_s": statistics.median(times),
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "world": world, "dtype": a.dtype, "torch": torch.__version__}))
-if world > 1:
+                      "world": world, "ddp": ddp, "dtype": a.dtype, "torch": torch.__version__}))
+if ddp:
     dist.destroy_process_group()

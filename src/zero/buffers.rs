@@ -19,9 +19,9 @@
 //!   the size of the largest padded unit, as many as a backward holds at once (a tied unit's
 //!   gradient waits for its last user), and at stages 2-3 reducing in place with `overlap_comm`
 //!   `units_in_flight` more, in reduce-scatters still in flight.
-//! * Mixed precision: f32 scratch that 16-bit parameters are widened into for the model, one per
-//!   place in a visit's reads (the unit, then the units it uses), each the size of the largest unit
-//!   read at that place. Stages 0-1 with 16-bit gradients
+//! * Mixed precision: one f32 scratch that a visit's 16-bit parameters are widened into for the
+//!   model, the unit's and then those of the units it uses side by side, as large as the most any
+//!   one visit reads. Stages 0-1 with 16-bit gradients
 //!   also use the transient f32 gradient buffers (the model writes f32; they are added into the
 //!   kept 16-bit gradients when complete).
 //! * Stage 3: the gathered-parameter budget, `max(working set, min(max_live_parameters, Ψ))`
@@ -51,14 +51,16 @@ pub struct BufferPlan {
     /// unit (a bucket, where there is one, holds one unit and is launched at once).
     pub per_unit: bool,
     /// Stages 2-3 reducing in place: transient gradients in reduce-scatters in flight at most
-    /// (`units_in_flight`; counted in `grad_scratch_count`).
+    /// (`units_in_flight`; counted in `grad_scratch`).
     pub units_in_flight: usize,
     /// Dtype of the buckets.
     pub comm_dtype: DType,
-    /// Elements of each transient full-unit gradient buffer (stages 2-3).
-    pub grad_scratch_elems: usize,
-    /// How many of them.
-    pub grad_scratch_count: usize,
+    /// Elements of each transient full-unit gradient buffer (stages 2-3; 0-1 with 16-bit
+    /// gradients), one entry per buffer ([`transient_grad_buffers`]).
+    pub grad_scratch: Vec<usize>,
+    /// For each unit, the entry of `grad_scratch` its gradient is written into (a buffer of that
+    /// size; every unit's is the first where they are all alike).
+    pub grad_buffer_of: Vec<usize>,
     /// Stage 3: elements of the gather pool (0 otherwise).
     pub gather_pool_elems: usize,
     /// Stage 3: units that keep their forward graph until backward (no second gather, no
@@ -82,9 +84,9 @@ pub struct BufferPlan {
     pub persistent: Vec<bool>,
     /// Dtype of the gathered parameters.
     pub param_dtype: DType,
-    /// Mixed precision: elements of each f32 scratch 16-bit parameters are widened into before
-    /// the model runs, one per place in a visit's reads (`param_scratch`).
-    pub param_scratch: Vec<usize>,
+    /// Mixed precision: elements of the f32 scratch a visit's 16-bit parameters are widened into
+    /// before the model runs ([`param_scratch`]; 0 in fp32).
+    pub param_scratch: usize,
 }
 
 impl BufferPlan {
@@ -97,9 +99,7 @@ impl BufferPlan {
     /// Bytes of the f32 scratch the model reads and writes: transient gradient buffers and, under
     /// mixed precision, the widened parameters.
     pub(crate) fn scratch_bytes(&self) -> u64 {
-        ((self.grad_scratch_elems * self.grad_scratch_count
-            + self.param_scratch.iter().sum::<usize>())
-            * 4) as u64
+        ((self.grad_scratch.iter().sum::<usize>() + self.param_scratch) * 4) as u64
     }
     /// Bytes of the communication buckets and the scratch (the `buffers` kind).
     pub fn buffer_bytes(&self) -> u64 {
@@ -274,13 +274,9 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         reduction.units_in_flight = 2.min(spec.units.len()).max(1);
     }
     let stage = cfg.stage;
-    let (grad_scratch_elems, grad_scratch_count) = if cfg.transient_grads() {
-        (
-            layout.largest_padded(),
-            schedule::max_grads_held(spec) + reduction.units_in_flight,
-        )
-    } else {
-        (0, 0)
+    let (grad_scratch, grad_buffer_of) = match cfg.transient_grads() {
+        true => transient_grad_buffers(spec, &layout, reduction.units_in_flight),
+        false => (Vec::new(), Vec::new()),
     };
     let persistent: Vec<bool> = layout
         .units
@@ -361,8 +357,8 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         per_unit: reduction.per_unit,
         units_in_flight: reduction.units_in_flight,
         comm_dtype: cfg.comm_dtype,
-        grad_scratch_elems,
-        grad_scratch_count,
+        grad_scratch,
+        grad_buffer_of,
         gather_pool_elems,
         keep_graph,
         kept_graph_elems,
@@ -370,31 +366,51 @@ pub fn plan(spec: &ModelSpec, cfg: &EngineConfig) -> BufferPlan {
         secondary_elems,
         persistent,
         param_dtype: cfg.param_dtype,
-        param_scratch: if cfg.is_mixed() {
-            param_scratch(spec, &layout)
-        } else {
-            Vec::new()
+        param_scratch: match cfg.is_mixed() {
+            true => param_scratch(spec, &layout),
+            false => 0,
         },
     }
 }
 
-/// Mixed precision: the f32 scratch 16-bit parameters are widened into for the model, one per
-/// place in a visit's reads (the unit itself, then the units it uses), each as large as the
-/// largest unit read at that place. Sized per place rather than all as the largest unit: a GPT's
-/// head reads the token embedding second, and a second scratch of a block's size would be
-/// allocated, counted and never touched.
-fn param_scratch(spec: &ModelSpec, layout: &FlatLayout) -> Vec<usize> {
-    let mut slots: Vec<usize> = Vec::new();
-    for u in 0..spec.units.len() {
-        for (i, k) in schedule::needs_of(spec, u).into_iter().enumerate() {
-            let numel = layout.units[k].numel;
-            match slots.get_mut(i) {
-                Some(slot) => *slot = (*slot).max(numel),
-                None => slots.push(numel),
-            }
+/// The transient f32 gradient buffers, by elements, and the one each unit's gradient uses. Where
+/// every gradient is given back before the next is taken (no reduce-scatter left in flight), each
+/// buffer as large as the gradients that reuse it need ([`schedule::grad_buffers`]): a model with
+/// a large tied embedding holds one buffer of its size and one of a block's. Reductions in flight
+/// give their buffers back in the order the collectives finish, so there every buffer is the
+/// largest unit's, as many as the backward holds at once plus those in flight.
+fn transient_grad_buffers(
+    spec: &ModelSpec,
+    layout: &FlatLayout,
+    in_flight: usize,
+) -> (Vec<usize>, Vec<usize>) {
+    match in_flight {
+        0 => {
+            let padded: Vec<usize> = layout.units.iter().map(|u| u.padded).collect();
+            schedule::grad_buffers(spec, &padded)
         }
+        n => (
+            vec![layout.largest_padded(); schedule::max_grads_held(spec) + n],
+            vec![0; spec.units.len()],
+        ),
     }
-    slots
+}
+
+/// Mixed precision: the f32 scratch 16-bit parameters are widened into for the model, the most
+/// elements any one visit reads (the unit and the units it uses, side by side). One scratch carved
+/// per visit rather than one per place in a visit's reads, each as large as the largest unit read
+/// there: a tied head reads the token embedding second, and the embedding's own visit reads it
+/// first, so per-place scratch held two embeddings where one visit never needs more than one.
+fn param_scratch(spec: &ModelSpec, layout: &FlatLayout) -> usize {
+    (0..spec.units.len())
+        .map(|u| {
+            schedule::needs_of(spec, u)
+                .into_iter()
+                .map(|k| layout.units[k].numel)
+                .sum::<usize>()
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -421,17 +437,20 @@ mod tests {
     }
 
     #[test]
-    fn widened_parameters_get_one_scratch_per_read_place_sized_by_what_is_read_there() {
+    fn widened_parameters_get_one_scratch_as_large_as_the_largest_visit_reads() {
         let mut cfg = EngineConfig::new(Stage::Zero1, 2);
-        assert!(
-            plan(&spec(), &cfg).param_scratch.is_empty(),
-            "fp32 reads its own"
-        );
+        assert_eq!(plan(&spec(), &cfg).param_scratch, 0, "fp32 reads its own");
         cfg.param_dtype = DType::BF16;
         let p = plan(&spec(), &cfg);
-        // First place: the largest unit (128); second: unit 0 (64), read by unit 2 only.
-        assert_eq!(p.param_scratch, vec![128, 64]);
-        assert_eq!(p.scratch_bytes(), (128 + 64) * 4);
+        // Visits read 64, 128 and 8 + 64 elements: the largest, unit 1, sizes it.
+        assert_eq!(p.param_scratch, 128);
+        assert_eq!(p.scratch_bytes(), 128 * 4);
+        // A tied head as large as the unit it reads: its visit (8 + 120) is the largest.
+        let mut tied = spec();
+        tied.units[0].params[0].shape = vec![120];
+        assert_eq!(plan(&tied, &cfg).param_scratch, 128);
+        tied.units[2].params[0].shape = vec![16];
+        assert_eq!(plan(&tied, &cfg).param_scratch, 136);
     }
 
     #[test]
@@ -443,7 +462,10 @@ mod tests {
         assert_eq!(p.bucket_elems, 64 + 128 + 16);
         assert_eq!(p.bucket_count, 2);
         assert_eq!(p.bucket_bytes(), 2 * 208 * 2);
-        assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2));
+        // Backward from the last unit: unit 2's (16) and unit 0's (64, held until its own
+        // backward), then unit 1's (128) in unit 2's, grown to hold it.
+        assert_eq!(p.grad_scratch, vec![128, 64]);
+        assert_eq!(p.grad_buffer_of, vec![1, 0, 0]);
         // f32 reductions with a bucket smaller than the largest unit (128) too.
         cfg.comm_dtype = DType::F32;
         cfg.overlap_comm = false;
@@ -451,9 +473,9 @@ mod tests {
         let p = plan(&spec(), &cfg);
         assert!(!p.reduce_in_place);
         assert_eq!((p.bucket_elems, p.bucket_count), (32, 1));
-        // The bucket alone (its collectives run in place) and two gradient buffers.
+        // The bucket alone (its collectives run in place) and the gradient buffers.
         assert_eq!(p.bucket_bytes(), 32 * 4);
-        assert_eq!(p.buffer_bytes(), (32 + 128 * 2) * 4);
+        assert_eq!(p.buffer_bytes(), (32 + 128 + 64) * 4);
     }
 
     #[test]
@@ -478,12 +500,12 @@ mod tests {
             let p = plan(&spec(), &cfg);
             assert!(p.reduce_in_place, "{stage:?}");
             assert_eq!(p.bucket_count, 0, "{stage:?}");
-            assert_eq!((p.grad_scratch_elems, p.grad_scratch_count), (128, 2 + 3));
+            assert_eq!(p.grad_scratch, vec![128; 2 + 3]);
             assert_eq!(p.units_in_flight, 3);
             // Without overlap each is waited for at once: nothing more is held.
             cfg.overlap_comm = false;
             let p = plan(&spec(), &cfg);
-            assert_eq!((p.bucket_count, p.grad_scratch_count), (0, 2), "{stage:?}");
+            assert_eq!((p.bucket_count, &p.grad_scratch[..]), (0, &[128, 64][..]));
             // A bucket smaller than the largest unit keeps the buckets (and their bound).
             cfg.reduce_bucket_size = 100;
             assert!(!plan(&spec(), &cfg).reduce_in_place, "{stage:?}");
@@ -502,12 +524,12 @@ mod tests {
             if stage.shards_grads() {
                 // With overlap one reduce-scatter in flight beside the backward's two gradients.
                 assert_eq!(
-                    (p.units_in_flight, p.grad_scratch_count),
+                    (p.units_in_flight, p.grad_scratch.len()),
                     (1, 3),
                     "{stage:?}"
                 );
                 cfg.overlap_comm = false;
-                assert_eq!(plan(&spec(), &cfg).grad_scratch_count, 2, "{stage:?}");
+                assert_eq!(plan(&spec(), &cfg).grad_scratch.len(), 2, "{stage:?}");
             }
             // bf16 reductions of f32 gradients convert through a staging bucket of one unit.
             cfg.comm_dtype = DType::BF16;

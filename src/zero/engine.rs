@@ -207,9 +207,9 @@ pub struct Engine<'a, M: UnitModel> {
     /// What the engine keeps per unit besides its flat buffers, in unit order.
     units: Vec<UnitState>,
     buckets: Buckets,
-    /// Mixed precision: f32 scratch the 16-bit parameters of a visit are widened into, one per
-    /// unit the visit reads.
-    widened: Vec<Vec<f32>>,
+    /// Mixed precision: the f32 scratch the 16-bit parameters of a visit are widened into, the
+    /// units it reads side by side (`plan.param_scratch` elements).
+    widened: Vec<f32>,
     /// Loss scale and Inf/NaN skipping.
     policy: StepPolicy,
     ledger: MemoryLedger,
@@ -340,11 +340,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             true => buckets.with_quantized_gradients(&plan, qgz_hosts(&cfg, comm)),
             false => buckets,
         };
-        let widened = plan
-            .param_scratch
-            .iter()
-            .map(|&elems| vec![0.0f32; elems])
-            .collect();
+        let widened = crate::flat::zeroed_vec(plan.param_scratch);
         // A model reused from an earlier run may keep that run's parameters.
         model.parameters_changed();
         Ok(Engine {
@@ -747,7 +743,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             let dst = match self.state.stage {
                 StageState::Replicated { .. } => self.state.full_grad_mut(u, 0..ul.numel),
                 StageState::ShardedGrads { .. } | StageState::ShardedParams { .. } => {
-                    self.state.grads[u] = self.state.grad_pool.take(ul.padded);
+                    self.state.grads[u] = self.state.grad_pool.take(u, ul.padded);
                     SliceMut::F32(&mut self.state.grads[u][..ul.numel])
                 }
             };
@@ -812,7 +808,7 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         }
         for &k in &self.units[unit].reads {
             if self.state.grads[k].is_empty() {
-                self.state.grads[k] = self.state.grad_pool.take(self.layout.units[k].padded);
+                self.state.grads[k] = self.state.grad_pool.take(k, self.layout.units[k].padded);
             }
         }
     }
@@ -1144,12 +1140,12 @@ impl<'a, M: UnitModel> Engine<'a, M> {
         if !self.cfg.is_mixed() || self.device().is_some() {
             return;
         }
-        for (i, &k) in self.units[unit].reads.iter().enumerate() {
+        let mut rest = self.widened.as_mut_slice();
+        for &k in &self.units[unit].reads {
             let numel = self.layout.units[k].numel;
-            self.state
-                .params(k)
-                .slice(0..numel)
-                .widen_into(&mut self.widened[i][..numel]);
+            let (wide, tail) = rest.split_at_mut(numel);
+            self.state.params(k).slice(0..numel).widen_into(wide);
+            rest = tail;
         }
     }
 
@@ -1161,14 +1157,18 @@ impl<'a, M: UnitModel> Engine<'a, M> {
             return vec![&[]; self.units[unit].reads.len()];
         }
         let mixed = self.cfg.is_mixed();
+        let mut rest = self.widened.as_slice();
         self.units[unit]
             .reads
             .iter()
-            .enumerate()
-            .map(|(i, &k)| {
+            .map(|&k| {
                 let numel = self.layout.units[k].numel;
                 match mixed {
-                    true => &self.widened[i][..numel],
+                    true => {
+                        let (wide, tail) = rest.split_at(numel);
+                        rest = tail;
+                        wide
+                    }
                     false => &self.state.params(k).as_f32().expect("f32 parameters")[..numel],
                 }
             })

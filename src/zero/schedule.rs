@@ -109,6 +109,48 @@ pub(crate) fn max_grads_held(spec: &ModelSpec) -> usize {
     peak
 }
 
+/// The transient gradient buffers a backward needs, and which of them each unit's gradient is
+/// written into, when each unit takes its buffer just before the first backward that writes its
+/// gradient and gives it back as soon as the gradient is complete, every give before the next
+/// take. The backward is replayed: a unit takes the smallest free buffer that holds its gradient
+/// (`sizes[u]` elements), else the largest free one, grown to hold it, else a new one. WHY: sized
+/// as [`max_grads_held`] buffers of the largest unit, a tied token embedding held through the
+/// whole backward made every block's buffer as large as the embedding.
+pub(crate) fn grad_buffers(spec: &ModelSpec, sizes: &[usize]) -> (Vec<usize>, Vec<usize>) {
+    let n = spec.units.len();
+    let done = complete_after(spec);
+    let mut capacity: Vec<usize> = Vec::new();
+    let mut free: Vec<usize> = Vec::new();
+    let mut held = vec![false; n];
+    let mut buffer_of = vec![0; n];
+    for k in (0..n).rev() {
+        for u in needs_of(spec, k) {
+            if std::mem::replace(&mut held[u], true) {
+                continue;
+            }
+            let fits = free.iter().filter(|&&b| capacity[b] >= sizes[u]);
+            let b = match fits.min_by_key(|&&b| capacity[b]) {
+                Some(&b) => b,
+                None => match free.iter().max_by_key(|&&b| capacity[b]) {
+                    Some(&b) => b,
+                    None => {
+                        capacity.push(0);
+                        capacity.len() - 1
+                    }
+                },
+            };
+            capacity[b] = capacity[b].max(sizes[u]);
+            free.retain(|&f| f != b);
+            buffer_of[u] = b;
+        }
+        for &u in &done[k] {
+            held[u] = false;
+            free.push(buffer_of[u]);
+        }
+    }
+    (capacity, buffer_of)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,5 +199,56 @@ mod tests {
         let c = complete_after(&s);
         assert_eq!(c, vec![vec![2, 0], vec![1], vec![]]);
         assert_eq!(max_grads_held(&s), 2);
+    }
+
+    #[test]
+    fn a_tied_embedding_holds_a_buffer_of_its_own_and_the_blocks_share_one() {
+        // An embedding of 1000, three blocks of 100, a head of 10 reading the embedding.
+        let s = tied(5);
+        let (capacity, buffer_of) = grad_buffers(&s, &[1000, 100, 100, 100, 10]);
+        assert_eq!(capacity, vec![100, 1000]);
+        assert_eq!(buffer_of, vec![1, 0, 0, 0, 0]);
+        // Untied, with the largest unit last in backward: one buffer, grown to it.
+        let mut untied = tied(5);
+        untied.units[4].uses.clear();
+        assert_eq!(
+            grad_buffers(&untied, &[1000, 100, 100, 100, 10]).0,
+            vec![1000]
+        );
+    }
+
+    #[test]
+    fn gradients_held_at_once_never_share_a_buffer_and_always_fit_it() {
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = |m: usize| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) as usize % m
+        };
+        for _ in 0..200 {
+            let n = 2 + next(8);
+            let mut s = tied(n);
+            for u in 0..n {
+                s.units[u].uses = (0..n).filter(|&o| o != u && next(6) == 0).collect();
+            }
+            let sizes: Vec<usize> = (0..n).map(|_| 1 + next(1000)).collect();
+            let (capacity, buffer_of) = grad_buffers(&s, &sizes);
+            let largest = sizes.iter().max().copied().unwrap_or(0);
+            assert!(capacity.iter().sum::<usize>() <= max_grads_held(&s) * largest);
+            // Replay the backward: the gradients held at once have distinct buffers that fit.
+            let done = complete_after(&s);
+            let mut held: Vec<usize> = Vec::new();
+            for k in (0..n).rev() {
+                for u in needs_of(&s, k) {
+                    if !held.contains(&u) {
+                        assert!(capacity[buffer_of[u]] >= sizes[u]);
+                        assert!(held.iter().all(|&h| buffer_of[h] != buffer_of[u]));
+                        held.push(u);
+                    }
+                }
+                held.retain(|u| !done[k].contains(u));
+            }
+        }
     }
 }

@@ -28,6 +28,8 @@ pub struct FlatState {
 /// once the gradient has been accumulated or reduced.
 pub struct GradPool {
     free: Vec<Vec<f32>>,
+    /// Each unit's buffer size, as the plan replayed the backward (`BufferPlan::grad_buffer_of`).
+    size_of: Vec<usize>,
 }
 
 impl GradPool {
@@ -36,19 +38,35 @@ impl GradPool {
     /// (when more reductions happen to be in flight) would otherwise commit its pages only then,
     /// past the check, and the resident set would follow the threads' timing.
     pub fn new(plan: &BufferPlan) -> Self {
-        let free = (0..plan.grad_scratch_count)
-            .map(|_| {
-                let mut g = vec![0.0f32; plan.grad_scratch_elems];
+        let free = (plan.grad_scratch.iter())
+            .map(|&elems| {
+                let mut g = vec![0.0f32; elems];
                 crate::flat::touch_pages(&mut g);
                 g.clear();
                 g
             })
             .collect();
-        GradPool { free }
+        let size_of = (plan.grad_buffer_of.iter())
+            .map(|&b| plan.grad_scratch[b])
+            .collect();
+        GradPool { free, size_of }
     }
-    /// A zeroed buffer of `len` elements.
-    pub fn take(&mut self, len: usize) -> Vec<f32> {
-        let mut g = self.free.pop().expect("gradient scratch sized by the plan");
+    /// A zeroed buffer for unit `unit`'s gradient of `len` elements: one of the size the plan
+    /// gave the unit (buffers of a size are alike), else the smallest free one that holds it. A
+    /// take the plan did not foresee gets a buffer of its own rather than failing the step.
+    pub fn take(&mut self, unit: usize, len: usize) -> Vec<f32> {
+        let planned = self.size_of.get(unit).copied().filter(|&c| c >= len);
+        let at = match planned.and_then(|c| self.free.iter().position(|g| g.capacity() == c)) {
+            Some(i) => Some(i),
+            None => (self.free.iter().enumerate())
+                .filter(|(_, g)| g.capacity() >= len)
+                .min_by_key(|(_, g)| g.capacity())
+                .map(|(i, _)| i),
+        };
+        let mut g = match at {
+            Some(i) => self.free.swap_remove(i),
+            None => Vec::with_capacity(len),
+        };
         g.resize(len, 0.0);
         g
     }
@@ -197,5 +215,47 @@ pub(crate) fn full_grad_of<'g>(
     match kept_grads {
         Some(kept) => kept[unit].slice(r),
         None => Slice::F32(&grads[unit][r]),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zero::unit::{ModelSpec, ParamSpec, UnitSpec};
+    use crate::zero::{EngineConfig, Stage};
+
+    #[test]
+    fn each_unit_takes_a_buffer_of_its_planned_size_and_an_unplanned_take_still_gets_one() {
+        // An embedding of 1024 read by a head of 16 (tied), a block of 256 between them.
+        let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {
+            name: format!("u{i}"),
+            params: vec![ParamSpec {
+                name: format!("p{i}"),
+                shape: vec![n],
+            }],
+            uses,
+        };
+        let spec = ModelSpec {
+            units: vec![
+                unit(0, 1024, vec![]),
+                unit(1, 256, vec![]),
+                unit(2, 16, vec![0]),
+            ],
+        };
+        let mut cfg = EngineConfig::new(Stage::Zero2, 2);
+        cfg.comm_dtype = crate::flat::DType::BF16;
+        let plan = crate::zero::buffers::plan(&spec, &cfg);
+        assert_eq!(plan.grad_scratch, vec![256, 1024]);
+        let mut pool = GradPool::new(&plan);
+        let mut head = pool.take(2, 16);
+        let embedding = pool.take(0, 1024);
+        assert_eq!((head.capacity(), embedding.capacity()), (256, 1024));
+        pool.give(&mut head);
+        let block = pool.take(1, 256);
+        assert_eq!(block.capacity(), 256);
+        assert!(block.iter().all(|&x| x == 0.0) && block.len() == 256);
+        // Both planned buffers are out: a take the plan did not foresee gets its own.
+        let extra = pool.take(1, 256);
+        assert_eq!(extra.len(), 256);
     }
 }
