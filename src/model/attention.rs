@@ -29,6 +29,14 @@ const MR: usize = 6;
 /// loads plus 6 broadcasts per 12 fused multiply-adds.
 const NR: usize = 32;
 
+/// The vector width a caller of [`tile`] was compiled for (its `W`): none assumed, AVX2 with FMA,
+/// AVX-512F with FMA.
+const BASE: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX512: u8 = 2;
+
 fn round_up(x: usize, to: usize) -> usize {
     x.div_ceil(to) * to
 }
@@ -73,12 +81,12 @@ impl<'a, T: Real> Strided<'a, T> {
 /// `R` rows by [`NR`] columns of `A B`, summed over `ks`: `b` holds row `p` of `B` at
 /// `b[p * ldb..]`, at least [`NR`] columns of it.
 ///
-/// With `AVX512` (the caller runs compiled for AVX-512F and FMA) f32 tiles take
-/// [`tile_f32_avx512`], the same fused multiply-adds in the same order written with intrinsics:
-/// LLVM's own vectorisation of this loop kept the accumulators in memory and assembled each row
-/// of `b` from shuffles.
+/// Where the caller runs compiled for AVX-512F or AVX2 with FMA (`W`), f32 tiles take
+/// [`tile_f32_avx512`] or [`tile_f32_avx2`], the same fused multiply-adds in the same order
+/// written with intrinsics: LLVM's own vectorisation of this loop kept the accumulators in memory
+/// and assembled each row of `b` from shuffles.
 #[inline(always)]
-fn tile<T: Real, const R: usize, const AVX512: bool>(
+fn tile<T: Real, const R: usize, const W: u8>(
     a: Strided<'_, T>,
     b: &[T],
     ldb: usize,
@@ -105,10 +113,16 @@ fn tile<T: Real, const R: usize, const AVX512: bool>(
         return as_f32_tile(a, b, |a, b| unsafe { tile_f32_neon::<R>(a, b, ldb, ks) });
     }
     #[cfg(target_arch = "x86_64")]
-    if AVX512 && f32_tile {
-        // SAFETY: AVX512 is set only in code compiled for AVX-512F and FMA, run on a CPU that
-        // has them; the reads are in bounds (`in_bounds`).
+    if W == AVX512 && f32_tile {
+        // SAFETY: W is AVX512 only in code compiled for AVX-512F and FMA, run on a CPU that has
+        // them; the reads are in bounds (`in_bounds`).
         return as_f32_tile(a, b, |a, b| unsafe { tile_f32_avx512::<R>(a, b, ldb, ks) });
+    }
+    #[cfg(target_arch = "x86_64")]
+    if W == AVX2 && f32_tile {
+        // SAFETY: W is AVX2 only in code compiled for AVX2 and FMA, run on a CPU that has them;
+        // the reads are in bounds (`in_bounds`).
+        return as_f32_tile(a, b, |a, b| unsafe { tile_f32_avx2::<R>(a, b, ldb, ks) });
     }
     tile_portable(a, b, ldb, ks, acc)
 }
@@ -240,6 +254,48 @@ unsafe fn tile_f32_avx512<const R: usize>(
     out
 }
 
+/// [`tile`] for f32 with AVX2 intrinsics: a row's 32 columns are 4 vectors, and all of them for
+/// 6 rows would need 24 accumulators of AVX2's 16 registers, so the tile runs as two halves of 16
+/// columns (12 accumulators, 2 loads and a broadcast), each over every `p`, as the NEON tile does.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA; `a` and `b` hold every entry the loop reads (see [`tile`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn tile_f32_avx2<const R: usize>(
+    a: Strided<'_, f32>,
+    b: &[f32],
+    ldb: usize,
+    ks: Range<usize>,
+) -> [[f32; NR]; R] {
+    use std::arch::x86_64::*;
+    let mut out = [[0f32; NR]; R];
+    for half in 0..2 {
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for p in ks.clone() {
+            // SAFETY: the caller checked that every read is in bounds.
+            unsafe {
+                let bp = b.as_ptr().add(p * ldb + half * 16);
+                let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm256_set1_ps(*a.data.get_unchecked(i * a.row + p * a.col));
+                    acc[0] = _mm256_fmadd_ps(x, b0, acc[0]);
+                    acc[1] = _mm256_fmadd_ps(x, b1, acc[1]);
+                }
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&acc) {
+            // SAFETY: `o` holds NR = 32 f32; this half's 16 are two vectors.
+            unsafe {
+                _mm256_storeu_ps(o.as_mut_ptr().add(half * 16), acc[0]);
+                _mm256_storeu_ps(o.as_mut_ptr().add(half * 16 + 8), acc[1]);
+            }
+        }
+    }
+    out
+}
+
 /// Where a product's rows go: row `i` of the result at `data[i * ld..]`. A pointer and a length
 /// rather than a `&mut [T]`: tasks for different heads of one sequence write disjoint columns of
 /// the same rows, which no slice borrow can express.
@@ -332,7 +388,7 @@ impl<T> SharedRows<T> {
 /// fill columns `0..shape(r0, r1).1` of `C` (computed [`NR`] at a time, so `b` must hold that
 /// many columns rounded up to [`NR`]; the extra ones are not stored).
 #[inline(always)]
-fn product<T: Real, const AVX512: bool>(
+fn product<T: Real, const W: u8>(
     m: usize,
     a: Strided<'_, T>,
     (b, ldb): (&[T], usize),
@@ -347,11 +403,11 @@ fn product<T: Real, const AVX512: bool>(
         for j0 in (cols.start / NR * NR..cols.end).step_by(NR) {
             let (b, width) = (&b[j0..], NR.min(cols.end - j0));
             if rows == MR {
-                let t = tile::<T, MR, AVX512>(a.rows_from(r0), b, ldb, ks.clone());
+                let t = tile::<T, MR, W>(a.rows_from(r0), b, ldb, ks.clone());
                 c.store(r0, j0, width, &t);
             } else {
                 for r in r0..r0 + rows {
-                    let t = tile::<T, 1, AVX512>(a.rows_from(r), b, ldb, ks.clone());
+                    let t = tile::<T, 1, W>(a.rows_from(r), b, ldb, ks.clone());
                     c.store(r, j0, width, &t);
                 }
             }
@@ -610,7 +666,7 @@ impl CausalAttention {
     /// The causal softmax of `scale * q k^T` for one head into `s.p` (`[t, tp]`, zero above the
     /// diagonal and before a window), from the panels `s.q` and `s.kt`.
     #[inline(always)]
-    fn probs<T: Real, const AVX512: bool>(&self, pn: &Panels, s: &mut Scratch<T>, scale: f64) {
+    fn probs<T: Real, const W: u8>(&self, pn: &Panels, s: &mut Scratch<T>, scale: f64) {
         let (t, tp) = (self.seq, pn.tp);
         let q = Strided {
             data: &s.q,
@@ -620,7 +676,7 @@ impl CausalAttention {
         let dest = Dest::of(&mut s.p, tp);
         // Rows r0..r1 see keys first_key(r0)..r1.
         let keys = |r0, r1| (0..pn.hd, self.first_key(r0)..r1);
-        product::<T, AVX512>(t, q, (&s.kt, tp), dest, keys);
+        product::<T, W>(t, q, (&s.kt, tp), dest, keys);
         for (i, row) in s.p.chunks_mut(tp).enumerate() {
             let (before, row) = row.split_at_mut(self.first_key(i));
             before.fill(lit::<T>(0.0));
@@ -723,7 +779,7 @@ impl CausalAttention {
     /// # Safety
     /// No other task writes these heads' columns of the sequence's output rows.
     #[inline(always)]
-    unsafe fn forward_seq<T: Real, const AVX512: bool>(
+    unsafe fn forward_seq<T: Real, const W: u8>(
         &self,
         x: &[T],
         (y, at): (SharedRows<T>, usize),
@@ -740,7 +796,7 @@ impl CausalAttention {
             pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
             pn.transpose(&s.k, &mut s.kt);
             pn.rows_of(&x[2 * c + h * hd..], cols3, &mut s.v);
-            self.probs::<T, AVX512>(&pn, s, scale);
+            self.probs::<T, W>(&pn, s, scale);
             let probs = Strided::by_row(&s.p, pn.tp);
             // SAFETY: head h's columns of this sequence's rows are this task's (the caller's
             // contract).
@@ -748,7 +804,7 @@ impl CausalAttention {
             // Rows r0..r1 weigh the values of keys first_key(r0)..r1 (the rest of their row is
             // zero).
             let keys = |r0, r1| (self.first_key(r0)..r1, 0..hd);
-            product::<T, AVX512>(self.seq, probs, (&s.v, pn.dp), dest, keys);
+            product::<T, W>(self.seq, probs, (&s.v, pn.dp), dest, keys);
         }
     }
 
@@ -759,7 +815,7 @@ impl CausalAttention {
     /// # Safety
     /// No other task writes these heads' columns of the sequence's qkv gradient rows.
     #[inline(always)]
-    unsafe fn backward_seq<T: Real, const AVX512: bool>(
+    unsafe fn backward_seq<T: Real, const W: u8>(
         &self,
         x: &[T],
         g: &[T],
@@ -782,7 +838,7 @@ impl CausalAttention {
             }
             // SAFETY: head h's columns are this task's (the caller's contract).
             unsafe {
-                self.head_backward::<T, AVX512>(&pn, s, (x, g, (dx, at)), (h * hd, c, cols3), scale)
+                self.head_backward::<T, W>(&pn, s, (x, g, (dx, at)), (h * hd, c, cols3), scale)
             };
         }
     }
@@ -794,7 +850,7 @@ impl CausalAttention {
     /// # Safety
     /// No other task writes this head's columns of the sequence's qkv gradient rows.
     #[inline(always)]
-    unsafe fn head_backward<T: Real, const AVX512: bool>(
+    unsafe fn head_backward<T: Real, const W: u8>(
         &self,
         pn: &Panels,
         s: &mut Scratch<T>,
@@ -809,10 +865,10 @@ impl CausalAttention {
         pn.rows_of(&x[2 * c + o..], cols3, &mut s.v);
         pn.transpose(&s.v, &mut s.vt);
         pn.rows_of(&g[o..], c, &mut s.dy);
-        self.probs::<T, AVX512>(pn, s, scale);
+        self.probs::<T, W>(pn, s, scale);
         // Keys j0..j1 are seen by queries j0..queries_end(j1 - 1): dv = p^T dy over those.
         let keys_seen = |j0: usize, j1: usize| (j0..self.queries_end(j1 - 1), 0..hd);
-        product::<T, AVX512>(
+        product::<T, W>(
             t,
             Strided::by_col(&s.p, tp),
             (&s.dy, dp),
@@ -827,7 +883,7 @@ impl CausalAttention {
             col: 1,
         };
         let keys = |r0, r1| (0..hd, self.first_key(r0)..r1);
-        product::<T, AVX512>(t, dy, (&s.vt, tp), Dest::of(&mut s.ds, tp), keys);
+        product::<T, W>(t, dy, (&s.vt, tp), Dest::of(&mut s.ds, tp), keys);
         for (i, (dsr, pr)) in s.ds.chunks_mut(tp).zip(s.p.chunks(tp)).enumerate() {
             let live = self.first_key(i)..i + 1;
             let dot = lane_dot(&pr[live.clone()], &dsr[live.clone()]);
@@ -838,7 +894,7 @@ impl CausalAttention {
             dsr[live.end..].fill(lit::<T>(0.0));
         }
         // dq = ds k over keys first_key(r0)..r1; dk = ds^T q over the queries that see a key.
-        product::<T, AVX512>(
+        product::<T, W>(
             t,
             Strided::by_row(&s.ds, tp),
             (&s.k, dp),
@@ -846,7 +902,7 @@ impl CausalAttention {
             unsafe { Dest::columns(dx, at + o, cols3) },
             |r0, r1| (self.first_key(r0)..r1, 0..hd),
         );
-        product::<T, AVX512>(
+        product::<T, W>(
             t,
             Strided::by_col(&s.ds, tp),
             (&s.q, dp),
@@ -869,11 +925,11 @@ macro_rules! wide_fn {
             {
                 #[target_feature(enable = "avx512f,fma")]
                 unsafe fn avx512<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
-                    att.$body::<T, true>($($arg),*)
+                    att.$body::<T, AVX512>($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2<T: Real>(att: &CausalAttention, $($arg: $ty),*) {
-                    att.$body::<T, false>($($arg),*)
+                    att.$body::<T, AVX2>($($arg),*)
                 }
                 match Width::of_cpu() {
                     // SAFETY: the CPU has AVX-512F and FMA (`Width::of_cpu`).
@@ -884,7 +940,7 @@ macro_rules! wide_fn {
                 }
             }
             // SAFETY: the caller's contract, passed on.
-            unsafe { att.$body::<T, false>($($arg),*) }
+            unsafe { att.$body::<T, BASE>($($arg),*) }
         }
     };
 }
@@ -896,7 +952,7 @@ wide_fn!(backward_seq_wide, backward_seq, (x: &[T], g: &[T], dx: (SharedRows<T>,
 mod tests {
     use super::CausalAttention;
 
-    /// The hand-written f32 tile of this CPU (NEON on aarch64; AVX-512 where the CPU has it)
+    /// The hand-written f32 tiles of this CPU (NEON on aarch64; AVX2 and AVX-512 where it has them)
     /// gives the portable loop's bits, for every row count and inner lengths around the lanes.
     #[test]
     fn the_intrinsic_tiles_equal_the_portable_loop_bit_for_bit() {
@@ -933,6 +989,16 @@ mod tests {
                 // SAFETY: the CPU has AVX-512F and FMA; the reads are in bounds as above.
                 let got = unsafe { super::tile_f32_avx512::<MR>(strided, &b, NR, ks.clone()) };
                 assert_eq!(bits(&got), bits(&want), "AVX-512 tile over {ks:?}");
+                checked += 1;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if !ks.is_empty()
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                // SAFETY: the CPU has AVX2 and FMA; the reads are in bounds as above.
+                let got = unsafe { super::tile_f32_avx2::<MR>(strided, &b, NR, ks.clone()) };
+                assert_eq!(bits(&got), bits(&want), "AVX2 tile over {ks:?}");
                 checked += 1;
             }
         }
