@@ -24,6 +24,11 @@ const MR: usize = 8;
 const NR: usize = 32;
 /// Rows per parallel task (a whole number of [`MR`]).
 const ROWS_PER_TASK: usize = 64;
+/// Pairs of k a tile sums before the next A block reuses the same stretch of the panel: 256 pairs
+/// are 32 KiB of a B panel and 8 KiB of an A block, which stay in L1 and L2 while a task's blocks
+/// pass over them. Summed over the whole k at once, the LM head's input gradient (k = the
+/// vocabulary) streamed a 9.7 MB panel from memory once per block of [`MR`] rows.
+const KC: usize = 256;
 
 static ENABLED: AtomicBool = AtomicBool::new(false);
 
@@ -275,14 +280,24 @@ unsafe fn products(
         let cols = NR.min(n - q * NR);
         let rows = rt * ROWS_PER_TASK..((rt + 1) * ROWS_PER_TASK).min(m);
         let panel = &pb[q * kp * NR..(q + 1) * kp * NR];
-        for i0 in rows.step_by(MR) {
-            let block = &pa[(i0 / MR) * kp * MR..(i0 / MR + 1) * kp * MR];
-            let valid = MR.min(m - i0);
-            // SAFETY: the tile's rows i0..i0 + valid and columns q NR..q NR + cols are inside the
-            // destination and belong to this task alone; the CPU has AVX512-BF16 (the caller).
-            unsafe {
-                let at = out.ptr().add(i0 * ldd + q * NR);
-                tile(block, panel, kp, (at, ldd), (valid, cols), accumulate);
+        // Each element's sum runs over k in stretches of KC pairs, always in this order, the
+        // later ones added into what the earlier left: the result still depends on the operands
+        // alone.
+        // (One empty stretch when k is 0, so that the tiles are still written.)
+        for p0 in (0..kp.max(1)).step_by(KC) {
+            let pairs = p0..(p0 + KC).min(kp);
+            let stretch = &panel[pairs.start * NR..pairs.end * NR];
+            for i0 in rows.clone().step_by(MR) {
+                let block = &pa[(i0 / MR) * kp * MR..][pairs.start * MR..pairs.end * MR];
+                let valid = MR.min(m - i0);
+                // SAFETY: the tile's rows i0..i0 + valid and columns q NR..q NR + cols are inside
+                // the destination and belong to this task alone; the CPU has AVX512-BF16 (the
+                // caller).
+                unsafe {
+                    let at = out.ptr().add(i0 * ldd + q * NR);
+                    let add = accumulate || p0 > 0;
+                    tile(block, stretch, pairs.len(), (at, ldd), (valid, cols), add);
+                }
             }
         }
     });
@@ -381,7 +396,8 @@ mod tests {
     use super::*;
 
     /// Against a product of the same bf16-rounded operands summed in f64: every shape edge (rows
-    /// past a micro-tile, columns past a panel, odd k), strided operands, and accumulation.
+    /// past a micro-tile, columns past a panel, odd k, k over several stretches), strided
+    /// operands, and accumulation.
     #[test]
     fn products_equal_the_rounded_operands_product() {
         if !available() {
@@ -395,6 +411,8 @@ mod tests {
             (13, 45, 7),
             (70, 33, 64),
             (9, 100, 129),
+            // k over two stretches of KC pairs, the last one partial.
+            (9, 40, 4 * KC + 37),
         ] {
             let a: Vec<f32> = (0..m * k)
                 .map(|i| ((i * 7919) % 113) as f32 / 37.0 - 1.5)
