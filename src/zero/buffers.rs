@@ -416,17 +416,9 @@ fn param_scratch(spec: &ModelSpec, layout: &FlatLayout) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::unit::{ParamSpec, UnitSpec};
 
     fn spec() -> ModelSpec {
-        let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {
-            name: format!("u{i}"),
-            params: vec![ParamSpec {
-                name: format!("p{i}"),
-                shape: vec![n],
-            }],
-            uses,
-        };
+        let unit = crate::zero::unit::test_unit;
         ModelSpec {
             units: vec![
                 unit(0, 64, vec![]),

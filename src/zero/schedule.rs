@@ -154,19 +154,12 @@ pub(crate) fn grad_buffers(spec: &ModelSpec, sizes: &[usize]) -> (Vec<usize>, Ve
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::unit::{ParamSpec, UnitSpec};
+    use crate::zero::unit::test_unit;
 
     fn tied(n: usize) -> ModelSpec {
         ModelSpec {
             units: (0..n)
-                .map(|i| UnitSpec {
-                    name: format!("u{i}"),
-                    params: vec![ParamSpec {
-                        name: format!("p{i}"),
-                        shape: vec![4],
-                    }],
-                    uses: if i == n - 1 { vec![0] } else { vec![] },
-                })
+                .map(|i| test_unit(i, 4, if i == n - 1 { vec![0] } else { vec![] }))
                 .collect(),
         }
     }

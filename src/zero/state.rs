@@ -221,20 +221,13 @@ pub(crate) fn full_grad_of<'g>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::unit::{ModelSpec, ParamSpec, UnitSpec};
+    use crate::zero::unit::ModelSpec;
     use crate::zero::{EngineConfig, Stage};
 
     #[test]
     fn each_unit_takes_a_buffer_of_its_planned_size_and_an_unplanned_take_still_gets_one() {
         // An embedding of 1024 read by a head of 16 (tied), a block of 256 between them.
-        let unit = |i: usize, n: usize, uses: Vec<usize>| UnitSpec {
-            name: format!("u{i}"),
-            params: vec![ParamSpec {
-                name: format!("p{i}"),
-                shape: vec![n],
-            }],
-            uses,
-        };
+        let unit = crate::zero::unit::test_unit;
         let spec = ModelSpec {
             units: vec![
                 unit(0, 1024, vec![]),

@@ -101,6 +101,19 @@ impl UnitSpec {
     }
 }
 
+/// For tests: unit `i` of one 1-D parameter of `numel` elements, reading the units `uses`.
+#[cfg(test)]
+pub(crate) fn test_unit(i: usize, numel: usize, uses: Vec<usize>) -> UnitSpec {
+    UnitSpec {
+        name: format!("u{i}"),
+        params: vec![ParamSpec {
+            name: format!("p{i}"),
+            shape: vec![numel],
+        }],
+        uses,
+    }
+}
+
 /// The whole model's layout: units in forward order.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelSpec {
