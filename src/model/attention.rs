@@ -337,6 +337,17 @@ impl<'a, T: Real> Dest<'a, T> {
         }
     }
 
+    /// A `[t, dp]` panel's `hd` columns into these rows.
+    fn store_panel(&mut self, panel: &[T], pn: &Panels) {
+        for (i, row) in panel.chunks(pn.dp).take(pn.t).enumerate() {
+            let at = i * self.ld;
+            assert!(at + pn.hd <= self.len, "attention: store past the rows");
+            // SAFETY: `at..at + hd` is inside the rows (checked above), which this Dest may
+            // write (see `Dest::columns`); `row` is a scratch panel.
+            unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.data.add(at), pn.hd) };
+        }
+    }
+
     #[inline(always)]
     fn store<const R: usize>(&mut self, r0: usize, j0: usize, cols: usize, tile: &[[T; NR]; R]) {
         for (i, row) in tile.iter().enumerate() {
@@ -497,19 +508,13 @@ fn prefetch_raw_rows<T>((src, len): (*const T, usize), ld: usize, width: usize, 
     let _ = (src, len, ld, width, rows);
 }
 
-/// [`prefetch_rows`] for the head whose columns start at `o` in each of the q, k and v parts of
-/// qkv-shaped rows (`c` columns each, rows `cols3` apart), given by pointer and length.
+/// [`prefetch_rows`] for a head's q, k and v columns (`at`, from [`CausalAttention::head_cols`])
+/// of qkv rows `ld` apart, given by pointer and length.
 #[inline(always)]
-fn prefetch_qkv<T>(
-    (rows, len): (*const T, usize),
-    o: usize,
-    (c, cols3): (usize, usize),
-    pn: &Panels,
-) {
-    for part in 0..3 {
-        let from = part * c + o;
+fn prefetch_qkv<T>((rows, len): (*const T, usize), at: [usize; 3], ld: usize, pn: &Panels) {
+    for from in at {
         if from < len {
-            prefetch_raw_rows((rows.wrapping_add(from), len - from), cols3, pn.hd, pn.t);
+            prefetch_raw_rows((rows.wrapping_add(from), len - from), ld, pn.hd, pn.t);
         }
     }
 }
@@ -526,6 +531,12 @@ struct Scratch<T> {
     dy: Vec<T>,
     p: Vec<T>,
     ds: Vec<T>,
+    /// Grouped-query attention's backward: one query head's dk and dv, and their sums over the
+    /// query heads of a key/value head (`[t, dp]` panels).
+    dk: Vec<T>,
+    dv: Vec<T>,
+    dk_sum: Vec<T>,
+    dv_sum: Vec<T>,
 }
 
 impl<T: Real> Scratch<T> {
@@ -541,6 +552,10 @@ impl<T: Real> Scratch<T> {
             dy: zeros(rows),
             p: zeros(square),
             ds: zeros(square),
+            dk: zeros(rows),
+            dv: zeros(rows),
+            dk_sum: zeros(rows),
+            dv_sum: zeros(rows),
         }
     }
 }
@@ -579,6 +594,9 @@ pub(crate) struct CausalAttention {
     pub batch: usize,
     pub seq: usize,
     pub heads: usize,
+    /// Key and value heads, each serving `heads / kv_heads` consecutive query heads
+    /// (grouped-query attention, without the copies of repeating them); `heads` for multi-head.
+    pub kv_heads: usize,
     /// A sliding window: query `i` sees keys `i + 1 - window ..= i` (Mistral's, Qwen's), and the
     /// tiles wholly outside it are not computed. `None`: every earlier key.
     pub window: Option<usize>,
@@ -595,10 +613,30 @@ impl CausalAttention {
             batch,
             seq,
             heads,
+            kv_heads: heads,
             window,
             segments: None,
             offset: 0,
         }
+    }
+
+    /// Grouped-query attention: `kv_heads` key and value heads, the rows `[q | k | v]` with
+    /// `heads`, `kv_heads` and `kv_heads` heads' columns.
+    pub fn with_kv_heads(mut self, kv_heads: usize) -> Self {
+        self.kv_heads = kv_heads;
+        self
+    }
+
+    /// Query heads per key/value head.
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Where query head `h`'s q, k and v columns start in a qkv row, for heads `hd` wide.
+    #[inline(always)]
+    fn head_cols(&self, h: usize, hd: usize) -> [usize; 3] {
+        let (qc, kc, kv) = (self.heads * hd, self.kv_heads * hd, h / self.group());
+        [h * hd, qc + kv * hd, qc + kc + kv * hd]
     }
 
     /// Packed rows (`starts`: `TokenBatch::segment_starts`, or empty for none).
@@ -643,13 +681,18 @@ impl CausalAttention {
         }
     }
 
-    /// The model width `c` for qkv rows of `cols3` columns, after checking that `qkv` holds
-    /// `batch x seq` such rows: every slice and tile below is in bounds by construction from here.
+    /// The output width (the queries' columns) for qkv rows of `cols3` columns, after checking
+    /// that `qkv` holds `batch x seq` such rows: every slice and tile below is in bounds by
+    /// construction from here.
     fn width(&self, qkv_len: usize, cols3: usize) -> Result<usize> {
-        if self.heads == 0 || cols3 == 0 || cols3 % (3 * self.heads) != 0 {
+        let heads = self.heads + 2 * self.kv_heads;
+        let grouped = self.kv_heads > 0 && self.heads % self.kv_heads == 0;
+        if self.heads == 0 || !grouped || cols3 == 0 || cols3 % heads != 0 {
             bail!(
-                "attention: qkv width {cols3} is not 3 x heads ({}) x a positive head width",
-                self.heads
+                "attention: qkv width {cols3} is not (heads {} + 2 x key/value heads {}) x a \
+                 positive head width",
+                self.heads,
+                self.kv_heads
             );
         }
         let rows = self.batch * self.seq;
@@ -660,7 +703,7 @@ impl CausalAttention {
                 self.seq
             );
         }
-        Ok(cols3 / 3)
+        Ok(cols3 / heads * self.heads)
     }
 
     /// The causal softmax of `scale * q k^T` for one head into `s.p` (`[t, tp]`, zero above the
@@ -743,14 +786,17 @@ impl CausalAttention {
             );
         }
         let pn = self.per_sequence(cols3).3;
-        let groups = self.head_groups();
+        // A key/value head's gradient sums over its query heads in one task: the tasks split the
+        // key/value heads, each with its whole group of query heads.
+        let group = self.group();
+        let groups = self.head_groups().min(self.kv_heads);
         let fill = |dqkv: &mut [std::mem::MaybeUninit<T>]| {
             let dx = SharedRows::new(dqkv);
             (0..self.batch * groups).into_par_iter().for_each_init(
                 || Scratch::new(&pn),
                 |s, task| {
-                    let (bi, heads) =
-                        (task / groups, even_split(self.heads, groups, task % groups));
+                    let kv = even_split(self.kv_heads, groups, task % groups);
+                    let (bi, heads) = (task / groups, kv.start * group..kv.end * group);
                     let x = &qkv[bi * t * cols3..(bi + 1) * t * cols3];
                     let g = &dy[bi * t * c..(bi + 1) * t * c];
                     let att = self.in_sequence(bi);
@@ -767,8 +813,8 @@ impl CausalAttention {
     /// What every head of a sequence shares: the model width, the head width, the softmax scale
     /// and the panels' shapes.
     fn per_sequence(&self, cols3: usize) -> (usize, usize, f64, Panels) {
-        let c = cols3 / 3;
-        let hd = c / self.heads;
+        let hd = cols3 / (self.heads + 2 * self.kv_heads).max(1);
+        let c = hd * self.heads;
         (c, hd, 1.0 / (hd as f64).sqrt(), Panels::new(self.seq, hd))
     }
 
@@ -790,12 +836,16 @@ impl CausalAttention {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
         for h in heads.clone() {
             if h + 1 < heads.end {
-                prefetch_qkv((x.as_ptr(), x.len()), (h + 1) * hd, (c, cols3), &pn);
+                prefetch_qkv((x.as_ptr(), x.len()), self.head_cols(h + 1, hd), cols3, &pn);
             }
-            pn.rows_of(&x[h * hd..], cols3, &mut s.q);
-            pn.rows_of(&x[c + h * hd..], cols3, &mut s.k);
-            pn.transpose(&s.k, &mut s.kt);
-            pn.rows_of(&x[2 * c + h * hd..], cols3, &mut s.v);
+            let [oq, ok, ov] = self.head_cols(h, hd);
+            pn.rows_of(&x[oq..], cols3, &mut s.q);
+            // The query heads of one key/value head share its panels.
+            if h == heads.start || h % self.group() == 0 {
+                pn.rows_of(&x[ok..], cols3, &mut s.k);
+                pn.transpose(&s.k, &mut s.kt);
+                pn.rows_of(&x[ov..], cols3, &mut s.v);
+            }
             self.probs::<T, W>(&pn, s, scale);
             let probs = Strided::by_row(&s.p, pn.tp);
             // SAFETY: head h's columns of this sequence's rows are this task's (the caller's
@@ -810,10 +860,12 @@ impl CausalAttention {
 
     /// Heads `heads` of one sequence's backward: `x` its qkv rows, `g` its output gradient rows,
     /// `dx` the qkv gradient and where the sequence's rows start in it, `s` as in
-    /// [`CausalAttention::forward_seq`].
+    /// [`CausalAttention::forward_seq`]. With grouped-query attention `heads` holds whole groups:
+    /// each key/value head's dk and dv are the sums over its query heads, in their order.
     ///
     /// # Safety
-    /// No other task writes these heads' columns of the sequence's qkv gradient rows.
+    /// No other task writes these heads' columns of the sequence's qkv gradient rows (nor their
+    /// key/value heads').
     #[inline(always)]
     unsafe fn backward_seq<T: Real, const W: u8>(
         &self,
@@ -825,57 +877,75 @@ impl CausalAttention {
         s: &mut Scratch<T>,
     ) {
         let (c, hd, scale, pn) = self.per_sequence(cols3);
+        let group = self.group();
         for h in heads.clone() {
             if h + 1 < heads.end {
-                let o = (h + 1) * hd;
-                prefetch_qkv((x.as_ptr(), x.len()), o, (c, cols3), &pn);
+                let next = self.head_cols(h + 1, hd);
+                prefetch_qkv((x.as_ptr(), x.len()), next, cols3, &pn);
                 let rows = (
                     dx.ptr.wrapping_add(at).cast_const(),
                     dx.len.saturating_sub(at),
                 );
-                prefetch_qkv(rows, o, (c, cols3), &pn);
-                prefetch_rows(&g[o..], c, hd, self.seq);
+                prefetch_qkv(rows, next, cols3, &pn);
+                prefetch_rows(&g[(h + 1) * hd..], c, hd, self.seq);
             }
-            // SAFETY: head h's columns are this task's (the caller's contract).
-            unsafe {
-                self.head_backward::<T, W>(&pn, s, (x, g, (dx, at)), (h * hd, c, cols3), scale)
-            };
+            let cols = self.head_cols(h, hd);
+            let first = h % group == 0;
+            // SAFETY: head h's q columns, and below its key/value head's, are this task's (the
+            // caller's contract).
+            let dq = unsafe { Dest::columns(dx, at + cols[0], cols3) };
+            let operands = (x, g, dq, cols, cols3);
+            if group == 1 {
+                // SAFETY: as above.
+                let dk = unsafe { Dest::columns(dx, at + cols[1], cols3) };
+                let dv = unsafe { Dest::columns(dx, at + cols[2], cols3) };
+                self.head_backward::<T, W>(&pn, s, operands, (dk, dv), scale);
+                continue;
+            }
+            let (mut dk, mut dv) = (std::mem::take(&mut s.dk), std::mem::take(&mut s.dv));
+            let into = (Dest::of(&mut dk, pn.dp), Dest::of(&mut dv, pn.dp));
+            self.head_backward::<T, W>(&pn, s, operands, into, scale);
+            for (sum, part) in [(&mut s.dk_sum, &dk), (&mut s.dv_sum, &dv)] {
+                match first {
+                    true => sum.copy_from_slice(part),
+                    false => sum.iter_mut().zip(part.iter()).for_each(|(a, &b)| *a += b),
+                }
+            }
+            (s.dk, s.dv) = (dk, dv);
+            if h % group == group - 1 {
+                // SAFETY: as above.
+                unsafe { Dest::columns(dx, at + cols[1], cols3) }.store_panel(&s.dk_sum, &pn);
+                unsafe { Dest::columns(dx, at + cols[2], cols3) }.store_panel(&s.dv_sum, &pn);
+            }
         }
     }
 
-    /// One head's share of [`CausalAttention::backward`] for one sequence: `x` its qkv rows, `g`
-    /// its output gradient rows, `dx` the qkv gradient and where the sequence's rows start in it;
-    /// the head's columns start at `o`.
-    ///
-    /// # Safety
-    /// No other task writes this head's columns of the sequence's qkv gradient rows.
+    /// One query head's share of [`CausalAttention::backward`] for one sequence: `x` its qkv
+    /// rows, `g` its output gradient rows, `dq` where the head's query gradient goes, `cols` its
+    /// q, k and v columns ([`CausalAttention::head_cols`]); its dk and dv into `dkv`. The head's
+    /// k and v panels are read again only for the first head of a key/value head's group.
     #[inline(always)]
-    unsafe fn head_backward<T: Real, const W: u8>(
+    fn head_backward<T: Real, const W: u8>(
         &self,
         pn: &Panels,
         s: &mut Scratch<T>,
-        (x, g, (dx, at)): (&[T], &[T], (SharedRows<T>, usize)),
-        (o, c, cols3): (usize, usize, usize),
+        (x, g, dq, [oq, ok, ov], cols3): (&[T], &[T], Dest<'_, T>, [usize; 3], usize),
+        (dk, dv): (Dest<'_, T>, Dest<'_, T>),
         scale: f64,
     ) {
         let (t, hd, dp, tp) = (self.seq, pn.hd, pn.dp, pn.tp);
-        pn.rows_of(&x[o..], cols3, &mut s.q);
-        pn.rows_of(&x[c + o..], cols3, &mut s.k);
-        pn.transpose(&s.k, &mut s.kt);
-        pn.rows_of(&x[2 * c + o..], cols3, &mut s.v);
-        pn.transpose(&s.v, &mut s.vt);
-        pn.rows_of(&g[o..], c, &mut s.dy);
+        pn.rows_of(&x[oq..], cols3, &mut s.q);
+        if (oq / hd) % self.group() == 0 {
+            pn.rows_of(&x[ok..], cols3, &mut s.k);
+            pn.transpose(&s.k, &mut s.kt);
+            pn.rows_of(&x[ov..], cols3, &mut s.v);
+            pn.transpose(&s.v, &mut s.vt);
+        }
+        pn.rows_of(&g[oq..], self.heads * hd, &mut s.dy);
         self.probs::<T, W>(pn, s, scale);
         // Keys j0..j1 are seen by queries j0..queries_end(j1 - 1): dv = p^T dy over those.
         let keys_seen = |j0: usize, j1: usize| (j0..self.queries_end(j1 - 1), 0..hd);
-        product::<T, W>(
-            t,
-            Strided::by_col(&s.p, tp),
-            (&s.dy, dp),
-            // SAFETY: the head's v columns (the caller's contract).
-            unsafe { Dest::columns(dx, at + 2 * c + o, cols3) },
-            keys_seen,
-        );
+        product::<T, W>(t, Strided::by_col(&s.p, tp), (&s.dy, dp), dv, keys_seen);
         // dp = dy v^T, rows r0..r1 over keys first_key(r0)..r1, into ds.
         let dy = Strided {
             data: &s.dy,
@@ -894,22 +964,9 @@ impl CausalAttention {
             dsr[live.end..].fill(lit::<T>(0.0));
         }
         // dq = ds k over keys first_key(r0)..r1; dk = ds^T q over the queries that see a key.
-        product::<T, W>(
-            t,
-            Strided::by_row(&s.ds, tp),
-            (&s.k, dp),
-            // SAFETY: the head's q columns (the caller's contract).
-            unsafe { Dest::columns(dx, at + o, cols3) },
-            |r0, r1| (self.first_key(r0)..r1, 0..hd),
-        );
-        product::<T, W>(
-            t,
-            Strided::by_col(&s.ds, tp),
-            (&s.q, dp),
-            // SAFETY: the head's k columns (the caller's contract).
-            unsafe { Dest::columns(dx, at + c + o, cols3) },
-            keys_seen,
-        );
+        let queries = |r0, r1| (self.first_key(r0)..r1, 0..hd);
+        product::<T, W>(t, Strided::by_row(&s.ds, tp), (&s.k, dp), dq, queries);
+        product::<T, W>(t, Strided::by_col(&s.ds, tp), (&s.q, dp), dk, keys_seen);
     }
 }
 
@@ -1202,6 +1259,83 @@ mod tests {
         let one = run(1);
         for threads in [3, 6] {
             assert!(run(threads) == one, "{threads} threads");
+        }
+    }
+
+    /// Grouped-query attention reads each key/value head for its group of query heads: the
+    /// output and dq are the multi-head kernel's on the keys and values repeated to every query
+    /// head, bit for bit, and each key/value head's dk and dv the sum of its query heads'
+    /// (summed in their order), with and without a window, on one thread and on several.
+    #[test]
+    fn grouped_query_attention_is_multi_head_on_repeated_keys_and_values() {
+        for (batch, t, heads, kv, hd, window) in [
+            (2, 19, 6, 2, 8, None),
+            (1, 40, 6, 3, 5, Some(9)),
+            (3, 7, 4, 1, 4, None),
+        ] {
+            let group = heads / kv;
+            let (q, k) = (heads * hd, kv * hd);
+            let cols = q + 2 * k;
+            let (full, dy, c3) = inputs(batch, t, heads, hd);
+            // The first head of each group's k and v, packed after the queries.
+            let rows = batch * t;
+            let mut gqa = vec![0f32; rows * cols];
+            for r in 0..rows {
+                let src = &full[r * c3..(r + 1) * c3];
+                gqa[r * cols..r * cols + q].copy_from_slice(&src[..q]);
+                for j in 0..kv {
+                    let h = j * group;
+                    for (part, at) in [(1, q + j * hd), (2, q + k + j * hd)] {
+                        let from = part * q + h * hd;
+                        gqa[r * cols + at..r * cols + at + hd]
+                            .copy_from_slice(&src[from..from + hd]);
+                    }
+                }
+            }
+            // The same keys and values repeated to every query head.
+            let mut mha = vec![0f32; rows * c3];
+            for r in 0..rows {
+                mha[r * c3..r * c3 + q].copy_from_slice(&gqa[r * cols..r * cols + q]);
+                for h in 0..heads {
+                    for (part, at) in [(1, q + h / group * hd), (2, q + k + h / group * hd)] {
+                        let to = r * c3 + part * q + h * hd;
+                        mha[to..to + hd].copy_from_slice(&gqa[r * cols + at..r * cols + at + hd]);
+                    }
+                }
+            }
+            let multi = CausalAttention::new(batch, t, heads, window);
+            let grouped = multi.clone().with_kv_heads(kv);
+            let (y_m, d_m) = (
+                multi.forward(&mha, c3).unwrap(),
+                multi.backward(&mha, &dy, c3).unwrap(),
+            );
+            for threads in [1, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (y, d) = pool.install(|| {
+                    (
+                        grouped.forward(&gqa, cols).unwrap(),
+                        grouped.backward(&gqa, &dy, cols).unwrap(),
+                    )
+                });
+                assert!(y == y_m, "y: {heads} heads on {kv}, {threads} threads");
+                for r in 0..rows {
+                    let (got, want) = (&d[r * cols..(r + 1) * cols], &d_m[r * c3..(r + 1) * c3]);
+                    assert!(got[..q] == want[..q], "dq row {r}");
+                    for j in 0..kv {
+                        for (part, at) in [(1, q + j * hd), (2, q + k + j * hd)] {
+                            for e in 0..hd {
+                                let head = |h: usize| want[part * q + h * hd + e];
+                                let sum = (j * group + 1..(j + 1) * group)
+                                    .fold(head(j * group), |a, h| a + head(h));
+                                assert!(got[at + e] == sum, "d{part} row {r} kv head {j}");
+                            }
+                        }
+                    }
+                }
+            }
         }
     }
 

@@ -358,21 +358,6 @@ impl Llama {
         }
     }
 
-    /// `[b*t, nkv*d]` key or value rows repeated to `[b*t, nh*d]`: query head `j` reads kv head
-    /// `j / (nh / nkv)` (transformers' `repeat_kv`).
-    fn repeat_kv_rows(&self, x: Tensor) -> candle_core::Result<Tensor> {
-        let c = &self.config;
-        let (nh, nkv, d) = (c.heads, c.kv_heads, c.head_dim);
-        if nh == nkv {
-            return Ok(x);
-        }
-        let n = x.dim(0)?;
-        x.reshape((n, nkv, 1, d))?
-            .broadcast_as((n, nkv, nh / nkv, d))?
-            .contiguous()?
-            .reshape((n, nh * d))
-    }
-
     /// A decoder layer on the fused kernels: the same math as [`Self::block`].
     fn block_fused(
         &self,
@@ -399,11 +384,12 @@ impl Llama {
         let q = self.head_norm(linear(&h, s.q)?, s.q_norm.map(|w| &p[w]), c.heads)?;
         let k = self.head_norm(linear(&h, s.k)?, s.k_norm.map(|w| &p[w]), c.kv_heads)?;
         let q = q.apply_op1(rope.clone())?;
-        let k = self.repeat_kv_rows(k.apply_op1(rope)?)?;
-        let v = self.repeat_kv_rows(linear(&h, s.v)?)?;
-        let qkv = Tensor::cat(&[&q, &k, &v], 1)?;
-        let attention =
-            ops::CausalAttention::new(b, t, c.heads, window).with_segments(&batch.segment_starts);
+        let k = k.apply_op1(rope)?;
+        // The kernel reads each key/value head for its group of query heads: no repeated copies.
+        let qkv = Tensor::cat(&[&q, &k, &linear(&h, s.v)?], 1)?;
+        let attention = ops::CausalAttention::new(b, t, c.heads, window)
+            .with_kv_heads(c.kv_heads)
+            .with_segments(&batch.segment_starts);
         let x = (&x + linear(&qkv.apply_op1(attention)?, s.o)?)?;
         let h = x.apply_op2(&self.norm_weight(&p[s.post_norm])?, norm)?;
         let gated = self.gated(linear(&h, s.gate)?, linear(&h, s.up)?)?;
@@ -411,11 +397,12 @@ impl Llama {
     }
 
     /// The MLP's gate applied: `silu(gate) * up` (the fused SwiGLU op where the path has it) or
-    /// Gemma's `gelu_tanh(gate) * up`.
+    /// Gemma's `gelu_tanh(gate) * up` (the fused GeGLU op on the CPU).
     fn gated(&self, gate: Tensor, up: Tensor) -> candle_core::Result<Tensor> {
         match self.config.mlp_act {
             MlpAct::Silu if self.fused || self.cuda_kernels => gate.apply_op2(&up, ops::SwiGlu),
             MlpAct::Silu => candle_nn::ops::silu(&gate)? * up,
+            MlpAct::GeluTanh if self.fused => gate.apply_op2(&up, ops::GeGlu),
             MlpAct::GeluTanh => gate.gelu()? * up,
         }
     }

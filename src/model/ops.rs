@@ -1075,7 +1075,8 @@ impl CustomOp1 for CausalAttention {
         }
         by_dtype!(storage_dtype(s), self.name(), |T| {
             let y = self.forward(slice_of::<T>(s, l)?, cols3)?;
-            Ok((T::to_cpu_storage_owned(y), Shape::from((rows, cols3 / 3))))
+            let cols = y.len() / rows.max(1);
+            Ok((T::to_cpu_storage_owned(y), Shape::from((rows, cols))))
         })
     }
 
@@ -1639,4 +1640,4 @@ mod tests {
 }
 
 mod llama;
-pub(crate) use llama::{MatMulT, RmsNorm, Rope, SwiGlu};
+pub(crate) use llama::{GeGlu, MatMulT, RmsNorm, Rope, SwiGlu};

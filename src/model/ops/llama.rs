@@ -332,54 +332,70 @@ impl CustomOp1 for Rope {
 
 pub(crate) struct SwiGlu;
 
+/// `y = act(g) * u` element-wise, on the pool.
+fn gated_fwd<T: Real>(g: &[T], u: &[T], act: impl Fn(T) -> T + Sync) -> Vec<T> {
+    let mut y = vec![lit::<T>(0.0); g.len()];
+    y.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(
+            g.par_chunks(ELEMS_PER_TASK)
+                .zip(u.par_chunks(ELEMS_PER_TASK)),
+        )
+        .for_each(|(ys, (gs, us))| {
+            wide(
+                #[inline(always)]
+                || {
+                    for ((y, &g), &u) in ys.iter_mut().zip(gs).zip(us) {
+                        *y = act(g) * u;
+                    }
+                },
+            )
+        });
+    y
+}
+
+/// `(dg, du)` of [`gated_fwd`], `grads(g, u, dy)` giving each element's pair.
+fn gated_bwd<T: Real>(
+    g: &[T],
+    u: &[T],
+    dy: &[T],
+    grads: impl Fn(T, T, T) -> (T, T) + Sync,
+) -> (Vec<T>, Vec<T>) {
+    let mut dg = vec![lit::<T>(0.0); g.len()];
+    let mut du = vec![lit::<T>(0.0); g.len()];
+    dg.par_chunks_mut(ELEMS_PER_TASK)
+        .zip(du.par_chunks_mut(ELEMS_PER_TASK))
+        .zip(g.par_chunks(ELEMS_PER_TASK))
+        .zip(
+            u.par_chunks(ELEMS_PER_TASK)
+                .zip(dy.par_chunks(ELEMS_PER_TASK)),
+        )
+        .for_each(|(((dgs, dus), gs), (us, dys))| {
+            wide(
+                #[inline(always)]
+                || {
+                    let each = dgs.iter_mut().zip(dus.iter_mut()).zip(gs).zip(us).zip(dys);
+                    for ((((dg, du), &g), &u), &d) in each {
+                        (*dg, *du) = grads(g, u, d);
+                    }
+                },
+            )
+        });
+    (dg, du)
+}
+
 impl SwiGlu {
     fn fwd<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        let mut y = vec![lit::<T>(0.0); g.len()];
-        y.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(
-                g.par_chunks(ELEMS_PER_TASK)
-                    .zip(u.par_chunks(ELEMS_PER_TASK)),
-            )
-            .for_each(|(ys, (gs, us))| {
-                wide(
-                    #[inline(always)]
-                    || {
-                        for ((y, &g), &u) in ys.iter_mut().zip(gs).zip(us) {
-                            *y = (g / (lit::<T>(1.0) + (lit::<T>(0.0) - g).exp())) * u;
-                        }
-                    },
-                )
-            });
-        y
+        gated_fwd(g, u, |g| g / (lit::<T>(1.0) + (lit::<T>(0.0) - g).exp()))
     }
 
     /// `(dg, du)`: with `s = 1 / (1 + e^-g)`, `dg = dy * u * s * (1 + g * (1 - s))` and
     /// `du = dy * g * s`.
     fn bwd<T: Real>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
-        let mut dg = vec![lit::<T>(0.0); g.len()];
-        let mut du = vec![lit::<T>(0.0); g.len()];
         let one = lit::<T>(1.0);
-        dg.par_chunks_mut(ELEMS_PER_TASK)
-            .zip(du.par_chunks_mut(ELEMS_PER_TASK))
-            .zip(g.par_chunks(ELEMS_PER_TASK))
-            .zip(
-                u.par_chunks(ELEMS_PER_TASK)
-                    .zip(dy.par_chunks(ELEMS_PER_TASK)),
-            )
-            .for_each(|(((dgs, dus), gs), (us, dys))| {
-                wide(
-                    #[inline(always)]
-                    || {
-                        let each = dgs.iter_mut().zip(dus.iter_mut()).zip(gs).zip(us).zip(dys);
-                        for ((((dg, du), &g), &u), &d) in each {
-                            let s = one / (one + (lit::<T>(0.0) - g).exp());
-                            *dg = d * u * (s * (one + g * (one - s)));
-                            *du = d * (g * s);
-                        }
-                    },
-                )
-            });
-        (dg, du)
+        gated_bwd(g, u, dy, |g, u, d| {
+            let s = one / (one + (lit::<T>(0.0) - g).exp());
+            (d * u * (s * (one + g * (one - s))), d * (g * s))
+        })
     }
 }
 
@@ -431,6 +447,68 @@ impl CustomOp2 for SwiGlu {
             let (dg, du) = super::super::cuda::llama_ops::swiglu_bwd(g, u, dy)?;
             return Ok((Some(dg), Some(du)));
         }
+        by_dtype!(g.dtype(), self.name(), |T| {
+            let (dg, du) = with_slice::<T, _>(g, |gs| {
+                with_slice::<T, _>(u, |us| with_slice::<T, _>(dy, |d| Ok(Self::bwd(gs, us, d))))
+            })?;
+            Ok((Some(tensor(dg, g.shape())?), Some(tensor(du, u.shape())?)))
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// GeGLU's gate (Gemma): y = gelu_tanh(g) * u, element-wise, on the CPU.
+
+/// One graph node for Gemma's gate: candle's composite `gelu` keeps a dozen temporaries of the
+/// MLP's width alive in its backward; this keeps none (the same backward memory as [`SwiGlu`]).
+pub(crate) struct GeGlu;
+
+impl GeGlu {
+    fn fwd<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
+        gated_fwd(g, u, super::gelu)
+    }
+
+    /// `dg = (dy * u) * gelu'(g)` and `du = dy * gelu(g)`: the product's gradient, then the
+    /// GELU's, in the order the two ops apart round them.
+    fn bwd<T: Real>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
+        gated_bwd(g, u, dy, |g, u, d| {
+            ((d * u) * super::gelu_grad(g), d * super::gelu(g))
+        })
+    }
+}
+
+impl CustomOp2 for GeGlu {
+    fn name(&self) -> &'static str {
+        "zerodp-geglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        if l1.shape() != l2.shape() {
+            bail!(
+                "geglu: gate {:?} and up {:?} differ",
+                l1.shape(),
+                l2.shape()
+            );
+        }
+        by_dtype!(storage_dtype(s1), self.name(), |T| {
+            let y = Self::fwd(slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?);
+            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
+        })
+    }
+
+    fn bwd(
+        &self,
+        g: &Tensor,
+        u: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         by_dtype!(g.dtype(), self.name(), |T| {
             let (dg, du) = with_slice::<T, _>(g, |gs| {
                 with_slice::<T, _>(u, |us| with_slice::<T, _>(dy, |d| Ok(Self::bwd(gs, us, d))))
