@@ -4,10 +4,11 @@
 #   scripts/preflight_rss.sh            # the whole grid: 144 runs, a few minutes on 2 cores
 #   scripts/preflight_rss.sh --quick    # world size 2, stages 0 and 3 only
 #
-# For every case of the grid (models demo, small and a 25M-parameter GPT of 8 layers x width 512;
+# For every case of the grid (models demo, small and a 25M-parameter GPT of 8 layers x width 512, or
+# with MODELS=qwen a 20M-parameter Qwen2-shaped decoder;
 # ZeRO stages 0-3; world sizes 1, 2, 4; fp32 and bf16; with and without activation checkpointing)
 # it runs `zerodp train --steps 3` on a 1 MB generated text (micro-batches of 4 sequences, 2 for the
-# 25M model, whose compute dominates the run time) and prints the pre-flight's planned bytes per rank, the measured peak resident set per rank (the
+# 25M and Qwen models, whose compute dominates the run time) and prints the pre-flight's planned bytes per rank, the measured peak resident set per rank (the
 # kernel's VmHWM of the whole process, which holds every rank, over the world size) and their ratio.
 # Each case runs RUNS times (default 3): the plan is the same every run, the peak resident set
 # moves with the allocator and the threads' timing, so the median is compared and the spread
@@ -39,8 +40,23 @@ awk 'BEGIN { srand(7); split("the of and to in a is that for it as was with be b
      n = 0; while (n < 1000000) { s = w[int(rand() * 40) + 1] " "; printf "%s", s; n += length(s) } }' \
     | head -c 1000000 > "$work/corpus.txt"
 
-# name|sequences per micro-batch|model flags
-models=("demo|4|--model demo" "small|4|--model small" "25m|2|--model demo --layers 8 --width 512")
+# A Qwen2-shaped decoder (grouped-query attention, q/k/v biases, a gated MLP, tied head) of 20M
+# parameters, for the Llama family's rules.
+cat > "$work/qwen.json" <<'EOF'
+{"model_type": "qwen2", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
+ "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 16384,
+ "max_position_embeddings": 512, "tie_word_embeddings": true, "rms_norm_eps": 1e-6}
+EOF
+
+# name|sequences per micro-batch|model flags. MODELS names those to run: the GPTs by default,
+# MODELS=qwen for the Llama family's grid.
+models=("demo|4|--model demo" "small|4|--model small" "25m|2|--model demo --layers 8 --width 512"
+        "qwen|2|--model-config $work/qwen.json --context 256")
+kept=()
+for entry in "${models[@]}"; do
+    [[ " ${MODELS:-demo small 25m} " == *" ${entry%%|*} "* ]] && kept+=("$entry")
+done
+models=("${kept[@]}")
 stages=(0 1 2 3)
 worlds=(1 2 4)
 if [[ $quick == 1 ]]; then

@@ -241,37 +241,19 @@ fn host_links(args: &PlanFlags) -> anyhow::Result<HostLinks> {
     Ok(h)
 }
 
-/// The model a Hugging Face config describes (`FILE`, or `DIR/config.json`): a GPT-2 exactly; a
-/// Llama with its exact parameters and units, its activations estimated as the GPT of the same
-/// widths (`LlamaConfig::gpt_shape`).
+/// The model a Hugging Face config describes (`FILE`, or `DIR/config.json`): a GPT-2 or a
+/// Llama-family decoder, its parameters, units and activations by its own shape.
 fn hf_model_size(path: &std::path::Path) -> anyhow::Result<ModelSize> {
     let file = match path.is_dir() {
         true => path.join("config.json"),
         false => path.to_path_buf(),
     };
     let cfg = zerodp::model::hf::HfConfig::read(&file)?;
-    let shape = |g: &zerodp::model::GptConfig| GptShape {
-        layers: g.layers as u64,
-        width: g.width as u64,
-        heads: g.heads as u64,
-        vocab: g.vocab_size as u64,
-        context: g.context as u64,
+    let shape = match &cfg.llama {
+        Some(l) => l.shape(l.context),
+        None => cfg.gpt.shape(),
     };
-    let Some(l) = &cfg.llama else {
-        return Ok(ModelSize::from_gpt(shape(&cfg.gpt))?);
-    };
-    let (c, q, kv) = (l.hidden, l.heads * l.head_dim, l.kv_heads * l.head_dim);
-    let block = (2 * c + 2 * c * q + 2 * c * kv + 3 * c * l.intermediate) as u64;
-    let embed = (l.vocab_size * c) as u64;
-    let head = c as u64 + if l.tied { 0 } else { embed };
-    let mut units = vec![embed];
-    units.extend(std::iter::repeat_n(block, l.layers));
-    units.push(head);
-    let mut size = ModelSize::from_gpt(shape(&l.gpt_shape()))?;
-    size.params = l.num_params() as u64;
-    size.largest_unit = units.iter().copied().max().unwrap_or(0);
-    size.unit_numels = units;
-    Ok(size)
+    Ok(ModelSize::from_gpt(shape)?)
 }
 
 /// The model of `--params`, `--model-config`, `--preset` or `--layers/--width/--heads`.
@@ -294,6 +276,7 @@ fn model_size(args: &PlanFlags) -> anyhow::Result<ModelSize> {
             heads,
             vocab: args.vocab,
             context: args.context,
+            llama: None,
         })?
     } else {
         anyhow::bail!(
@@ -489,6 +472,21 @@ pub fn render_table(input: &PlanInput, plan: &Plan) -> String {
     out
 }
 
+/// A decoder's widths as the plan's first line gives them.
+fn describe_shape(s: &GptShape) -> String {
+    let attention = match &s.llama {
+        Some(l) => format!(
+            "Llama-family {} layers x {} wide, {} heads of {} ({} key/value), MLP {}",
+            s.layers, s.width, s.heads, l.head_dim, l.kv_heads, l.intermediate
+        ),
+        None => format!(
+            "GPT {} layers x {} wide, {} heads",
+            s.layers, s.width, s.heads
+        ),
+    };
+    format!(", {attention}, vocab {}, context {}", s.vocab, s.context)
+}
+
 /// The model, the cluster and the step planned for.
 fn describe_input(out: &mut String, input: &PlanInput, plan: &Plan) {
     let c = &input.cluster;
@@ -498,12 +496,7 @@ fn describe_input(out: &mut String, input: &PlanInput, plan: &Plan) {
         m.params as f64,
         plan.precision.name(),
         m.largest_unit as f64,
-        m.shape
-            .map(|s| format!(
-                ", GPT {} layers x {} wide, {} heads, vocab {}, context {}",
-                s.layers, s.width, s.heads, s.vocab, s.context
-            ))
-            .unwrap_or_default()
+        m.shape.as_ref().map(describe_shape).unwrap_or_default()
     ));
     out.push_str(&format!(
         "cluster: {} devices = {} node(s) x {}, {} per device, {} host per node; intra {:.0} GB/s {:.0} us, network {:.0} GB/s/node {:.0} us; {:.0} TFLOP/s per device\n",

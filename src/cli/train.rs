@@ -561,11 +561,19 @@ fn preflight(
     // reported when it is read).
     // The gemm crate's packing memory where the products run on it (not on zerodp's bf16 or AMX
     // kernels), sized by its own rules for this CPU.
-    let gemm = match zerodp::model::gemm_path() == "gemm" {
-        true => {
-            let tokens = engine_cfg.micro_batch * gpt.context;
-            zerodp::model::gemm_footprint(&zerodp::model::gpt_products(gpt, tokens))
+    let tokens = engine_cfg.micro_batch * gpt.context;
+    let (shape, products) = match trainer.model() {
+        TrainModel::Llama(m) => {
+            let c = m.units().config();
+            (
+                c.shape(gpt.context),
+                zerodp::model::llama_products(c, tokens),
+            )
         }
+        TrainModel::Gpt(_) => (gpt.shape(), zerodp::model::gpt_products(gpt, tokens)),
+    };
+    let gemm = match zerodp::model::gemm_path() == "gemm" {
+        true => zerodp::model::gemm_footprint(&products),
         false => zerodp::model::GemmFootprint::default(),
     };
     let process = TrainProcess {
@@ -585,7 +593,6 @@ fn preflight(
         reports: mpi.and_then(|l| l.rank).unwrap_or(0) == 0,
     };
     let device_memory = args.preflight.device_memory.as_deref();
-    let shape = gpt.shape();
     let models = (engine_cfg, spec, &shape);
     if let Some(line) =
         zerodp::planner::preflight::check(device_memory, settings, models, process, launch)?

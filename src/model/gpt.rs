@@ -151,6 +151,7 @@ impl GptConfig {
             heads: self.heads as u64,
             vocab: self.vocab_size as u64,
             context: self.context as u64,
+            llama: None,
         }
     }
 

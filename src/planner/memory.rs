@@ -236,7 +236,7 @@ pub fn persistent_elements(model: &ModelSize, s: &BufferSettings) -> u64 {
 /// Per block, the tensors saved for backward (no dropout, attention probabilities materialised,
 /// Korthikanti et al. 2022 without the dropout terms): ln_1 input, c_attn input, q, k, v, softmax
 /// output (heads·s² per row), attention output, ln_2 input, c_fc input, c_fc output (4w), GELU
-/// output (4w): b·s·(16w + heads·s) elements. The head keeps ln_f's input and output and the logits
+/// output (4w): b·s·(16w + heads·s) elements; a Llama's by [`block_row_elements`]. The head keeps ln_f's input and output and the logits
 /// with their softmax: b·s·(2w + 2·vocab) (a framework that materialises them; zerodp's own head
 /// holds one chunk of rows at a time, see [`super::TrainProcess`]). With activation checkpointing each block keeps only its
 /// input (b·s·w) and one block at a time is recomputed in full during backward.
@@ -256,7 +256,7 @@ pub fn activation_bytes(
     let mul = super::saturating_product;
     let bs = mul(&[micro_batch, seq_len]);
     let dtype = precision.param_bytes();
-    let per_row = mul(&[16, shape.width]).saturating_add(mul(&[shape.heads, seq_len]));
+    let per_row = block_row_elements(shape).saturating_add(mul(&[shape.heads, seq_len]));
     let block = mul(&[bs, per_row]);
     let head = mul(&[bs, 2, shape.width.saturating_add(shape.vocab)]);
     let kept_inputs = mul(&[shape.layers, bs, shape.width]);
@@ -268,6 +268,20 @@ pub fn activation_bytes(
             .saturating_add(block)
             .saturating_add(head)
             .saturating_mul(dtype),
+    }
+}
+
+/// Elements a block saves for backward per row, attention probabilities aside: the GPT's 16w;
+/// a Llama's 4 of its width (both norms' inputs and outputs), q, k and v, the attention output
+/// (as wide as q), and 4 of its MLP's (gate, up, the activated gate and the product).
+fn block_row_elements(shape: &GptShape) -> u64 {
+    let c = shape.width;
+    match &shape.llama {
+        Some(l) => {
+            let (q, kv) = l.qk(shape.heads);
+            4 * c + 2 * q + 2 * kv + 4 * l.intermediate
+        }
+        None => 16 * c,
     }
 }
 

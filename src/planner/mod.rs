@@ -41,9 +41,10 @@ pub use memory::{
     BufferSettings, DeviceBytes, EngineBuffers, OffBytes, Offload, Precision, ReductionDtypes,
     ZeroChoice,
 };
-pub use model::{GptShape, ModelSize, GPT_PRESETS};
+pub use model::{GptShape, LlamaDims, ModelSize, GPT_PRESETS};
 pub use process::{
-    gpt_step_memory, GptStepMemory, TrainProcess, CUDA_LIBRARIES_BYTES, PROCESS_BASE_BYTES,
+    gpt_step_memory, unit_memory, GptStepMemory, TrainProcess, UnitMemory, CUDA_LIBRARIES_BYTES,
+    PROCESS_BASE_BYTES,
 };
 pub use recommend::{recommend, Recommendation};
 pub use size::{
@@ -756,7 +757,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
     notes.push("offload as DeepSpeed does it (its estimators' bytes); zerodp train runs every option, and its optimizer offload to nvme keeps the fp32 master in host memory (4 bytes per element more there, 8 instead of 12 each way on NVMe)".into());
     notes.push("communication: the faster of a flat ring and a hierarchical (intra-node, then inter-node) algorithm per collective, alpha-beta model".into());
     if input.model.shape.is_none() {
-        notes.push("activations not counted: give a GPT shape (--layers/--width/... or --preset) to include them".into());
+        notes.push("activations not counted: give a model's shape (--layers/--width/..., --preset or --model-config) to include them".into());
     }
     if input.model.largest_unit_estimated {
         notes.push(format!(

@@ -1,11 +1,13 @@
 //! What the planner knows about a model: Ψ, its units (what one stage-3 gather holds), and, when
-//! given, a GPT shape for activations.
+//! given, a decoder's shape for activations (a GPT-2's, or a Llama-family decoder's).
 
 use super::PlanError;
 use crate::limits::{check_gpt_size, MAX_PARAMS};
 use crate::zero::unit::ModelSpec;
 
-/// A GPT-2-architecture shape (learned positions, tied LM head, 4x MLP, biases everywhere).
+/// A decoder's shape: a GPT-2-architecture one (learned positions, tied LM head, 4x MLP, biases
+/// everywhere), or with [`GptShape::llama`] a Llama-family one (Llama, Qwen2/3, Mistral, Gemma)
+/// whose `width` is its hidden size and `heads` its query heads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct GptShape {
     pub layers: u64,
@@ -13,6 +15,50 @@ pub struct GptShape {
     pub heads: u64,
     pub vocab: u64,
     pub context: u64,
+    /// The widths and options of a Llama-family decoder; `None` for a GPT-2.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub llama: Option<LlamaDims>,
+}
+
+/// What a Llama-family decoder has that the GPT of the same width does not: grouped-query
+/// attention with heads of their own width, a gated MLP of its own width, and the options that
+/// add parameters (and the activations computed with them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct LlamaDims {
+    pub kv_heads: u64,
+    pub head_dim: u64,
+    pub intermediate: u64,
+    /// Biases on the q, k and v projections (Qwen2, Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// A bias on the output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    /// Biases on the MLP's three projections (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// RMSNorm of each head's queries and keys (Qwen3).
+    pub qk_norm: bool,
+    /// The embeddings are scaled by the square root of the width (Gemma), a tensor of their own.
+    pub embed_scale: bool,
+    /// The config names a padding token, whose rows the embedding lookup cuts from the graph.
+    pub pad_rows: bool,
+    /// The LM head is the token embedding.
+    pub tied: bool,
+}
+
+impl LlamaDims {
+    /// Elements of the queries (`heads · head_dim`) and of the keys or values.
+    pub(crate) fn qk(&self, heads: u64) -> (u64, u64) {
+        (heads * self.head_dim, self.kv_heads * self.head_dim)
+    }
+
+    /// One decoder layer: two norms, q, k, v and o, gate, up and down, and the options' biases
+    /// and head norms.
+    fn block_params(&self, c: u64, heads: u64) -> u64 {
+        let (q, kv, i) = (self.qk(heads).0, self.qk(heads).1, self.intermediate);
+        let mut block = 2 * c + 2 * c * q + 2 * c * kv + 3 * c * i;
+        block += u64::from(self.qkv_bias) * (q + 2 * kv) + u64::from(self.o_bias) * c;
+        block += u64::from(self.mlp_bias) * (2 * i + c);
+        block + u64::from(self.qk_norm) * 2 * self.head_dim
+    }
 }
 
 /// Named GPT shapes (GPT-2 sizes from the GPT-2 release, GPT-3 sizes from the GPT-3 paper, table 2.1,
@@ -35,6 +81,7 @@ const fn gpt(layers: u64, width: u64, heads: u64, context: u64) -> GptShape {
         heads,
         vocab: 50257,
         context,
+        llama: None,
     }
 }
 
@@ -68,7 +115,7 @@ impl GptShape {
                 return Err(PlanError::Input(format!("{flag} must be at least 1")));
             }
         }
-        if self.width % self.heads != 0 {
+        if self.width % self.heads != 0 && self.llama.is_none() {
             return Err(PlanError::Input(format!(
                 "--width {} is not a multiple of --heads {}; pick heads that divide the width",
                 self.width, self.heads
@@ -81,23 +128,41 @@ impl GptShape {
 
     /// Parameters of one transformer block: ln_1 (2w) + c_attn (3w² + 3w) + attn c_proj (w² + w)
     /// + ln_2 (2w) + c_fc (4w² + 4w) + mlp c_proj (4w² + w) = 12w² + 13w.
+    ///
+    /// A Llama's layer counts by its [`LlamaDims`].
     pub(crate) fn block_params(&self) -> u64 {
         let w = self.width;
-        12 * w * w + 13 * w
+        match &self.llama {
+            Some(l) => l.block_params(w, self.heads),
+            None => 12 * w * w + 13 * w,
+        }
     }
 
-    /// Token (vocab·w) plus position (context·w) embeddings; the LM head reuses the token embedding.
+    /// Token (vocab·w) plus position (context·w) embeddings; the LM head reuses the token
+    /// embedding. A Llama has no position embeddings (rotary positions).
     pub(crate) fn embedding_params(&self) -> u64 {
-        (self.vocab + self.context) * self.width
+        match self.llama {
+            Some(_) => self.vocab * self.width,
+            None => (self.vocab + self.context) * self.width,
+        }
     }
 
-    /// Ψ = (vocab + context)·w + L·(12w² + 13w) + 2w (ln_f); the tied head adds nothing.
+    /// The last unit: ln_f (2w) with the tied head; a Llama's final RMSNorm (w) and its own head
+    /// (vocab·w) where untied.
+    fn head_params(&self) -> u64 {
+        match self.llama {
+            Some(l) => self.width + u64::from(!l.tied) * self.vocab * self.width,
+            None => 2 * self.width,
+        }
+    }
+
+    /// Ψ = (vocab + context)·w + L·(12w² + 13w) + 2w (ln_f) for a GPT; the tied head adds nothing.
     pub fn num_params(&self) -> u64 {
-        self.embedding_params() + self.layers * self.block_params() + 2 * self.width
+        self.embedding_params() + self.layers * self.block_params() + self.head_params()
     }
 
     /// The units the planner assumes for this shape, in forward order: the embeddings, one unit per
-    /// block, and the final layer norm (whose head is tied to the embedding).
+    /// block, and the final norm with the head (the embedding's, where tied).
     pub fn unit_numels(&self) -> Vec<u64> {
         let mut units = Vec::with_capacity(self.layers as usize + 2);
         units.push(self.embedding_params());
@@ -105,7 +170,7 @@ impl GptShape {
             self.block_params(),
             self.layers as usize,
         ));
-        units.push(2 * self.width);
+        units.push(self.head_params());
         units
     }
 }

@@ -1,6 +1,7 @@
 //! What a `zerodp train` process holds beyond the engine's ledger: the activations of zerodp's own
-//! GPT ([`crate::model::GptModel`], candle on the CPU), candle's copies of the weights it computes
-//! with, and the runtime of the process (binary, allocator, threads, training text).
+//! GPT ([`crate::model::GptModel`], candle on the CPU) or Llama-family decoder, candle's copies of
+//! the weights they compute with, and the runtime of the process (binary, allocator, threads,
+//! training text).
 //!
 //! The engine's ledger counts the model states and the engine's buffers exactly; the model's memory
 //! is the model's business and the ledger does not see it. A pre-flight check that stopped there
@@ -37,6 +38,26 @@
 //!   peaks at its weight copies plus max(12nc, 8nc+2P) for a block, and keeps only its output, which
 //!   the engine holds as the next unit's input until that unit is recomputed.
 //!
+//! # A Llama-family decoder, per micro-batch
+//! ([`crate::model::llama::Llama`] on its fused CPU kernels: Llama, Qwen2/3, Mistral, Gemma.) Its
+//! units are candle graphs, each op a node that keeps its output, so the rules count tensors:
+//! `q` = heads·head_dim, `kv` = key/value heads·head_dim, `I` = the MLP's width. Checked per unit
+//! against a counting allocator (`tests/unit_memory.rs`, within 1-2%).
+//!
+//! * A block's graph keeps per row 7c + 4q + 5kv + 3I: its input copy, the norms, the
+//!   projections, the rotated queries and keys, their concatenation with the values (q + 2kv: the
+//!   attention kernel reads each key/value head for its query heads, nothing is repeated), the
+//!   attention output, the residuals and the MLP's gate, up and product; the options add their
+//!   biases' outputs (q + 2kv, c, 2I + c) and Qwen3's head norms (q + kv).
+//! * Its backward peaks either in attention, n(6c + 4q + 6kv) above the MLP's and the output
+//!   projection's weight gradients (3cI + cq + c), or in the MLP, n(6c + 5I) + cI: candle's
+//!   gradient store makes each gradient as zeros plus the sum.
+//! * Without a graph it peaks in the MLP with n(3c + 3q + 4kv + 3I) alive.
+//! * The embeddings keep their rows (nc + n, and a tensor more for Gemma's scale or a padding
+//!   token); their backward holds 6nc + 2Vc. The head keeps 2nc + n; its backward the larger of
+//!   rV + nc + Vc (a chunk's logits, the input and the table's gradients) and 3Vc + 2nc (the
+//!   table's gradient added into the store's zeros).
+//!
 //! The engine runs the units forward then backward (see [`crate::zero::schedule`]); the step's peak
 //! is the fullest moment of that walk, with the gradient of the current unit's output (nc) held
 //! between backward visits.
@@ -50,7 +71,7 @@
 //! CPU's caches (`crate::model::gemm_footprint`, computed by the caller). The base cannot be
 //! counted from the code and is fitted to `scripts/preflight_rss.sh`'s measurements.
 
-use super::model::GptShape;
+use super::model::{GptShape, LlamaDims};
 
 /// Bytes of an f32, the dtype zerodp's GPT computes in.
 const F32: u64 = 4;
@@ -144,21 +165,26 @@ impl GptStepMemory {
     }
 }
 
-/// One unit of zerodp's GPT, in f32 elements.
-#[derive(Clone, Copy, Debug)]
-struct UnitMemory {
+/// What one unit of zerodp's GPT or Llama holds beyond the engine's ledger, in f32 elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitMemory {
     /// Activations a training forward's graph keeps until backward (its input copy and its output
     /// included).
-    graph: u64,
+    pub graph: u64,
     /// Weight copies the graph keeps.
-    copies: u64,
+    pub copies: u64,
     /// Backward's transient peak above the graph.
-    backward: u64,
+    pub backward: u64,
     /// A forward without a graph: its transient peak beside the input, weight copies excluded.
-    no_grad: u64,
+    pub no_grad: u64,
 }
 
-fn units(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
+/// Every unit's [`UnitMemory`] in forward order (the embeddings, the blocks, the head) for
+/// `micro_batch` sequences of `seq` tokens: the rules the pre-flight walks a step with.
+pub fn unit_memory(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
+    if let Some(l) = &shape.llama {
+        return llama_units(shape, l, micro_batch * seq);
+    }
     let (c, v, t, h) = (shape.width, shape.vocab, shape.context, shape.heads);
     let n = micro_batch * seq;
     let nc = n * c;
@@ -199,6 +225,45 @@ fn units(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
     out
 }
 
+/// The units of a Llama-family decoder on `n` rows ([`crate::model::llama::Llama`] on its fused
+/// CPU kernels, every op a candle graph node), in f32 elements; see the module's notes.
+fn llama_units(shape: &GptShape, l: &LlamaDims, n: u64) -> Vec<UnitMemory> {
+    let (c, v, i) = (shape.width, shape.vocab, l.intermediate);
+    let (q, kv) = l.qk(shape.heads);
+    // Gemma's scaled embeddings and rows of the padding token cut from the graph are a tensor
+    // each (the planner cannot know whether the data holds that token, so it counts it).
+    let extra = (u64::from(l.embed_scale) + u64::from(l.pad_rows)) * n * c;
+    let embeddings = UnitMemory {
+        graph: n * c + n + extra,
+        copies: v * c,
+        backward: 6 * n * c + 2 * (n * c).max(v * c) + extra,
+        no_grad: n * c + n + extra,
+    };
+    let mut row = 7 * c + 4 * q + 5 * kv + 3 * i;
+    row += u64::from(l.qkv_bias) * (q + 2 * kv) + u64::from(l.o_bias) * c;
+    row += u64::from(l.mlp_bias) * (2 * i + c) + u64::from(l.qk_norm) * (q + kv);
+    let attention_phase = n * (6 * c + 4 * q + 6 * kv) + 3 * c * i + c * q + c;
+    let mlp_phase = n * (6 * c + 5 * i) + c * i;
+    let block = UnitMemory {
+        graph: n * row,
+        copies: shape.block_params(),
+        backward: attention_phase.max(mlp_phase),
+        no_grad: n * (3 * c + 3 * q + 4 * kv + 3 * i).max(c + 4 * q + 4 * kv),
+    };
+    let rv = n.min(crate::limits::lm_head_chunk_rows(v)) * v;
+    let vc = v * c;
+    let head = UnitMemory {
+        graph: 2 * n * c + n,
+        copies: c + vc,
+        backward: (rv + n * c + vc).max(3 * vc + 2 * n * c),
+        no_grad: 2 * n * c + rv + vc,
+    };
+    let mut out = vec![embeddings];
+    out.extend(std::iter::repeat_n(block, shape.layers as usize));
+    out.push(head);
+    out
+}
+
 /// The fullest moment of one micro-step of zerodp's GPT of `shape` on `micro_batch` sequences of
 /// `seq` tokens, beyond the engine's ledger. `recompute[u]`: unit `u` runs its forward without a
 /// graph and again in backward (the engine's rule); `copies_in_ledger[u]`: the ledger already
@@ -211,7 +276,7 @@ pub fn gpt_step_memory(
     recompute: &[bool],
     copies_in_ledger: &[bool],
 ) -> GptStepMemory {
-    let units = units(shape, micro_batch, seq);
+    let units = unit_memory(shape, micro_batch, seq);
     let last = units.len() - 1;
     let nc = micro_batch * seq * shape.width;
     let flag = |v: &[bool], u: usize| v.get(u).copied().unwrap_or(false);
@@ -286,6 +351,7 @@ mod tests {
             heads: 4,
             vocab: 256,
             context: 64,
+            llama: None,
         }
     }
 

@@ -85,6 +85,27 @@ pub fn gpt_products(gpt: &GptConfig, tokens: usize) -> Vec<(usize, usize, usize)
     out
 }
 
+/// [`gpt_products`] of a Llama-family decoder: q, k, v and o, gate, up and down, and the head.
+pub fn llama_products(
+    c: &crate::model::hf::LlamaConfig,
+    tokens: usize,
+) -> Vec<(usize, usize, usize)> {
+    let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let v = c.vocab_size;
+    let rows = tokens.min(crate::limits::lm_head_chunk_rows(v as u64) as usize);
+    let i = c.intermediate;
+    let linears = [(h, q), (h, kv), (q, h), (h, i), (i, h), (h, v)];
+    let mut out = Vec::with_capacity(3 * linears.len());
+    for (l, &(inp, outp)) in linears.iter().enumerate() {
+        let m = match l + 1 == linears.len() {
+            true => rows,
+            false => tokens,
+        };
+        out.extend([(m, outp, inp), (m, inp, outp), (outp, inp, m)]);
+    }
+    out
+}
+
 /// The `gemm` crate's memory for `products` on this CPU.
 pub fn gemm_footprint(products: &[(usize, usize, usize)]) -> GemmFootprint {
     let slab = gemm_common::cache::CACHE_INFO[1].cache_bytes as u64;

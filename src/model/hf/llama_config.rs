@@ -144,9 +144,33 @@ impl LlamaConfig {
         Ok(c)
     }
 
-    /// The GPT of the same vocabulary, context, depth, width and heads: what the planner's and
-    /// the pre-flight's GPT-based estimates take for this model (the MLP and the head differ, so
-    /// they are estimates).
+    /// The sizes the planner and the pre-flight model this decoder by, its sequences `context`
+    /// tokens long.
+    pub fn shape(&self, context: usize) -> crate::planner::GptShape {
+        crate::planner::GptShape {
+            layers: self.layers as u64,
+            width: self.hidden as u64,
+            heads: self.heads as u64,
+            vocab: self.vocab_size as u64,
+            context: context as u64,
+            llama: Some(crate::planner::LlamaDims {
+                kv_heads: self.kv_heads as u64,
+                head_dim: self.head_dim as u64,
+                intermediate: self.intermediate as u64,
+                qkv_bias: self.qkv_bias,
+                o_bias: self.o_bias,
+                mlp_bias: self.mlp_bias,
+                qk_norm: self.qk_norm,
+                embed_scale: self.embed_scale,
+                pad_rows: self.padding_idx.is_some(),
+                tied: self.tied,
+            }),
+        }
+    }
+
+    /// The GPT of the same vocabulary, context, depth, width and heads: the sizes the training
+    /// command reads beside the model (its context, the banner's widths); the planner reads
+    /// [`Self::shape`].
     pub fn gpt_shape(&self) -> GptConfig {
         let width = self.heads * self.head_dim;
         GptConfig::sized(

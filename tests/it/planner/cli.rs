@@ -343,9 +343,22 @@ fn a_param_nvme_recommendation_is_one_train_runs() {
     assert!(!out.contains("refuses"), "{out}");
 }
 
+/// Elements of every tensor a safetensors file holds, from its header.
+fn safetensors_elements(path: &str) -> u64 {
+    let bytes = std::fs::read(path).unwrap();
+    let len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + len]).unwrap();
+    let tensors = header.as_object().unwrap().iter();
+    let shapes = tensors.filter(|(name, _)| *name != "__metadata__");
+    shapes
+        .map(|(_, t)| t["shape"].as_array().unwrap().iter())
+        .map(|dims| dims.map(|d| d.as_u64().unwrap()).product::<u64>())
+        .sum()
+}
+
 /// `--model-config` plans a Hugging Face GPT-2 from its config.json alone (or the directory
-/// holding it): the same plan as the shape given by flags; a Llama with its exact parameters; a
-/// config zerodp cannot run is refused naming the field.
+/// holding it): the same plan as the shape given by flags; a Llama-family decoder with its exact
+/// parameters and its own activations; a config zerodp cannot run is refused naming the field.
 #[test]
 fn plan_reads_a_hugging_face_config() {
     let dir = tempfile::tempdir().unwrap();
@@ -388,6 +401,36 @@ fn plan_reads_a_hugging_face_config() {
     let llama = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/hf/llama-tiny");
     let by_llama = plan(&["--model-config", llama]);
     assert_eq!(by_llama[0]["bytes_per_device"]["params"], 2 * 112_448u64);
+    // Its activations by its own widths (hidden 64, 4 query heads of 16 on 2 key/value heads,
+    // MLP 128, vocabulary 300), one sequence of 16 tokens, 2 bytes an element: per layer and
+    // row 4 hidden, 2 query and 2 key/value widths, 4 MLP widths and one row of probabilities
+    // per head; the head 2 x (hidden + vocabulary) a row.
+    let short = plan(&[
+        "--model-config",
+        llama,
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "16",
+    ]);
+    let layer = 16 * (4 * 64 + 2 * 64 + 2 * 32 + 4 * 128 + 4 * 16);
+    let head = 16 * 2 * (64 + 300);
+    let want = 2 * (2 * layer + head);
+    assert_eq!(short[0]["bytes_per_device"]["activations"], want);
+    // Every family's exact parameter count: the elements of the fixture's weights.
+    for family in ["llama-bias", "qwen2", "qwen3", "mistral", "gemma"] {
+        let dir = format!(
+            "{}/tests/fixtures/hf/{family}-tiny",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let weights = safetensors_elements(&format!("{dir}/model.safetensors"));
+        let by_dir = plan(&["--model-config", &dir]);
+        assert_eq!(
+            by_dir[0]["bytes_per_device"]["params"],
+            2 * weights,
+            "{family}"
+        );
+    }
 
     std::fs::write(
         &config,
