@@ -400,9 +400,11 @@ impl Llama {
     /// Gemma's `gelu_tanh(gate) * up` (the fused GeGLU op on the CPU).
     fn gated(&self, gate: Tensor, up: Tensor) -> candle_core::Result<Tensor> {
         match self.config.mlp_act {
-            MlpAct::Silu if self.fused || self.cuda_kernels => gate.apply_op2(&up, ops::SwiGlu),
+            MlpAct::Silu if self.fused || self.cuda_kernels => {
+                gate.apply_op2(&up, ops::Gated::SwiGlu)
+            }
             MlpAct::Silu => candle_nn::ops::silu(&gate)? * up,
-            MlpAct::GeluTanh if self.fused => gate.apply_op2(&up, ops::GeGlu),
+            MlpAct::GeluTanh if self.fused => gate.apply_op2(&up, ops::Gated::GeGlu),
             MlpAct::GeluTanh => gate.gelu()? * up,
         }
     }

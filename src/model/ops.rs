@@ -1640,4 +1640,4 @@ mod tests {
 }
 
 mod llama;
-pub(crate) use llama::{GeGlu, MatMulT, RmsNorm, Rope, SwiGlu};
+pub(crate) use llama::{Gated, MatMulT, RmsNorm, Rope};

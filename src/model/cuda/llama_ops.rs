@@ -1,5 +1,5 @@
 //! The Llama's fused operations on a GPU (`kernels/llama_ops.cu`): the `cuda_fwd` of
-//! [`super::super::ops::RmsNorm`], [`super::super::ops::Rope`] and [`super::super::ops::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
+//! [`super::super::ops::RmsNorm`], [`super::super::ops::Rope`] and [`super::super::ops::Gated::SwiGlu`] and their backward passes, each one kernel (RMSNorm's
 //! backward two, and a sum of parts for the weight's gradient) where candle's composite ops and
 //! their autograd take several full passes each. They compute in f32 from f32, bf16 or f16.
 

@@ -71,18 +71,8 @@ fn packing_bytes((m, n, k): (usize, usize, usize)) -> (u64, u64) {
 pub fn gpt_products(gpt: &GptConfig, tokens: usize) -> Vec<(usize, usize, usize)> {
     let c = gpt.width;
     let inner = gpt.mlp_width.unwrap_or(4 * c);
-    let v = gpt.vocab_size;
-    let rows = tokens.min(crate::limits::lm_head_chunk_rows(v as u64) as usize);
-    let linears = [(c, 3 * c), (c, c), (c, inner), (inner, c), (c, v)];
-    let mut out = Vec::with_capacity(3 * linears.len());
-    for (i, &(inp, outp)) in linears.iter().enumerate() {
-        let m = match i + 1 == linears.len() {
-            true => rows,
-            false => tokens,
-        };
-        out.extend([(m, outp, inp), (m, inp, outp), (outp, inp, m)]);
-    }
-    out
+    let layers = [(c, 3 * c), (c, c), (c, inner), (inner, c)];
+    linear_products(&layers, (c, gpt.vocab_size), tokens)
 }
 
 /// [`gpt_products`] of a Llama-family decoder: q, k, v and o, gate, up and down, and the head.
@@ -90,20 +80,29 @@ pub fn llama_products(
     c: &crate::model::hf::LlamaConfig,
     tokens: usize,
 ) -> Vec<(usize, usize, usize)> {
-    let (h, q, kv) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
-    let v = c.vocab_size;
-    let rows = tokens.min(crate::limits::lm_head_chunk_rows(v as u64) as usize);
-    let i = c.intermediate;
-    let linears = [(h, q), (h, kv), (q, h), (h, i), (i, h), (h, v)];
-    let mut out = Vec::with_capacity(3 * linears.len());
-    for (l, &(inp, outp)) in linears.iter().enumerate() {
-        let m = match l + 1 == linears.len() {
-            true => rows,
-            false => tokens,
-        };
-        out.extend([(m, outp, inp), (m, inp, outp), (outp, inp, m)]);
-    }
-    out
+    let (h, q, kv, i) = (
+        c.hidden,
+        c.heads * c.head_dim,
+        c.kv_heads * c.head_dim,
+        c.intermediate,
+    );
+    let layers = [(h, q), (h, kv), (q, h), (h, i), (i, h)];
+    linear_products(&layers, (h, c.vocab_size), tokens)
+}
+
+/// The three products of each `(in, out)` linear layer on `tokens` rows, then the head's
+/// (`(width, vocab)`) on one chunk of rows.
+fn linear_products(
+    layers: &[(usize, usize)],
+    (width, vocab): (usize, usize),
+    tokens: usize,
+) -> Vec<(usize, usize, usize)> {
+    let rows = tokens.min(crate::limits::lm_head_chunk_rows(vocab as u64) as usize);
+    let head = (width, vocab, rows);
+    let each = layers.iter().map(|&(inp, outp)| (inp, outp, tokens));
+    each.chain(std::iter::once(head))
+        .flat_map(|(inp, outp, m)| [(m, outp, inp), (m, inp, outp), (outp, inp, m)])
+        .collect()
 }
 
 /// The `gemm` crate's memory for `products` on this CPU.

@@ -1,7 +1,8 @@
 //! The Llama's fused ops, each one graph node with its backward on the rayon pool, as the GPT's
 //! are (RMSNorm, rotary embeddings and SwiGLU also on a GPU: `cuda::llama_ops`): a product without bias ([`MatMulT`]), RMSNorm ([`RmsNorm`]), rotary embeddings ([`Rope`])
-//! and SwiGLU's gate ([`SwiGlu`]). Attention is the GPT's fused causal attention on the rotated
-//! queries and the keys and values repeated to every query head (`super::super::llama`).
+//! and a gated MLP's gate, SwiGLU's or Gemma's GeGLU ([`Gated`]). Attention is the GPT's fused
+//! causal attention on the rotated queries, each key/value head read for its group of query heads
+//! (`super::super::llama`).
 //!
 //! Every op splits its rows at fixed [`ROWS_PER_TASK`] boundaries and sums across rows in task
 //! order, so that its bits depend on the inputs alone, never on the threads.
@@ -328,9 +329,17 @@ impl CustomOp1 for Rope {
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU's gate: y = silu(g) * u = (g / (1 + e^-g)) * u, element-wise.
+// A gated MLP's gate, element-wise: SwiGLU's y = silu(g) * u = (g / (1 + e^-g)) * u (Llama,
+// Qwen, Mistral), GeGLU's y = gelu_tanh(g) * u (Gemma).
 
-pub(crate) struct SwiGlu;
+/// The gate of a gated MLP as one graph node. GeGLU has no GPU kernel: a GPU's Gemma runs
+/// candle's composite ops, whose backward keeps a dozen temporaries of the MLP's width alive
+/// (this op keeps none beyond its two gradients).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Gated {
+    SwiGlu,
+    GeGlu,
+}
 
 /// `y = act(g) * u` element-wise, on the pool.
 fn gated_fwd<T: Real>(g: &[T], u: &[T], act: impl Fn(T) -> T + Sync) -> Vec<T> {
@@ -383,25 +392,37 @@ fn gated_bwd<T: Real>(
     (dg, du)
 }
 
-impl SwiGlu {
-    fn fwd<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        gated_fwd(g, u, |g| g / (lit::<T>(1.0) + (lit::<T>(0.0) - g).exp()))
+impl Gated {
+    fn forward<T: Real>(self, g: &[T], u: &[T]) -> Vec<T> {
+        match self {
+            Gated::SwiGlu => gated_fwd(g, u, |g| g / (lit::<T>(1.0) + (lit::<T>(0.0) - g).exp())),
+            Gated::GeGlu => gated_fwd(g, u, super::gelu),
+        }
     }
 
-    /// `(dg, du)`: with `s = 1 / (1 + e^-g)`, `dg = dy * u * s * (1 + g * (1 - s))` and
-    /// `du = dy * g * s`.
-    fn bwd<T: Real>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
+    /// `(dg, du)`. SwiGLU, with `s = 1 / (1 + e^-g)`: `dg = dy * u * s * (1 + g * (1 - s))` and
+    /// `du = dy * g * s`. GeGLU: `dg = (dy * u) * gelu'(g)` and `du = dy * gelu(g)`, the product's
+    /// gradient then the GELU's, in the order the two ops apart round them.
+    fn backward<T: Real>(self, g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
         let one = lit::<T>(1.0);
-        gated_bwd(g, u, dy, |g, u, d| {
-            let s = one / (one + (lit::<T>(0.0) - g).exp());
-            (d * u * (s * (one + g * (one - s))), d * (g * s))
-        })
+        match self {
+            Gated::SwiGlu => gated_bwd(g, u, dy, |g, u, d| {
+                let s = one / (one + (lit::<T>(0.0) - g).exp());
+                (d * u * (s * (one + g * (one - s))), d * (g * s))
+            }),
+            Gated::GeGlu => gated_bwd(g, u, dy, |g, u, d| {
+                ((d * u) * super::gelu_grad(g), d * super::gelu(g))
+            }),
+        }
     }
 }
 
-impl CustomOp2 for SwiGlu {
+impl CustomOp2 for Gated {
     fn name(&self) -> &'static str {
-        "zerodp-swiglu"
+        match self {
+            Gated::SwiGlu => "zerodp-swiglu",
+            Gated::GeGlu => "zerodp-geglu",
+        }
     }
 
     fn cpu_fwd(
@@ -413,13 +434,14 @@ impl CustomOp2 for SwiGlu {
     ) -> Result<(CpuStorage, Shape)> {
         if l1.shape() != l2.shape() {
             bail!(
-                "swiglu: gate {:?} and up {:?} differ",
+                "{}: gate {:?} and up {:?} differ",
+                self.name(),
                 l1.shape(),
                 l2.shape()
             );
         }
         by_dtype!(storage_dtype(s1), self.name(), |T| {
-            let y = Self::fwd(slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?);
+            let y = self.forward(slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?);
             Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
         })
     }
@@ -432,7 +454,10 @@ impl CustomOp2 for SwiGlu {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        super::super::cuda::llama_ops::swiglu_fwd((s1, l1), (s2, l2))
+        match self {
+            Gated::SwiGlu => super::super::cuda::llama_ops::swiglu_fwd((s1, l1), (s2, l2)),
+            Gated::GeGlu => bail!("geglu: no GPU kernel (a GPU's Gemma runs composite ops)"),
+        }
     }
 
     fn bwd(
@@ -443,75 +468,15 @@ impl CustomOp2 for SwiGlu {
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         #[cfg(feature = "cuda")]
-        if g.device().is_cuda() {
+        if g.device().is_cuda() && *self == Gated::SwiGlu {
             let (dg, du) = super::super::cuda::llama_ops::swiglu_bwd(g, u, dy)?;
             return Ok((Some(dg), Some(du)));
         }
         by_dtype!(g.dtype(), self.name(), |T| {
             let (dg, du) = with_slice::<T, _>(g, |gs| {
-                with_slice::<T, _>(u, |us| with_slice::<T, _>(dy, |d| Ok(Self::bwd(gs, us, d))))
-            })?;
-            Ok((Some(tensor(dg, g.shape())?), Some(tensor(du, u.shape())?)))
-        })
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// GeGLU's gate (Gemma): y = gelu_tanh(g) * u, element-wise, on the CPU.
-
-/// One graph node for Gemma's gate: candle's composite `gelu` keeps a dozen temporaries of the
-/// MLP's width alive in its backward; this keeps none (the same backward memory as [`SwiGlu`]).
-pub(crate) struct GeGlu;
-
-impl GeGlu {
-    fn fwd<T: Real>(g: &[T], u: &[T]) -> Vec<T> {
-        gated_fwd(g, u, super::gelu)
-    }
-
-    /// `dg = (dy * u) * gelu'(g)` and `du = dy * gelu(g)`: the product's gradient, then the
-    /// GELU's, in the order the two ops apart round them.
-    fn bwd<T: Real>(g: &[T], u: &[T], dy: &[T]) -> (Vec<T>, Vec<T>) {
-        gated_bwd(g, u, dy, |g, u, d| {
-            ((d * u) * super::gelu_grad(g), d * super::gelu(g))
-        })
-    }
-}
-
-impl CustomOp2 for GeGlu {
-    fn name(&self) -> &'static str {
-        "zerodp-geglu"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        if l1.shape() != l2.shape() {
-            bail!(
-                "geglu: gate {:?} and up {:?} differ",
-                l1.shape(),
-                l2.shape()
-            );
-        }
-        by_dtype!(storage_dtype(s1), self.name(), |T| {
-            let y = Self::fwd(slice_of::<T>(s1, l1)?, slice_of::<T>(s2, l2)?);
-            Ok((T::to_cpu_storage_owned(y), l1.shape().clone()))
-        })
-    }
-
-    fn bwd(
-        &self,
-        g: &Tensor,
-        u: &Tensor,
-        _y: &Tensor,
-        dy: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        by_dtype!(g.dtype(), self.name(), |T| {
-            let (dg, du) = with_slice::<T, _>(g, |gs| {
-                with_slice::<T, _>(u, |us| with_slice::<T, _>(dy, |d| Ok(Self::bwd(gs, us, d))))
+                with_slice::<T, _>(u, |us| {
+                    with_slice::<T, _>(dy, |d| Ok(self.backward(gs, us, d)))
+                })
             })?;
             Ok((Some(tensor(dg, g.shape())?), Some(tensor(du, u.shape())?)))
         })
