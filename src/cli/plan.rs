@@ -249,11 +249,24 @@ fn hf_model_size(path: &std::path::Path) -> anyhow::Result<ModelSize> {
         false => path.to_path_buf(),
     };
     let cfg = zerodp::model::hf::HfConfig::read(&file)?;
-    let shape = match &cfg.llama {
-        Some(l) => l.shape(l.context),
-        None => cfg.gpt.shape(),
+    let Some(l) = &cfg.llama else {
+        // A GPT-2's MLP width and untied head are not in the planner's shape: its parameters and
+        // units come from the model's own layout (its activations stay the 4x MLP's estimate).
+        use zerodp::zero::unit::UnitModel;
+        let model = zerodp::model::GptModel::new(cfg.gpt.clone())?;
+        let mut size = ModelSize::from_gpt(cfg.gpt.shape())?;
+        let units: Vec<u64> = model
+            .spec()
+            .units
+            .iter()
+            .map(|u| u.numel() as u64)
+            .collect();
+        size.params = model.spec().num_params() as u64;
+        size.largest_unit = units.iter().copied().max().unwrap_or(0);
+        size.unit_numels = units;
+        return Ok(size);
     };
-    Ok(ModelSize::from_gpt(shape)?)
+    Ok(ModelSize::from_gpt(l.shape(l.context))?)
 }
 
 /// The model of `--params`, `--model-config`, `--preset` or `--layers/--width/--heads`.

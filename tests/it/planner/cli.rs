@@ -418,7 +418,14 @@ fn plan_reads_a_hugging_face_config() {
     let want = 2 * (2 * layer + head);
     assert_eq!(short[0]["bytes_per_device"]["activations"], want);
     // Every family's exact parameter count: the elements of the fixture's weights.
-    for family in ["llama-bias", "qwen2", "qwen3", "mistral", "gemma"] {
+    for family in [
+        "gpt2-fields",
+        "llama-bias",
+        "qwen2",
+        "qwen3",
+        "mistral",
+        "gemma",
+    ] {
         let dir = format!(
             "{}/tests/fixtures/hf/{family}-tiny",
             env!("CARGO_MANIFEST_DIR")
