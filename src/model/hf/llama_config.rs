@@ -184,17 +184,8 @@ impl LlamaConfig {
 
     /// Ψ: the number of parameters (a tied head counted once).
     pub fn num_params(&self) -> usize {
-        let (c, q, kv) = (
-            self.hidden,
-            self.heads * self.head_dim,
-            self.kv_heads * self.head_dim,
-        );
-        let mut block = 2 * c + 2 * c * q + 2 * c * kv + 3 * c * self.intermediate;
-        block += usize::from(self.qkv_bias) * (q + 2 * kv) + usize::from(self.o_bias) * c;
-        block += usize::from(self.mlp_bias) * (2 * self.intermediate + c);
-        block += usize::from(self.qk_norm) * 2 * self.head_dim;
-        let head = if self.tied { 0 } else { self.vocab_size * c };
-        self.vocab_size * c + self.layers * block + c + head
+        // The planner's count of the same layout, so that the two never differ.
+        self.shape(self.context).num_params() as usize
     }
 }
 
