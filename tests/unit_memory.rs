@@ -53,6 +53,9 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static COUNTING: Counting = Counting;
 
+/// The counters are the process's: one test measures at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Starts a measurement: the live bytes now, from which the peak is counted.
 fn mark() -> i64 {
     let live = LIVE.load(SeqCst);
@@ -172,6 +175,7 @@ fn check(what: &str, planned: u64, measured: u64, (short, over): (u64, f64)) -> 
 
 #[test]
 fn each_units_memory_is_what_its_forward_and_backward_allocate() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let (b, t) = (2, 64);
     let cases = [
         ("llama", [64, 160, 8, 2, 16, 1000], json!({})),
@@ -207,6 +211,78 @@ fn each_units_memory_is_what_its_forward_and_backward_allocate() {
             let plain = u + 1 == planned.len()
                 || check(&at("no-grad"), no_grad, m.no_grad, (packing, 0.10));
             assert!(held && back && plain, "{}: {p:?} against {m:?}", at(""));
+        }
+    }
+}
+
+/// `planned` never falls short of `measured` by more than `short` (and the slack), nor plans more
+/// than three times it: the GPT's transients are planned high on purpose (see
+/// `zerodp::planner::process`), not without bound.
+fn check_high(what: &str, planned: u64, measured: u64, short: u64) -> bool {
+    eprintln!("{what}: planned {planned}, measured {measured} (planned high)");
+    planned + short + SLACK >= measured && planned <= 3 * measured + SLACK
+}
+
+#[test]
+fn the_gpts_units_are_planned_exactly_or_high() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    // (width, heads, vocabulary, sequences, tokens): the MLP's backward the fullest moment, the
+    // attention's (longer sequences, wider heads), a vocabulary smaller than the rows.
+    let cases = [
+        (64, 4, 1000, 2, 64),
+        (64, 4, 1000, 2, 128),
+        (256, 4, 1000, 2, 64),
+        (64, 2, 20000, 2, 64),
+        (64, 4, 64, 4, 64),
+    ];
+    for (width, heads, vocab, b, t) in cases {
+        let cfg = zerodp::model::GptConfig {
+            vocab_size: vocab,
+            context: t,
+            layers: 2,
+            heads,
+            width,
+            mlp_width: None,
+            ln_eps: None,
+            untied_head: false,
+        };
+        let shape = zerodp::planner::GptShape {
+            layers: 2,
+            width: width as u64,
+            heads: heads as u64,
+            vocab: vocab as u64,
+            context: t as u64,
+            llama: None,
+        };
+        let products = zerodp::model::gpt_products(&cfg, b * t);
+        let packing = zerodp::model::gemm_footprint(&products).per_rank;
+        let model = zerodp::model::GptModel::new(cfg).unwrap();
+        let measured = measure(&model, &batch(b, t, vocab as u32));
+        let planned = unit_memory(&shape, b as u64, t as u64);
+        assert_eq!(planned.len(), measured.len());
+        let last = planned.len() - 1;
+        for (u, (p, m)) in planned.iter().zip(&measured).enumerate() {
+            let at = |what: &str| format!("gpt {width}/{heads}/{vocab} {b}x{t} unit {u} {what}");
+            let held = 4 * (p.graph + p.copies);
+            let (back, no_grad) = (4 * p.backward, 4 * (p.no_grad + p.copies));
+            let ok = match u {
+                // The embeddings exactly.
+                0 => {
+                    check(&at("held"), held, m.held, (0, 0.02))
+                        && check(&at("backward"), back, m.backward, (0, 0.02))
+                        && check(&at("no-grad"), no_grad, m.no_grad, (0, 0.02))
+                }
+                _ if u == last => {
+                    check(&at("held"), held, m.held, (0, 0.02))
+                        && check_high(&at("backward"), back, m.backward, packing)
+                }
+                _ => {
+                    check_high(&at("held"), held, m.held, 0)
+                        && check_high(&at("backward"), back, m.backward, packing)
+                        && check_high(&at("no-grad"), no_grad, m.no_grad, packing)
+                }
+            };
+            assert!(ok, "{}: {p:?} against {m:?}", at(""));
         }
     }
 }
