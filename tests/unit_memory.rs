@@ -201,7 +201,7 @@ fn each_units_memory_is_what_its_forward_and_backward_allocate() {
         let v = cfg.vocab_size as u32;
         let model = Candle::new(Llama::new(cfg).unwrap());
         let measured = measure(&model, &batch(b, t, v));
-        let planned: Vec<UnitMemory> = unit_memory(&shape, b as u64, t as u64);
+        let planned: Vec<UnitMemory> = unit_memory(&shape, b as u64, t as u64, 0);
         assert_eq!(planned.len(), measured.len());
         for (u, (p, m)) in planned.iter().zip(&measured).enumerate() {
             let at = |what: &str| format!("{family} {sizes:?} unit {u} {what}");
@@ -258,7 +258,7 @@ fn the_gpts_units_are_planned_exactly_or_high() {
         let packing = zerodp::model::gemm_footprint(&products).per_rank;
         let model = zerodp::model::GptModel::new(cfg).unwrap();
         let measured = measure(&model, &batch(b, t, vocab as u32));
-        let planned = unit_memory(&shape, b as u64, t as u64);
+        let planned = unit_memory(&shape, b as u64, t as u64, 0);
         assert_eq!(planned.len(), measured.len());
         let last = planned.len() - 1;
         for (u, (p, m)) in planned.iter().zip(&measured).enumerate() {

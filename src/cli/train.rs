@@ -559,8 +559,8 @@ fn preflight(
     let ranks_in_process = backend.ranks_in_process() as u64;
     // The corpus is read after the check; its size is planned from the file's (a missing file is
     // reported when it is read).
-    // The gemm crate's packing memory where the products run on it (not on zerodp's bf16 or AMX
-    // kernels), sized by its own rules for this CPU.
+    // The products' packing memory on the path they run on this CPU (the gemm crate's, sized by
+    // its own rules for this CPU's caches, or zerodp's bf16 panels).
     let tokens = engine_cfg.micro_batch * gpt.context;
     let (shape, products) = match trainer.model() {
         TrainModel::Llama(m) => {
@@ -572,10 +572,7 @@ fn preflight(
         }
         TrainModel::Gpt(_) => (gpt.shape(), zerodp::model::gpt_products(gpt, tokens)),
     };
-    let gemm = match zerodp::model::gemm_path() == "gemm" {
-        true => zerodp::model::gemm_footprint(&products),
-        false => zerodp::model::GemmFootprint::default(),
-    };
+    let gemm = zerodp::model::products_footprint(&products, trainer.threads_per_rank());
     let process = TrainProcess {
         corpus_bytes: args.data.input_bytes(),
         threads_per_rank: trainer.threads_per_rank() as u64,
@@ -583,6 +580,7 @@ fn preflight(
         compute_on_gpu: device.gpu.is_some(),
         gemm_per_thread: gemm.per_thread,
         gemm_per_rank: gemm.per_rank,
+        head_packing: gemm.head_backward,
         cuda_build: cfg!(feature = "cuda"),
         ranks_in_process,
     };

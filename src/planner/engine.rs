@@ -167,7 +167,13 @@ impl<'a> EngineRun<'a> {
     /// What zerodp's GPT of `shape` holds beyond the engine's ledger in one micro-step of this run
     /// ([`gpt_step_memory`]): the units recomputed by the engine's rule, and not counting the weight
     /// copies of kept stage-3 graphs, which the ledger's `gather` kind holds.
-    pub fn gpt_step_memory(&self, shape: &GptShape, seq_len: u64) -> GptStepMemory {
+    /// `head_packing`: bytes the head's backward packs beside its tensors.
+    pub fn gpt_step_memory(
+        &self,
+        shape: &GptShape,
+        seq_len: u64,
+        head_packing: u64,
+    ) -> GptStepMemory {
         let in_ledger: Vec<bool> =
             buffers::kept_graph_elems(self.spec, &self.layout, &self.buffers)
                 .iter()
@@ -179,6 +185,7 @@ impl<'a> EngineRun<'a> {
             seq_len,
             &self.recomputed_units(),
             &in_ledger,
+            head_packing,
         )
     }
 

@@ -248,6 +248,13 @@ pub struct PlanInput {
     pub process: Option<TrainProcess>,
 }
 
+impl PlanInput {
+    /// Bytes the head's backward packs beside its tensors in the train process (0 without one).
+    fn head_packing(&self) -> u64 {
+        self.process.map_or(0, |p| p.head_packing)
+    }
+}
+
 /// One stage and offload choice, evaluated.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct PlanOption {
@@ -449,7 +456,7 @@ fn model_bytes(input: &PlanInput, engine: Option<&EngineRun>) -> (u64, u64) {
     }
     match (engine, input.model.shape) {
         (Some(e), Some(shape)) => {
-            let m = e.gpt_step_memory(&shape, input.seq_len);
+            let m = e.gpt_step_memory(&shape, input.seq_len, input.head_packing());
             (m.activations, m.param_copies)
         }
         (_, shape) => {
@@ -515,7 +522,7 @@ fn activation_options(input: &PlanInput, stage: u8) -> Option<Activations> {
         let mut i = input.clone();
         i.activation_checkpointing = checkpointing;
         EngineRun::new(spec, &i, stage)
-            .gpt_step_memory(&shape, input.seq_len)
+            .gpt_step_memory(&shape, input.seq_len, input.head_packing())
             .total()
     };
     Some(Activations {

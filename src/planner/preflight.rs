@@ -488,6 +488,7 @@ fn gpu_need(
         shape.context,
         &recompute,
         &[],
+        0,
     );
     let step_bytes = (step.activations + step.param_copies) / 4 * dtype_bytes;
     (params, ranks * step_bytes)

@@ -37,7 +37,8 @@
 //!   plus the sum, alive together for a moment), the parameter gradients, and the kernels' scratch.
 //!   A block's backward is planned at the largest of 9nc+4c² and 6nc+3P+3c², plus 4nc (it
 //!   allocates at most max(8nc, 5nc + one attention scratch per thread)); the head at the largest
-//!   of rV+2nc+Vc, 2nc+6Vc and 6nc+2Vc, plus max(nc, Vc) (it allocates the largest of rV+Vc+nc,
+//!   of rV+2nc+Vc (with a bf16 run's head packing), 2nc+6Vc and 6nc+2Vc, plus max(nc, Vc) (it
+//!   allocates the largest of rV+Vc+nc,
 //!   3Vc+nc and 4nc+Vc); the embeddings 6nc + 3Vc + Tc, exactly.
 //! * A forward without a graph (activation checkpointing, or a stage-3 unit recomputed in backward)
 //!   is planned at its weight copies plus max(12nc, 8nc+2P) for a block (it allocates max(10nc,
@@ -61,8 +62,9 @@
 //! * Without a graph it peaks in the MLP with n(3c + 3q + 4kv + 3I) alive.
 //! * The embeddings keep their rows (nc + n, and a tensor more for Gemma's scale or a padding
 //!   token); their backward holds 6nc + 2Vc. The head keeps 2nc + n; its backward the larger of
-//!   rV + nc + Vc (a chunk's logits, the input and the table's gradients) and 3Vc + 2nc (the
-//!   table's gradient added into the store's zeros).
+//!   rV + nc + Vc (a chunk's logits, the input and the table's gradients, and in a bf16 run the
+//!   table's bf16 panels in both layouts and a chunk's: `TrainProcess::head_packing`) and
+//!   3Vc + 2nc (the table's gradient added into the store's zeros, the panels freed).
 //!
 //! The engine runs the units forward then backward (see [`crate::zero::schedule`]); the step's peak
 //! is the fullest moment of that walk, with the gradient of the current unit's output (nc) held
@@ -72,10 +74,12 @@
 //! Ranks are threads of one process: the process holds every rank's share plus, once, the binary and
 //! its libraries and what it touches once training starts ([`PROCESS_BASE_BYTES`]: code, stacks,
 //! the malloc arena's retained free blocks), the training text with its window order (4 bytes a window per cached epoch, two
-//! epochs), and gemm's packing memory where the products run on it: a slab per pool thread and
-//! the largest product's buffers per rank, both sized by the gemm crate's own rules for this
-//! CPU's caches (`crate::model::gemm_footprint`, computed by the caller). The base cannot be
-//! counted from the code and is fitted to `scripts/preflight_rss.sh`'s measurements.
+//! epochs), and the products' packing memory on the path they run on this CPU
+//! (`crate::model::products_footprint`, computed by the caller): on the gemm crate a slab per pool
+//! thread and the largest product's buffers per rank, both sized by the crate's own rules for this
+//! CPU's caches; on zerodp's AVX512-BF16 kernels the bf16 panels of the fullest product, the LM
+//! head's backward (its token table in both layouts beside a chunk's logits gradient). The base
+//! cannot be counted from the code and is fitted to `scripts/preflight_rss.sh`'s measurements.
 
 use super::model::{GptShape, LlamaDims};
 
@@ -115,10 +119,14 @@ pub struct TrainProcess {
     pub compute_on_gpu: bool,
     /// Bytes the gemm crate holds per thread of a rank's pool for the model's f32 products on
     /// this CPU (its L2-sized packing slab); 0 where the products run on zerodp's bf16 or AMX
-    /// kernels, which pack into the step's own buffers.
+    /// kernels.
     pub gemm_per_thread: u64,
-    /// Bytes of the largest product's packing buffers on this CPU, per rank (0 as above).
+    /// Bytes of the fullest product's packing buffers on this CPU, per rank: the gemm crate's, or
+    /// the bf16 panels of zerodp's AVX512-BF16 products (`crate::model::products_footprint`).
     pub gemm_per_rank: u64,
+    /// Bytes the LM head's backward packs beside its own tensors, at that moment only: the bf16
+    /// panels of zerodp's AVX512-BF16 products (`GemmFootprint::head_backward`); 0 elsewhere.
+    pub head_packing: u64,
     /// The binary was built with the `cuda` feature and holds the CUDA libraries
     /// ([`CUDA_LIBRARIES_BYTES`]).
     pub cuda_build: bool,
@@ -187,9 +195,16 @@ pub struct UnitMemory {
 
 /// Every unit's [`UnitMemory`] in forward order (the embeddings, the blocks, the head) for
 /// `micro_batch` sequences of `seq` tokens: the rules the pre-flight walks a step with.
-pub fn unit_memory(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemory> {
+/// `head_packing`: f32 elements the head's products pack while it walks its chunks of rows in
+/// backward ([`TrainProcess::head_packing`]), beside that moment's tensors.
+pub fn unit_memory(
+    shape: &GptShape,
+    micro_batch: u64,
+    seq: u64,
+    head_packing: u64,
+) -> Vec<UnitMemory> {
     if let Some(l) = &shape.llama {
-        return llama_units(shape, l, micro_batch * seq);
+        return llama_units(shape, l, micro_batch * seq, head_packing);
     }
     let (c, v, t, h) = (shape.width, shape.vocab, shape.context, shape.heads);
     let n = micro_batch * seq;
@@ -219,10 +234,14 @@ pub fn unit_memory(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemo
         graph: 2 * nc + n,
         // ln_f and the embeddings' whole group (the tied token table and the positions).
         copies: 2 * c + vc + t * c,
-        backward: [rv + 2 * nc + vc, 2 * nc + 6 * vc, 6 * nc + 2 * vc]
-            .into_iter()
-            .max()
-            .unwrap_or(0)
+        backward: [
+            rv + 2 * nc + vc + head_packing,
+            2 * nc + 6 * vc,
+            6 * nc + 2 * vc,
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0)
             + nc.max(vc),
         no_grad: 2 * nc + rv,
     };
@@ -234,7 +253,7 @@ pub fn unit_memory(shape: &GptShape, micro_batch: u64, seq: u64) -> Vec<UnitMemo
 
 /// The units of a Llama-family decoder on `n` rows ([`crate::model::llama::Llama`] on its fused
 /// CPU kernels, every op a candle graph node), in f32 elements; see the module's notes.
-fn llama_units(shape: &GptShape, l: &LlamaDims, n: u64) -> Vec<UnitMemory> {
+fn llama_units(shape: &GptShape, l: &LlamaDims, n: u64, head_packing: u64) -> Vec<UnitMemory> {
     let (c, v, i) = (shape.width, shape.vocab, l.intermediate);
     let (q, kv) = l.qk(shape.heads);
     // Gemma's scaled embeddings and rows of the padding token cut from the graph are a tensor
@@ -262,7 +281,7 @@ fn llama_units(shape: &GptShape, l: &LlamaDims, n: u64) -> Vec<UnitMemory> {
     let head = UnitMemory {
         graph: 2 * n * c + n,
         copies: c + vc,
-        backward: (rv + n * c + vc).max(3 * vc + 2 * n * c),
+        backward: (rv + n * c + vc + head_packing).max(3 * vc + 2 * n * c),
         no_grad: 2 * n * c + rv + vc,
     };
     let mut out = vec![embeddings];
@@ -275,15 +294,17 @@ fn llama_units(shape: &GptShape, l: &LlamaDims, n: u64) -> Vec<UnitMemory> {
 /// `seq` tokens, beyond the engine's ledger. `recompute[u]`: unit `u` runs its forward without a
 /// graph and again in backward (the engine's rule); `copies_in_ledger[u]`: the ledger already
 /// counts the weights unit `u`'s kept graph holds (stage 3). Both have one entry per unit (the
-/// embeddings, the blocks, the head); missing entries count as false.
+/// embeddings, the blocks, the head); missing entries count as false. `head_packing`: bytes the
+/// head's backward packs beside its tensors ([`TrainProcess::head_packing`]).
 pub fn gpt_step_memory(
     shape: &GptShape,
     micro_batch: u64,
     seq: u64,
     recompute: &[bool],
     copies_in_ledger: &[bool],
+    head_packing: u64,
 ) -> GptStepMemory {
-    let units = unit_memory(shape, micro_batch, seq);
+    let units = unit_memory(shape, micro_batch, seq, head_packing.div_ceil(F32));
     let last = units.len() - 1;
     let nc = micro_batch * seq * shape.width;
     let flag = |v: &[bool], u: usize| v.get(u).copied().unwrap_or(false);
@@ -366,7 +387,7 @@ mod tests {
     fn a_kept_graph_holds_every_unit_until_backward() {
         let s = demo();
         let units = s.layers as usize + 2;
-        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &[]);
+        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &[], 0);
         // The fullest moment is the last block's backward: every graph but the head's (freed by
         // then) is alive, with its weight copies, and the block's backward scratch on top.
         let nc = 4 * 64 * 128;
@@ -376,9 +397,29 @@ mod tests {
         // Checkpointing keeps the inputs only, and one unit's copies at a time.
         let mut rec = vec![true; units];
         rec[units - 1] = false;
-        let c = gpt_step_memory(&s, 4, 64, &rec, &[]);
+        let c = gpt_step_memory(&s, 4, 64, &rec, &[], 0);
         assert!(c.total() * 5 < m.total() * 3, "{c:?} vs {m:?}");
         assert!(c.param_copies <= (s.block_params() + 2 * 128 + 256 * 128) * 4);
+    }
+
+    #[test]
+    fn the_heads_packing_counts_at_its_chunk_moment_only() {
+        let s = demo();
+        let head = |packing: u64| unit_memory(&s, 4, 64, packing).last().unwrap().backward;
+        let (nc, vc) = (4 * 64 * 128, 256 * 128);
+        let rv = 4 * 64 * 256;
+        // The chunks' moment (a chunk's logits, two gradients and the table's) is below the
+        // store's accumulation of the table's gradient here: panels that fit under it add nothing.
+        let chunks = rv + 2 * nc + vc;
+        assert_eq!(head(0), 6 * vc + 2 * nc + nc.max(vc));
+        assert_eq!(head(6 * vc + 2 * nc - chunks), head(0));
+        // Larger panels make the chunks' moment the fullest.
+        assert_eq!(head(200_000), chunks + 200_000 + nc.max(vc));
+        // Every other unit is untouched.
+        assert_eq!(
+            unit_memory(&s, 4, 64, 200_000)[..4],
+            unit_memory(&s, 4, 64, 0)[..4]
+        );
     }
 
     #[test]
@@ -387,8 +428,8 @@ mod tests {
         let units = s.layers as usize + 2;
         let mut ledger = vec![true; units];
         ledger[units - 1] = false;
-        let kept = gpt_step_memory(&s, 4, 64, &vec![false; units], &[]);
-        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &ledger);
+        let kept = gpt_step_memory(&s, 4, 64, &vec![false; units], &[], 0);
+        let m = gpt_step_memory(&s, 4, 64, &vec![false; units], &ledger, 0);
         // At stage 3 the ledger holds the kept graphs' copies; only the head's are the model's, and
         // they are freed before the fullest moment.
         assert_eq!(m.param_copies, 0);
@@ -402,6 +443,7 @@ mod tests {
             threads_per_rank: 2,
             gemm_per_thread: 1 << 20,
             gemm_per_rank: 3 << 20,
+            head_packing: 5 << 20,
             ..TrainProcess::default()
         };
         // The corpus, two epochs of window orders (4 bytes a window) and the estimated process.
@@ -429,6 +471,7 @@ mod tests {
         let bf16 = TrainProcess {
             gemm_per_thread: 0,
             gemm_per_rank: 0,
+            head_packing: 0,
             ..p
         };
         assert_eq!(

@@ -721,6 +721,37 @@ pub(super) unsafe fn sgemm(
     B_PACK.set(bp);
 }
 
+/// Bytes this path keeps for `products` (those [`worth_it`]) on a pool of `threads`: the thread
+/// that calls [`sgemm`] keeps its B and A packing buffers grown to the largest product's (B
+/// whole; A whole on several threads, one row group on one), and every thread that runs a
+/// product's tasks keeps its partial sums for the largest task of a product longer than [`KC`].
+/// Returns `(per calling thread, per task thread)`, each rounded to the buffers' 64-byte lines.
+pub(super) fn kept_bytes(products: &[(usize, usize, usize)], threads: usize) -> (u64, u64) {
+    let (mut b, mut a, mut partials) = (0usize, 0usize, 0usize);
+    for &(m, n, k) in products.iter().filter(|&&p| worth_it(p)) {
+        let kp = padded(k);
+        let panels = n.div_ceil(NR);
+        let grid = Grid::new(m.div_ceil(MR), panels, a_block_len(chunk_k(kp)), threads);
+        b = b.max(panels * b_panel_len(kp));
+        let a_blocks = match threads > 1 {
+            true => grid.blocks,
+            false => (0..grid.row_groups)
+                .map(|g| grid.rows(g).len())
+                .max()
+                .unwrap_or(0),
+        };
+        a = a.max(a_blocks * a_block_len(kp));
+        if kp > KC {
+            let task = (0..grid.tasks())
+                .map(|t| grid.task(t))
+                .map(|(r, c)| r.len() * c.len());
+            partials = partials.max(task.max().unwrap_or(0) * MR * NR);
+        }
+    }
+    let lines = |u16s: usize| (u16s.div_ceil(32) * 64) as u64;
+    (lines(b) + lines(a), 4 * partials as u64)
+}
+
 /// How a product's blocks of C split into tasks: row groups of A's blocks small enough to stay
 /// in L2 while a B panel is reused across them, times ranges of B panels when the row groups
 /// alone are fewer than two per thread.
@@ -944,6 +975,34 @@ unsafe fn write_out(
 mod tests {
     use super::*;
     use crate::flat::f32_to_bf16_bits as bf16_bits;
+
+    /// What the pre-flight counts of this path's kept buffers follows the packing's own lengths
+    /// (pure arithmetic: it runs without AMX).
+    #[test]
+    fn the_kept_buffers_are_the_largest_products_packing() {
+        // Too small for AMX: nothing kept.
+        assert_eq!(kept_bytes(&[(64, 64, 64)], 4), (0, 0));
+        // A token table's input gradient, [512, 151936] @ [151936, 896], and a block's product.
+        let (head, block) = ((512, 896, 151_936), (512, 4864, 896));
+        let b = 28 * b_panel_len(151_936) * 2;
+        let whole_a = 16 * a_block_len(151_936) * 2;
+        let (caller, task) = kept_bytes(&[head, block], 4);
+        assert_eq!(caller, (b + whole_a) as u64);
+        // Both k are longer than a chunk: each task thread keeps the partial sums of its blocks x
+        // panels, never more than the whole product's.
+        assert!(
+            task > 0 && task <= (16 * 152 * MR * NR * 4) as u64,
+            "{task}"
+        );
+        // On one thread A is packed a row group at a time, no more than 16 blocks.
+        let (one, _) = kept_bytes(&[head, block], 1);
+        assert!(
+            one >= b as u64 + 2 * a_block_len(151_936) as u64 && one <= caller,
+            "{one}"
+        );
+        // A k of one chunk keeps no partial sums.
+        assert_eq!(kept_bytes(&[(512, 4864, 512)], 4).1, 0);
+    }
 
     fn widen(h: u16) -> f32 {
         f32::from_bits(u32::from(h) << 16)

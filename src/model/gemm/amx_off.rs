@@ -14,3 +14,13 @@ pub fn enabled() -> bool {
 pub fn path_name() -> &'static str {
     "gemm"
 }
+
+/// What the AMX path keeps for these products: nothing off x86-64.
+pub(super) fn kept_bytes(_products: &[(usize, usize, usize)], _threads: usize) -> (u64, u64) {
+    (0, 0)
+}
+
+/// Whether a product would go to AMX: never off x86-64.
+pub(super) fn worth_it(_dims: (usize, usize, usize)) -> bool {
+    false
+}

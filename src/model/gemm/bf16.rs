@@ -118,14 +118,14 @@ fn pairs_of_run(out: &mut [u32], run: &[f32]) {
 /// `B [k, n]` as panels of [`NR`] columns, each `kp` pairs of rows: `out[(q * kp + p) * NR + j]`
 /// holds `B[2p][q NR + j]` in its low half and `B[2p + 1][q NR + j]` in its high half (zero past
 /// the matrix).
-fn pack_b((b, (rs, cs)): Operand<'_>, k: usize, n: usize) -> Vec<u32> {
+pub(super) fn pack_b((b, (rs, cs)): Operand<'_>, k: usize, n: usize) -> Vec<u32> {
     pack_pairs::<NR>((b, (rs, cs)), k, n)
 }
 
 /// `A [m, k]` as blocks of [`MR`] rows, each `kp` pairs of columns: `out[(i * kp + p) * MR + r]`
 /// holds `A[i MR + r][2p]` low and `A[i MR + r][2p + 1]` high (zero past the matrix): the
 /// packing of `A^T [k, m]` as [`pack_b`] packs, in groups of [`MR`].
-fn pack_a((a, (rs, cs)): Operand<'_>, m: usize, k: usize) -> Vec<u32> {
+pub(super) fn pack_a((a, (rs, cs)): Operand<'_>, m: usize, k: usize) -> Vec<u32> {
     pack_pairs::<MR>((a, (cs, rs)), k, m)
 }
 
