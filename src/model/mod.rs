@@ -27,8 +27,8 @@ pub mod weights;
 pub use candle_unit::{Candle, CandleSaved, CandleUnits};
 pub use compute::{candle_device, candle_dtype, compute_dtype};
 pub use gemm::{
-    bf16_footprint, bf16_products_available, gemm_flops_per_s, gemm_footprint, gemm_path,
-    gpt_products, llama_products, products_footprint, set_bf16_products, GemmFootprint, GEMM_ENV,
+    bf16_products_available, gemm_flops_per_s, gemm_footprint, gemm_path, gpt_products,
+    llama_products, products_footprint, set_bf16_products, GemmFootprint, GEMM_ENV,
 };
 pub use gpt::{run_candle_elementwise_on_caller_thread, Gpt, GptConfig, GptModel, GptSaved};
 pub use heap::keep_freed_buffers;

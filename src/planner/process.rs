@@ -405,7 +405,7 @@ mod tests {
     #[test]
     fn the_heads_packing_counts_at_its_chunk_moment_only() {
         let s = demo();
-        let head = |packing: u64| unit_memory(&s, 4, 64, packing).last().unwrap().backward;
+        let head = |packing: u64| unit_memory(&s, 4, 64, packing)[s.layers as usize + 1].backward;
         let (nc, vc) = (4 * 64 * 128, 256 * 128);
         let rv = 4 * 64 * 256;
         // The chunks' moment (a chunk's logits, two gradients and the table's) is below the

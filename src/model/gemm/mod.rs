@@ -15,7 +15,7 @@ mod footprint;
 pub use amx::{path_name as gemm_path, GEMM_ENV};
 pub use bf16::{available as bf16_products_available, set_bf16_products};
 pub use footprint::{
-    bf16_footprint, gemm_footprint, gpt_products, llama_products, products_footprint, GemmFootprint,
+    gemm_footprint, gpt_products, llama_products, products_footprint, GemmFootprint,
 };
 
 use super::ops::{lit, wide, written, Real, ROWS_PER_TASK};
